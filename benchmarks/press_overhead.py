@@ -1,0 +1,136 @@
+"""Prefill time with and without each press, kvpress_c against kvpress on Hugging Face transformers
+(torch CPU), same model and prompt, one run.
+
+    python benchmarks/press_overhead.py [--lengths 2048 8192] [--ratio 0.5] [--out FILE]
+
+For every press: prefill seconds (compression included) and the overhead over the full-cache prefill
+of the same engine; kvpress masks (AdaKV) or gathers on top of a full prefill, kvpress_c evicts in C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def presses_ours(ratio):
+    import kvpress_c as k
+    return {
+        "SnapKV": k.SnapKVPress(compression_ratio=ratio),
+        "PyramidKV": k.PyramidKVPress(compression_ratio=ratio),
+        "StreamingLLM": k.StreamingLLMPress(compression_ratio=ratio),
+        "Knorm": k.KnormPress(compression_ratio=ratio),
+        "TOVA": k.TOVAPress(compression_ratio=ratio),
+        "ObservedAttention": k.ObservedAttentionPress(compression_ratio=ratio),
+        "AdaKV(SnapKV)": k.AdaKVPress(k.SnapKVPress(compression_ratio=ratio)),
+        "ChunkKV(SnapKV)": k.ChunkKVPress(k.SnapKVPress(compression_ratio=ratio), chunk_length=20),
+    }
+
+
+def presses_kvpress(ratio):
+    import kvpress as kp
+    return {
+        "SnapKV": kp.SnapKVPress(compression_ratio=ratio),
+        "PyramidKV": kp.PyramidKVPress(compression_ratio=ratio),
+        "StreamingLLM": kp.StreamingLLMPress(compression_ratio=ratio),
+        "Knorm": kp.KnormPress(compression_ratio=ratio),
+        "TOVA": kp.TOVAPress(compression_ratio=ratio),
+        "ObservedAttention": kp.ObservedAttentionPress(compression_ratio=ratio),
+        "AdaKV(SnapKV)": kp.AdaKVPress(kp.SnapKVPress(compression_ratio=ratio)),
+        "ChunkKV(SnapKV)": kp.ChunkKVPress(kp.SnapKVPress(compression_ratio=ratio), chunk_length=20),
+    }
+
+
+def time_ours(model, ids, press, repeat):
+    best = float("inf")
+    for _ in range(repeat):
+        s = model.new_session(0)
+        if press is not None:
+            s.set_press(**press.c_config())
+        t0 = time.perf_counter()
+        s.forward(ids, logits="last")
+        best = min(best, time.perf_counter() - t0)
+    return best, s.cache_bytes
+
+
+def time_kvpress(hf, ids, press, repeat, eager):
+    import torch
+    from transformers import DynamicCache
+    best = float("inf")
+    for _ in range(repeat):
+        cache = DynamicCache()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if press is None:
+                hf(ids, past_key_values=cache, logits_to_keep=1)
+            else:
+                with press(hf):
+                    hf(ids, past_key_values=cache, logits_to_keep=1)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--ratio", type=float, default=0.5)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--skip-kvpress", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "press_overhead.json"))
+    args = ap.parse_args(argv)
+    import kvpress_c
+    path = args.model or kvpress_c.default_model_path()
+    model = kvpress_c.load_model(path)
+    vocab = model.config["vocab"]
+    ours_p = presses_ours(args.ratio)
+    hf_sdpa = hf_eager = None
+    if not args.skip_kvpress:
+        import torch
+        import transformers
+        torch.set_num_threads(os.cpu_count())
+        load = lambda impl: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation=impl).eval()
+        hf_sdpa, hf_eager = load("sdpa"), load("eager")
+        theirs_p = presses_kvpress(args.ratio)
+    rows = []
+    for n in args.lengths:
+        ids = np.random.default_rng(n).integers(100, vocab - 100, size=n).astype(np.int32)
+        base, full_bytes = time_ours(model, ids, None, args.repeat)
+        kv_base = None
+        if hf_sdpa is not None:
+            import torch
+            tids = torch.tensor([ids.tolist()])
+            kv_base = time_kvpress(hf_sdpa, tids, None, args.repeat, False)
+        rows.append({"n": n, "press": "none (full cache)", "ours_s": base, "ours_cache_bytes": full_bytes,
+                     "kvpress_s": kv_base})
+        print(f"n={n}: full prefill ours {base:.2f} s" + (f", HF {kv_base:.2f} s" if kv_base else ""), file=sys.stderr)
+        for name, press in ours_p.items():
+            t, nbytes = time_ours(model, ids, press, args.repeat)
+            row = {"n": n, "press": name, "ours_s": t, "ours_overhead": t / base - 1, "ours_cache_bytes": nbytes}
+            if hf_sdpa is not None:
+                eager = name == "ObservedAttention"
+                hf = hf_eager if eager else hf_sdpa
+                hf_base = time_kvpress(hf, tids, None, args.repeat, eager) if eager else kv_base
+                tk = time_kvpress(hf, tids, theirs_p[name], args.repeat, eager)
+                row.update(kvpress_s=tk, kvpress_overhead=tk / hf_base - 1, speedup=tk / t)
+            rows.append(row)
+            print(f"  {name}: ours {t:.2f} s" + (f", kvpress {row['kvpress_s']:.2f} s" if "kvpress_s" in row else ""),
+                  file=sys.stderr)
+    print(f"\n{'n':>6} {'press':<20} {'ours s':>8} {'overhead':>9} {'kvpress s':>10} {'overhead':>9} {'speedup':>8}")
+    for r in rows:
+        f = lambda k, fmt: (fmt.format(r[k]) if r.get(k) is not None else "-")  # noqa: E731
+        print(f"{r['n']:>6} {r['press']:<20} {f('ours_s', '{:.2f}'):>8} {f('ours_overhead', '{:+.1%}'):>9} "
+              f"{f('kvpress_s', '{:.2f}'):>10} {f('kvpress_overhead', '{:+.1%}'):>9} {f('speedup', '{:.1f}x'):>8}")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump({"model": path, "ratio": args.ratio, "rows": rows}, fh, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+/*
+ * kvpress_c: public C ABI.
+ *
+ * Plain C, opaque handles, plain structs and status codes, so that the library can be driven from
+ * ctypes (or any FFI) without Python. Every function that can fail returns a kvc_status; on failure
+ * kvc_last_error() returns a message for the calling thread. No function exits or aborts.
+ */
+#ifndef KVPRESS_C_H
+#define KVPRESS_C_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define KVC_API __declspec(dllexport)
+#else
+#define KVC_API __attribute__((visibility("default")))
+#endif
+
+#define KVC_VERSION "0.1.0"
+
+typedef enum kvc_status {
+    KVC_OK = 0,
+    KVC_ERR_ARG = 1,         /* a bad argument (shape, range, null pointer) -> ValueError */
+    KVC_ERR_IO = 2,          /* file missing or unreadable -> OSError */
+    KVC_ERR_FORMAT = 3,      /* corrupt, truncated or inconsistent model file -> ValueError */
+    KVC_ERR_NOMEM = 4,       /* allocation failed -> MemoryError */
+    KVC_ERR_UNSUPPORTED = 5, /* valid but not supported (tensor type, architecture) -> NotImplementedError */
+    KVC_ERR_DEVICE = 6,      /* CUDA / cuBLAS failure -> RuntimeError */
+    KVC_ERR_INTERNAL = 7     /* a bug -> RuntimeError */
+} kvc_status;
+
+/* Message of the last failure on this thread ("" if none). Valid until the next failing call. */
+KVC_API const char *kvc_last_error(void);
+KVC_API const char *kvc_version(void);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Runtime settings                                                                                */
+
+/* Use an external CBLAS sgemm (e.g. scipy-openblas32's libscipy_openblas.so). `symbol` is the
+ * cblas_sgemm symbol name in that library ("scipy_cblas_sgemm" or "cblas_sgemm"). Pass NULL to go
+ * back to the built-in blocked kernel. */
+KVC_API kvc_status kvc_set_blas(const char *library_path, const char *symbol);
+/* Name of the GEMM in use: "builtin" or the library path. */
+KVC_API const char *kvc_blas_name(void);
+/* Threads used by the CPU backend (<= 0: all cores). */
+KVC_API void kvc_set_num_threads(int n);
+KVC_API int kvc_get_num_threads(void);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Models                                                                                          */
+
+typedef enum kvc_arch { KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2 } kvc_arch;
+
+/* How RoPE pairs the head dimensions. */
+typedef enum kvc_rope_pairing {
+    KVC_ROPE_HALF = 0,     /* (i, i + d/2): Hugging Face llama/mistral/qwen2, GGUF qwen2 ("neox") */
+    KVC_ROPE_ADJACENT = 1  /* (2i, 2i + 1): GGUF llama/mistral weights (q/k rows permuted) */
+} kvc_rope_pairing;
+
+typedef struct kvc_config {
+    int32_t arch;            /* kvc_arch */
+    int32_t n_layers;
+    int32_t hidden;          /* model dimension D */
+    int32_t n_heads;         /* query heads H */
+    int32_t n_kv_heads;      /* KV heads Hkv (H % Hkv == 0) */
+    int32_t head_dim;        /* d */
+    int32_t ffn;             /* intermediate size of the SwiGLU MLP */
+    int32_t vocab;
+    int32_t max_context;     /* trained context length (informational) */
+    int32_t rope_pairing;    /* kvc_rope_pairing */
+    int32_t tied_embeddings; /* lm_head shares the token embedding */
+    int32_t qkv_bias;        /* qwen2: q/k/v projections have a bias */
+    float rms_eps;
+    float rope_theta;
+    /* Llama-3.1 RoPE frequency scaling ("rope_type": "llama3"); factor 0 disables it. */
+    float rope_scaling_factor;
+    float rope_low_freq_factor;
+    float rope_high_freq_factor;
+    int32_t rope_original_context;
+    int32_t bos_id;          /* -1 if none */
+    int32_t eos_id;          /* -1 if none */
+} kvc_config;
+
+typedef struct kvc_model kvc_model;
+
+/* Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). Files are memory-mapped
+ * while loading; weights are converted to the backend's format (fp32 on the CPU). */
+KVC_API kvc_status kvc_model_load(const char *path, kvc_model **out);
+KVC_API void kvc_model_free(kvc_model *model);
+KVC_API kvc_status kvc_model_get_config(const kvc_model *model, kvc_config *out);
+/* Bytes of weights held by the model. */
+KVC_API size_t kvc_model_weight_bytes(const kvc_model *model);
+/* "gguf" or "safetensors". */
+KVC_API const char *kvc_model_format(const kvc_model *model);
+
+/* GGUF metadata (empty for Hugging Face folders). Values are exposed as typed arrays: a scalar is an
+ * array of one element. Types follow GGUF: 0 u8, 1 i8, 2 u16, 3 i16, 4 u32, 5 i32, 6 f32, 7 bool,
+ * 8 string, 10 u64, 11 i64, 12 f64. */
+KVC_API int64_t kvc_model_meta_count(const kvc_model *model);
+KVC_API kvc_status kvc_model_meta_info(const kvc_model *model, int64_t i, const char **key,
+                                       int32_t *type, int32_t *is_array, uint64_t *n);
+/* Numeric element j as double (for bool/ints/floats). */
+KVC_API kvc_status kvc_model_meta_number(const kvc_model *model, int64_t i, uint64_t j, double *out);
+/* String element j (not NUL-terminated). */
+KVC_API kvc_status kvc_model_meta_string(const kvc_model *model, int64_t i, uint64_t j,
+                                         const char **s, uint64_t *len);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sessions: one sequence, its KV cache and scratch.                                               */
+
+typedef struct kvc_session kvc_session;
+
+/* `capacity_hint`: tokens to preallocate per KV head (0: grow as needed). */
+KVC_API kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out);
+KVC_API void kvc_session_free(kvc_session *s);
+/* Forget everything (cache emptied, position 0). */
+KVC_API void kvc_session_reset(kvc_session *s);
+
+typedef enum kvc_logits_mode { KVC_LOGITS_NONE = 0, KVC_LOGITS_LAST = 1, KVC_LOGITS_ALL = 2 } kvc_logits_mode;
+
+/* Run `n` tokens through the model, appending their K/V to the cache (prefill when n > 1, a decode
+ * step when n == 1). Logits go to `logits` ([1, vocab] for LAST, [n, vocab] for ALL). */
+KVC_API kvc_status kvc_forward(kvc_session *s, const int32_t *ids, int64_t n, int32_t logits_mode,
+                               float *logits);
+
+/* The general form: n_ids token ids followed by n_emb rows of input embeddings [n_emb, hidden]
+ * (soft tokens), positions continuing from the session's. logits_row: KVC_ROW_NONE, KVC_ROW_ALL
+ * ([n, vocab]) or the index of one row ([vocab]). */
+#define KVC_ROW_NONE (-1)
+#define KVC_ROW_ALL (-2)
+KVC_API kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, const float *embeddings,
+                                  int64_t n_emb, int64_t logits_row, float *logits);
+/* Set the position the next token gets (e.g. after dropping appended soft or probe tokens). */
+KVC_API kvc_status kvc_session_set_position(kvc_session *s, int64_t position);
+
+/* Next position a new token gets (tokens seen so far, evicted ones included). */
+KVC_API int64_t kvc_session_position(const kvc_session *s);
+/* Tokens held in the cache of (layer, kv_head). */
+KVC_API int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32_t kv_head);
+/* Bytes the KV cache holds now (allocated capacity) and at most so far. */
+KVC_API size_t kvc_session_cache_bytes(const kvc_session *s);
+KVC_API size_t kvc_session_peak_cache_bytes(const kvc_session *s);
+
+/* Cut the cache back to new_len[layer * Hkv + h] rows per head (<= current) and set the next
+ * position: used to return to a compressed context between questions. */
+KVC_API kvc_status kvc_session_truncate(kvc_session *s, const int64_t *new_len, int64_t position);
+/* Original positions of the rows of (layer, kv_head): out must hold kvc_session_cache_len() values. */
+KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int32_t kv_head, int64_t *out);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Presses: what to keep when a prefill compresses the cache (see METHODS.md).                     */
+
+typedef enum kvc_scorer {
+    KVC_SCORE_STREAMING = 0, /* first n_sink + most recent */
+    KVC_SCORE_KNORM = 1,     /* -||k|| */
+    KVC_SCORE_RANDOM = 2,    /* seeded uniform */
+    KVC_SCORE_TOVA = 3,      /* last query's attention, mean over all heads */
+    KVC_SCORE_OBSERVED = 4,  /* H2O one-shot: attention summed over prompt queries / queries that see it */
+    KVC_SCORE_SNAPKV = 5,    /* window queries' attention, pooled, GQA-reduced */
+    KVC_SCORE_EDIE = 6       /* error-driven upper bound with mid-range weighting (EDIE) */
+} kvc_scorer;
+
+typedef enum kvc_allocation {
+    KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
+    KVC_ALLOC_PYRAMID = 1,   /* PyramidKV layer schedule (kvpress integer schedule) */
+    KVC_ALLOC_ADAKV = 2,     /* Ada-KV head-wise budgets */
+    KVC_ALLOC_LAYER = 3      /* given per-layer totals (TADA), chosen across the layer's heads */
+} kvc_allocation;
+
+typedef enum kvc_safeguard {
+    KVC_SAFEGUARD_FLOOR = 0,   /* official Ada-KV code: cap_h = round(f_h (1 - a) + floor(Bp a)) */
+    KVC_SAFEGUARD_PROTECT = 1  /* kvpress AdaKVPress: each head's top int(n_kept a) protected */
+} kvc_safeguard;
+
+typedef struct kvc_press_config {
+    int32_t scorer;            /* kvc_scorer */
+    int32_t allocation;        /* kvc_allocation */
+    double compression_ratio;  /* fraction removed, in [0, 1); used when budget == 0 */
+    int64_t budget;            /* tokens kept per KV head per layer on average (window inside); 0: ratio */
+    int32_t window;            /* observation window w (SnapKV-family scorers; 0 for others) */
+    int32_t kernel;            /* pooling kernel (odd, >= 1; 1 = no pooling) */
+    int32_t pool_max;          /* 0: average pooling (counts padding, like torch avg_pool1d); 1: max */
+    int32_t gqa_max;           /* 0: mean over the heads of a group; 1: max */
+    int32_t pool_then_reduce;  /* 1: pool per query head then reduce (kvpress); 0: reduce first (Ada-KV code) */
+    int32_t n_sink;            /* StreamingLLM sinks */
+    uint64_t seed;             /* RandomPress */
+    float alpha_safeguard;     /* Ada-KV */
+    int32_t safeguard;         /* kvc_safeguard */
+    int32_t pyramid_beta;      /* PyramidKV beta (20) */
+    int32_t record_scores;     /* keep each layer's scores for kvc_session_press_scores */
+    int32_t chunk_length;      /* ChunkKV: select chunks of this many tokens (0: single tokens) */
+    int32_t reuse_layers;      /* ChunkKV layer-wise index reuse: groups of this many layers (<= 1: off) */
+    float edie_alpha;          /* EDIE: U = a / (1 + alpha - a) * (|v|_1 + |o|_1) */
+    int32_t drop_window;       /* the window rows are scoring queries only (Judge Q soft tokens, an
+                                  answer for the oracle): they are evicted, the budget is over the rest */
+} kvc_press_config;
+
+/* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
+KVC_API void kvc_press_config_defaults(kvc_press_config *cfg);
+/* Attach a press: the next multi-token kvc_forward compresses every layer right after its
+ * attention (kvpress schedule). NULL detaches. The config is validated here. */
+KVC_API kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg);
+/* Scores of the last compression at `layer` for `kv_head` (over that head's rows before eviction):
+ * *n receives the count; out (may be NULL to query n) receives them. Needs record_scores. */
+KVC_API kvc_status kvc_session_press_scores(const kvc_session *s, int32_t layer, int32_t kv_head, float *out, int64_t *n);
+/* Ada-KV's eviction loss at `layer`: mean over window queries and heads of the L1 distance between
+ * the attention output with the full and with the kept cache (needs record_scores and a window). */
+KVC_API kvc_status kvc_session_press_error(const kvc_session *s, int32_t layer, double *out);
+
+/* KVC_ALLOC_LAYER: total tokens kept at each layer, summed over its KV heads (n_layers values). */
+KVC_API kvc_status kvc_session_set_layer_budgets(kvc_session *s, const int64_t *totals, int32_t n_layers);
+/* TADA statistics of the last compression at `layer`: E_internal (sum of the scores over heads and
+ * past rows) and the cosine dissimilarity 1 - cos(R, R + O) averaged over the window tokens. */
+KVC_API kvc_status kvc_session_press_layer_stats(const kvc_session *s, int32_t layer, double *e_internal,
+                                                 double *dissimilarity);
+
+/* The press as a pure function on arrays (for tests and tools): one layer, every head holding `len`
+ * rows. q [n, H, d] are this call's queries (the last n rows of the cache are theirs, so
+ * past = len - n); k, v [Hkv, len, d]. Outputs: scores [Hkv, len], keep [Hkv, len] (row indices,
+ * the first n_keep[h] of head h valid, increasing), n_keep [Hkv]. */
+KVC_API kvc_status kvc_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
+                                     int32_t layer, int32_t n_layers, const float *q, int64_t n,
+                                     const float *k, const float *v, int64_t len,
+                                     float *scores, int64_t *keep, int64_t *n_keep);
+/* Like kvc_press_compute with the attention outputs the EDIE scorer needs: attn [n, H, d] (this
+ * call's attention output before o_proj; may be NULL for other scorers) and, for KVC_ALLOC_LAYER,
+ * layer_total (tokens kept over the layer's heads). */
+KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
+                                        int32_t layer, int32_t n_layers, const float *q, const float *attn,
+                                        int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
+                                        float *scores, int64_t *keep, int64_t *n_keep);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */
+
+typedef struct kvc_take_config {
+    int64_t chunk_size;        /* Z tokens per chunk (4096) */
+    int64_t budget;            /* B: tokens kept per KV head after the last chunk */
+    int64_t warmup_budget;     /* B_warmup: layers < warmup_layers keep this many before the last chunk */
+    int32_t warmup_layers;     /* W (half the layers); layers 0..W-1 share layer W-1's selection */
+    int32_t kernel;            /* average pooling of the probe scores (7) */
+    float alpha;               /* probe EMA: Qa_i = alpha Qa_{i-1} + (1 - alpha) Qprobe_i (0.2) */
+    int32_t delayed;           /* 1: delayed eviction (paper); 0: every layer scores itself */
+    const int32_t *probe_ids;  /* p probe tokens appended to every chunk; their K/V are never kept */
+    int64_t n_probe;
+    int32_t use_inner;         /* 1: score with `inner` (its window = the probes) instead of probe attention */
+    kvc_press_config inner;
+} kvc_take_config;
+
+KVC_API void kvc_take_config_defaults(kvc_take_config *cfg);
+/* Prefill n tokens chunk by chunk, evicting after every chunk; logits of the last prompt token go
+ * to `logits` ([vocab], may be NULL). The session must be empty or hold a compressed past. */
+KVC_API kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n,
+                                            const kvc_take_config *cfg, float *logits);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Kernels of the CPU backend, exported for testing against references (row-major fp32).          */
+
+/* C[m,n] = A[m,k] * B[n,k]^T (B is a weight matrix stored [out, in]). */
+KVC_API kvc_status kvc_kernel_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+/* y[r,:] = x[r,:] / sqrt(mean(x^2) + eps) * w */
+KVC_API kvc_status kvc_kernel_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
+/* In place on x[n, heads, d] at positions pos[n]; inv_freq[d/2] from kvc_kernel_rope_freqs. */
+KVC_API kvc_status kvc_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
+                                   const float *inv_freq, int32_t pairing);
+/* inv_freq[d/2] for a config (theta and Llama-3.1 scaling). */
+KVC_API kvc_status kvc_kernel_rope_freqs(const kvc_config *cfg, float *inv_freq);
+/* out[r, :] = silu(gate[r, :]) * up[r, :] */
+KVC_API kvc_status kvc_kernel_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
+/* Causal GQA attention over a ragged cache. q[n, H, d]; for KV head h, keys k[h] and values v[h]
+ * are [past_len[h] + n, d] (the last n rows belong to the n queries, in order); query i sees the
+ * first past_len[h] + i + 1 rows. out[n, H, d]. Tiled: memory O(tile), never n x n. */
+KVC_API kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                        const float *const *k, const float *const *v,
+                                        const int64_t *past_len, float scale, float *out);
+/* Dequantise `n` values of GGUF tensor type `ggml_type` from `src` into fp32. */
+KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, size_t src_bytes, float *dst, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVPRESS_C_H */

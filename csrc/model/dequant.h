@@ -1,0 +1,17 @@
+/* ggml block formats -> fp32. */
+#ifndef KVC_DEQUANT_H
+#define KVC_DEQUANT_H
+
+#include "../core/common.h"
+
+/* Elements per block and bytes per block of a ggml type; 0 for unknown types. */
+int64_t ggml_block_elems(int32_t type);
+size_t ggml_block_bytes(int32_t type);
+const char *ggml_type_name(int32_t type);
+/* Bytes needed for n elements (n must be a multiple of the block size): KVC_ERR_FORMAT otherwise,
+ * KVC_ERR_UNSUPPORTED for unknown types. */
+kvc_status ggml_nbytes(int32_t type, int64_t n, size_t *out);
+/* Dequantise n elements; src_bytes must equal ggml_nbytes(type, n). */
+kvc_status ggml_dequantize(int32_t type, const void *src, size_t src_bytes, float *dst, int64_t n);
+
+#endif

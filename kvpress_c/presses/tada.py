@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .base import ALLOCATIONS, BasePress, ScorerPress, kept_per_head
+from .edie import EDIEPress
+
+
+@dataclass
+class TADAPress(BasePress):
+    """TADA (task-aware layer budgets; EDIE-TADA-error-driven-eviction.txt): per layer,
+    E_layer = (1 - cos(R, R + O)) * E_internal, with E_internal the inner scorer's scores summed over
+    heads and past tokens (EDIE's error bound when the inner press is EDIEPress). Running means over
+    the contexts this press has seen give layer capacities N_l = Ebar_l / sum(Ebar) * L * Hkv * B,
+    clamped to [Hkv * w, Hkv * n] and renormalised to the same total; the first context is uniform.
+    Inside a layer the top N_l tokens are chosen across heads (window kept). `reset()` forgets.
+    """
+    press: ScorerPress = field(default_factory=EDIEPress)
+    _sum: np.ndarray = field(default=None, repr=False)
+    _count: int = field(default=0, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.press, ScorerPress):
+            raise ValueError("TADAPress wraps a scorer press, e.g. TADAPress(EDIEPress(budget=128))")
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @property
+    def budget(self):
+        return self.press.budget
+
+    def reset(self) -> None:
+        """Forget the error statistics (the next context is allocated uniformly)."""
+        self._sum, self._count = None, 0
+
+    @property
+    def contexts_seen(self) -> int:
+        return self._count
+
+    def c_config(self) -> dict:
+        cfg = self.press.c_config()
+        cfg["allocation"] = ALLOCATIONS["layer"]
+        return cfg
+
+    def layer_budgets(self, n: int, n_layers: int, n_kv: int) -> np.ndarray:
+        """Tokens kept per layer (summed over KV heads) for a prompt of n tokens."""
+        w = getattr(self.press, "window_size", 0)
+        B = kept_per_head(n, self.press.compression_ratio, self.press.budget)
+        total = n_layers * n_kv * B
+        if self._count == 0 or self._sum is None or not np.all(np.isfinite(self._sum)) or self._sum.sum() <= 0:
+            return np.full(n_layers, n_kv * B, dtype=np.int64)
+        return allocate_layers(self._sum / self._count, total, lo=n_kv * w, hi=n_kv * n)
+
+    def before_prefill(self, session, n: int, config: dict) -> None:
+        session.set_layer_budgets(self.layer_budgets(n, config["n_layers"], config["n_kv_heads"]))
+
+    def after_prefill(self, session, n: int, config: dict) -> None:
+        e = np.array([np.prod(session.press_layer_stats(l)) for l in range(config["n_layers"])], dtype=np.float64)
+        if not np.all(np.isfinite(e)):
+            return  # a layer did not compress (prompt within budget): no statistics from this context
+        self._sum = e if self._sum is None else self._sum + e
+        self._count += 1
+
+
+def allocate_layers(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
+    """Integer budgets proportional to `weights`, each in [lo, hi], summing to `total` (clamp and
+    renormalise the unclamped layers until stable, then largest remainders)."""
+    L = len(weights)
+    total = int(min(max(total, L * lo), L * hi))
+    w = np.maximum(np.asarray(weights, dtype=np.float64), 0)
+    fixed = np.full(L, np.nan)
+    for _ in range(L + 1):
+        free = np.isnan(fixed)
+        remaining = total - np.nansum(fixed)
+        ws = w[free].sum()
+        share = np.where(free, (w / ws * remaining) if ws > 0 else remaining / max(free.sum(), 1), fixed)
+        over, under = free & (share > hi), free & (share < lo)
+        if not over.any() and not under.any():
+            break
+        fixed[over], fixed[under] = hi, lo
+    base = np.floor(share).astype(np.int64)
+    rest = int(total - base.sum())
+    order = np.argsort(-(share - base), kind="stable")
+    for i in order:
+        if rest <= 0:
+            break
+        if base[i] < hi:
+            base[i] += 1
+            rest -= 1
+    return base

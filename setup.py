@@ -1,0 +1,121 @@
+"""Build of kvpress_c.
+
+Two native products:
+  kvpress_c/libkvpress_c.so  the C core (csrc/), public ABI in csrc/include/kvpress_c.h, no Python
+  kvpress_c/_core.*.so       the CPython module (python/_core.c), linked to the core with rpath $ORIGIN
+
+Environment:
+  KVC_NATIVE=0      do not pass -march=native (portable build)
+  KVC_DEBUG=1       -O0 -g, no -march=native
+  KVC_CUDA=0        never build the CUDA backend even if nvcc is found
+  KVC_CUDA_ARCH=90  compute capability for nvcc (default sm_90)
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def c_sources():
+    files = sorted(glob.glob(os.path.join("csrc", "**", "*.c"), recursive=True))
+    return [f for f in files if os.sep + "cuda" + os.sep not in f]
+
+
+def cuda_sources():
+    return sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+
+
+def c_flags():
+    debug = os.environ.get("KVC_DEBUG") == "1"
+    flags = ["-std=c11", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-D_GNU_SOURCE", "-Wall",
+             "-Wextra", "-Wno-unused-parameter", "-Wno-sign-compare"]
+    if debug:
+        flags += ["-O0", "-g"]
+    else:
+        flags += ["-O3", "-ffp-contract=fast", "-fno-math-errno"]
+        if os.environ.get("KVC_NATIVE", "1") != "0":
+            flags += ["-march=native"]
+    return flags
+
+
+def find_nvcc():
+    if os.environ.get("KVC_CUDA", "1") == "0":
+        return None
+    nvcc = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
+    return nvcc or None
+
+
+class BuildExt(build_ext):
+    """Builds libkvpress_c.so first, then the extension linked against it."""
+
+    def build_extensions(self):
+        out_dir = os.path.dirname(self._lib_build_path())
+        os.makedirs(out_dir, exist_ok=True)
+        lib_path = self._build_core_library(out_dir)
+        for ext in self.extensions:
+            ext.library_dirs.append(os.path.dirname(lib_path))
+            ext.libraries.append("kvpress_c")
+            ext.runtime_library_dirs.append("$ORIGIN")
+        super().build_extensions()
+
+    def _lib_build_path(self):
+        return os.path.join(self.build_lib, "kvpress_c", "libkvpress_c.so")
+
+    def copy_extensions_to_source(self):
+        # in-place builds (build_ext --inplace, editable installs) need the core library too
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        dst = os.path.join(build_py.get_package_dir("kvpress_c"), "libkvpress_c.so")
+        shutil.copyfile(self._lib_build_path(), dst)
+
+    def get_outputs(self):
+        return super().get_outputs() + [self._lib_build_path()]
+
+    def _build_core_library(self, out_dir):
+        cc = self.compiler
+        objects = cc.compile(c_sources(), output_dir=self.build_temp, include_dirs=["csrc/include"],
+                             extra_postargs=c_flags())
+        link_args = ["-fopenmp", "-ldl", "-lm"]
+        nvcc = find_nvcc()
+        if nvcc and cuda_sources():
+            objects += self._build_cuda(nvcc)
+            cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+            link_args += [f"-L{cuda_home}/lib64", "-lcudart", "-lcublas", "-lcublasLt",
+                          f"-Wl,-rpath,{cuda_home}/lib64"]
+        elif cuda_sources():
+            print("kvpress_c: nvcc not found (or KVC_CUDA=0): building the CPU backend only", file=sys.stderr)
+        lib_path = os.path.join(out_dir, "libkvpress_c.so")
+        cc.link_shared_object(objects, lib_path, extra_postargs=link_args + ["-Wl,-soname,libkvpress_c.so"])
+        return lib_path
+
+    def _build_cuda(self, nvcc):
+        arch = os.environ.get("KVC_CUDA_ARCH", "90")
+        objects = []
+        for src in cuda_sources():
+            obj = os.path.join(self.build_temp, src + ".o")
+            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                   f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DKVC_WITH_CUDA=1",
+                   "-Icsrc/include", "-c", src, "-o", obj]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            objects.append(obj)
+        return objects
+
+
+core = Extension(
+    "kvpress_c._core",
+    sources=["python/_core.c"],
+    include_dirs=["csrc/include", numpy.get_include()],
+    extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"],
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION")],
+)
+
+setup(ext_modules=[core], cmdclass={"build_ext": BuildExt})

@@ -1,0 +1,34 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _default_gguf():
+    env = os.environ.get("KVC_DEFAULT_GGUF")
+    if env and os.path.exists(env):
+        return env
+    from kvpress_c import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    return _default_gguf()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_gguf):
+    import kvpress_c
+    return kvpress_c.load_model(default_gguf)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh randomness each run; the seed is printed on failure (pytest shows captured stdout)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[{request.node.name}] numpy seed = {seed}")
+    return np.random.default_rng(seed)
