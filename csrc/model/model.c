@@ -53,7 +53,7 @@ static kvc_status check_config(const kvc_config *c) {
     REQUIRE(c->n_heads > 0 && c->n_heads <= 1024, "n_heads = %d", c->n_heads);
     REQUIRE(c->n_kv_heads > 0 && c->n_kv_heads <= c->n_heads, "n_kv_heads = %d (n_heads = %d)", c->n_kv_heads, c->n_heads);
     REQUIRE(c->n_heads % c->n_kv_heads == 0, "n_heads (%d) is not a multiple of n_kv_heads (%d)", c->n_heads, c->n_kv_heads);
-    REQUIRE(c->head_dim > 0 && c->head_dim <= 1024 && c->head_dim % 2 == 0, "head_dim = %d (must be even)", c->head_dim);
+    REQUIRE(c->head_dim > 0 && c->head_dim <= 256 && c->head_dim % 2 == 0, "head_dim = %d (must be even, at most 256)", c->head_dim);
     REQUIRE((int64_t)c->n_heads * c->head_dim <= 262144, "n_heads * head_dim too large");
     REQUIRE(c->ffn > 0 && c->ffn <= 1 << 20, "intermediate size = %d", c->ffn);
     REQUIRE(c->vocab > 0 && c->vocab <= 1 << 24, "vocab size = %d", c->vocab);

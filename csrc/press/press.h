@@ -48,6 +48,14 @@ kvc_status kvc_score_edie(const kvc_score_input *in, float *const *scores);
 /* Softmax of q against rows [0, visible) of k (scale applied); out[visible]. */
 void kvc_attention_probs(const float *q, const float *k, int64_t visible, int32_t d, float scale, float *out);
 
+/* Attention probabilities of m queries against one head's rows, with one GEMM: q_rows [m, d]
+ * contiguous, k [len, d]; query i sees rows [0, visible[i]); probs [m, len] (zeros past visible). */
+void kvc_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
+                    const int64_t *visible, float *probs);
+
+/* Gather the query rows [first, first + m) of query head hq from ctx->q into dst [m, d]. */
+void kvc_gather_queries(const kvc_layer_ctx *ctx, int32_t H, int32_t d, int32_t hq, int64_t first, int64_t m, float *dst);
+
 /* Scorers that protect an observation window at the end of the cache. */
 static inline int kvc_scorer_has_window(int32_t scorer) {
     return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE;

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../backend/backend.h"
 #include "press.h"
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -27,6 +28,33 @@ void kvc_attention_probs(const float *q, const float *k, int64_t visible, int32_
     for (int64_t r = 0; r < visible; r++) out[r] *= inv;
 }
 
+void kvc_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
+                    const int64_t *visible, float *probs) {
+    kvc_cpu_matmul(q_rows, k, probs, m, len, d);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        float *row = probs + i * len;
+        const int64_t vis = visible[i] < len ? visible[i] : len;
+        float mx = -FLT_MAX;
+        for (int64_t r = 0; r < vis; r++) {
+            row[r] *= scale;
+            mx = row[r] > mx ? row[r] : mx;
+        }
+        double z = 0;
+        for (int64_t r = 0; r < vis; r++) {
+            row[r] = expf(row[r] - mx);
+            z += row[r];
+        }
+        const float inv = (float)(1.0 / z);
+        for (int64_t r = 0; r < vis; r++) row[r] *= inv;
+        for (int64_t r = vis; r < len; r++) row[r] = 0.f;
+    }
+}
+
+void kvc_gather_queries(const kvc_layer_ctx *ctx, int32_t H, int32_t d, int32_t hq, int64_t first, int64_t m, float *dst) {
+    for (int64_t i = 0; i < m; i++) memcpy(dst + i * d, ctx->q + ((first + i) * H + hq) * d, sizeof(float) * d);
+}
+
 /* Softmax attention of one query over rows [0, visible) of a head; adds weight * p[r] into acc[r]
  * for r < n_acc. `logits` is scratch of `visible` floats. */
 static void accumulate_probs(const float *q, const float *k, int64_t visible, int32_t d, float scale,
@@ -42,22 +70,31 @@ void kvc_window_attention(const kvc_score_input *in, int32_t w, float *const *ou
     const int32_t H = c->n_heads, g = c->n_heads / c->n_kv_heads, d = c->head_dim;
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t n = ctx->n;
-#pragma omp parallel for schedule(dynamic, 1)
+    int64_t maxlen = 0;
+    for (int32_t h = 0; h < c->n_kv_heads; h++) maxlen = in->cache->len[h] > maxlen ? in->cache->len[h] : maxlen;
+    float *qw = malloc(sizeof(float) * (size_t)w * d);
+    float *probs = malloc(sizeof(float) * (size_t)w * (size_t)(maxlen > 0 ? maxlen : 1));
+    int64_t *vis = malloc(sizeof(int64_t) * (size_t)w);
     for (int32_t hq = 0; hq < H; hq++) {
         const int32_t h = hq / g;
         const int64_t len = in->cache->len[h], n_acc = len - w;
         float *acc = out[hq];
-        memset(acc, 0, sizeof(float) * (n_acc > 0 ? n_acc : 0));
-        float *logits = malloc(sizeof(float) * (len > 0 ? len : 1));
-        if (!logits) continue; /* scores stay 0: caller checked memory beforehand in practice */
-        for (int64_t i = n - w; i < n; i++) {
-            const float *q = ctx->q + (i * H + hq) * d;
-            const int64_t visible = ctx->past_len[h] + i + 1;
-            accumulate_probs(q, in->cache->k[h], visible < len ? visible : len, d, scale, logits, acc, n_acc,
-                             1.0f / (float)w);
+        if (n_acc > 0) memset(acc, 0, sizeof(float) * (size_t)n_acc);
+        if (!qw || !probs || !vis) continue; /* out of memory: scores stay 0 */
+        kvc_gather_queries(ctx, H, d, hq, n - w, w, qw);
+        for (int32_t j = 0; j < w; j++) vis[j] = ctx->past_len[h] + (n - w + j) + 1;
+        kvc_probs_rows(qw, w, in->cache->k[h], len, d, scale, vis, probs);
+        /* mean over the window queries */
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < n_acc; r++) {
+            double s = 0;
+            for (int32_t j = 0; j < w; j++) s += probs[(size_t)j * len + r];
+            acc[r] = (float)(s / w);
         }
-        free(logits);
     }
+    free(qw);
+    free(probs);
+    free(vis);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -168,57 +205,48 @@ static kvc_status score_tova(const kvc_score_input *in, float *const *scores) {
 }
 
 /* ObservedAttention / H2O one-shot: each row's attention summed over this call's queries, divided by
- * how many of them can see it; mean over the group. Two passes per query (max/sum, then probs) so
- * only O(len) scratch per head. */
+ * how many of them can see it; mean over the group. Queries go in tiles of OBS_TILE (one GEMM each),
+ * so memory is O(tile x len), never n x n. */
+#define OBS_TILE 128
 static kvc_status score_observed(const kvc_score_input *in, float *const *scores) {
     const kvc_config *c = in->cfg;
     const kvc_layer_ctx *ctx = in->ctx;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t n = ctx->n;
-    kvc_status st = KVC_OK;
-    for (int32_t h = 0; h < Hkv; h++) memset(scores[h], 0, sizeof(float) * (size_t)in->cache->len[h]);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int32_t h = 0; h < Hkv; h++) {
+    int64_t maxlen = 0;
+    for (int32_t h = 0; h < Hkv; h++) maxlen = in->cache->len[h] > maxlen ? in->cache->len[h] : maxlen;
+    float *qt = malloc(sizeof(float) * OBS_TILE * d);
+    float *probs = malloc(sizeof(float) * OBS_TILE * (size_t)(maxlen > 0 ? maxlen : 1));
+    double *acc = malloc(sizeof(double) * (size_t)(maxlen > 0 ? maxlen : 1));
+    int64_t vis[OBS_TILE];
+    kvc_status st = (!qt || !probs || !acc) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: observed-attention scores") : KVC_OK;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         const int64_t len = in->cache->len[h], past = ctx->past_len[h];
-        double *acc = calloc((size_t)(len > 0 ? len : 1), sizeof(double));
-        float *logits = malloc(sizeof(float) * (size_t)(len > 0 ? len : 1));
-        if (!acc || !logits) {
-#pragma omp critical
-            st = kvc_fail(KVC_ERR_NOMEM, "out of memory: observed-attention scores");
-            free(acc);
-            free(logits);
-            continue;
-        }
+        memset(acc, 0, sizeof(double) * (size_t)len);
         for (int32_t j = 0; j < g; j++) {
             const int32_t hq = h * g + j;
-            for (int64_t i = 0; i < n; i++) {
-                const float *q = ctx->q + (i * H + hq) * d;
-                const int64_t visible = past + i + 1;
-                float mx = -FLT_MAX;
-                for (int64_t r = 0; r < visible; r++) {
-                    float dot = 0.f;
-                    const float *kr = in->cache->k[h] + r * d;
-                    for (int32_t t = 0; t < d; t++) dot += q[t] * kr[t];
-                    logits[r] = dot * scale;
-                    mx = logits[r] > mx ? logits[r] : mx;
+            for (int64_t i0 = 0; i0 < n; i0 += OBS_TILE) {
+                const int64_t m = n - i0 < OBS_TILE ? n - i0 : OBS_TILE;
+                kvc_gather_queries(ctx, H, d, hq, i0, m, qt);
+                for (int64_t i = 0; i < m; i++) vis[i] = past + i0 + i + 1;
+                kvc_probs_rows(qt, m, in->cache->k[h], len, d, scale, vis, probs);
+#pragma omp parallel for schedule(static)
+                for (int64_t r = 0; r < len; r++) {
+                    double s = 0;
+                    for (int64_t i = 0; i < m; i++) s += probs[(size_t)i * len + r];
+                    acc[r] += s;
                 }
-                double sum = 0;
-                for (int64_t r = 0; r < visible; r++) {
-                    logits[r] = expf(logits[r] - mx);
-                    sum += logits[r];
-                }
-                const double inv = 1.0 / sum;
-                for (int64_t r = 0; r < visible; r++) acc[r] += logits[r] * inv;
             }
         }
         for (int64_t r = 0; r < len; r++) {
             const int64_t seen = r < past ? n : n - (r - past);
             scores[h][r] = (float)(acc[r] / (seen > 0 ? seen : 1) / g);
         }
-        free(acc);
-        free(logits);
     }
+    free(qt);
+    free(probs);
+    free(acc);
     return st;
 }
 

@@ -36,19 +36,24 @@ static kvc_status probe_scores(const take_state *t, const float *qa, const kvc_l
     const int64_t p = t->cfg->n_probe;
     const int32_t g = t->H / t->Hkv, d = t->d, k = t->cfg->kernel, half = k / 2;
     const float scale = 1.0f / sqrtf((float)d);
-    float *probs = malloc(sizeof(float) * (size_t)(real > 0 ? real : 1));
+    float *probs = malloc(sizeof(float) * (size_t)p * (size_t)(real > 0 ? real : 1));
+    float *qrows = malloc(sizeof(float) * (size_t)p * d);
+    int64_t *vis = malloc(sizeof(int64_t) * (size_t)p);
     double *acc = calloc((size_t)(real > 0 ? real : 1), sizeof(double));
     double *mean = calloc((size_t)(real > 0 ? real : 1), sizeof(double));
-    if (!probs || !acc || !mean) {
-        free(probs); free(acc); free(mean);
+    if (!probs || !qrows || !vis || !acc || !mean) {
+        free(probs); free(qrows); free(vis); free(acc); free(mean);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE probe scores");
     }
+    for (int64_t j = 0; j < p; j++) vis[j] = real; /* the probes see the whole (real) cache */
     for (int32_t t2 = 0; t2 < g; t2++) {
         const int32_t hq = h * g + t2;
-        memset(acc, 0, sizeof(double) * (size_t)real);
-        for (int64_t j = 0; j < p; j++) {
-            kvc_attention_probs(qa + (j * t->H + hq) * d, L->k[h], real, d, scale, probs);
-            for (int64_t r = 0; r < real; r++) acc[r] += probs[r];
+        for (int64_t j = 0; j < p; j++) memcpy(qrows + j * d, qa + (j * t->H + hq) * d, sizeof(float) * d);
+        kvc_probs_rows(qrows, p, L->k[h], real, d, scale, vis, probs);
+        for (int64_t r = 0; r < real; r++) {
+            double s = 0;
+            for (int64_t j = 0; j < p; j++) s += probs[(size_t)j * real + r];
+            acc[r] = s;
         }
         for (int64_t r = 0; r < real; r++) { /* mean over probes, pooled, then GQA mean */
             double s = 0;
@@ -58,7 +63,7 @@ static kvc_status probe_scores(const take_state *t, const float *qa, const kvc_l
         }
     }
     for (int64_t r = 0; r < real; r++) out[r] = (float)mean[r];
-    free(probs); free(acc); free(mean);
+    free(probs); free(qrows); free(vis); free(acc); free(mean);
     return KVC_OK;
 }
 
