@@ -114,8 +114,8 @@ def test_allocate_layers_clamps_and_sums(rng):
         assert b.sum() == total and b.min() >= lo and b.max() <= hi
         free = (b > lo) & (b < hi)
         if free.sum() >= 2:  # unclamped layers stay proportional to their weights (up to rounding)
-            ratio = b[free] / w[free]
-            assert ratio.max() - ratio.min() <= (1.0 / w[free]).max() + 1e-9
+            lam = b[free] / w[free]
+            assert lam.max() - lam.min() <= 2.0 / w[free].min() + 1e-9
 
 
 def test_tada_statistics_over_contexts(default_model):
@@ -125,8 +125,8 @@ def test_tada_statistics_over_contexts(default_model):
     c = default_model.config
     L, Hkv = c["n_layers"], c["n_kv_heads"]
     r1 = pipe(*needle_prompt(default_model, n_tokens=400, seed=1)[:2], press=press, max_new_tokens=1)
-    # first context: uniform
-    assert all(len(r1.kept_indices[l][h]) == 96 for l in range(L) for h in range(Hkv))
+    # first context: uniform layer totals (chosen across the heads of each layer)
+    assert all(sum(len(k) for k in r1.kept_indices[l]) == Hkv * 96 for l in range(L))
     assert press.contexts_seen == 1
     r2 = pipe(*needle_prompt(default_model, n_tokens=400, seed=2)[:2], press=press, max_new_tokens=1)
     per_layer = np.array([sum(len(k) for k in r2.kept_indices[l]) for l in range(L)])

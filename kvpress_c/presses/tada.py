@@ -67,28 +67,43 @@ class TADAPress(BasePress):
 
 
 def allocate_layers(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
-    """Integer budgets proportional to `weights`, each in [lo, hi], summing to `total` (clamp and
-    renormalise the unclamped layers until stable, then largest remainders)."""
+    """Integer budgets proportional to `weights`, each in [lo, hi], summing to `total`: the budgets
+    clip(lam * w, lo, hi) with lam found by bisection (the sum is monotone in lam), then rounded by
+    largest remainders within the bounds."""
     L = len(weights)
     total = int(min(max(total, L * lo), L * hi))
     w = np.maximum(np.asarray(weights, dtype=np.float64), 0)
-    fixed = np.full(L, np.nan)
-    for _ in range(L + 1):
-        free = np.isnan(fixed)
-        remaining = total - np.nansum(fixed)
-        ws = w[free].sum()
-        share = np.where(free, (w / ws * remaining) if ws > 0 else remaining / max(free.sum(), 1), fixed)
-        over, under = free & (share > hi), free & (share < lo)
-        if not over.any() and not under.any():
+    if w.sum() <= 0:
+        w = np.ones(L)
+    w = w / w.sum()
+    a, b = 0.0, 1.0
+    while np.clip(b * w, lo, hi).sum() < total:
+        b *= 2
+        if b > 1e300:
             break
-        fixed[over], fixed[under] = hi, lo
+    for _ in range(200):
+        mid = (a + b) / 2
+        if np.clip(mid * w, lo, hi).sum() < total:
+            a = mid
+        else:
+            b = mid
+    share = np.clip(b * w, lo, hi)
     base = np.floor(share).astype(np.int64)
     rest = int(total - base.sum())
     order = np.argsort(-(share - base), kind="stable")
-    for i in order:
-        if rest <= 0:
+    while rest > 0:
+        moved = False
+        for i in order:
+            if rest <= 0:
+                break
+            if base[i] < hi:
+                base[i] += 1
+                rest -= 1
+                moved = True
+        if not moved:
             break
-        if base[i] < hi:
-            base[i] += 1
-            rest -= 1
+    while rest < 0:  # share summed slightly above total: take back from the largest
+        i = int(np.argmax(np.where(base > lo, base, -1)))
+        base[i] -= 1
+        rest += 1
     return base
