@@ -7,6 +7,7 @@ Two native products:
 Environment:
   KVC_NATIVE=0      do not pass -march=native (portable build)
   KVC_DEBUG=1       -O0 -g, no -march=native
+  KVC_SANITIZE=1    AddressSanitizer + UBSan (run python with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
   KVC_CUDA=0        never build the CUDA backend even if nvcc is found
   KVC_CUDA_ARCH=90  compute capability for nvcc (default sm_90)
 """
@@ -36,6 +37,8 @@ def c_flags():
     debug = os.environ.get("KVC_DEBUG") == "1"
     flags = ["-std=c11", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-D_GNU_SOURCE", "-Wall",
              "-Wextra", "-Wno-unused-parameter", "-Wno-sign-compare"]
+    if os.environ.get("KVC_SANITIZE") == "1":
+        flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
     if debug:
         flags += ["-O0", "-g"]
     else:
@@ -83,6 +86,8 @@ class BuildExt(build_ext):
         objects = cc.compile(c_sources(), output_dir=self.build_temp, include_dirs=["csrc/include"],
                              extra_postargs=c_flags())
         link_args = ["-fopenmp", "-ldl", "-lm"]
+        if os.environ.get("KVC_SANITIZE") == "1":
+            link_args += ["-fsanitize=address,undefined"]
         nvcc = find_nvcc()
         if nvcc and cuda_sources():
             objects += self._build_cuda(nvcc)

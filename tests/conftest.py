@@ -1,6 +1,11 @@
 import os
 import sys
 
+# quiet the reference libraries (progress bars and warnings would bury the test output)
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
 import numpy as np
 import pytest
 

@@ -1,89 +1,295 @@
-"""GGUF: dequantisation against float64 references and gguf-py, config reading, and bad files
-(truncated, bit-flipped, lying) that must raise clear errors and never crash."""
+"""GGUF: dequantisation against float64 references written from the ggml block layouts (and against
+gguf-py), config reading through the C ABI, weights reaching the forward, and bad files (truncated,
+bit-flipped, lying) that must fail with a clear message and never crash."""
 import ctypes as C
 import os
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
 import kvpress_c
-from capi import lib
+from kvpress_c._paths import core_library_path
 
-gguf = pytest.importorskip("gguf")
+import gguf_writer as gw
+from gguf_writer import GGML, GGUFFile, random_blocks, tiny_model
 
-lib.kvc_kernel_dequantize.argtypes = [C.c_int32, C.c_void_p, C.c_size_t, np.ctypeslib.ndpointer(np.float32), C.c_int64]
-F16 = np.float16
+lib = C.CDLL(core_library_path())
+lib.kvc_last_error.restype = C.c_char_p
+lib.kvc_kernel_dequantize.argtypes = [C.c_int32, C.c_void_p, C.c_size_t, C.c_void_p, C.c_int64]
+lib.kvc_kernel_dequantize.restype = C.c_int
+lib.kvc_model_load.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
+lib.kvc_model_free.argtypes = [C.c_void_p]
+lib.kvc_model_free.restype = None
+
+OK, ERR_ARG, ERR_IO, ERR_FORMAT, ERR_NOMEM, ERR_UNSUPPORTED = 0, 1, 2, 3, 4, 5
+SUPPORTED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def dequant(type_, raw, n):
-    out = np.zeros(n, dtype=np.float32)
-    buf = np.frombuffer(raw, dtype=np.uint8)
-    st = lib.kvc_kernel_dequantize(type_, buf.ctypes.data, len(raw), out, n)
-    assert st == 0, lib.kvc_last_error()
-    return out
+class Config(C.Structure):
+    _fields_ = [(n, C.c_int32) for n in ("arch", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab",
+                                         "max_context", "rope_pairing", "tied_embeddings", "qkv_bias")] + \
+               [("rms_eps", C.c_float), ("rope_theta", C.c_float), ("rope_scaling_factor", C.c_float),
+                ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
+                ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32)]
 
 
-def random_blocks(rng, n_blocks, kind):
-    """Random ggml blocks with sane fp16 scales, and their float64 values from the block layout."""
-    raw, ref = bytearray(), []
-    for _ in range(n_blocks):
-        d = F16(rng.uniform(-0.1, 0.1))
-        if kind == "q8_0":
-            q = rng.integers(-128, 128, size=32).astype(np.int8)
-            raw += d.tobytes() + q.tobytes()
-            ref.append(np.float64(d) * q)
+lib.kvc_model_get_config.argtypes = [C.c_void_p, C.POINTER(Config)]
+
+
+def last_error() -> str:
+    return lib.kvc_last_error().decode(errors="replace")
+
+
+def load(path):
+    """kvc_model_load -> (status, Config or None, message)."""
+    m = C.c_void_p()
+    st = lib.kvc_model_load(str(path).encode(), C.byref(m))
+    if st != OK:
+        assert not m.value, "a failed load must not hand out a model"
+        return st, None, last_error()
+    cfg = Config()
+    assert lib.kvc_model_get_config(m, C.byref(cfg)) == OK
+    lib.kvc_model_free(m)
+    return st, cfg, ""
+
+
+def fresh_rng():
+    """Fresh randomness each run; the seed goes into assertion messages."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    return seed, np.random.default_rng(seed)
+
+
+def dequant(type_name_or_id, raw: bytes, n: int):
+    t = GGML[type_name_or_id][0] if isinstance(type_name_or_id, str) else type_name_or_id
+    out = np.full(n, np.nan, dtype=np.float32)
+    buf = np.frombuffer(raw, dtype=np.uint8) if raw else np.zeros(1, dtype=np.uint8)
+    st = lib.kvc_kernel_dequantize(t, buf.ctypes.data, len(raw), out.ctypes.data, n)
+    return st, out
+
+
+# -- float64 references, written from the ggml block layouts ------------------------------------
+
+def ref_dequant(t: str, raw: bytes):
+    """Values (float64) and a per-value magnitude (sum of |terms|) that bounds fp32 rounding."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        v, mag = _ref_dequant(t, raw)
+    return np.asarray(v, dtype=np.float64).reshape(-1), np.asarray(mag, dtype=np.float64).reshape(-1)
+
+
+def _ref_dequant(t: str, raw: bytes):
+    if t == "F32":
+        v = np.frombuffer(raw, "<f4").astype(np.float64)
+        return v, np.abs(v)
+    if t == "F16":
+        v = np.frombuffer(raw, "<f2").astype(np.float64)
+        return v, np.abs(v)
+    if t == "BF16":
+        v = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return v, np.abs(v)
+    _, be, bb = GGML[t]
+    B = np.frombuffer(raw, np.uint8).reshape(-1, bb).astype(np.int64)
+    raw8 = np.frombuffer(raw, np.uint8).reshape(-1, bb)
+
+    def f16(off):  # fp16 field at byte `off` of every block -> column
+        return raw8[:, off:off + 2].copy().view("<f2").astype(np.float64)
+
+    e = np.arange(be)
+
+    def nib32(qs):  # 32-value blocks: byte j holds element j (low nibble) and j + 16 (high)
+        return (qs[:, e % 16] >> (4 * (e // 16))) & 15
+
+    def bit32(off):  # the u32 of fifth bits: bit e for element e
+        qh = raw8[:, off:off + 4].copy().view("<u4").astype(np.int64)
+        return (qh >> e) & 1
+
+    if t == "Q4_0":
+        v = (nib32(B[:, 2:18]) - 8) * f16(0)
+        return v, np.abs(v)
+    if t == "Q4_1":
+        qd = nib32(B[:, 4:20]) * f16(0)
+        return qd + f16(2), np.abs(qd) + np.abs(f16(2))
+    if t == "Q5_0":
+        v = ((nib32(B[:, 6:22]) | (bit32(2) << 4)) - 16) * f16(0)
+        return v, np.abs(v)
+    if t == "Q5_1":
+        qd = (nib32(B[:, 8:24]) | (bit32(4) << 4)) * f16(0)
+        return qd + f16(2), np.abs(qd) + np.abs(f16(2))
+    if t == "Q8_0":
+        v = raw8[:, 2:34].view(np.int8).astype(np.float64) * f16(0)
+        return v, np.abs(v)
+    # 256-value super-blocks
+    h, s, l, j, g = e // 128, (e % 128) // 32, e % 32, e // 16, e // 32
+    if t == "Q2_K":
+        sc, qs = B[:, 0:16], B[:, 16:80]
+        q = (qs[:, 32 * h + l] >> (2 * s)) & 3
+        a, m = f16(80) * (sc[:, j] & 15) * q, f16(82) * (sc[:, j] >> 4)
+        return a - m, np.abs(a) + np.abs(m)
+    if t == "Q3_K":
+        hm, qs, sc = B[:, 0:32], B[:, 32:96], B[:, 96:108]
+        lo = (sc[:, j % 8] >> (4 * (j // 8))) & 15
+        hi = (sc[:, 8 + j % 4] >> (2 * (j // 4))) & 3
+        q = ((qs[:, 32 * h + l] >> (2 * s)) & 3) - 4 * (1 - ((hm[:, l] >> g) & 1))
+        v = f16(108) * ((lo | (hi << 4)) - 32) * q
+        return v, np.abs(v)
+    if t in ("Q4_K", "Q5_K"):
+        sb = B[:, 4:16]
+        gi = np.arange(8)
+        lo_g = np.minimum(gi, 3)
+        sc8 = np.where(gi < 4, sb[:, lo_g] & 63, (sb[:, np.minimum(gi + 4, 11)] & 15) | ((sb[:, gi % 4] >> 6) << 4))
+        mn8 = np.where(gi < 4, sb[:, lo_g + 4] & 63, (sb[:, np.minimum(gi + 4, 11)] >> 4) | ((sb[:, np.minimum(gi, 7)] >> 6) << 4))
+        qs = B[:, 16:144] if t == "Q4_K" else B[:, 48:176]
+        q = (qs[:, 32 * (g // 2) + l] >> (4 * (g % 2))) & 15
+        if t == "Q5_K":
+            q = q | (((B[:, 16:48][:, l] >> g) & 1) << 4)
+        a, m = f16(0) * sc8[:, g] * q, f16(2) * mn8[:, g]
+        return a - m, np.abs(a) + np.abs(m)
+    if t == "Q6_K":
+        ql, qh, sc = B[:, 0:128], B[:, 128:192], raw8[:, 192:208].view(np.int8).astype(np.int64)
+        n, gg = e // 128, (e % 128) // 32
+        lo = (ql[:, 64 * n + 32 * (gg % 2) + l] >> (4 * (gg // 2))) & 15
+        hi = (qh[:, 32 * n + l] >> (2 * gg)) & 3
+        v = f16(208) * sc[:, j] * ((lo | (hi << 4)) - 32)
+        return v, np.abs(v)
+    raise ValueError(t)
+
+
+def random_raw(rng, t: str, n_blocks: int) -> tuple[bytes, int]:
+    _, be, _ = GGML[t]
+    if t == "F32":
+        return rng.standard_normal(n_blocks).astype(np.float32).tobytes(), n_blocks
+    if t in ("F16", "BF16"):  # every bit pattern may appear, NaN and infinities included
+        return rng.integers(0, 1 << 16, size=n_blocks, dtype=np.uint16).tobytes(), n_blocks
+    return random_blocks(rng, t, n_blocks, scale=rng.choice([1e-3, 0.05, 2.0])), n_blocks * be
+
+
+def assert_matches_reference(t, raw, ours, seed):
+    ref, mag = ref_dequant(t, raw)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(ours), nan), f"{t}: NaN positions differ (seed {seed})"
+    fin = ~nan
+    with np.errstate(invalid="ignore"):
+        err = np.abs(ours[fin].astype(np.float64) - ref[fin])
+    bound = 2.0 ** -21 * mag[fin]  # a few fp32 roundings of the terms
+    ok = (ours[fin] == ref[fin]) | (err <= bound)
+    assert ok.all(), f"{t}: {np.count_nonzero(~ok)} values off, worst at {np.argmax(err - bound)} (seed {seed})"
+
+
+@pytest.mark.parametrize("t", SUPPORTED)
+def test_dequantize_random_blocks_against_float64_reference(t):
+    seed, rng = fresh_rng()
+    for n_blocks in (1, int(rng.integers(2, 40)), 5000 if GGML[t][1] > 1 else 300_000):  # the last crosses the threading threshold
+        raw, n = random_raw(rng, t, n_blocks)
+        st, out = dequant(t, raw, n)
+        assert st == OK, last_error()
+        assert_matches_reference(t, raw, out, seed)
+
+
+@pytest.mark.parametrize("t", [t for t in SUPPORTED if t not in ("F32",)])
+def test_dequantize_matches_gguf_py_exactly(t):
+    gguf = pytest.importorskip("gguf")
+    seed, rng = fresh_rng()
+    raw, n = random_raw(rng, t, 64)
+    st, out = dequant(t, raw, n)
+    assert st == OK, last_error()
+    qt = gguf.GGMLQuantizationType[t]
+    if t == "F16":
+        ref = np.frombuffer(raw, np.float16).astype(np.float32)
+    elif t == "BF16":
+        ref = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        ref = gguf.quants.dequantize(np.frombuffer(raw, np.uint8).reshape(-1, GGML[t][2]), qt).reshape(-1)
+    # bit-exact: both compute the same fp32 products and sums in the same order
+    np.testing.assert_array_equal(out, ref.astype(np.float32), err_msg=f"{t} (seed {seed})")
+
+
+def test_f16_all_bit_patterns():
+    h = np.arange(1 << 16, dtype=np.uint16)
+    st, out = dequant("F16", h.tobytes(), h.size)
+    assert st == OK
+    ref = h.view(np.float16).astype(np.float32)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(out), nan)
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), ref[~nan].view(np.uint32))  # signed zeros, subnormals
+
+
+def test_block_sizes_and_type_names_match_gguf_py():
+    """Every ggml type gguf-py knows: known block size (a wrong byte count is an argument error),
+    and either decoded or refused as unsupported by name."""
+    gguf = pytest.importorskip("gguf")
+    for qt, (be, bb) in gguf.constants.GGML_QUANT_SIZES.items():
+        buf = bytes(bb + 1)
+        st, _ = dequant(int(qt), buf, be)
+        if st == ERR_UNSUPPORTED and "unknown" in last_error():
+            assert int(qt) > 30, f"{qt.name} should be known"  # only types newer than this reader
+            continue
+        assert st == ERR_ARG and f"need {bb} bytes" in last_error(), (qt.name, last_error())
+        st, out = dequant(int(qt), buf[:bb], be)
+        if qt.name in SUPPORTED:
+            assert st == OK, (qt.name, last_error())
         else:
-            q = rng.integers(0, 16, size=32)
-            packed = (q[:16] | (q[16:] << 4)).astype(np.uint8)
-            if kind == "q4_0":
-                raw += d.tobytes() + packed.tobytes()
-                ref.append((q - 8) * np.float64(d))
-            else:
-                m = F16(rng.uniform(-1, 1))
-                raw += d.tobytes() + m.tobytes() + packed.tobytes()
-                ref.append(q * np.float64(d) + np.float64(m))
-    return bytes(raw), np.concatenate(ref)
+            assert st == ERR_UNSUPPORTED and qt.name in last_error(), (qt.name, st, last_error())
 
 
-@pytest.mark.parametrize("kind,code", [("q4_0", 2), ("q4_1", 3), ("q8_0", 8)])
-def test_dequantize_blocks_against_reference(rng, kind, code):
-    raw, ref = random_blocks(rng, 37, kind)
-    out = dequant(code, raw, 37 * 32)
-    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-7)
-
-
-def test_dequantize_float_types(rng):
-    x = rng.standard_normal(100)
-    np.testing.assert_array_equal(dequant(0, x.astype(np.float32).tobytes(), 100), x.astype(np.float32))
-    np.testing.assert_array_equal(dequant(1, x.astype(np.float16).tobytes(), 100), x.astype(np.float16).astype(np.float32))
-    bf = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    np.testing.assert_array_equal(dequant(30, bf.tobytes(), 100), (bf.astype(np.uint32) << 16).view(np.float32))
-
-
-def test_dequantize_rejects_bad_sizes():
-    out = np.zeros(32, dtype=np.float32)
-    buf = np.zeros(20, dtype=np.uint8)
-    assert lib.kvc_kernel_dequantize(3, buf.ctypes.data, 19, out, 32) == 1  # wrong byte count
-    assert lib.kvc_kernel_dequantize(3, buf.ctypes.data, 20, out, 31) != 0  # not whole blocks
-    assert lib.kvc_kernel_dequantize(99, buf.ctypes.data, 20, out, 32) == 5  # unknown type
+def test_dequantize_argument_checks():
+    out = np.zeros(64, dtype=np.float32)
+    buf = np.zeros(64, dtype=np.uint8)
+    assert lib.kvc_kernel_dequantize(3, buf.ctypes.data, 19, out.ctypes.data, 32) == ERR_ARG  # wrong byte count
+    assert "20 bytes" in last_error()
+    assert lib.kvc_kernel_dequantize(3, buf.ctypes.data, 20, out.ctypes.data, 31) == ERR_FORMAT  # not whole blocks
+    assert "whole number" in last_error()
+    assert lib.kvc_kernel_dequantize(3, buf.ctypes.data, 20, out.ctypes.data, -32) == ERR_ARG
+    assert lib.kvc_kernel_dequantize(3, None, 20, out.ctypes.data, 32) == ERR_ARG
+    assert lib.kvc_kernel_dequantize(3, buf.ctypes.data, 20, None, 32) == ERR_ARG
+    assert lib.kvc_kernel_dequantize(99, buf.ctypes.data, 20, out.ctypes.data, 32) == ERR_UNSUPPORTED
+    assert lib.kvc_kernel_dequantize(0, None, 0, None, 0) == OK  # nothing to do
 
 
 def test_dequantize_matches_gguf_py_on_default_model(default_gguf):
+    gguf = pytest.importorskip("gguf")
     r = gguf.GGUFReader(default_gguf)
-    names = {"token_embd.weight", "blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.0.attn_norm.weight"}
+    names = {"token_embd.weight", "blk.0.attn_q.weight", "blk.7.ffn_down.weight", "blk.29.attn_v.weight", "blk.0.attn_norm.weight"}
+    seen = set()
     for t in r.tensors:
         if t.name not in names:
             continue
+        seen.add(t.tensor_type.name)
         n = int(np.prod(t.shape))
-        ours = dequant(int(t.tensor_type), bytes(t.data.tobytes()), n)
+        st, ours = dequant(int(t.tensor_type), bytes(t.data.tobytes()), n)
+        assert st == OK, last_error()
         ref = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
         np.testing.assert_array_equal(ours, ref.astype(np.float32), err_msg=t.name)
+    assert {"Q8_0", "Q4_1", "F32"} <= seen
 
 
-def test_default_model_config(default_model):
+# -- config through the C ABI ---------------------------------------------------------------------
+
+def test_default_model_config_through_ctypes(default_gguf):
+    gguf = pytest.importorskip("gguf")
+    t0 = time.perf_counter()
+    st, c, msg = load(default_gguf)
+    dt = time.perf_counter() - t0
+    assert st == OK, msg
+    r = gguf.GGUFReader(default_gguf)
+
+    def meta(key):
+        f = r.fields[key]
+        return f.parts[f.data[0]][0]
+
+    assert (c.arch, c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab) == (0, 30, 576, 9, 3, 64, 1536, 49152)
+    assert c.rope_pairing == 1 and c.tied_embeddings == 1 and c.qkv_bias == 0
+    assert c.max_context == meta("llama.context_length")
+    assert c.rope_theta == np.float32(meta("llama.rope.freq_base"))
+    assert c.rms_eps == np.float32(meta("llama.attention.layer_norm_rms_epsilon"))
+    assert (c.bos_id, c.eos_id) == (meta("tokenizer.ggml.bos_token_id"), meta("tokenizer.ggml.eos_token_id"))
+    print(f"default model loaded through ctypes in {dt:.2f} s")
+
+
+def test_default_model_config_through_python(default_model):
     c = default_model.config
     assert (c["arch"], c["n_layers"], c["hidden"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["ffn"], c["vocab"]) == \
         ("llama", 30, 576, 9, 3, 64, 1536, 49152)
@@ -92,108 +298,287 @@ def test_default_model_config(default_model):
     assert meta["general.architecture"] == "llama" and len(meta["tokenizer.ggml.tokens"]) == 49152
 
 
-# -- small GGUF files written here -------------------------------------------------------------------
-
-def write_tiny_gguf(path, arch="llama", types=None, rope_freqs=False, bias=False, seed=0):
-    """A 2-layer model (hidden 32, 4 heads / 2 KV heads, ffn 64, vocab 64) with random weights."""
-    rng = np.random.default_rng(seed)
-    types = types or {}
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(2)
-    w.add_embedding_length(32)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_feed_forward_length(64)
-    w.add_context_length(256)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_uint32(f"{arch}.vocab_size", 64)
-
-    def add(name, shape, qtype=None):
-        x = (rng.standard_normal(shape) * 0.1).astype(np.float32)
-        qt = types.get(name.split(".")[-2] if name.startswith("blk") else name, qtype)
-        if qt is None:
-            w.add_tensor(name, x)
-        elif qt == "f16":
-            w.add_tensor(name, x.astype(np.float16))
-        else:
-            enum = getattr(gguf.GGMLQuantizationType, qt.upper())
-            w.add_tensor(name, gguf.quants.quantize(x, enum), raw_shape=gguf.quants.quant_shape_to_byte_shape(x.shape, enum), raw_dtype=enum)
-
-    add("token_embd.weight", (64, 32))
-    add("output_norm.weight", (32,))
-    for l in range(2):
-        add(f"blk.{l}.attn_norm.weight", (32,))
-        add(f"blk.{l}.attn_q.weight", (32, 32))
-        add(f"blk.{l}.attn_k.weight", (16, 32))
-        add(f"blk.{l}.attn_v.weight", (16, 32))
-        add(f"blk.{l}.attn_output.weight", (32, 32))
-        if bias:
-            add(f"blk.{l}.attn_q.bias", (32,))
-            add(f"blk.{l}.attn_k.bias", (16,))
-            add(f"blk.{l}.attn_v.bias", (16,))
-        add(f"blk.{l}.ffn_norm.weight", (32,))
-        add(f"blk.{l}.ffn_gate.weight", (64, 32))
-        add(f"blk.{l}.ffn_up.weight", (64, 32))
-        add(f"blk.{l}.ffn_down.weight", (32, 64))
-    if rope_freqs:
-        w.add_tensor("rope_freqs.weight", np.linspace(1, 8, 4).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+QUANT_TYPES = {"attn_q": "Q8_0", "attn_k": "F16", "attn_v": "BF16", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+               "ffn_up": "Q5_0", "ffn_down": "Q5_1", "token_embd": "Q8_0", "output": "F16"}
+KQUANT_TYPES = {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q4_K", "attn_output": "Q5_K", "ffn_gate": "Q6_K",
+                "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+VARIANTS = {
+    # name: (tiny_model kwargs, expected config fields)
+    "llama_f32_tied": ({}, {}),
+    "llama_quant_untied": ({"types": QUANT_TYPES, "tied": False}, {"tied_embeddings": 0}),
+    "llama_kquants": ({"types": KQUANT_TYPES, "hidden": 256, "ffn": 256, "heads": 4, "kv_heads": 2},
+                      {"hidden": 256, "ffn": 256, "head_dim": 64}),
+    "qwen2_bias": ({"arch": "qwen2", "bias": True, "types": {"attn_q": "Q8_0", "ffn_up": "Q4_0"}},
+                   {"arch": 2, "rope_pairing": 0, "qkv_bias": 1}),
+    "mistral": ({"arch": "mistral"}, {"arch": 1}),
+    "rope_freqs": ({"rope_freqs": [1.0, 2.0, 4.0, 8.0]}, {}),
+    "gguf_v2": ({"version": 2}, {}),
+    "alignment_64": ({"alignment": 64, "types": {"attn_q": "Q8_0"}}, {}),
+    "defaults": ({"kv_heads": 4, "skip_meta": ("attention.head_count_kv", "rope.freq_base", "rope.dimension_count",
+                                               "vocab_size", "context_length", "attention.layer_norm_rms_epsilon")},
+                 {"n_kv_heads": 4, "max_context": 0}),
+    "vocab_from_embedding": ({"tokens": False, "skip_meta": ("vocab_size",), "vocab": 48}, {"vocab": 48, "bos_id": -1, "eos_id": -1}),
+    "key_length": ({"head_dim": 16, "meta": {"attention.key_length": (gw.U32, 16), "attention.value_length": (gw.U32, 16)}},
+                   {"head_dim": 16}),
+    "theta_eps": ({"meta": {"rope.freq_base": (gw.F32, 500000.0), "attention.layer_norm_rms_epsilon": (gw.F32, 1e-6),
+                            "context_length": (gw.U64, 4096)}}, {"rope_theta": 500000.0, "rms_eps": np.float32(1e-6), "max_context": 4096}),
+}
 
 
-@pytest.mark.parametrize("variant", ["f32", "quant", "qwen2", "rope_freqs"])
-def test_tiny_gguf_variants_load(tmp_path, variant):
-    kw = {"f32": {}, "quant": {"types": {"attn_q": "q8_0", "ffn_up": "q4_0", "ffn_gate": "q4_1", "attn_k": "f16"}},
-          "qwen2": {"arch": "qwen2", "bias": True}, "rope_freqs": {"rope_freqs": True}}[variant]
-    path = write_tiny_gguf(str(tmp_path / "m.gguf"), **kw)
-    m = kvpress_c.load_model(path)
-    c = m.config
-    assert (c["n_layers"], c["hidden"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["vocab"]) == (2, 32, 4, 2, 8, 64)
-    assert c["rope_pairing"] == ("half" if variant == "qwen2" else "adjacent")
-    assert c["qkv_bias"] == (variant == "qwen2")
-    logits = m.logits([1, 2, 3, 4, 5])
-    assert logits.shape == (5, 64) and np.all(np.isfinite(logits))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tiny_gguf_config(tmp_path, variant):
+    kw, expect = VARIANTS[variant]
+    path = tmp_path / "m.gguf"
+    tiny_model(**kw).write(str(path))
+    st, c, msg = load(path)
+    assert st == OK, f"{variant}: {msg}"
+    want = {"arch": 0, "n_layers": 2, "hidden": 32, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn": 64, "vocab": 64,
+            "max_context": 256, "rope_pairing": 1, "tied_embeddings": 1, "qkv_bias": 0, "rope_theta": 10000.0,
+            "rms_eps": np.float32(1e-5), "rope_scaling_factor": 0.0, "bos_id": 1, "eos_id": 2}
+    want.update(expect)
+    got = {k: getattr(c, k) for k in want}
+    assert got == want, variant
 
 
-def test_missing_path_and_wrong_kind_raise(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        kvpress_c.load_model(str(tmp_path / "nope.gguf"))
-    bad = tmp_path / "text.gguf"
-    bad.write_bytes(b"this is not a model file at all, just some text")
-    with pytest.raises(ValueError, match="not a GGUF file"):
-        kvpress_c.load_model(str(bad))
-    with pytest.raises(OSError, match="config.json"):
-        kvpress_c.load_model(str(tmp_path))
+# -- the weights that reach the forward -----------------------------------------------------------
+
+def f32_twin(kw, tmp_path, name):
+    """The model of tiny_model(**kw) and the same model with every tensor stored as the float32
+    values of the float64 reference dequantisation: both must give identical logits."""
+    weights = {}
+    g = tiny_model(weights=weights, **kw)
+    g.write(str(tmp_path / f"{name}_q.gguf"))
+    twin = GGUFFile(version=g.version, alignment=g.alignment)
+    twin.kv = g.kv
+    for tname, (t, ne, data) in weights.items():
+        vals, _ = ref_dequant(t, data)
+        twin.tensor(tname, ne, 0, vals.astype(np.float32).tobytes())
+    for t in g.tensors:
+        if t[0] not in weights:  # rope_freqs
+            twin.tensor(*t)
+    twin.write(str(tmp_path / f"{name}_f32.gguf"))
+    return str(tmp_path / f"{name}_q.gguf"), str(tmp_path / f"{name}_f32.gguf")
 
 
-FUZZ = textwrap.dedent("""
-    import ctypes, random, struct, sys
+@pytest.mark.parametrize("variant", ["llama_quant_untied", "llama_kquants", "qwen2_bias"])
+def test_dequantised_weights_reach_the_forward(tmp_path, variant):
+    qpath, fpath = f32_twin(VARIANTS[variant][0], tmp_path, variant)
+    ids = [1, 5, 9, 3, 7, 2]
+    a = kvpress_c.load_model(qpath).logits(ids)
+    b = kvpress_c.load_model(fpath).logits(ids)
+    assert np.all(np.isfinite(a))
+    np.testing.assert_array_equal(a, b)
+
+
+def test_rope_freqs_and_linear_scaling_reach_the_forward(tmp_path):
+    ids = [1, 5, 9, 3, 7, 2, 11, 4]
+
+    def logits(**kw):
+        p = tmp_path / f"m{len(os.listdir(tmp_path))}.gguf"
+        tiny_model(seed=7, **kw).write(str(p))
+        return kvpress_c.load_model(str(p)).logits(ids)
+
+    base = logits()
+    np.testing.assert_array_equal(logits(rope_freqs=[1.0] * 4), base)  # divisors of one change nothing
+    scaled = logits(rope_freqs=[1.0, 2.0, 4.0, 8.0])
+    assert not np.allclose(scaled, base)
+    linear = logits(meta={"rope.scaling.type": (gw.STRING, "linear"), "rope.scaling.factor": (gw.F32, 2.0)})
+    np.testing.assert_allclose(linear, logits(rope_freqs=[2.0] * 4), rtol=0, atol=0)
+    assert not np.allclose(linear, base)
+
+
+# -- bad files: precise messages ------------------------------------------------------------------
+
+def patch(data: bytes, pos: int, fmt: str, value) -> bytes:
+    b = bytearray(data)
+    struct.pack_into(fmt, b, pos, value)
+    return bytes(b)
+
+
+def field(lay, kind, owner=None, nth=0):
+    hits = [f for f in lay.fields if f.kind == kind and (owner is None or f.owner == owner)]
+    return hits[nth]
+
+
+def base_file(**kw):
+    return tiny_model(types={"attn_q": "Q8_0", "ffn_up": "Q4_1"}, **kw).to_bytes()
+
+
+def corrupt_cases():
+    data, lay = base_file()
+    q = "blk.0.attn_q.weight"
+    cases = {
+        "bad magic": (b"GGML" + data[4:], ERR_FORMAT, "not a GGUF file"),
+        "tiny file": (data[:20], ERR_FORMAT, "too few"),
+        "v1": (patch(data, 4, "<I", 1), ERR_UNSUPPORTED, "v1"),
+        "v9": (patch(data, 4, "<I", 9), ERR_FORMAT, "unknown version 9"),
+        "big-endian": (patch(data, 4, "<I", 3 << 24), ERR_UNSUPPORTED, "big-endian"),
+        "lying n_tensors": (patch(data, 8, "<Q", 1 << 40), ERR_FORMAT, "claims"),
+        "lying n_kv": (patch(data, 16, "<Q", 2 ** 64 - 1), ERR_FORMAT, "claims"),
+        "one tensor too many": (patch(data, 8, "<Q", len(tiny_model().tensors) + 1), ERR_FORMAT, "re-download"),
+        "lying key length": (patch(data, field(lay, "key_len").pos, "<Q", 1 << 50), ERR_FORMAT, "claims"),
+        "zero key length": (patch(data, field(lay, "key_len").pos, "<Q", 0), ERR_FORMAT, "length 0"),
+        "lying string length": (patch(data, field(lay, "str_len", "general.architecture").pos, "<Q", 1 << 33), ERR_FORMAT,
+                                "general.architecture"),
+        "lying array length": (patch(data, field(lay, "array_len", "tokenizer.ggml.tokens").pos, "<Q", 1 << 61), ERR_FORMAT,
+                               "tokenizer.ggml.tokens"),
+        "unknown value type": (patch(data, field(lay, "value_type", "llama.block_count").pos, "<I", 13), ERR_FORMAT,
+                               "unknown value type 13"),
+        "unknown array type": (patch(data, field(lay, "array_type", "tokenizer.ggml.tokens").pos, "<I", 77), ERR_FORMAT,
+                               "unknown value type 77"),
+        "array of arrays": (patch(data, field(lay, "array_type", "tokenizer.ggml.tokens").pos, "<I", 9), ERR_UNSUPPORTED,
+                            "array of arrays"),
+        "n_dims 0": (patch(data, field(lay, "n_dims", q).pos, "<I", 0), ERR_FORMAT, "0 dimensions"),
+        "n_dims 5": (patch(data, field(lay, "n_dims", q).pos, "<I", 5), ERR_FORMAT, "5 dimensions"),
+        "huge dim": (patch(data, field(lay, "ne", q).pos, "<Q", 2 ** 63), ERR_FORMAT, "impossible shape"),
+        "dims overflow": (patch(patch(data, field(lay, "ne", q).pos, "<Q", 2 ** 40), field(lay, "ne", q, 1).pos, "<Q", 2 ** 40),
+                          ERR_FORMAT, "impossible shape"),
+        "row not whole blocks": (patch(data, field(lay, "ne", q).pos, "<Q", 33), ERR_FORMAT, "whole number of Q8_0 blocks"),
+        "data past the end": (patch(data, field(lay, "ne", q, 1).pos, "<Q", 1 << 20), ERR_FORMAT, "past the end"),
+        "invalid type id": (patch(data, field(lay, "ggml_type", q).pos, "<I", 200), ERR_FORMAT, "invalid ggml type id 200"),
+        "unknown type id": (patch(data, field(lay, "ggml_type", q).pos, "<I", 60), ERR_UNSUPPORTED, "type id 60"),
+        "unsupported type": (patch(data, field(lay, "ggml_type", q).pos, "<I", 16), ERR_FORMAT, "IQ2_XXS"),
+        "misaligned offset": (patch(data, field(lay, "offset", q).pos, "<Q", 8), ERR_FORMAT, "not a multiple of the alignment"),
+        "offset past the end": (patch(data, field(lay, "offset", q).pos, "<Q", 1 << 40), ERR_FORMAT, q),
+        "truncated data": (data[: len(data) - 100], ERR_FORMAT, "past the end"),
+        "truncated metadata": (data[: field(lay, "n_dims", q).pos - 40], ERR_FORMAT, "runs past the end"),
+    }
+    return cases
+
+
+def test_corrupt_files_fail_with_precise_messages(tmp_path):
+    cases = corrupt_cases()
+    for name, (blob, want_st, want_msg) in cases.items():
+        p = tmp_path / "bad.gguf"
+        p.write_bytes(blob)
+        st, _, msg = load(p)
+        assert (st, want_msg in msg) == (want_st, True), f"{name}: status {st}, message {msg!r}"
+        if st == ERR_FORMAT and name not in ("bad magic", "unsupported type"):
+            assert "re-download" in msg or "corrupt" in msg, f"{name}: no hint in {msg!r}"
+
+
+def test_crafted_files_fail_with_precise_messages(tmp_path):
+    def expect(g, want_st, want_msg):
+        p = tmp_path / "c.gguf"
+        g.write(str(p))
+        st, _, msg = load(p)
+        assert st == want_st and want_msg in msg, (want_st, want_msg, st, msg)
+
+    g = tiny_model()
+    g.u32("llama.block_count", 2)  # a second copy of the key
+    expect(g, ERR_FORMAT, "duplicate metadata key 'llama.block_count'")
+    g = tiny_model()
+    g.tensors.append(g.tensors[3])
+    expect(g, ERR_FORMAT, "duplicate tensor 'blk.0.attn_q.weight'")
+    expect(tiny_model(alignment=48), ERR_FORMAT, "power of two")
+    g = tiny_model()
+    g.f32("general.alignment", 32.0)
+    expect(g, ERR_FORMAT, "general.alignment must be an unsigned integer")
+    expect(tiny_model(arch="gpt2"), ERR_UNSUPPORTED, "'gpt2' is not supported")
+    g = tiny_model()
+    g.kv = [kv for kv in g.kv if kv[0] != "general.architecture"]
+    expect(g, ERR_FORMAT, "general.architecture is missing")
+    g = tiny_model()
+    g.kv[0] = ("general.architecture", gw.U32, 7, None)
+    expect(g, ERR_FORMAT, "'general.architecture' should be a single string")
+    expect(tiny_model(skip_meta=("block_count",)), ERR_FORMAT, "'llama.block_count' is missing")
+    expect(tiny_model(meta={"block_count": (gw.STRING, "two")}), ERR_FORMAT, "'llama.block_count' is a string, not a number")
+    expect(tiny_model(meta={"block_count": (gw.F32, 2.5)}), ERR_FORMAT, "not an integer")
+    expect(tiny_model(meta={"block_count": (gw.U64, 2 ** 40)}), ERR_FORMAT, "out of range")
+    expect(tiny_model(meta={"block_count": (gw.U32, 3)}), ERR_FORMAT, "'blk.2.attn_norm.weight' is missing")
+    expect(tiny_model(meta={"embedding_length": (gw.U32, 40)}), ERR_FORMAT, "tensor 'token_embd.weight' has shape [32, 64], expected [40, 64]")
+    expect(tiny_model(meta={"feed_forward_length": (gw.U32, 32)}), ERR_FORMAT, "'blk.0.ffn_gate.weight' has shape [32, 64], expected [32, 32]")
+    expect(tiny_model(meta={"attention.head_count_kv": (gw.U32, 4)}), ERR_FORMAT, "'blk.0.attn_k.weight' has shape [32, 16], expected [32, 32]")
+    expect(tiny_model(meta={"vocab_size": (gw.U32, 65)}), ERR_FORMAT, "'token_embd.weight'")
+    expect(tiny_model(meta={"expert_count": (gw.U32, 8)}), ERR_UNSUPPORTED, "mixture-of-experts")
+    expect(tiny_model(meta={"rope.dimension_count": (gw.U32, 4), "attention.key_length": (gw.U32, 8)}), ERR_UNSUPPORTED,
+           "partial rotary")
+    expect(tiny_model(meta={"rope.scaling.type": (gw.STRING, "yarn"), "rope.scaling.factor": (gw.F32, 4.0)}),
+           ERR_UNSUPPORTED, "RoPE scaling 'yarn'")
+    expect(tiny_model(meta={"attention.head_count": (gw.U32, 0)}), ERR_FORMAT, "head_count = 0")
+    g = tiny_model(rope_freqs=[1.0, -2.0, 1.0, 1.0])
+    expect(g, ERR_FORMAT, "rope_freqs")
+    expect(tiny_model(rope_freqs=[1.0, 2.0]), ERR_FORMAT, "'rope_freqs.weight' has shape [2], expected [4]")
+    g = tiny_model(bias=True)
+    g.tensors = [t for t in g.tensors if t[0] != "blk.1.attn_k.bias"]
+    expect(g, ERR_FORMAT, "'blk.1.attn_k.bias' is missing")
+    g = tiny_model()
+    g.add_array("blk.0.attn_output.bias", np.zeros(32, np.float32))
+    expect(g, ERR_UNSUPPORTED, "blk.0.attn_output.bias")
+    g = tiny_model(types={"attn_q": "Q8_0"})
+    i = [t[0] for t in g.tensors].index("blk.0.attn_q.weight")
+    name, ne, _, data = g.tensors[i]
+    g.tensors[i] = (name, [256, 4], GGML["IQ2_XXS"][0], bytes(4 * 66))
+    expect(g, ERR_FORMAT, "blk.0.attn_q.weight' has shape [256, 4]")
+    g.tensors[i] = (name, ne, 16, bytes(len(data)))  # right shape but IQ2_XXS needs 256-value rows
+    expect(g, ERR_FORMAT, "not a whole number of IQ2_XXS blocks")
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    g = tiny_model(hidden=256, ffn=256, heads=4, types={"attn_q": "IQ2_XXS"})
+    g.write(str(tmp_path / "iq.gguf"))
+    st, _, msg = load(tmp_path / "iq.gguf")
+    assert st == ERR_UNSUPPORTED and "'blk.0.attn_q.weight' is IQ2_XXS" in msg, msg
+    # an unneeded tensor of an unsupported type is fine
+    g = tiny_model()
+    g.tensor("extra.weight", [256], GGML["IQ2_XXS"][0], bytes(66))
+    g.write(str(tmp_path / "extra.gguf"))
+    assert load(tmp_path / "extra.gguf")[0] == OK
+
+
+def test_missing_path_is_an_io_error(tmp_path):
+    st, _, msg = load(tmp_path / "nope.gguf")
+    assert st == ERR_IO and "does not exist" in msg, msg
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    st, _, msg = load(fifo)
+    assert st == ERR_IO and "not a regular file" in msg, msg
+
+
+# -- fuzzing ---------------------------------------------------------------------------------------
+
+FUZZ = textwrap.dedent(r"""
+    import ctypes, json, os, random, struct, sys
     lib = ctypes.CDLL(sys.argv[1]); lib.kvc_last_error.restype = ctypes.c_char_p
+    lib.kvc_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.kvc_model_free.argtypes = [ctypes.c_void_p]
     data = open(sys.argv[2], 'rb').read(); out = sys.argv[3]; seed = int(sys.argv[4]); n = int(sys.argv[5])
+    lay = json.load(open(sys.argv[6]))
+    fields, info_end = lay['fields'], lay['info_end']
     rng = random.Random(seed)
-    header_end = int(sys.argv[6])
+    LIES8 = [0, 1, 2, 7, 31, 32, 33, 255, 4096, 2**31, 2**32, 2**32 + 5, 2**40, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
+    LIES4 = [0, 1, 2, 3, 4, 5, 8, 9, 12, 13, 14, 15, 16, 30, 31, 40, 63, 64, 255, 2**31, 2**32 - 1]
     ok = failed = 0
+    kinds = {}
+    api = None
+    if len(sys.argv) > 7:
+        sys.path.insert(0, sys.argv[7]); import kvpress_c; api = kvpress_c.load_model
     for i in range(n):
         b = bytearray(data)
-        kind = i % 5
-        if kind == 0:    # truncation
-            b = b[:rng.randrange(0, len(b))]
-        elif kind == 1:  # bit flips in the header / metadata / tensor infos
+        kind = ['truncate', 'bitflip', 'field', 'field', 'u64', 'u32', 'bytes', 'splice'][i % 8]
+        if kind == 'truncate':    # cut anywhere, weighted towards the header
+            b = b[:rng.randrange(0, info_end + 64) if rng.random() < 0.7 else rng.randrange(0, len(b))]
+        elif kind == 'bitflip':   # a few bit flips in the header / metadata / tensor infos
             for _ in range(rng.randint(1, 4)):
-                p = rng.randrange(0, header_end); b[p] ^= 1 << rng.randrange(8)
-        elif kind == 2:  # a lying 64-bit count or length somewhere in the header
-            p = rng.randrange(0, header_end - 8)
-            b[p:p + 8] = struct.pack('<Q', rng.choice([0, 1, 2**31, 2**32 + 5, 2**63 - 1, 2**64 - 1, rng.randrange(2**40)]))
-        elif kind == 3:  # a lying 32-bit field (type, dims)
-            p = rng.randrange(0, header_end - 4)
-            b[p:p + 4] = struct.pack('<I', rng.choice([0, 4, 5, 9, 13, 30, 255, 2**31]))
-        else:            # random bytes over a random span
+                p = rng.randrange(0, info_end); b[p] ^= 1 << rng.randrange(8)
+        elif kind == 'field':     # a lie in a specific count, length, dim, type or offset
+            f = rng.choice(fields)
+            v = rng.choice(LIES8 if f['size'] == 8 else LIES4)
+            if rng.random() < 0.3:
+                v = (int.from_bytes(b[f['pos']:f['pos'] + f['size']], 'little') + rng.choice([-1, 1, 32, -32])) % (1 << (8 * f['size']))
+            b[f['pos']:f['pos'] + f['size']] = v.to_bytes(f['size'], 'little')
+            kind = 'field:' + f['kind']
+        elif kind == 'u64':       # a lying 64-bit value at any header position
+            p = rng.randrange(0, info_end - 8); b[p:p + 8] = struct.pack('<Q', rng.choice(LIES8))
+        elif kind == 'u32':
+            p = rng.randrange(0, info_end - 4); b[p:p + 4] = struct.pack('<I', rng.choice(LIES4))
+        elif kind == 'bytes':     # random bytes over a random span
             p = rng.randrange(0, len(b)); L = rng.randint(1, 64)
             b[p:p + L] = bytes(rng.randrange(256) for _ in range(min(L, len(b) - p)))
+        else:                     # a chunk of the header duplicated or removed
+            p = rng.randrange(0, info_end); L = rng.randint(1, 48)
+            b = b[:p] + (b[p:p + L] if rng.random() < 0.5 else b'') + b[p + L:]
+        kinds[kind.split(':')[0]] = kinds.get(kind.split(':')[0], 0) + 1
         open(out, 'wb').write(b)
         m = ctypes.c_void_p()
         st = lib.kvc_model_load(out.encode(), ctypes.byref(m))
@@ -201,40 +586,56 @@ FUZZ = textwrap.dedent("""
             ok += 1; lib.kvc_model_free(m)
         else:
             failed += 1
-            assert lib.kvc_last_error(), 'a failure without a message'
-    print(f'{n} corruptions: {failed} rejected with a message, {ok} loaded')
+            msg = lib.kvc_last_error().decode(errors='replace')
+            assert msg and not m.value, f'corruption {i} ({kind}): status {st} without a message'
+            assert st in (1, 2, 3, 4, 5), f'corruption {i} ({kind}): status {st}: {msg}'
+        if api and i % 4 == 0:
+            try:
+                api(out)
+            except (ValueError, OSError, NotImplementedError, MemoryError) as e:
+                assert str(e), f'corruption {i}: {type(e).__name__} without a message'
+    print(f'{n} corruptions (seed {seed}): {failed} rejected with a message, {ok} loaded; kinds {kinds}')
 """)
 
 
-def header_size(path):
-    r = gguf.GGUFReader(path)
-    return int(min(t.data_offset for t in r.tensors))
-
-
-def test_fuzz_corrupt_gguf_never_crashes(tmp_path, rng):
-    path = write_tiny_gguf(str(tmp_path / "base.gguf"), types={"attn_q": "q8_0", "ffn_up": "q4_1"})
-    seed = int(rng.integers(1 << 30))
+def test_fuzz_corrupt_gguf_never_crashes(tmp_path):
+    import json
+    g = tiny_model(types={"attn_q": "Q8_0", "ffn_up": "Q4_1", "attn_k": "F16"}, bias=False, tied=False,
+                   rope_freqs=[1.0, 1.5, 2.0, 4.0], alignment=32)
+    lay = g.write(str(tmp_path / "base.gguf"))
+    (tmp_path / "layout.json").write_text(json.dumps({"fields": [vars(f) for f in lay.fields], "info_end": lay.info_end}))
+    assert load(tmp_path / "base.gguf")[0] == OK
+    seed = fresh_rng()[0]
+    n = 400
     script = tmp_path / "fuzz.py"
     script.write_text(FUZZ)
-    res = subprocess.run([sys.executable, str(script), kvpress_c.core_library_path(), path, str(tmp_path / "bad.gguf"),
-                          str(seed), "250", str(header_size(path))], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"fuzzer crashed (seed {seed}): rc={res.returncode}\n{res.stderr[-2000:]}"
-    print(res.stdout)
-    assert "250 corruptions" in res.stdout
+    pkg_root = os.path.dirname(os.path.dirname(kvpress_c.__file__))
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, str(script), core_library_path(), str(tmp_path / "base.gguf"), str(tmp_path / "bad.gguf"),
+                          str(seed), str(n), str(tmp_path / "layout.json"), pkg_root], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"fuzzer failed (seed {seed}): rc={res.returncode}\n{res.stdout[-1000:]}\n{res.stderr[-3000:]}"
+    print(res.stdout.strip(), f"in {time.perf_counter() - t0:.1f} s")
+    assert f"{n} corruptions" in res.stdout
 
 
-def test_corrupt_gguf_raises_python_errors(tmp_path, rng):
-    path = write_tiny_gguf(str(tmp_path / "base.gguf"))
-    data = open(path, "rb").read()
-    cases = {"truncated": data[: len(data) // 2], "header-only": data[:100],
-             "bad-version": data[:4] + (99).to_bytes(4, "little") + data[8:],
-             "huge-count": data[:8] + (2**62).to_bytes(8, "little") + data[16:]}
-    for name, blob in cases.items():
+# -- the Python API -------------------------------------------------------------------------------
+
+def test_corrupt_gguf_raises_python_errors(tmp_path):
+    data, lay = base_file()
+    cases = {"truncated": (data[: len(data) // 2], ValueError, "truncated"),
+             "header-only": (data[:100], ValueError, "truncated"),
+             "bad-version": (patch(data, 4, "<I", 99), ValueError, "unknown version 99"),
+             "v1": (patch(data, 4, "<I", 1), NotImplementedError, "v1"),
+             "huge-count": (patch(data, 8, "<Q", 2 ** 62), ValueError, "claims"),
+             "not-gguf": (b"this is not a model file at all, just some text", ValueError, "not a GGUF file")}
+    for name, (blob, exc, text) in cases.items():
         p = tmp_path / f"{name}.gguf"
         p.write_bytes(blob)
-        with pytest.raises((ValueError, NotImplementedError, OSError)) as e:
+        with pytest.raises(exc) as e:
             kvpress_c.load_model(str(p))
-        assert str(e.value), name
+        assert text in str(e.value), (name, str(e.value))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        kvpress_c.load_model(str(tmp_path / "nope.gguf"))
 
 
 def test_out_of_vocabulary_tokens_raise(default_model):

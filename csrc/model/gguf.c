@@ -1,8 +1,12 @@
 /* GGUF v2/v3 reader. The file is memory-mapped read-only; every count, length and offset read from
  * it is checked against the bytes that remain before it is used, so a truncated, bit-flipped or
- * lying file yields KVC_ERR_FORMAT with a message, never a huge allocation or an out-of-bounds read. */
+ * lying file yields KVC_ERR_FORMAT with a message, never a huge allocation or an out-of-bounds read.
+ * Layout: magic "GGUF", u32 version, u64 n_tensors, u64 n_kv, n_kv x (string key, u32 type, value),
+ * n_tensors x (string name, u32 n_dims, n_dims x u64 ne, u32 ggml type, u64 offset), padding to
+ * general.alignment, then the tensor data (offsets are relative to its start). */
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -14,14 +18,20 @@
 
 #define GGUF_MAGIC 0x46554747u /* "GGUF" little-endian */
 #define HINT "; the file may be truncated or corrupt: re-download or re-convert it"
+/* smallest encodings: a kv is a key (8-byte length + >= 1 byte), a u32 type and >= 1 value byte;
+ * a tensor info is a name (8 + >= 1), n_dims, one u64 dim, a u32 type and a u64 offset */
+#define MIN_KV_BYTES 14u
+#define MIN_TENSOR_BYTES 33u
+/* ggml type ids are small; anything past this is a corrupt field rather than a newer type */
+#define MAX_TYPE_ID 64
 
 typedef struct gguf_kv {
     char *key;
-    int32_t type;      /* element type for arrays */
+    int32_t type;          /* element type for arrays */
     int32_t is_array;
-    uint64_t n;
-    const uint8_t *data; /* first element */
-    const uint8_t **items; /* string arrays: pointer to each element (lazy, built at parse) */
+    uint64_t n;            /* 1 for scalars */
+    const uint8_t *data;   /* first element (numbers) */
+    const uint8_t **items; /* strings: each element's length field */
 } gguf_kv;
 
 struct gguf_file {
@@ -29,14 +39,19 @@ struct gguf_file {
     size_t size;
     uint32_t version;
     gguf_kv *kv;
-    int64_t n_kv;
+    int64_t n_kv;          /* entries parsed so far (what gguf_close frees) */
     gguf_tensor *tensors;
     int64_t n_tensors;
+    uint64_t alignment;
+    size_t data_start;
 };
 
 typedef struct reader {
     const uint8_t *p, *end, *base;
 } reader;
+
+static size_t remaining(const reader *r) { return (size_t)(r->end - r->p); }
+static size_t offset_of(const reader *r, const uint8_t *p) { return (size_t)(p - r->base); }
 
 static size_t scalar_size(int32_t t) {
     switch (t) {
@@ -48,99 +63,214 @@ static size_t scalar_size(int32_t t) {
     }
 }
 
-static kvc_status need(reader *r, size_t n, const char *what) {
-    if ((size_t)(r->end - r->p) < n)
-        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s at byte %zu runs past the end of the file (%zu bytes)" HINT, what,
-                        (size_t)(r->p - r->base), (size_t)(r->end - r->base));
+static kvc_status need(const reader *r, size_t n, const char *what, const char *name) {
+    if (remaining(r) < n)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s%s%s%s at byte %zu runs past the end of the file (%zu bytes)" HINT, what,
+                        name ? " of '" : "", name ? name : "", name ? "'" : "", offset_of(r, r->p),
+                        (size_t)(r->end - r->base));
     return KVC_OK;
 }
 
-static kvc_status rd_u32(reader *r, uint32_t *v, const char *what) {
-    KVC_TRY(need(r, 4, what));
+static kvc_status rd_u32(reader *r, uint32_t *v, const char *what, const char *name) {
+    KVC_TRY(need(r, 4, what, name));
     memcpy(v, r->p, 4);
     r->p += 4;
     return KVC_OK;
 }
 
-static kvc_status rd_u64(reader *r, uint64_t *v, const char *what) {
-    KVC_TRY(need(r, 8, what));
+static kvc_status rd_u64(reader *r, uint64_t *v, const char *what, const char *name) {
+    KVC_TRY(need(r, 8, what, name));
     memcpy(v, r->p, 8);
     r->p += 8;
     return KVC_OK;
 }
 
-/* A GGUF string: u64 length + bytes. Returns a pointer to the length field. */
-static kvc_status rd_str(reader *r, const uint8_t **start, uint64_t *len, const char *what) {
+/* A GGUF string: u64 length + bytes. *start points at the length field. */
+static kvc_status rd_str(reader *r, const uint8_t **start, uint64_t *len, const char *what, const char *name) {
     *start = r->p;
-    KVC_TRY(rd_u64(r, len, what));
-    if (*len > (uint64_t)(r->end - r->p))
-        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s at byte %zu claims %llu bytes, more than the file holds" HINT, what,
-                        (size_t)(*start - r->base), (unsigned long long)*len);
+    KVC_TRY(rd_u64(r, len, what, name));
+    if (*len > remaining(r))
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s%s%s%s at byte %zu claims %llu bytes, but only %zu remain" HINT, what,
+                        name ? " of '" : "", name ? name : "", name ? "'" : "", offset_of(r, *start),
+                        (unsigned long long)*len, remaining(r));
     r->p += *len;
     return KVC_OK;
 }
 
-static kvc_status parse_kv(gguf_file *f, reader *r, gguf_kv *kv, int64_t index) {
+/* A name (key or tensor name) as a NUL-terminated copy; NUL bytes inside are rejected. */
+static kvc_status rd_name(reader *r, const char *what, uint64_t index, uint64_t max_len, char **out) {
     const uint8_t *s;
     uint64_t len;
-    KVC_TRY(rd_str(r, &s, &len, "metadata key"));
-    if (len == 0 || len > 65535)
-        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata key %lld has length %llu" HINT, (long long)index, (unsigned long long)len);
-    kv->key = malloc(len + 1);
-    if (!kv->key) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF metadata");
-    memcpy(kv->key, s + 8, len);
-    kv->key[len] = '\0';
-    if (strlen(kv->key) != len) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata key %lld contains a NUL byte" HINT, (long long)index);
-    uint32_t type;
-    KVC_TRY(rd_u32(r, &type, "metadata value type"));
-    if (type == GGUF_T_ARRAY) {
-        uint32_t et;
-        uint64_t n;
-        KVC_TRY(rd_u32(r, &et, "array element type"));
-        KVC_TRY(rd_u64(r, &n, "array length"));
-        if (et == GGUF_T_ARRAY)
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: metadata '%s' is an array of arrays, which is not supported", kv->key);
-        kv->type = (int32_t)et;
-        kv->is_array = 1;
-        kv->n = n;
-        kv->data = r->p;
-        if (et == GGUF_T_STRING) {
-            /* every string needs at least its 8-byte length: bound n before allocating */
-            if (n > (uint64_t)(r->end - r->p) / 8)
-                return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' claims %llu strings, more than the file holds" HINT,
-                                kv->key, (unsigned long long)n);
-            kv->items = malloc(sizeof(*kv->items) * (size_t)(n ? n : 1));
-            if (!kv->items) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF metadata '%s'", kv->key);
-            for (uint64_t j = 0; j < n; j++) {
-                uint64_t l;
-                KVC_TRY(rd_str(r, &kv->items[j], &l, kv->key));
-            }
-        } else {
-            const size_t es = scalar_size((int32_t)et);
-            if (!es) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' has unknown element type %u" HINT, kv->key, et);
-            if (n > (uint64_t)(r->end - r->p) / es)
-                return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' claims %llu elements, more than the file holds" HINT,
-                                kv->key, (unsigned long long)n);
-            r->p += n * es;
+    KVC_TRY(rd_str(r, &s, &len, what, NULL));
+    if (len == 0 || len > max_len)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s %llu at byte %zu has length %llu (1 to %llu allowed)" HINT, what,
+                        (unsigned long long)index, offset_of(r, s), (unsigned long long)len, (unsigned long long)max_len);
+    if (memchr(s + 8, 0, len))
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s %llu at byte %zu contains a NUL byte" HINT, what,
+                        (unsigned long long)index, offset_of(r, s));
+    char *copy = malloc(len + 1);
+    if (!copy) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF %s", what);
+    memcpy(copy, s + 8, len);
+    copy[len] = '\0';
+    *out = copy;
+    return KVC_OK;
+}
+
+static const char *value_type_name(uint32_t t) {
+    static const char *names[] = {"u8", "i8", "u16", "i16", "u32", "i32", "f32", "bool", "string", "array", "u64", "i64", "f64"};
+    return t < sizeof names / sizeof names[0] ? names[t] : "unknown";
+}
+
+/* Read the array's elements (or a string scalar) into kv. */
+static kvc_status parse_values(reader *r, gguf_kv *kv, uint32_t et, uint64_t n) {
+    kv->type = (int32_t)et;
+    kv->n = n;
+    kv->data = r->p;
+    if (et == GGUF_T_STRING) {
+        /* every string takes at least its 8-byte length: bound n before allocating */
+        if (kv->is_array && n > remaining(r) / 8)
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' at byte %zu claims %llu strings, more than the %zu remaining bytes hold" HINT,
+                            kv->key, offset_of(r, r->p), (unsigned long long)n, remaining(r));
+        kv->items = malloc(sizeof(*kv->items) * (size_t)(n ? n : 1));
+        if (!kv->items) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF metadata '%s' (%llu strings)", kv->key, (unsigned long long)n);
+        for (uint64_t j = 0; j < n; j++) {
+            uint64_t len;
+            KVC_TRY(rd_str(r, &kv->items[j], &len, "string value", kv->key));
         }
-    } else if (type == GGUF_T_STRING) {
-        kv->type = GGUF_T_STRING;
-        kv->n = 1;
-        kv->items = malloc(sizeof(*kv->items));
-        if (!kv->items) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF metadata");
-        uint64_t l;
-        KVC_TRY(rd_str(r, &kv->items[0], &l, kv->key));
-        kv->data = kv->items[0];
-    } else {
-        const size_t es = scalar_size((int32_t)type);
-        if (!es) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' has unknown value type %u" HINT, kv->key, type);
-        KVC_TRY(need(r, es, kv->key));
-        kv->type = (int32_t)type;
-        kv->n = 1;
-        kv->data = r->p;
-        r->p += es;
+        return KVC_OK;
     }
-    (void)f;
+    const size_t es = scalar_size((int32_t)et);
+    if (!es)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' at byte %zu has unknown value type %u" HINT, kv->key,
+                        offset_of(r, r->p), et);
+    if (!kv->is_array) KVC_TRY(need(r, es, "value", kv->key));
+    if (n > remaining(r) / es)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' at byte %zu claims %llu %s values, more than the %zu remaining bytes hold" HINT,
+                        kv->key, offset_of(r, r->p), (unsigned long long)n, value_type_name(et), remaining(r));
+    r->p += n * es;
+    return KVC_OK;
+}
+
+static kvc_status parse_kv(reader *r, gguf_kv *kv, uint64_t index) {
+    KVC_TRY(rd_name(r, "metadata key", index, 65535, &kv->key));
+    uint32_t type;
+    const uint8_t *at = r->p;
+    KVC_TRY(rd_u32(r, &type, "value type", kv->key));
+    if (type != GGUF_T_ARRAY) {
+        if (type != GGUF_T_STRING && !scalar_size((int32_t)type))
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' at byte %zu has unknown value type %u" HINT, kv->key,
+                            offset_of(r, at), type);
+        return parse_values(r, kv, type, 1);
+    }
+    uint32_t et;
+    uint64_t n;
+    KVC_TRY(rd_u32(r, &et, "array element type", kv->key));
+    KVC_TRY(rd_u64(r, &n, "array length", kv->key));
+    if (et == GGUF_T_ARRAY)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: metadata '%s' is an array of arrays, which kvpress_c does not read", kv->key);
+    kv->is_array = 1;
+    return parse_values(r, kv, et, n);
+}
+
+/* Duplicate names: sort pointers to them and compare neighbours (n log n for any count). */
+static int cmp_name(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+static kvc_status check_unique(const char **names, int64_t n, const char *what) {
+    if (n < 2) return KVC_OK;
+    qsort(names, (size_t)n, sizeof *names, cmp_name);
+    for (int64_t i = 1; i < n; i++)
+        if (strcmp(names[i - 1], names[i]) == 0) return kvc_fail(KVC_ERR_FORMAT, "GGUF: duplicate %s '%s'" HINT, what, names[i]);
+    return KVC_OK;
+}
+
+static kvc_status unique_keys_and_names(gguf_file *f) {
+    const int64_t n = f->n_kv > f->n_tensors ? f->n_kv : f->n_tensors;
+    const char **names = malloc(sizeof(*names) * (size_t)(n ? n : 1));
+    if (!names) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF name table");
+    for (int64_t i = 0; i < f->n_kv; i++) names[i] = f->kv[i].key;
+    kvc_status st = check_unique(names, f->n_kv, "metadata key");
+    if (st == KVC_OK) {
+        for (int64_t i = 0; i < f->n_tensors; i++) names[i] = f->tensors[i].name;
+        st = check_unique(names, f->n_tensors, "tensor");
+    }
+    free(names);
+    return st;
+}
+
+static kvc_status read_alignment(gguf_file *f) {
+    f->alignment = 32;
+    int64_t i = gguf_find_kv(f, "general.alignment");
+    if (i < 0) return KVC_OK;
+    const gguf_kv *kv = &f->kv[i];
+    double a = 0;
+    if (kv->is_array || kv->type == GGUF_T_F32 || kv->type == GGUF_T_F64 || kv->type == GGUF_T_BOOL ||
+        gguf_kv_number(f, i, 0, &a) != KVC_OK)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: general.alignment must be an unsigned integer, found a %s%s" HINT,
+                        kv->is_array ? "array of " : "", value_type_name((uint32_t)kv->type));
+    if (!(a >= 1 && a <= 65536) || ((uint64_t)a & ((uint64_t)a - 1)))
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: general.alignment must be a power of two up to 65536, found %.0f" HINT, a);
+    f->alignment = (uint64_t)a;
+    return KVC_OK;
+}
+
+static kvc_status parse_tensor_info(reader *r, gguf_tensor *t, uint64_t index, uint64_t *offset) {
+    const uint8_t *at = r->p;
+    KVC_TRY(rd_name(r, "tensor name", index, 4096, (char **)&t->name));
+    uint32_t nd, type;
+    KVC_TRY(rd_u32(r, &nd, "dimension count", t->name));
+    if (nd < 1 || nd > 4)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' (info at byte %zu) has %u dimensions, 1 to 4 allowed" HINT, t->name,
+                        offset_of(r, at), nd);
+    t->n_dims = (int32_t)nd;
+    for (int k = 0; k < 4; k++) t->ne[k] = 1;
+    uint64_t count = 1;
+    for (uint32_t k = 0; k < nd; k++) {
+        uint64_t ne;
+        KVC_TRY(rd_u64(r, &ne, "shape", t->name));
+        /* each dimension and the product stay below 2^62, so sizes derived from them cannot overflow */
+        if (ne >= (1ull << 62) || (ne && count > ((1ull << 62) - 1) / ne))
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' (info at byte %zu) has an impossible shape: dimension %u is %llu" HINT,
+                            t->name, offset_of(r, at), k, (unsigned long long)ne);
+        t->ne[k] = (int64_t)ne;
+        count *= ne;
+    }
+    t->n_elements = (int64_t)count;
+    KVC_TRY(rd_u32(r, &type, "type", t->name));
+    if (type >= MAX_TYPE_ID)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' (info at byte %zu) has invalid ggml type id %u" HINT, t->name,
+                        offset_of(r, at), type);
+    t->type = (int32_t)type;
+    return rd_u64(r, offset, "data offset", t->name);
+}
+
+/* Place every tensor of a known type inside the data section (aligned, whole blocks, in bounds). */
+static kvc_status place_tensors(gguf_file *f, const uint64_t *offsets) {
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        gguf_tensor *t = &f->tensors[i];
+        if (offsets[i] % f->alignment)
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' data offset %llu is not a multiple of the alignment %llu" HINT,
+                            t->name, (unsigned long long)offsets[i], (unsigned long long)f->alignment);
+        if (!ggml_type_known(t->type)) {
+            /* a type newer than this reader: no size to check; the loader refuses it if it needs it */
+            t->data = NULL;
+            t->nbytes = 0;
+            continue;
+        }
+        const int64_t be = ggml_block_elems(t->type);
+        if (t->ne[0] % be)
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has rows of %lld values, not a whole number of %s blocks (%lld values)" HINT,
+                            t->name, (long long)t->ne[0], ggml_type_name(t->type), (long long)be);
+        size_t nbytes;
+        KVC_TRY(ggml_nbytes(t->type, t->n_elements, &nbytes));
+        const size_t avail = f->size - f->data_start;
+        if (offsets[i] > avail || nbytes > avail - offsets[i])
+            return kvc_fail(KVC_ERR_FORMAT,
+                            "GGUF: tensor '%s' (%s, %zu bytes at data offset %llu, file byte %llu) ends past the end of the file (%zu bytes)" HINT,
+                            t->name, ggml_type_name(t->type), nbytes, (unsigned long long)offsets[i],
+                            (unsigned long long)(f->data_start + offsets[i]), f->size);
+        t->data = f->map + f->data_start + offsets[i];
+        t->nbytes = nbytes;
+    }
     return KVC_OK;
 }
 
@@ -148,125 +278,73 @@ static kvc_status parse(gguf_file *f) {
     reader r = {f->map, f->map + f->size, f->map};
     uint32_t magic;
     uint64_t n_tensors, n_kv;
-    KVC_TRY(rd_u32(&r, &magic, "magic"));
-    if (magic != GGUF_MAGIC) return kvc_fail(KVC_ERR_FORMAT, "not a GGUF file (bad magic): give a .gguf file or a Hugging Face folder");
-    KVC_TRY(rd_u32(&r, &f->version, "version"));
-    if (f->version == 1) return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF v1 is not supported: re-convert the model with a current llama.cpp");
+    KVC_TRY(rd_u32(&r, &magic, "magic", NULL));
+    if (magic != GGUF_MAGIC)
+        return kvc_fail(KVC_ERR_FORMAT, "not a GGUF file (the first 4 bytes are not \"GGUF\"): give a .gguf file or a Hugging Face folder");
+    KVC_TRY(rd_u32(&r, &f->version, "version", NULL));
+    if (f->version == 1)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF v1 files are not supported (v2 and v3 are): re-convert the model with a current llama.cpp");
+    if (f->version == 0x02000000u || f->version == 0x03000000u)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "big-endian GGUF files are not supported: use a little-endian conversion");
     if (f->version != 2 && f->version != 3)
-        return kvc_fail(KVC_ERR_FORMAT, "GGUF: unknown version %u (supported: 2, 3)" HINT, f->version);
-    KVC_TRY(rd_u64(&r, &n_tensors, "tensor count"));
-    KVC_TRY(rd_u64(&r, &n_kv, "metadata count"));
-    /* each kv needs >= 12 bytes and each tensor info >= 24: bound the counts by the file size */
-    if (n_kv > f->size / 12 || n_tensors > f->size / 24)
-        return kvc_fail(KVC_ERR_FORMAT, "GGUF: the header claims %llu metadata entries and %llu tensors, impossible for a %zu-byte file" HINT,
-                        (unsigned long long)n_kv, (unsigned long long)n_tensors, f->size);
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: unknown version %u at byte 4 (2 and 3 are supported)" HINT, f->version);
+    KVC_TRY(rd_u64(&r, &n_tensors, "tensor count", NULL));
+    KVC_TRY(rd_u64(&r, &n_kv, "metadata count", NULL));
+    const size_t rest = remaining(&r);
+    if (n_kv > rest / MIN_KV_BYTES || n_tensors > rest / MIN_TENSOR_BYTES ||
+        n_kv * MIN_KV_BYTES + n_tensors * MIN_TENSOR_BYTES > rest)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: the header (bytes 8..23) claims %llu tensors and %llu metadata entries, more than the %zu-byte file can hold" HINT,
+                        (unsigned long long)n_tensors, (unsigned long long)n_kv, f->size);
     f->kv = calloc((size_t)(n_kv ? n_kv : 1), sizeof(gguf_kv));
     f->tensors = calloc((size_t)(n_tensors ? n_tensors : 1), sizeof(gguf_tensor));
     if (!f->kv || !f->tensors) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF header");
     for (uint64_t i = 0; i < n_kv; i++) {
-        f->n_kv = (int64_t)i + 1;
-        KVC_TRY(parse_kv(f, &r, &f->kv[i], (int64_t)i));
-        for (uint64_t j = 0; j < i; j++)
-            if (strcmp(f->kv[j].key, f->kv[i].key) == 0) return kvc_fail(KVC_ERR_FORMAT, "GGUF: duplicate metadata key '%s'" HINT, f->kv[i].key);
-    }
-    uint64_t alignment = 32;
-    int64_t ai = gguf_find_kv(f, "general.alignment");
-    if (ai >= 0) {
-        double a;
-        KVC_TRY(gguf_kv_number(f, ai, 0, &a));
-        if (f->kv[ai].is_array || a < 1 || a > 65536 || ((uint64_t)a & ((uint64_t)a - 1)))
-            return kvc_fail(KVC_ERR_FORMAT, "GGUF: general.alignment must be a power of two, got %g" HINT, a);
-        alignment = (uint64_t)a;
+        f->n_kv = (int64_t)i + 1; /* counted before parsing so that gguf_close frees a partial entry */
+        KVC_TRY(parse_kv(&r, &f->kv[i], i));
     }
     uint64_t *offsets = malloc(sizeof(uint64_t) * (size_t)(n_tensors ? n_tensors : 1));
     if (!offsets) return kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF tensor table");
     kvc_status st = KVC_OK;
     for (uint64_t i = 0; i < n_tensors && st == KVC_OK; i++) {
-        gguf_tensor *t = &f->tensors[i];
         f->n_tensors = (int64_t)i + 1;
-        const uint8_t *s;
-        uint64_t len;
-        uint32_t nd, type;
-        if ((st = rd_str(&r, &s, &len, "tensor name")) != KVC_OK) break;
-        if (len == 0 || len > 4096) { st = kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor %llu has a name of length %llu" HINT, (unsigned long long)i, (unsigned long long)len); break; }
-        char *name = malloc(len + 1);
-        if (!name) { st = kvc_fail(KVC_ERR_NOMEM, "out of memory: GGUF tensor names"); break; }
-        memcpy(name, s + 8, len);
-        name[len] = '\0';
-        t->name = name;
-        if ((st = rd_u32(&r, &nd, t->name)) != KVC_OK) break;
-        if (nd < 1 || nd > 4) { st = kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has %u dimensions (1 to 4 allowed)" HINT, t->name, nd); break; }
-        t->n_dims = (int32_t)nd;
-        int64_t count = 1;
-        for (int k = 0; k < 4; k++) t->ne[k] = 1;
-        for (uint32_t k = 0; k < nd && st == KVC_OK; k++) {
-            uint64_t ne;
-            if ((st = rd_u64(&r, &ne, t->name)) != KVC_OK) break;
-            if (ne > (uint64_t)INT64_MAX / 2 || (ne && (uint64_t)count > (uint64_t)INT64_MAX / ne)) {
-                st = kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has an impossible shape" HINT, t->name);
-                break;
-            }
-            t->ne[k] = (int64_t)ne;
-            count *= (int64_t)ne;
-        }
-        if (st != KVC_OK) break;
-        t->n_elements = count;
-        if ((st = rd_u32(&r, &type, t->name)) != KVC_OK) break;
-        t->type = (int32_t)type;
-        if ((st = rd_u64(&r, &offsets[i], t->name)) != KVC_OK) break;
-        for (uint64_t j = 0; j < i; j++)
-            if (strcmp(f->tensors[j].name, t->name) == 0) { st = kvc_fail(KVC_ERR_FORMAT, "GGUF: duplicate tensor '%s'" HINT, t->name); break; }
+        st = parse_tensor_info(&r, &f->tensors[i], i, &offsets[i]);
     }
+    if (st == KVC_OK) st = unique_keys_and_names(f);
+    if (st == KVC_OK) st = read_alignment(f);
     if (st == KVC_OK) {
-        size_t data_start = (size_t)(r.p - f->map);
-        data_start = (data_start + alignment - 1) / alignment * alignment;
-        if (data_start > f->size && n_tensors > 0)
-            st = kvc_fail(KVC_ERR_FORMAT, "GGUF: the tensor data section starts past the end of the file" HINT);
-        for (uint64_t i = 0; i < n_tensors && st == KVC_OK; i++) {
-            gguf_tensor *t = &f->tensors[i];
-            if (offsets[i] % alignment) {
-                st = kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' data offset %llu is not aligned to %llu" HINT, t->name,
-                              (unsigned long long)offsets[i], (unsigned long long)alignment);
-                break;
-            }
-            size_t nbytes = 0;
-            kvc_status ns = ggml_nbytes(t->type, t->n_elements, &nbytes);
-            if (ns == KVC_ERR_UNSUPPORTED) {
-                /* a type we cannot decode: fine unless the model needs this tensor (checked by the loader) */
-                t->nbytes = 0;
-                t->data = NULL;
-                continue;
-            }
-            if (ns != KVC_OK || (t->ne[0] % ggml_block_elems(t->type)) != 0) {
-                st = kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has %lld elements, not a whole number of %s blocks" HINT,
-                              t->name, (long long)t->n_elements, ggml_type_name(t->type));
-                break;
-            }
-            if (offsets[i] > f->size - data_start || nbytes > f->size - data_start - offsets[i]) {
-                st = kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' (%zu bytes at offset %llu) lies outside the file" HINT, t->name,
-                              nbytes, (unsigned long long)offsets[i]);
-                break;
-            }
-            t->data = f->map + data_start + offsets[i];
-            t->nbytes = nbytes;
+        const size_t info_end = offset_of(&r, r.p);
+        f->data_start = (info_end + f->alignment - 1) / f->alignment * f->alignment;
+        if (f->data_start > f->size) {
+            if (n_tensors > 0)
+                st = kvc_fail(KVC_ERR_FORMAT, "GGUF: the tensor data should start at byte %zu, past the end of the file (%zu bytes)" HINT,
+                              f->data_start, f->size);
+            f->data_start = f->size;
         }
     }
+    if (st == KVC_OK) st = place_tensors(f, offsets);
     free(offsets);
     return st;
 }
 
 kvc_status gguf_open(const char *path, gguf_file **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "gguf_open: out is NULL");
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (!path) return kvc_fail(KVC_ERR_ARG, "gguf_open: path is NULL");
+    /* non-blocking so that a FIFO or device given as a model fails below instead of hanging */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return kvc_fail(KVC_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
         close(fd);
-        return kvc_fail(KVC_ERR_IO, "'%s' is not a regular file", path);
+        return kvc_fail(KVC_ERR_IO, "'%s' is not a regular file: give a .gguf file or a Hugging Face folder", path);
     }
     if (st.st_size < 24) {
         close(fd);
-        return kvc_fail(KVC_ERR_FORMAT, "'%s' is too small (%lld bytes) to be a GGUF file" HINT, path, (long long)st.st_size);
+        return kvc_fail(KVC_ERR_FORMAT, "'%s' has %lld bytes, too few for a GGUF header (24)" HINT, path, (long long)st.st_size);
+    }
+    if ((uint64_t)st.st_size > SIZE_MAX) {
+        close(fd);
+        return kvc_fail(KVC_ERR_IO, "'%s' is too large to map on this platform", path);
     }
     void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
@@ -309,19 +387,33 @@ int64_t gguf_find_kv(const gguf_file *f, const char *key) {
     return -1;
 }
 
-const char *gguf_kv_key(const gguf_file *f, int64_t i) { return f->kv[i].key; }
+const char *gguf_kv_key(const gguf_file *f, int64_t i) { return (i >= 0 && i < f->n_kv) ? f->kv[i].key : NULL; }
 
 int32_t gguf_kv_type(const gguf_file *f, int64_t i, int32_t *is_array, uint64_t *n) {
+    if (i < 0 || i >= f->n_kv) {
+        *is_array = 0;
+        *n = 0;
+        return -1;
+    }
     *is_array = f->kv[i].is_array;
     *n = f->kv[i].n;
     return f->kv[i].type;
 }
 
+static kvc_status kv_element(const gguf_file *f, int64_t i, uint64_t j, const gguf_kv **kv) {
+    if (i < 0 || i >= f->n_kv) return kvc_fail(KVC_ERR_ARG, "GGUF: metadata index %lld out of range", (long long)i);
+    *kv = &f->kv[i];
+    if (j >= (*kv)->n)
+        return kvc_fail(KVC_ERR_ARG, "GGUF: element %llu of '%s' out of range (%llu elements)", (unsigned long long)j,
+                        (*kv)->key, (unsigned long long)(*kv)->n);
+    return KVC_OK;
+}
+
 kvc_status gguf_kv_number(const gguf_file *f, int64_t i, uint64_t j, double *out) {
-    const gguf_kv *kv = &f->kv[i];
-    if (j >= kv->n) return kvc_fail(KVC_ERR_ARG, "GGUF: element %llu of '%s' out of range", (unsigned long long)j, kv->key);
+    const gguf_kv *kv = NULL;
+    KVC_TRY(kv_element(f, i, j, &kv));
     const size_t es = scalar_size(kv->type);
-    if (!es) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' is not a number", kv->key);
+    if (!es) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' is a %s, not a number" HINT, kv->key, value_type_name((uint32_t)kv->type));
     const uint8_t *p = kv->data + j * es;
     switch (kv->type) {
     case GGUF_T_U8: *out = *p; break;
@@ -335,15 +427,16 @@ kvc_status gguf_kv_number(const gguf_file *f, int64_t i, uint64_t j, double *out
     case GGUF_T_U64: { uint64_t v; memcpy(&v, p, 8); *out = (double)v; break; }
     case GGUF_T_I64: { int64_t v; memcpy(&v, p, 8); *out = (double)v; break; }
     case GGUF_T_F64: { double v; memcpy(&v, p, 8); *out = v; break; }
-    default: return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' is not a number", kv->key);
+    default: return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' is not a number" HINT, kv->key);
     }
     return KVC_OK;
 }
 
 kvc_status gguf_kv_string(const gguf_file *f, int64_t i, uint64_t j, const char **s, uint64_t *len) {
-    const gguf_kv *kv = &f->kv[i];
-    if (kv->type != GGUF_T_STRING) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' is not a string", kv->key);
-    if (j >= kv->n) return kvc_fail(KVC_ERR_ARG, "GGUF: element %llu of '%s' out of range", (unsigned long long)j, kv->key);
+    const gguf_kv *kv = NULL;
+    KVC_TRY(kv_element(f, i, j, &kv));
+    if (kv->type != GGUF_T_STRING)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' is a %s, not a string" HINT, kv->key, value_type_name((uint32_t)kv->type));
     memcpy(len, kv->items[j], 8);
     *s = (const char *)kv->items[j] + 8;
     return KVC_OK;
@@ -352,14 +445,18 @@ kvc_status gguf_kv_string(const gguf_file *f, int64_t i, uint64_t j, const char 
 static kvc_status get_number(const gguf_file *f, const char *key, double *out, int required) {
     int64_t i = gguf_find_kv(f, key);
     if (i < 0) return required ? kvc_fail(KVC_ERR_FORMAT, "GGUF: required metadata '%s' is missing" HINT, key) : KVC_OK;
-    if (f->kv[i].is_array || f->kv[i].n != 1) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' should be a single number" HINT, key);
+    if (f->kv[i].is_array)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' should be a single number, found an array of %llu" HINT, key,
+                        (unsigned long long)f->kv[i].n);
     return gguf_kv_number(f, i, 0, out);
 }
 
 kvc_status gguf_get_int(const gguf_file *f, const char *key, int64_t *out) {
     double v;
     KVC_TRY(get_number(f, key, &v, 1));
-    if (v != (double)(int64_t)v) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' = %g is not an integer" HINT, key, v);
+    /* range first: converting an out-of-range double to an integer is undefined */
+    if (!(v >= -9.2e18 && v <= 9.2e18) || v != floor(v))
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' = %g is not an integer" HINT, key, v);
     *out = (int64_t)v;
     return KVC_OK;
 }
@@ -373,8 +470,19 @@ kvc_status gguf_get_float_opt(const gguf_file *f, const char *key, double *out) 
     return get_number(f, key, out, 0);
 }
 
+kvc_status gguf_get_string_opt(const gguf_file *f, const char *key, const char **s, uint64_t *len) {
+    int64_t i = gguf_find_kv(f, key);
+    if (i < 0) return KVC_OK;
+    if (f->kv[i].is_array || f->kv[i].type != GGUF_T_STRING)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata '%s' should be a single string, found a %s%s" HINT, key,
+                        f->kv[i].is_array ? "array of " : "", value_type_name((uint32_t)f->kv[i].type));
+    return gguf_kv_string(f, i, 0, s, len);
+}
+
 int64_t gguf_n_tensors(const gguf_file *f) { return f->n_tensors; }
-const gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i) { return &f->tensors[i]; }
+const gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i) {
+    return (i >= 0 && i < f->n_tensors) ? &f->tensors[i] : NULL;
+}
 
 const gguf_tensor *gguf_find_tensor(const gguf_file *f, const char *name) {
     for (int64_t i = 0; i < f->n_tensors; i++)

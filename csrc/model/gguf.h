@@ -12,9 +12,11 @@ enum gguf_type {
     GGUF_T_I64 = 11, GGUF_T_F64 = 12
 };
 
-/* ggml tensor types (the subset we read) */
+/* ggml tensor types (the ones we decode; dequant.c knows the sizes and names of the others) */
 enum ggml_type {
-    GGML_T_F32 = 0, GGML_T_F16 = 1, GGML_T_Q4_0 = 2, GGML_T_Q4_1 = 3, GGML_T_Q8_0 = 8, GGML_T_BF16 = 30
+    GGML_T_F32 = 0, GGML_T_F16 = 1, GGML_T_Q4_0 = 2, GGML_T_Q4_1 = 3, GGML_T_Q5_0 = 6, GGML_T_Q5_1 = 7,
+    GGML_T_Q8_0 = 8, GGML_T_Q2_K = 10, GGML_T_Q3_K = 11, GGML_T_Q4_K = 12, GGML_T_Q5_K = 13, GGML_T_Q6_K = 14,
+    GGML_T_BF16 = 30
 };
 
 typedef struct gguf_tensor {
@@ -23,7 +25,7 @@ typedef struct gguf_tensor {
     int32_t n_dims;
     int64_t ne[4];        /* ne[0] is the contiguous (row) dimension, as in ggml */
     int64_t n_elements;
-    const void *data;     /* into the mapping, bounds-checked */
+    const void *data;     /* into the mapping, bounds-checked; NULL for a ggml type unknown to dequant.c */
     size_t nbytes;
 } gguf_tensor;
 
@@ -49,10 +51,12 @@ kvc_status gguf_kv_string(const gguf_file *f, int64_t i, uint64_t j, const char 
 kvc_status gguf_get_int(const gguf_file *f, const char *key, int64_t *out);
 kvc_status gguf_get_int_opt(const gguf_file *f, const char *key, int64_t *out);
 kvc_status gguf_get_float_opt(const gguf_file *f, const char *key, double *out);
+/* a single string (not NUL-terminated); *s and *len untouched when the key is absent */
+kvc_status gguf_get_string_opt(const gguf_file *f, const char *key, const char **s, uint64_t *len);
 
 /* tensors */
 int64_t gguf_n_tensors(const gguf_file *f);
-const gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i);
+const gguf_tensor *gguf_tensor_at(const gguf_file *f, int64_t i); /* NULL if out of range */
 const gguf_tensor *gguf_find_tensor(const gguf_file *f, const char *name); /* NULL if absent */
 
 #endif

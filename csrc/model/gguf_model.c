@@ -1,5 +1,7 @@
-/* Build a kvc_model from a GGUF file: config from the metadata, tensors by llama.cpp's names,
- * shapes checked, weights dequantised to fp32. */
+/* Build a kvc_model from a GGUF file: config from the `{arch}.*` metadata, tensors by llama.cpp's
+ * names, every shape checked against the config, weights dequantised to fp32. ggml shapes list the
+ * contiguous (input) dimension first: a [out, in] matrix has ne = [in, out]. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -8,100 +10,176 @@
 #include "gguf.h"
 #include "model.h"
 
+#define HINT "; the file may be truncated or corrupt: re-download or re-convert it"
+
 static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *code) {
-    int64_t i = gguf_find_kv(f, "general.architecture");
-    if (i < 0) return kvc_fail(KVC_ERR_FORMAT, "GGUF: general.architecture is missing; the file may be corrupt");
-    const char *s;
-    uint64_t len;
-    KVC_TRY(gguf_kv_string(f, i, 0, &s, &len));
-    if (len >= cap) len = cap - 1;
+    const char *s = NULL;
+    uint64_t len = 0;
+    KVC_TRY(gguf_get_string_opt(f, "general.architecture", &s, &len));
+    if (!s) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata general.architecture is missing" HINT);
+    if (len >= cap || memchr(s, 0, len))
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral and qwen2 are)",
+                        (int)(len < 64 ? len : 64), s);
     memcpy(arch, s, len);
     arch[len] = '\0';
-    if (!strcmp(arch, "llama")) *code = KVC_ARCH_LLAMA;
+    if (!strcmp(arch, "llama")) *code = KVC_ARCH_LLAMA; /* also Mistral and SmolLM conversions */
     else if (!strcmp(arch, "mistral")) *code = KVC_ARCH_MISTRAL;
     else if (!strcmp(arch, "qwen2")) *code = KVC_ARCH_QWEN2;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2 are)", arch);
+    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral and qwen2 are)", arch);
     return KVC_OK;
 }
 
-/* Read `{arch}.{suffix}` as an int, required or with a default. */
-static kvc_status arch_int(const gguf_file *f, const char *arch, const char *suffix, int64_t def, int required, int64_t *out) {
-    char key[160];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    *out = def;
-    if (required) return gguf_get_int(f, key, out);
-    return gguf_get_int_opt(f, key, out);
+static void arch_key(char *key, size_t cap, const char *arch, const char *suffix) {
+    snprintf(key, cap, "%s.%s", arch, suffix);
 }
 
-static kvc_status to_i32(int64_t v, const char *what, int32_t *out) {
-    if (v < INT32_MIN || v > INT32_MAX) return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s = %lld is out of range", what, (long long)v);
+/* `{arch}.{suffix}` as an int32: required, or `def` when absent. */
+static kvc_status arch_int(const gguf_file *f, const char *arch, const char *suffix, int64_t def, int required, int32_t *out) {
+    char key[128];
+    arch_key(key, sizeof key, arch, suffix);
+    int64_t v = def;
+    KVC_TRY(required ? gguf_get_int(f, key, &v) : gguf_get_int_opt(f, key, &v));
+    if (v < INT32_MIN || v > INT32_MAX) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata %s = %lld is out of range" HINT, key, (long long)v);
     *out = (int32_t)v;
     return KVC_OK;
 }
 
-static kvc_status read_config(const gguf_file *f, kvc_config *c) {
-    char arch[32];
-    kvc_config_defaults(c);
-    KVC_TRY(arch_of(f, arch, sizeof arch, &c->arch));
-    int64_t v;
-    KVC_TRY(arch_int(f, arch, "block_count", 0, 1, &v));
-    KVC_TRY(to_i32(v, "block_count", &c->n_layers));
-    KVC_TRY(arch_int(f, arch, "embedding_length", 0, 1, &v));
-    KVC_TRY(to_i32(v, "embedding_length", &c->hidden));
-    KVC_TRY(arch_int(f, arch, "attention.head_count", 0, 1, &v));
-    KVC_TRY(to_i32(v, "attention.head_count", &c->n_heads));
-    KVC_TRY(arch_int(f, arch, "attention.head_count_kv", c->n_heads, 0, &v));
-    KVC_TRY(to_i32(v, "attention.head_count_kv", &c->n_kv_heads));
-    KVC_TRY(arch_int(f, arch, "feed_forward_length", 0, 1, &v));
-    KVC_TRY(to_i32(v, "feed_forward_length", &c->ffn));
-    KVC_TRY(arch_int(f, arch, "context_length", 0, 0, &v));
-    KVC_TRY(to_i32(v, "context_length", &c->max_context));
-    if (c->n_heads <= 0) return kvc_fail(KVC_ERR_FORMAT, "GGUF: attention.head_count = %d", c->n_heads);
-    int64_t hd = c->hidden / c->n_heads;
-    KVC_TRY(arch_int(f, arch, "attention.key_length", hd, 0, &hd));
-    KVC_TRY(arch_int(f, arch, "rope.dimension_count", hd, 0, &v));
-    if (v != hd) return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: partial rotary embeddings (rope.dimension_count %lld != head_dim %lld) are not supported", (long long)v, (long long)hd);
-    KVC_TRY(to_i32(hd, "head_dim", &c->head_dim));
-    char key[160];
-    double x = c->rope_theta;
-    snprintf(key, sizeof key, "%s.rope.freq_base", arch);
+static kvc_status arch_float(const gguf_file *f, const char *arch, const char *suffix, float *inout) {
+    char key[128];
+    arch_key(key, sizeof key, arch, suffix);
+    double x = *inout;
     KVC_TRY(gguf_get_float_opt(f, key, &x));
-    c->rope_theta = (float)x;
-    x = c->rms_eps;
-    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", arch);
-    KVC_TRY(gguf_get_float_opt(f, key, &x));
-    c->rms_eps = (float)x;
-    /* vocabulary: metadata, else the tokenizer's list, else the embedding's shape */
-    const gguf_tensor *emb = gguf_find_tensor(f, "token_embd.weight");
-    if (!emb) return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor token_embd.weight is missing; the file may be corrupt");
-    v = emb->n_dims == 2 ? emb->ne[1] : 0;
-    KVC_TRY(arch_int(f, arch, "vocab_size", v, 0, &v));
-    KVC_TRY(to_i32(v, "vocab_size", &c->vocab));
-    c->rope_pairing = c->arch == KVC_ARCH_QWEN2 ? KVC_ROPE_HALF : KVC_ROPE_ADJACENT;
-    c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
-    c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
-    v = -1;
-    KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.bos_token_id", &v));
-    KVC_TRY(to_i32(v, "bos_token_id", &c->bos_id));
-    v = -1;
-    KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.eos_token_id", &v));
-    KVC_TRY(to_i32(v, "eos_token_id", &c->eos_id));
+    if (!isfinite(x)) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata %s = %g is not finite" HINT, key, x);
+    *inout = (float)x;
     return KVC_OK;
 }
 
-/* Dequantise tensor `name` (ggml shape ne0 = cols, ne1 = rows) into dst after checking its shape. */
+/* Linear RoPE scaling (positions / factor, i.e. every frequency / factor), as a per-frequency
+ * divisor; 1 when there is none. Other scalings change more than the frequencies: refused. */
+static kvc_status rope_scaling(const gguf_file *f, const char *arch, float *linear) {
+    char key[128];
+    const char *type = NULL;
+    uint64_t len = 0;
+    float factor = 0.0f, legacy = 0.0f;
+    *linear = 1.0f;
+    arch_key(key, sizeof key, arch, "rope.scaling.type");
+    KVC_TRY(gguf_get_string_opt(f, key, &type, &len));
+    KVC_TRY(arch_float(f, arch, "rope.scaling.factor", &factor));
+    KVC_TRY(arch_float(f, arch, "rope.scale_linear", &legacy));
+    if (legacy != 0.0f && legacy != 1.0f) {
+        if (!(legacy > 0)) return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.rope.scale_linear = %g" HINT, arch, legacy);
+        *linear = legacy;
+    }
+    const int none = !type || (len == 4 && !memcmp(type, "none", 4));
+    if (none || factor == 0.0f || factor == 1.0f) return KVC_OK;
+    if (len == 6 && !memcmp(type, "linear", 6)) {
+        if (!(factor > 0)) return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.rope.scaling.factor = %g" HINT, arch, factor);
+        *linear = factor;
+        return KVC_OK;
+    }
+    return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: RoPE scaling '%.*s' (factor %g) is not supported (linear and Llama-3.1 rope_freqs are)",
+                    (int)(len < 32 ? len : 32), type, factor);
+}
+
+static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_scale) {
+    char arch[32];
+    kvc_config_defaults(c);
+    KVC_TRY(arch_of(f, arch, sizeof arch, &c->arch));
+    int32_t experts = 0;
+    KVC_TRY(arch_int(f, arch, "expert_count", 0, 0, &experts));
+    if (experts > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: mixture-of-experts models (%s.expert_count = %d) are not supported", arch, experts);
+    KVC_TRY(arch_int(f, arch, "block_count", 0, 1, &c->n_layers));
+    KVC_TRY(arch_int(f, arch, "embedding_length", 0, 1, &c->hidden));
+    KVC_TRY(arch_int(f, arch, "attention.head_count", 0, 1, &c->n_heads));
+    KVC_TRY(arch_int(f, arch, "attention.head_count_kv", c->n_heads, 0, &c->n_kv_heads));
+    KVC_TRY(arch_int(f, arch, "feed_forward_length", 0, 1, &c->ffn));
+    KVC_TRY(arch_int(f, arch, "context_length", 0, 0, &c->max_context));
+    if (c->n_heads <= 0 || c->hidden <= 0)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.attention.head_count = %d, %s.embedding_length = %d (must be positive)" HINT, arch,
+                        c->n_heads, arch, c->hidden);
+    /* head_dim: key_length, else the rotary dimension count, else hidden / heads */
+    int32_t rot = c->hidden / c->n_heads;
+    KVC_TRY(arch_int(f, arch, "rope.dimension_count", rot, 0, &rot));
+    KVC_TRY(arch_int(f, arch, "attention.key_length", rot, 0, &c->head_dim));
+    int32_t vlen = c->head_dim;
+    KVC_TRY(arch_int(f, arch, "attention.value_length", c->head_dim, 0, &vlen));
+    if (vlen != c->head_dim)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: key length %d != value length %d is not supported", c->head_dim, vlen);
+    if (rot != c->head_dim)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: partial rotary embeddings (%s.rope.dimension_count %d != head_dim %d) are not supported",
+                        arch, rot, c->head_dim);
+    KVC_TRY(arch_float(f, arch, "rope.freq_base", &c->rope_theta));
+    KVC_TRY(arch_float(f, arch, "attention.layer_norm_rms_epsilon", &c->rms_eps));
+    KVC_TRY(rope_scaling(f, arch, linear_scale));
+    /* vocabulary: metadata, else the tokenizer's list, else the embedding's rows */
+    const gguf_tensor *emb = gguf_find_tensor(f, "token_embd.weight");
+    if (!emb) return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor 'token_embd.weight' is missing" HINT);
+    int64_t vocab = emb->n_dims == 2 ? emb->ne[1] : 0;
+    int64_t ti = gguf_find_kv(f, "tokenizer.ggml.tokens");
+    if (ti >= 0) {
+        int32_t is_array;
+        uint64_t n;
+        gguf_kv_type(f, ti, &is_array, &n);
+        if (is_array && n > 0 && n <= INT32_MAX) vocab = (int64_t)n;
+    }
+    KVC_TRY(arch_int(f, arch, "vocab_size", vocab, 0, &c->vocab));
+    c->rope_pairing = c->arch == KVC_ARCH_QWEN2 ? KVC_ROPE_HALF : KVC_ROPE_ADJACENT;
+    c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
+    c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
+    int64_t v = -1;
+    KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.bos_token_id", &v));
+    c->bos_id = (v >= -1 && v <= INT32_MAX) ? (int32_t)v : -1;
+    v = -1;
+    KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.eos_token_id", &v));
+    c->eos_id = (v >= -1 && v <= INT32_MAX) ? (int32_t)v : -1;
+    return KVC_OK;
+}
+
+/* Tensors a llama/qwen2 block may carry that this model has no place for: refusing them beats
+ * silently computing something else. */
+static kvc_status refuse_extra_tensors(const gguf_file *f) {
+    static const char *extra[] = {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_q_norm.weight",
+                                  "attn_k_norm.weight", "attn_qkv.weight", "ffn_gate_inp.weight"};
+    char name[64];
+    for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) {
+        snprintf(name, sizeof name, "blk.0.%s", extra[i]);
+        if (gguf_find_tensor(f, name))
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' is not supported by this model architecture in kvpress_c", name);
+    }
+    return KVC_OK;
+}
+
+static void shape_str(const gguf_tensor *t, char *buf, size_t cap) {
+    int n = snprintf(buf, cap, "[");
+    for (int k = 0; k < t->n_dims && n > 0 && (size_t)n < cap; k++)
+        n += snprintf(buf + n, cap - (size_t)n, "%s%lld", k ? ", " : "", (long long)t->ne[k]);
+    if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
+}
+
+/* Dequantise tensor `name` of logical shape [rows, cols] (ggml ne = [cols, rows]; a vector when
+ * rows == 0) into dst after checking its shape and type. */
 static kvc_status load_tensor(const gguf_file *f, const char *name, int64_t rows, int64_t cols, float *dst) {
     const gguf_tensor *t = gguf_find_tensor(f, name);
-    if (!t) return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' is missing; the file may be corrupt or from another architecture", name);
-    const int64_t want_ne1 = rows;
-    const int ok = (rows == 1) ? (t->n_elements == cols && t->ne[0] == cols)
-                               : (t->n_dims == 2 && t->ne[0] == cols && t->ne[1] == want_ne1);
-    if (!ok)
-        return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has shape [%lld, %lld], expected [%lld, %lld] (ggml order) for this config",
-                        name, (long long)t->ne[0], (long long)t->ne[1], (long long)cols, (long long)rows);
-    if (!t->data)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' has type %d, which is not supported (F32, F16, BF16, Q4_0, Q4_1, Q8_0 are)",
-                        name, t->type);
+    if (!t)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' is missing; the file may be corrupt, or from another architecture", name);
+    const int ok = rows == 0 ? (t->n_dims == 1 && t->ne[0] == cols) : (t->n_dims == 2 && t->ne[0] == cols && t->ne[1] == rows);
+    if (!ok) {
+        char found[96];
+        shape_str(t, found, sizeof found);
+        if (rows == 0)
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has shape %s, expected [%lld] (ggml order) for this config" HINT, name,
+                            found, (long long)cols);
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has shape %s, expected [%lld, %lld] (ggml order: input dim first) for this config" HINT,
+                        name, found, (long long)cols, (long long)rows);
+    }
+    if (!ggml_type_supported(t->type) || !t->data) {
+        if (ggml_type_known(t->type))
+            return kvc_fail(KVC_ERR_UNSUPPORTED,
+                            "GGUF: tensor '%s' is %s, which kvpress_c cannot decode (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                            "Q2_K..Q6_K): use a file with one of those types", name, ggml_type_name(t->type));
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' has ggml type id %d, unknown to this version of kvpress_c", name, t->type);
+    }
     kvc_status st = ggml_dequantize(t->type, t->data, t->nbytes, dst, t->n_elements);
     if (st != KVC_OK) {
         char msg[512];
@@ -111,57 +189,65 @@ static kvc_status load_tensor(const gguf_file *f, const char *name, int64_t rows
     return KVC_OK;
 }
 
-static kvc_status load_weights(const gguf_file *f, kvc_model *m) {
+static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_scale) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    KVC_TRY(refuse_extra_tensors(f));
     KVC_TRY(load_tensor(f, "token_embd.weight", c->vocab, D, m->tok_embd));
-    KVC_TRY(load_tensor(f, "output_norm.weight", 1, D, m->out_norm));
+    KVC_TRY(load_tensor(f, "output_norm.weight", 0, D, m->out_norm));
     if (!c->tied_embeddings) KVC_TRY(load_tensor(f, "output.weight", c->vocab, D, m->lm_head));
-    char name[96];
+    char name[64];
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_layer_weights *L = &m->layers[l];
-#define LOAD(suffix, rows, cols, dst)                                   \
-    do {                                                                \
-        snprintf(name, sizeof name, "blk.%d.%s", l, suffix);            \
-        KVC_TRY(load_tensor(f, name, rows, cols, dst));                 \
+#define LOAD(suffix, rows, cols, dst)                                \
+    do {                                                             \
+        snprintf(name, sizeof name, "blk.%d.%s", (int)l, suffix);    \
+        KVC_TRY(load_tensor(f, name, rows, cols, dst));              \
     } while (0)
-        LOAD("attn_norm.weight", 1, D, L->attn_norm);
+        LOAD("attn_norm.weight", 0, D, L->attn_norm);
         LOAD("attn_q.weight", qd, D, L->wq);
         LOAD("attn_k.weight", kd, D, L->wk);
         LOAD("attn_v.weight", kd, D, L->wv);
         LOAD("attn_output.weight", D, qd, L->wo);
         if (c->qkv_bias) {
-            LOAD("attn_q.bias", 1, qd, L->bq);
-            LOAD("attn_k.bias", 1, kd, L->bk);
-            LOAD("attn_v.bias", 1, kd, L->bv);
+            LOAD("attn_q.bias", 0, qd, L->bq);
+            LOAD("attn_k.bias", 0, kd, L->bk);
+            LOAD("attn_v.bias", 0, kd, L->bv);
         }
-        LOAD("ffn_norm.weight", 1, D, L->ffn_norm);
+        LOAD("ffn_norm.weight", 0, D, L->ffn_norm);
         LOAD("ffn_gate.weight", F, D, L->w_gate);
         LOAD("ffn_up.weight", F, D, L->w_up);
         LOAD("ffn_down.weight", D, F, L->w_down);
 #undef LOAD
     }
-    if (gguf_find_tensor(f, "rope_freqs.weight")) {
-        /* Llama-3.1 frequency scaling, stored by the converter as per-frequency divisors */
-        m->rope_factors = kvc_model_alloc_floats(m, (size_t)c->head_dim / 2, "rope factors");
+    const int32_t half = c->head_dim / 2;
+    const int has_freqs = gguf_find_tensor(f, "rope_freqs.weight") != NULL;
+    if (has_freqs || linear_scale != 1.0f) {
+        /* per-frequency divisors, applied by kvc_model_finish: Llama-3.1's rope_freqs, times a
+         * linear scaling factor */
+        m->rope_factors = kvc_model_alloc_floats(m, (size_t)half, "rope factors");
         if (!m->rope_factors) return KVC_ERR_NOMEM;
-        KVC_TRY(load_tensor(f, "rope_freqs.weight", 1, c->head_dim / 2, m->rope_factors));
+        if (has_freqs) KVC_TRY(load_tensor(f, "rope_freqs.weight", 0, half, m->rope_factors));
+        else for (int32_t i = 0; i < half; i++) m->rope_factors[i] = 1.0f;
+        for (int32_t i = 0; i < half; i++) m->rope_factors[i] *= linear_scale;
     }
     return KVC_OK;
 }
 
 kvc_status kvc_load_gguf(const char *path, kvc_model **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_gguf: out is NULL");
     *out = NULL;
     gguf_file *f = NULL;
     KVC_TRY(gguf_open(path, &f));
     kvc_config cfg;
     kvc_model *m = NULL;
-    kvc_status st = read_config(f, &cfg);
+    float linear_scale = 1.0f;
+    kvc_status st = read_config(f, &cfg, &linear_scale);
     if (st == KVC_OK) st = kvc_model_alloc(&cfg, "gguf", &m);
-    if (st == KVC_OK) st = load_weights(f, m);
+    if (st == KVC_OK) st = load_weights(f, m, linear_scale);
     if (st == KVC_OK) st = kvc_model_finish(m);
     if (st != KVC_OK) {
-        kvc_model_free(m);
+        kvc_model_free(m); /* m->meta is still NULL: the file is closed once, here */
         gguf_close(f);
         return st;
     }

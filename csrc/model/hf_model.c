@@ -1,5 +1,9 @@
-/* Build a kvc_model from a Hugging Face folder: config.json, then model.safetensors or the shards
- * named by model.safetensors.index.json (else every *.safetensors in the folder). */
+/* Build a kvc_model from a Hugging Face folder: config.json, then the weights from
+ *   1. model.safetensors, else
+ *   2. model.safetensors.index.json ("weight_map": tensor name -> shard file), else
+ *   3. every *.safetensors in the folder (sorted by name; the first file holding a name wins).
+ * This is the order transformers itself looks for weights in. Every shard is opened (mapped) once,
+ * converted to fp32 into the buffers of kvc_model_alloc, and closed before returning. */
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
@@ -11,223 +15,480 @@
 #include "model.h"
 #include "safetensors.h"
 
-#define MAX_SHARDS 256
+#define MAX_JSON_FILE (64u << 20) /* config.json / index files are a few KB; refuse absurd sizes */
 
-typedef struct shards {
-    st_file *files[MAX_SHARDS];
-    int n;
-} shards;
+/* ---------------------------------------------------------------------------------------------- */
+/* files */
 
-static kvc_status read_file(const char *path, char **out, size_t *len) {
+static char *join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = malloc(n);
+    if (!p) {
+        kvc_fail(KVC_ERR_NOMEM, "out of memory: path");
+        return NULL;
+    }
+    snprintf(p, n, "%s/%s", dir, name);
+    return p;
+}
+
+static int is_file(const char *path) {
+    struct stat sb;
+    return stat(path, &sb) == 0 && S_ISREG(sb.st_mode);
+}
+
+static kvc_status parse_json_file(const char *path, json_value **out) {
+    *out = NULL;
     FILE *fp = fopen(path, "rb");
     if (!fp) return kvc_fail(KVC_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
-    if (fstat(fileno(fp), &sb) != 0 || sb.st_size > (64 << 20)) {
+    if (fstat(fileno(fp), &sb) != 0 || !S_ISREG(sb.st_mode)) {
         fclose(fp);
-        return kvc_fail(KVC_ERR_FORMAT, "'%s' is unreadable or larger than 64 MiB", path);
+        return kvc_fail(KVC_ERR_IO, "'%s' is not a regular file", path);
+    }
+    if ((uint64_t)sb.st_size > MAX_JSON_FILE) {
+        fclose(fp);
+        return kvc_fail(KVC_ERR_FORMAT, "'%s' is larger than %u MiB; it cannot be a model config", path, MAX_JSON_FILE >> 20);
     }
     char *buf = malloc((size_t)sb.st_size + 1);
     if (!buf) {
         fclose(fp);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory reading '%s'", path);
     }
-    size_t n = fread(buf, 1, (size_t)sb.st_size, fp);
+    const size_t n = fread(buf, 1, (size_t)sb.st_size, fp);
+    const int read_error = ferror(fp);
     fclose(fp);
-    buf[n] = '\0';
-    *out = buf;
-    *len = n;
-    return KVC_OK;
-}
-
-static kvc_status parse_json_file(const char *path, json_value **out) {
-    char *text;
-    size_t len;
-    KVC_TRY(read_file(path, &text, &len));
-    kvc_status st = json_parse(text, len, path, out);
-    free(text);
+    if (read_error) {
+        free(buf);
+        return kvc_fail(KVC_ERR_IO, "cannot read '%s'", path);
+    }
+    kvc_status st = json_parse(buf, n, path, out);
+    free(buf);
     return st;
 }
 
-/* Integer field with range check; `def` when absent or null (required: error when absent). */
-static kvc_status get_int(const json_value *cfg, const char *key, int64_t def, int required, int64_t lo, int64_t hi, int32_t *out) {
-    const json_value *v = json_get(cfg, key);
+/* ---------------------------------------------------------------------------------------------- */
+/* config.json */
+
+typedef struct cfg_reader {
+    const json_value *j;
+    const char *path;
+} cfg_reader;
+
+/* A short description of a JSON value for error messages ("got -4", "got a string"). */
+static const char *describe(const json_value *v, char *buf, size_t n) {
+    switch (v->kind) {
+    case JSON_NULL: return "null";
+    case JSON_BOOL: return v->boolean ? "true" : "false";
+    case JSON_NUMBER: snprintf(buf, n, "%.17g", v->number); return buf;
+    case JSON_STRING: snprintf(buf, n, "\"%.40s\"", v->string); return buf;
+    case JSON_ARRAY: return "a list";
+    default: return "an object";
+    }
+}
+
+static kvc_status bad(const cfg_reader *r, const char *key, const json_value *v, const char *want) {
+    char buf[64];
+    return kvc_fail(KVC_ERR_FORMAT, "%s: '%s' must be %s, got %s", r->path, key, want, describe(v, buf, sizeof buf));
+}
+
+/* Integer in [lo, hi]; `def` when absent or null, unless required. Integral floats (64.0) pass. */
+static kvc_status get_int(const cfg_reader *r, const json_value *obj, const char *key, int required, int64_t def,
+                          int64_t lo, int64_t hi, int32_t *out) {
+    const json_value *v = json_get(obj, key);
     if (!v || v->kind == JSON_NULL) {
-        if (required) return kvc_fail(KVC_ERR_FORMAT, "config.json: '%s' is missing", key);
+        if (required) return kvc_fail(KVC_ERR_FORMAT, "%s: '%s' is missing", r->path, key);
         *out = (int32_t)def;
         return KVC_OK;
     }
-    if (v->kind != JSON_NUMBER || v->number != floor(v->number) || v->number < lo || v->number > hi)
-        return kvc_fail(KVC_ERR_FORMAT, "config.json: '%s' must be an integer in [%lld, %lld]", key, (long long)lo, (long long)hi);
+    if (v->kind != JSON_NUMBER || v->number != floor(v->number) || v->number < (double)lo || v->number > (double)hi) {
+        char want[96];
+        snprintf(want, sizeof want, "an integer in [%lld, %lld]", (long long)lo, (long long)hi);
+        return bad(r, key, v, want);
+    }
     *out = (int32_t)v->number;
     return KVC_OK;
 }
 
-static kvc_status get_float(const json_value *cfg, const char *key, double def, double *out) {
-    const json_value *v = json_get(cfg, key);
+/* Number in the open/closed interval given; `def` when absent or null, unless required. */
+static kvc_status get_num(const cfg_reader *r, const json_value *obj, const char *key, int required, double def,
+                          double lo, int lo_open, double hi, const char *want, double *out) {
+    const json_value *v = json_get(obj, key);
     if (!v || v->kind == JSON_NULL) {
+        if (required) return kvc_fail(KVC_ERR_FORMAT, "%s: '%s' is missing (%s)", r->path, key, want);
         *out = def;
         return KVC_OK;
     }
-    if (v->kind != JSON_NUMBER) return kvc_fail(KVC_ERR_FORMAT, "config.json: '%s' must be a number", key);
+    if (v->kind != JSON_NUMBER || (lo_open ? !(v->number > lo) : !(v->number >= lo)) || !(v->number <= hi))
+        return bad(r, key, v, want);
     *out = v->number;
     return KVC_OK;
 }
 
-static kvc_status read_config(const json_value *j, kvc_config *c) {
+/* true/false; `def` when absent or null. */
+static kvc_status get_bool(const cfg_reader *r, const json_value *obj, const char *key, int def, int *out) {
+    const json_value *v = json_get(obj, key);
+    if (!v || v->kind == JSON_NULL) {
+        *out = def;
+        return KVC_OK;
+    }
+    if (v->kind != JSON_BOOL) return bad(r, key, v, "true or false");
+    *out = v->boolean;
+    return KVC_OK;
+}
+
+/* A token id: an integer in [0, vocab), a list of them (the first is kept; Python reads the whole
+ * list for stopping), or null/absent (-1). */
+static kvc_status get_token_id(const cfg_reader *r, const char *key, int32_t vocab, int32_t *out) {
+    const json_value *v = json_get(r->j, key);
+    *out = -1;
+    if (!v || v->kind == JSON_NULL) return KVC_OK;
+    char want[96];
+    snprintf(want, sizeof want, "a token id in [0, %d) or a list of them", vocab);
+    if (v->kind == JSON_ARRAY) {
+        for (size_t i = 0; i < v->n; i++) {
+            const json_value *e = &v->items[i];
+            if (e->kind != JSON_NUMBER || e->number != floor(e->number) || e->number < 0 || e->number >= vocab)
+                return bad(r, key, e, want);
+        }
+        if (v->n) *out = (int32_t)v->items[0].number;
+        return KVC_OK;
+    }
+    if (v->kind != JSON_NUMBER || v->number != floor(v->number) || v->number < 0 || v->number >= vocab)
+        return bad(r, key, v, want);
+    *out = (int32_t)v->number;
+    return KVC_OK;
+}
+
+/* RoPE settings. transformers >= 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}};
+ * older files write a top-level "rope_theta" and "rope_scaling": {"rope_type" or "type", ...}.
+ * As in transformers: a non-empty rope_scaling wins over rope_parameters, and rope_theta inside the
+ * dict wins over the top-level one. Only "default" and "llama3" are implemented. */
+static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
+    const json_value *rs = json_get(r->j, "rope_scaling"), *rp = json_get(r->j, "rope_parameters");
+    if (rs && rs->kind != JSON_NULL && rs->kind != JSON_OBJECT) return bad(r, "rope_scaling", rs, "an object or null");
+    if (rp && rp->kind != JSON_NULL && rp->kind != JSON_OBJECT) return bad(r, "rope_parameters", rp, "an object or null");
+    const json_value *rope = (rs && rs->kind == JSON_OBJECT && rs->n > 0) ? rs : (rp && rp->kind == JSON_OBJECT ? rp : NULL);
+    const char *rope_key = rope == rs ? "rope_scaling" : "rope_parameters";
+    /* per-layer-type form ({"full_attention": {...}, "sliding_attention": {...}}): we run full attention */
+    const json_value *full = json_get(rope, "full_attention");
+    if (full && full->kind == JSON_OBJECT && !json_get(rope, "rope_type") && !json_get(rope, "type")) rope = full;
+
+    double theta;
+    KVC_TRY(get_num(r, r->j, "rope_theta", 0, 10000.0, 1.0, 1, 1e30, "a number > 1", &theta));
+    if (rope) KVC_TRY(get_num(r, rope, "rope_theta", 0, theta, 1.0, 1, 1e30, "a number > 1", &theta));
+    c->rope_theta = (float)theta;
+    if (!rope) return KVC_OK;
+
+    const json_value *t = json_get(rope, "rope_type");
+    if (!t || t->kind == JSON_NULL) t = json_get(rope, "type");
+    const char *type = "default";
+    if (t && t->kind != JSON_NULL) {
+        if (t->kind != JSON_STRING) return bad(r, "rope_type", t, "a string");
+        type = t->string;
+    } else if (json_get(rope, "factor")) {
+        return kvc_fail(KVC_ERR_FORMAT, "%s: '%s' has a 'factor' but no 'rope_type'", r->path, rope_key);
+    }
+    if (!strcmp(type, "default")) return KVC_OK;
+    if (strcmp(type, "llama3") != 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: rope scaling '%.40s' is not supported (only 'llama3' and 'default' are)",
+                        r->path, type);
+    double f, lo, hi;
+    int32_t orig;
+    KVC_TRY(get_num(r, rope, "factor", 1, 0, 0.0, 1, 1e6, "a number > 0", &f));
+    KVC_TRY(get_num(r, rope, "low_freq_factor", 1, 0, 0.0, 1, 1e6, "a number > 0", &lo));
+    KVC_TRY(get_num(r, rope, "high_freq_factor", 1, 0, 0.0, 1, 1e6, "a number > 0", &hi));
+    if (!(hi > lo))
+        return kvc_fail(KVC_ERR_FORMAT, "%s: llama3 rope scaling needs high_freq_factor (%g) > low_freq_factor (%g)", r->path,
+                        hi, lo);
+    /* transformers defaults it to max_position_embeddings */
+    KVC_TRY(get_int(r, rope, "original_max_position_embeddings", 0, c->max_context, 1, INT32_MAX, &orig));
+    if (orig < 1) return kvc_fail(KVC_ERR_FORMAT, "%s: llama3 rope scaling needs original_max_position_embeddings", r->path);
+    c->rope_scaling_factor = (float)f;
+    c->rope_low_freq_factor = (float)lo;
+    c->rope_high_freq_factor = (float)hi;
+    c->rope_original_context = orig;
+    return KVC_OK;
+}
+
+/* `tied` is set to -1 when config.json does not say (decided from the weights later). */
+static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     kvc_config_defaults(c);
-    if (j->kind != JSON_OBJECT) return kvc_fail(KVC_ERR_FORMAT, "config.json is not a JSON object");
+    const json_value *j = r->j;
+    if (j->kind != JSON_OBJECT) return kvc_fail(KVC_ERR_FORMAT, "%s is not a JSON object", r->path);
     const json_value *mt = json_get(j, "model_type");
-    if (!mt || mt->kind != JSON_STRING) return kvc_fail(KVC_ERR_FORMAT, "config.json: 'model_type' is missing");
+    if (!mt || mt->kind != JSON_STRING)
+        return kvc_fail(KVC_ERR_FORMAT, "%s: 'model_type' is missing or not a string", r->path);
     if (!strcmp(mt->string, "llama")) c->arch = KVC_ARCH_LLAMA;
     else if (!strcmp(mt->string, "mistral")) c->arch = KVC_ARCH_MISTRAL;
     else if (!strcmp(mt->string, "qwen2")) c->arch = KVC_ARCH_QWEN2;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "model_type '%s' is not supported (llama, mistral, qwen2 are)", mt->string);
-    KVC_TRY(get_int(j, "num_hidden_layers", 0, 1, 1, 4096, &c->n_layers));
-    KVC_TRY(get_int(j, "hidden_size", 0, 1, 1, 65536, &c->hidden));
-    KVC_TRY(get_int(j, "num_attention_heads", 0, 1, 1, 1024, &c->n_heads));
-    KVC_TRY(get_int(j, "num_key_value_heads", c->n_heads, 0, 1, 1024, &c->n_kv_heads));
-    KVC_TRY(get_int(j, "head_dim", c->hidden / c->n_heads, 0, 1, 1024, &c->head_dim));
-    KVC_TRY(get_int(j, "intermediate_size", 0, 1, 1, 1 << 20, &c->ffn));
-    KVC_TRY(get_int(j, "vocab_size", 0, 1, 1, 1 << 24, &c->vocab));
-    KVC_TRY(get_int(j, "max_position_embeddings", 0, 0, 0, INT32_MAX, &c->max_context));
-    double x;
-    KVC_TRY(get_float(j, "rms_norm_eps", 1e-6, &x));
-    c->rms_eps = (float)x;
-    const json_value *rp = json_get(j, "rope_parameters"); /* newer transformers nest RoPE settings here */
-    const json_value *rs = json_get(j, "rope_scaling");
-    if (!rs || rs->kind == JSON_NULL) rs = rp;
-    KVC_TRY(get_float(j, "rope_theta", rp && rp->kind == JSON_OBJECT && json_get(rp, "rope_theta") ? json_get(rp, "rope_theta")->number : 10000.0, &x));
-    c->rope_theta = (float)x;
-    if (rs && rs->kind == JSON_OBJECT) {
-        const json_value *t = json_get(rs, "rope_type");
-        if (!t) t = json_get(rs, "type");
-        const char *type = t && t->kind == JSON_STRING ? t->string : "default";
-        if (!strcmp(type, "llama3")) {
-            double f, lo, hi, old;
-            KVC_TRY(get_float(rs, "factor", 0, &f));
-            KVC_TRY(get_float(rs, "low_freq_factor", 1, &lo));
-            KVC_TRY(get_float(rs, "high_freq_factor", 4, &hi));
-            KVC_TRY(get_float(rs, "original_max_position_embeddings", 8192, &old));
-            c->rope_scaling_factor = (float)f;
-            c->rope_low_freq_factor = (float)lo;
-            c->rope_high_freq_factor = (float)hi;
-            c->rope_original_context = (int32_t)old;
-        } else if (strcmp(type, "default") != 0) {
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "rope scaling '%s' is not supported (llama3 is)", type);
-        }
-    }
-    /* tie_word_embeddings: transformers defaults to true for qwen2's small models only when written;
-     * when absent we decide from the weights (no lm_head.weight -> tied) */
-    const json_value *tie = json_get(j, "tie_word_embeddings");
-    c->tied_embeddings = tie && tie->kind == JSON_BOOL ? tie->boolean : -1;
+    else
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral and qwen2 are)", r->path,
+                        mt->string);
+    c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
-    const json_value *bos = json_get(j, "bos_token_id"), *eos = json_get(j, "eos_token_id");
-    if (bos && bos->kind == JSON_NUMBER) c->bos_id = (int32_t)bos->number;
-    if (eos && eos->kind == JSON_ARRAY && eos->n > 0 && eos->items[0].kind == JSON_NUMBER) c->eos_id = (int32_t)eos->items[0].number;
-    else if (eos && eos->kind == JSON_NUMBER) c->eos_id = (int32_t)eos->number;
-    /* Mistral's sliding window only matters beyond its length; prompts here are checked in Python */
+
+    /* features that would change the computation and that the engine does not have */
+    const json_value *act = json_get(j, "hidden_act");
+    if (act && act->kind != JSON_NULL) {
+        if (act->kind != JSON_STRING) return bad(r, "hidden_act", act, "a string");
+        if (strcmp(act->string, "silu") != 0 && strcmp(act->string, "swish") != 0)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: hidden_act '%.40s' is not supported (silu is)", r->path, act->string);
+    }
+    int flag = 0;
+    KVC_TRY(get_bool(r, j, "attention_bias", 0, &flag));
+    if (flag && c->arch != KVC_ARCH_QWEN2)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: attention_bias = true (biases on q/k/v/o projections) is not supported", r->path);
+    KVC_TRY(get_bool(r, j, "mlp_bias", 0, &flag));
+    if (flag) return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported", r->path);
+
+    KVC_TRY(get_int(r, j, "num_hidden_layers", 1, 0, 1, 4096, &c->n_layers));
+    KVC_TRY(get_int(r, j, "hidden_size", 1, 0, 1, 65536, &c->hidden));
+    KVC_TRY(get_int(r, j, "num_attention_heads", 1, 0, 1, 1024, &c->n_heads));
+    KVC_TRY(get_int(r, j, "num_key_value_heads", 0, c->n_heads, 1, c->n_heads, &c->n_kv_heads));
+    if (c->n_heads % c->n_kv_heads != 0)
+        return kvc_fail(KVC_ERR_FORMAT, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)", r->path,
+                        c->n_heads, c->n_kv_heads);
+    /* transformers: head_dim = hidden_size // num_attention_heads unless given */
+    const int32_t def_hd = c->hidden / c->n_heads;
+    KVC_TRY(get_int(r, j, "head_dim", 0, def_hd, 1, 256, &c->head_dim));
+    if (c->head_dim < 2 || c->head_dim % 2)
+        return kvc_fail(KVC_ERR_FORMAT, "%s: head_dim (%d%s) must be even (RoPE rotates pairs)", r->path, c->head_dim,
+                        json_get(j, "head_dim") ? "" : " = hidden_size / num_attention_heads");
+    KVC_TRY(get_int(r, j, "intermediate_size", 1, 0, 1, 1 << 20, &c->ffn));
+    KVC_TRY(get_int(r, j, "vocab_size", 1, 0, 1, 1 << 24, &c->vocab));
+    /* informational (and llama3's default original context); transformers' per-model defaults */
+    const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
+    KVC_TRY(get_int(r, j, "max_position_embeddings", 0, def_ctx, 1, INT32_MAX, &c->max_context));
+    double eps;
+    KVC_TRY(get_num(r, j, "rms_norm_eps", 0, 1e-6, 0.0, 1, 0.5, "a number in (0, 0.5]", &eps));
+    c->rms_eps = (float)eps;
+    if (!(c->rms_eps > 0)) return bad(r, "rms_norm_eps", json_get(j, "rms_norm_eps"), "representable as a positive float32");
+    KVC_TRY(read_rope(r, c));
+
+    /* Sliding-window attention (mistral "sliding_window", qwen2 "use_sliding_window") is not
+     * implemented: every layer attends to the whole cache. That is exact while the sequence is no
+     * longer than the window, so the folder loads; the Python layer warns when a prompt exceeds it. */
+    int32_t window = 0;
+    KVC_TRY(get_int(r, j, "sliding_window", 0, 0, 1, INT32_MAX, &window));
+    KVC_TRY(get_bool(r, j, "use_sliding_window", 0, &flag));
+
+    /* Tied output: transformers' llama/mistral/qwen2 configs default to untied. We follow an explicit
+     * true/false; when the key is absent, the weights decide (no lm_head.weight -> tied) instead of
+     * leaving lm_head uninitialised as transformers would. */
+    const json_value *tie = json_get(j, "tie_word_embeddings");
+    if (tie && tie->kind != JSON_NULL && tie->kind != JSON_BOOL) return bad(r, "tie_word_embeddings", tie, "true or false");
+    c->tied_embeddings = (tie && tie->kind == JSON_BOOL) ? tie->boolean : -1;
+
+    KVC_TRY(get_token_id(r, "bos_token_id", c->vocab, &c->bos_id));
+    KVC_TRY(get_token_id(r, "eos_token_id", c->vocab, &c->eos_id));
     return KVC_OK;
 }
 
-static void close_shards(shards *s) {
-    for (int i = 0; i < s->n; i++) st_close(s->files[i]);
-    s->n = 0;
+/* ---------------------------------------------------------------------------------------------- */
+/* weights */
+
+typedef struct shard {
+    char *name; /* file name inside the folder */
+    st_file *file;
+} shard;
+
+typedef struct weights {
+    const char *dir;
+    shard *shards;
+    int n, cap;
+    json_value *index;            /* parsed model.safetensors.index.json, or NULL */
+    const json_value *weight_map; /* inside index */
+    char *index_path;
+} weights;
+
+static void weights_close(weights *w) {
+    for (int i = 0; i < w->n; i++) {
+        st_close(w->shards[i].file);
+        free(w->shards[i].name);
+    }
+    free(w->shards);
+    json_free(w->index);
+    free(w->index_path);
+    memset(w, 0, sizeof *w);
 }
 
-static kvc_status add_shard(shards *s, const char *dir, const char *name) {
-    for (int i = 0; i < s->n; i++) (void)0;
-    if (s->n >= MAX_SHARDS) return kvc_fail(KVC_ERR_UNSUPPORTED, "more than %d safetensors shards", MAX_SHARDS);
-    if (strchr(name, '/') || strstr(name, "..")) return kvc_fail(KVC_ERR_FORMAT, "shard name '%s' is not a plain file name", name);
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    KVC_TRY(st_open(path, &s->files[s->n]));
-    s->n++;
-    return KVC_OK;
+static int shard_index(const weights *w, const char *name) {
+    for (int i = 0; i < w->n; i++)
+        if (!strcmp(w->shards[i].name, name)) return i;
+    return -1;
 }
 
-static kvc_status open_shards(const char *dir, shards *s) {
-    char path[4096];
-    struct stat sb;
-    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    if (stat(path, &sb) == 0) {
-        json_value *idx;
-        KVC_TRY(parse_json_file(path, &idx));
-        const json_value *wm = json_get(idx, "weight_map");
-        kvc_status st = (!wm || wm->kind != JSON_OBJECT) ? kvc_fail(KVC_ERR_FORMAT, "%s has no 'weight_map' object", path) : KVC_OK;
-        /* open each distinct shard once */
-        const char *names[MAX_SHARDS];
-        int nn = 0;
-        for (size_t i = 0; st == KVC_OK && i < wm->n; i++) {
-            if (wm->items[i].kind != JSON_STRING) { st = kvc_fail(KVC_ERR_FORMAT, "%s: weight_map values must be file names", path); break; }
-            int seen = 0;
-            for (int k = 0; k < nn; k++) seen |= !strcmp(names[k], wm->items[i].string);
-            if (seen) continue;
-            if (nn >= MAX_SHARDS) { st = kvc_fail(KVC_ERR_UNSUPPORTED, "more than %d shards", MAX_SHARDS); break; }
-            names[nn++] = wm->items[i].string;
-            st = add_shard(s, dir, wm->items[i].string);
-        }
-        json_free(idx);
+static kvc_status add_shard(weights *w, const char *name) {
+    if (shard_index(w, name) >= 0) return KVC_OK;
+    if (!*name || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+        return kvc_fail(KVC_ERR_FORMAT, "%s: shard '%.200s' is not a plain file name in the folder",
+                        w->weight_map ? w->index_path : w->dir, name);
+    if (w->n == w->cap) {
+        const int cap = w->cap ? w->cap * 2 : 8;
+        shard *s = realloc(w->shards, (size_t)cap * sizeof *s);
+        if (!s) return kvc_fail(KVC_ERR_NOMEM, "out of memory: shard list");
+        w->shards = s;
+        w->cap = cap;
+    }
+    char *path = join(w->dir, name);
+    if (!path) return KVC_ERR_NOMEM;
+    shard *s = &w->shards[w->n];
+    s->file = NULL;
+    s->name = strdup(name);
+    kvc_status st = s->name ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: shard name");
+    if (st == KVC_OK) {
+        st = st_open(path, &s->file);
+        if (st == KVC_ERR_IO && w->weight_map && !is_file(path))
+            st = kvc_fail(KVC_ERR_IO, "%s names the shard '%s', which is not in '%s'", w->index_path, name, w->dir);
+    }
+    free(path);
+    if (st != KVC_OK) {
+        free(s->name);
         return st;
     }
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (stat(path, &sb) == 0) return add_shard(s, dir, "model.safetensors");
-    DIR *d = opendir(dir);
-    if (!d) return kvc_fail(KVC_ERR_IO, "cannot list '%s': %s", dir, strerror(errno));
-    struct dirent *e;
+    w->n++;
+    return KVC_OK;
+}
+
+static int str_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Every *.safetensors file in the folder, in sorted order. */
+static kvc_status open_all(weights *w) {
+    DIR *d = opendir(w->dir);
+    if (!d) return kvc_fail(KVC_ERR_IO, "cannot list '%s': %s", w->dir, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
     kvc_status st = KVC_OK;
+    struct dirent *e;
     while (st == KVC_OK && (e = readdir(d))) {
-        size_t l = strlen(e->d_name);
-        if (l > 12 && !strcmp(e->d_name + l - 12, ".safetensors")) st = add_shard(s, dir, e->d_name);
+        const size_t l = strlen(e->d_name);
+        if (l <= 12 || strcmp(e->d_name + l - 12, ".safetensors") != 0) continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 8;
+            char **p = realloc(names, cap * sizeof *p);
+            if (!p) {
+                st = kvc_fail(KVC_ERR_NOMEM, "out of memory: file list");
+                break;
+            }
+            names = p;
+        }
+        if (!(names[n] = strdup(e->d_name))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: file list");
+        else n++;
     }
     closedir(d);
-    if (st == KVC_OK && s->n == 0)
-        st = kvc_fail(KVC_ERR_IO, "no *.safetensors weights in '%s': a Hugging Face folder needs config.json and safetensors files", dir);
+    if (st == KVC_OK) qsort(names, n, sizeof *names, str_cmp);
+    for (size_t i = 0; st == KVC_OK && i < n; i++) st = add_shard(w, names[i]);
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    if (st == KVC_OK && w->n == 0)
+        st = kvc_fail(KVC_ERR_IO, "no safetensors weights in '%s' (model.safetensors, model.safetensors.index.json or "
+                      "*.safetensors): a Hugging Face model folder needs config.json and *.safetensors", w->dir);
     return st;
 }
 
-static const st_tensor *find(const shards *s, const char *name) {
-    for (int i = 0; i < s->n; i++) {
-        const st_tensor *t = st_find(s->files[i], name);
+static kvc_status open_weights(weights *w) {
+    char *single = join(w->dir, "model.safetensors");
+    if (!single) return KVC_ERR_NOMEM;
+    const int have_single = is_file(single);
+    free(single);
+    if (have_single) return add_shard(w, "model.safetensors");
+    if (!(w->index_path = join(w->dir, "model.safetensors.index.json"))) return KVC_ERR_NOMEM;
+    if (!is_file(w->index_path)) return open_all(w);
+    KVC_TRY(parse_json_file(w->index_path, &w->index));
+    w->weight_map = json_get(w->index, "weight_map");
+    if (!w->weight_map || w->weight_map->kind != JSON_OBJECT)
+        return kvc_fail(KVC_ERR_FORMAT, "%s has no \"weight_map\" object", w->index_path);
+    for (size_t i = 0; i < w->weight_map->n; i++) {
+        const json_value *v = &w->weight_map->items[i];
+        if (v->kind != JSON_STRING)
+            return kvc_fail(KVC_ERR_FORMAT, "%s: weight_map['%.200s'] must be a file name", w->index_path, w->weight_map->keys[i]);
+        KVC_TRY(add_shard(w, v->string)); /* each distinct file once */
+    }
+    if (w->n == 0) return kvc_fail(KVC_ERR_FORMAT, "%s: weight_map is empty", w->index_path);
+    return KVC_OK;
+}
+
+/* The tensor `name`, or NULL with *st = KVC_OK when no file has it (the caller decides whether
+ * that is an error). With an index, only the shard it names is consulted. */
+static const st_tensor *find(const weights *w, const char *name, kvc_status *st) {
+    *st = KVC_OK;
+    if (w->weight_map) {
+        const json_value *v = json_get(w->weight_map, name);
+        if (!v) return NULL;
+        const int i = shard_index(w, v->string);
+        const st_tensor *t = i >= 0 ? st_find(w->shards[i].file, name) : NULL;
+        if (!t)
+            *st = kvc_fail(KVC_ERR_FORMAT, "%s lists tensor '%s' in shard '%s', but that file does not contain it", w->index_path,
+                           name, v->string);
+        return t;
+    }
+    for (int i = 0; i < w->n; i++) {
+        const st_tensor *t = st_find(w->shards[i].file, name);
         if (t) return t;
     }
     return NULL;
 }
 
-static kvc_status load(const shards *s, const char *name, int64_t rows, int64_t cols, float *dst) {
-    const st_tensor *t = find(s, name);
-    if (!t) return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is missing from the safetensors files", name);
-    const int ok = rows == 1 ? (t->n_dims == 1 && t->shape[0] == cols) : (t->n_dims == 2 && t->shape[0] == rows && t->shape[1] == cols);
-    if (!ok)
-        return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld] (%d dims), expected [%lld, %lld] from config.json", name,
-                        (long long)t->shape[0], (long long)(t->n_dims > 1 ? t->shape[1] : 0), t->n_dims, (long long)rows, (long long)cols);
+static void shape_str(const int64_t *shape, int n, char *buf, size_t size) {
+    size_t k = (size_t)snprintf(buf, size, "[");
+    for (int i = 0; i < n && k < size; i++) k += (size_t)snprintf(buf + k, size - k, i ? ", %lld" : "%lld", (long long)shape[i]);
+    if (k < size) snprintf(buf + k, size - k, "]");
+}
+
+/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) converted into dst. */
+static kvc_status load(const weights *w, const char *name, int64_t rows, int64_t cols, float *dst) {
+    kvc_status st;
+    const st_tensor *t = find(w, name, &st);
+    if (st != KVC_OK) return st;
+    if (!t) {
+        if (w->weight_map) return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is missing from %s", name, w->index_path);
+        return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is missing from the safetensors files in '%s'", name, w->dir);
+    }
+    const int64_t want[2] = {rows ? rows : cols, cols};
+    const int nd = rows ? 2 : 1;
+    const int ok = t->n_dims == nd && t->shape[0] == want[0] && (nd == 1 || t->shape[1] == want[1]);
+    if (!ok) {
+        char e[64], f[200];
+        shape_str(rows ? want : want + 1, nd, e, sizeof e);
+        shape_str(t->shape, t->n_dims, f, sizeof f);
+        return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' has shape %s, but config.json implies %s", name, f, e);
+    }
     return st_to_f32(t, dst);
 }
 
-static kvc_status load_weights(const shards *s, kvc_model *m) {
+static kvc_status load_weights(const weights *w, kvc_model *m) {
     const kvc_config *c = &m->cfg;
-    const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
-    KVC_TRY(load(s, "model.embed_tokens.weight", c->vocab, D, m->tok_embd));
-    KVC_TRY(load(s, "model.norm.weight", 1, D, m->out_norm));
-    if (!c->tied_embeddings) KVC_TRY(load(s, "lm_head.weight", c->vocab, D, m->lm_head));
-    char name[128];
+    const int64_t D = c->hidden, F = c->ffn, V = c->vocab;
+    const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    KVC_TRY(load(w, "model.embed_tokens.weight", V, D, m->tok_embd));
+    KVC_TRY(load(w, "model.norm.weight", 0, D, m->out_norm));
+    if (!c->tied_embeddings) {
+        kvc_status st;
+        if (!find(w, "lm_head.weight", &st) && st == KVC_OK)
+            return kvc_fail(KVC_ERR_FORMAT, "tensor 'lm_head.weight' is missing although config.json sets "
+                            "tie_word_embeddings = false");
+        KVC_TRY(st);
+        KVC_TRY(load(w, "lm_head.weight", V, D, m->lm_head));
+    }
+    char name[96];
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_layer_weights *L = &m->layers[l];
-#define LOAD(suffix, rows, cols, dst)                                     \
-    do {                                                                  \
-        snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix);     \
-        KVC_TRY(load(s, name, rows, cols, dst));                          \
+#define LOAD(suffix, rows, cols, dst)                                 \
+    do {                                                              \
+        snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix); \
+        KVC_TRY(load(w, name, rows, cols, dst));                      \
     } while (0)
-        LOAD("input_layernorm.weight", 1, D, L->attn_norm);
+        LOAD("input_layernorm.weight", 0, D, L->attn_norm);
         LOAD("self_attn.q_proj.weight", qd, D, L->wq);
         LOAD("self_attn.k_proj.weight", kd, D, L->wk);
         LOAD("self_attn.v_proj.weight", kd, D, L->wv);
         LOAD("self_attn.o_proj.weight", D, qd, L->wo);
         if (c->qkv_bias) {
-            LOAD("self_attn.q_proj.bias", 1, qd, L->bq);
-            LOAD("self_attn.k_proj.bias", 1, kd, L->bk);
-            LOAD("self_attn.v_proj.bias", 1, kd, L->bv);
+            LOAD("self_attn.q_proj.bias", 0, qd, L->bq);
+            LOAD("self_attn.k_proj.bias", 0, kd, L->bk);
+            LOAD("self_attn.v_proj.bias", 0, kd, L->bv);
         }
-        LOAD("post_attention_layernorm.weight", 1, D, L->ffn_norm);
+        LOAD("post_attention_layernorm.weight", 0, D, L->ffn_norm);
         LOAD("mlp.gate_proj.weight", F, D, L->w_gate);
         LOAD("mlp.up_proj.weight", F, D, L->w_up);
         LOAD("mlp.down_proj.weight", D, F, L->w_down);
@@ -236,29 +497,45 @@ static kvc_status load_weights(const shards *s, kvc_model *m) {
     return KVC_OK;
 }
 
+/* ---------------------------------------------------------------------------------------------- */
+
 kvc_status kvc_load_hf(const char *dir, kvc_model **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: out is NULL");
     *out = NULL;
-    char path[4096];
+    if (!dir || !*dir) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: empty folder name");
     struct stat sb;
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    if (stat(path, &sb) != 0)
-        return kvc_fail(KVC_ERR_IO, "no config.json in '%s': a Hugging Face model folder needs config.json and *.safetensors", dir);
-    json_value *j;
-    KVC_TRY(parse_json_file(path, &j));
-    kvc_config cfg;
-    kvc_status st = read_config(j, &cfg);
-    json_free(j);
-    if (st != KVC_OK) return st;
-    shards s = {{0}, 0};
-    st = open_shards(dir, &s);
-    kvc_model *m = NULL;
-    if (st == KVC_OK) {
-        if (cfg.tied_embeddings < 0) cfg.tied_embeddings = find(&s, "lm_head.weight") == NULL;
-        st = kvc_model_alloc(&cfg, "safetensors", &m);
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return kvc_fail(KVC_ERR_IO, "'%s' is not a folder: a Hugging Face model folder needs config.json and *.safetensors", dir);
+    char *cfg_path = join(dir, "config.json");
+    if (!cfg_path) return KVC_ERR_NOMEM;
+    if (!is_file(cfg_path)) {
+        free(cfg_path);
+        return kvc_fail(KVC_ERR_IO, "no config.json in %s: a Hugging Face model folder needs config.json and *.safetensors", dir);
     }
-    if (st == KVC_OK) st = load_weights(&s, m);
+    json_value *j = NULL;
+    kvc_config cfg;
+    kvc_status st = parse_json_file(cfg_path, &j);
+    if (st == KVC_OK) {
+        const cfg_reader r = {j, cfg_path};
+        st = read_config(&r, &cfg);
+    }
+    json_free(j);
+    free(cfg_path);
+    if (st != KVC_OK) return st;
+
+    weights w;
+    memset(&w, 0, sizeof w);
+    w.dir = dir;
+    kvc_model *m = NULL;
+    st = open_weights(&w);
+    if (st == KVC_OK && cfg.tied_embeddings < 0) {
+        const st_tensor *head = find(&w, "lm_head.weight", &st);
+        cfg.tied_embeddings = head == NULL;
+    }
+    if (st == KVC_OK) st = kvc_model_alloc(&cfg, "safetensors", &m);
+    if (st == KVC_OK) st = load_weights(&w, m);
     if (st == KVC_OK) st = kvc_model_finish(m);
-    close_shards(&s);
+    weights_close(&w);
     if (st != KVC_OK) {
         kvc_model_free(m);
         return st;

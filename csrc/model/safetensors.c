@@ -1,9 +1,11 @@
-/* safetensors reader: 8-byte header length, JSON header, raw little-endian data. Memory-mapped; the
- * header is validated before any tensor is touched (dtype, shape, offsets inside the data section,
- * size = product(shape) x dtype size, no overlaps). */
+/* safetensors reader: 8-byte little-endian header length, JSON header, raw little-endian data.
+ * Memory-mapped; the whole header is validated before any tensor is touched: known dtype, at most
+ * 8 non-negative dims, data_offsets inside the data section, end - begin == product(shape) x dtype
+ * size (overflow-checked), no two tensors sharing bytes, no duplicate names (the JSON parser
+ * rejects duplicate keys). Unused bytes in the data section are tolerated. */
 #include <errno.h>
-#include <math.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -14,22 +16,29 @@
 #include "json.h"
 #include "safetensors.h"
 
-#define MAX_HEADER (100u << 20)
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "safetensors data is little-endian; this reader assumes a little-endian host"
+#endif
+
+#define MAX_HEADER ((uint64_t)100 << 20) /* the limit the reference implementation uses */
 #define HINT "; the file may be truncated or corrupt"
 
 struct st_file {
     uint8_t *map;
     size_t size;
-    st_tensor *tensors;
+    st_tensor *tensors; /* header order */
     int64_t n;
+    const st_tensor **by_name; /* sorted by name, for st_find */
     char *path;
 };
 
 static int dtype_of(const char *s, st_dtype *dt, size_t *bytes) {
     static const struct { const char *name; st_dtype dt; size_t bytes; } table[] = {
-        {"F32", ST_F32, 4}, {"F16", ST_F16, 2}, {"BF16", ST_BF16, 2}, {"F64", ST_OTHER, 8}, {"I64", ST_OTHER, 8},
-        {"I32", ST_OTHER, 4}, {"I16", ST_OTHER, 2}, {"I8", ST_OTHER, 1}, {"U8", ST_OTHER, 1}, {"U16", ST_OTHER, 2},
-        {"U32", ST_OTHER, 4}, {"U64", ST_OTHER, 8}, {"BOOL", ST_OTHER, 1}, {"F8_E4M3", ST_OTHER, 1}, {"F8_E5M2", ST_OTHER, 1}};
+        {"F32", ST_F32, 4},      {"F16", ST_F16, 2},         {"BF16", ST_BF16, 2},      {"F64", ST_OTHER, 8},
+        {"I64", ST_OTHER, 8},    {"I32", ST_OTHER, 4},       {"I16", ST_OTHER, 2},      {"I8", ST_OTHER, 1},
+        {"U64", ST_OTHER, 8},    {"U32", ST_OTHER, 4},       {"U16", ST_OTHER, 2},      {"U8", ST_OTHER, 1},
+        {"BOOL", ST_OTHER, 1},   {"F8_E4M3", ST_OTHER, 1},   {"F8_E5M2", ST_OTHER, 1},  {"F8_E8M0", ST_OTHER, 1},
+        {"C64", ST_OTHER, 8}};
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
         if (strcmp(s, table[i].name) == 0) {
             *dt = table[i].dt;
@@ -39,103 +48,127 @@ static int dtype_of(const char *s, st_dtype *dt, size_t *bytes) {
     return 0;
 }
 
-typedef struct { size_t begin, end; int64_t idx; } range;
+/* A JSON number that is an exact integer in [0, 2^53] (beyond that doubles skip integers). */
+static int as_index(const json_value *v, uint64_t *out) {
+    if (v->kind != JSON_NUMBER || !(v->number >= 0) || v->number > 9007199254740992.0 || v->number != floor(v->number))
+        return 0;
+    *out = (uint64_t)v->number;
+    return 1;
+}
+
+typedef struct { uint64_t begin, end; int64_t idx; } range;
 
 static int range_cmp(const void *a, const void *b) {
     const range *x = a, *y = b;
-    return (x->begin > y->begin) - (x->begin < y->begin);
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return (x->end > y->end) - (x->end < y->end);
+}
+
+static int name_cmp(const void *a, const void *b) {
+    return strcmp((*(const st_tensor *const *)a)->name, (*(const st_tensor *const *)b)->name);
+}
+
+/* One header entry -> f->tensors[f->n] (n incremented once the name is owned, so st_close frees it). */
+static kvc_status parse_entry(st_file *f, const char *name, const json_value *e, uint64_t data_size, size_t data_off) {
+    const json_value *dt = json_get(e, "dtype"), *shape = json_get(e, "shape"), *offs = json_get(e, "data_offsets");
+    if (e->kind != JSON_OBJECT || !dt || dt->kind != JSON_STRING || !shape || shape->kind != JSON_ARRAY || !offs ||
+        offs->kind != JSON_ARRAY || offs->n != 2)
+        return kvc_fail(KVC_ERR_FORMAT,
+                        "safetensors '%s': tensor '%s' needs \"dtype\" (string), \"shape\" (list) and \"data_offsets\" "
+                        "[begin, end]" HINT, f->path, name);
+    st_tensor *t = &f->tensors[f->n];
+    if (!(t->name = strdup(name))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: safetensors header");
+    f->n++;
+    size_t es;
+    if (strlen(dt->string) != dt->string_len || !dtype_of(dt->string, &t->dtype, &es))
+        return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has unknown dtype '%.32s'" HINT, f->path, name,
+                        dt->string);
+    snprintf(t->dtype_name, sizeof t->dtype_name, "%s", dt->string);
+    if (shape->n > 8)
+        return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has %zu dimensions (at most 8 are supported)" HINT,
+                        f->path, name, shape->n);
+    t->n_dims = (int32_t)shape->n;
+    size_t count = 1;
+    for (size_t k = 0; k < shape->n; k++) {
+        uint64_t d;
+        if (!as_index(&shape->items[k], &d))
+            return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has an invalid shape (dimension %zu is not a "
+                            "non-negative integer)" HINT, f->path, name, k);
+        if (kvc_mul_ok(count, (size_t)d, &count) != 0 || count > (size_t)INT64_MAX)
+            return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has a shape whose size overflows" HINT, f->path,
+                            name);
+        t->shape[k] = (int64_t)d;
+    }
+    t->n_elements = (int64_t)count;
+    uint64_t b, en;
+    if (!as_index(&offs->items[0], &b) || !as_index(&offs->items[1], &en))
+        return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has data_offsets that are not non-negative integers" HINT,
+                        f->path, name);
+    if (en < b || en > data_size)
+        return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has data_offsets [%llu, %llu] outside the %llu-byte "
+                        "data section" HINT, f->path, name, (unsigned long long)b, (unsigned long long)en,
+                        (unsigned long long)data_size);
+    size_t nbytes;
+    if (kvc_mul_ok(count, es, &nbytes) != 0 || nbytes != en - b)
+        return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has %llu data bytes but shape x %s needs %zu x %zu" HINT,
+                        f->path, name, (unsigned long long)(en - b), t->dtype_name, count, es);
+    t->data = f->map + data_off + (size_t)b;
+    t->nbytes = nbytes;
+    return KVC_OK;
 }
 
 static kvc_status parse_header(st_file *f, const json_value *hdr, size_t data_off) {
-    const size_t data_size = f->size - data_off;
-    if (hdr->kind != JSON_OBJECT) return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': the header is not a JSON object" HINT, f->path);
-    f->tensors = calloc(hdr->n ? hdr->n : 1, sizeof(st_tensor));
-    range *ranges = malloc(sizeof(range) * (hdr->n ? hdr->n : 1));
-    if (!f->tensors || !ranges) {
+    const uint64_t data_size = f->size - data_off;
+    if (hdr->kind != JSON_OBJECT)
+        return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': the header is not a JSON object" HINT, f->path);
+    const size_t cap = hdr->n ? hdr->n : 1;
+    f->tensors = calloc(cap, sizeof(st_tensor));
+    f->by_name = malloc(cap * sizeof *f->by_name);
+    range *ranges = malloc(cap * sizeof(range));
+    if (!f->tensors || !f->by_name || !ranges) {
         free(ranges);
-        return kvc_fail(KVC_ERR_NOMEM, "out of memory: safetensors header");
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: safetensors header of '%s'", f->path);
     }
     kvc_status st = KVC_OK;
-    int64_t nr = 0;
     for (size_t i = 0; i < hdr->n && st == KVC_OK; i++) {
-        const char *name = hdr->keys[i];
         const json_value *e = &hdr->items[i];
-        if (strcmp(name, "__metadata__") == 0) {
-            if (e->kind != JSON_OBJECT) st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': __metadata__ must be an object" HINT, f->path);
+        if (strcmp(hdr->keys[i], "__metadata__") == 0) { /* free-form string -> string map */
+            int ok = e->kind == JSON_OBJECT;
+            for (size_t k = 0; ok && k < e->n; k++) ok = e->items[k].kind == JSON_STRING;
+            if (!ok) st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': __metadata__ must map strings to strings" HINT, f->path);
             continue;
         }
-        const json_value *dt = json_get(e, "dtype"), *shape = json_get(e, "shape"), *offs = json_get(e, "data_offsets");
-        if (e->kind != JSON_OBJECT || !dt || dt->kind != JSON_STRING || !shape || shape->kind != JSON_ARRAY || !offs ||
-            offs->kind != JSON_ARRAY || offs->n != 2) {
-            st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' needs dtype, shape and data_offsets [begin, end]" HINT, f->path, name);
-            break;
-        }
-        for (int64_t j = 0; j < f->n; j++)
-            if (strcmp(f->tensors[j].name, name) == 0) {
-                st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': duplicate tensor '%s'" HINT, f->path, name);
-                break;
-            }
-        if (st != KVC_OK) break;
-        st_tensor *t = &f->tensors[f->n];
-        t->name = strdup(name);
-        if (!t->name) {
-            st = kvc_fail(KVC_ERR_NOMEM, "out of memory");
-            break;
-        }
-        f->n++;
-        size_t es;
-        if (!dtype_of(dt->string, &t->dtype, &es)) {
-            st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has unknown dtype '%s'" HINT, f->path, name, dt->string);
-            break;
-        }
-        snprintf(t->dtype_name, sizeof t->dtype_name, "%s", dt->string);
-        if (shape->n > 8) {
-            st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has %zu dimensions (at most 8)" HINT, f->path, name, shape->n);
-            break;
-        }
-        t->n_dims = (int32_t)shape->n;
-        size_t count = 1;
-        for (size_t k = 0; k < shape->n && st == KVC_OK; k++) {
-            const json_value *d = &shape->items[k];
-            if (d->kind != JSON_NUMBER || d->number < 0 || d->number != floor(d->number) || d->number > 9.0e15 ||
-                kvc_mul_ok(count, (size_t)d->number, &count)) {
-                st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' has an invalid shape" HINT, f->path, name);
-                break;
-            }
-            t->shape[k] = (int64_t)d->number;
-        }
-        if (st != KVC_OK) break;
-        t->n_elements = (int64_t)count;
-        double b = offs->items[0].number, en = offs->items[1].number;
-        if (offs->items[0].kind != JSON_NUMBER || offs->items[1].kind != JSON_NUMBER || b < 0 || en < b ||
-            b != floor(b) || en != floor(en) || en > (double)data_size) {
-            st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' data_offsets [%.0f, %.0f] lie outside the %zu-byte data section" HINT,
-                          f->path, name, b, en, data_size);
-            break;
-        }
-        size_t nbytes;
-        if (kvc_mul_ok(count, es, &nbytes) || nbytes != (size_t)(en - b)) {
-            st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensor '%s' holds %.0f bytes but its shape and dtype need %zu" HINT,
-                          f->path, name, en - b, count * es);
-            break;
-        }
-        t->data = f->map + data_off + (size_t)b;
-        t->nbytes = nbytes;
-        ranges[nr++] = (range){(size_t)b, (size_t)en, f->n - 1};
+        st = parse_entry(f, hdr->keys[i], e, data_size, data_off);
+    }
+    /* overlap: sort by begin; empty tensors occupy no bytes and are skipped */
+    int64_t nr = 0;
+    for (int64_t i = 0; st == KVC_OK && i < f->n; i++) {
+        const st_tensor *t = &f->tensors[i];
+        if (t->nbytes == 0) continue;
+        const uint64_t b = (uint64_t)((const uint8_t *)t->data - (f->map + data_off));
+        ranges[nr++] = (range){b, b + t->nbytes, i};
     }
     if (st == KVC_OK && nr > 1) {
         qsort(ranges, (size_t)nr, sizeof(range), range_cmp);
         for (int64_t i = 1; i < nr && st == KVC_OK; i++)
             if (ranges[i].begin < ranges[i - 1].end)
-                st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensors '%s' and '%s' overlap" HINT, f->path,
-                              f->tensors[ranges[i - 1].idx].name, f->tensors[ranges[i].idx].name);
+                st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': tensors '%s' and '%s' share bytes [%llu, %llu)" HINT, f->path,
+                              f->tensors[ranges[i - 1].idx].name, f->tensors[ranges[i].idx].name,
+                              (unsigned long long)ranges[i].begin,
+                              (unsigned long long)(ranges[i].end < ranges[i - 1].end ? ranges[i].end : ranges[i - 1].end));
     }
     free(ranges);
+    if (st == KVC_OK) {
+        for (int64_t i = 0; i < f->n; i++) f->by_name[i] = &f->tensors[i];
+        qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, name_cmp);
+    }
     return st;
 }
 
 kvc_status st_open(const char *path, st_file **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "st_open: out is NULL");
     *out = NULL;
+    if (!path) return kvc_fail(KVC_ERR_ARG, "st_open: path is NULL");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvc_fail(KVC_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
     struct stat sb;
@@ -143,29 +176,32 @@ kvc_status st_open(const char *path, st_file **out) {
         close(fd);
         return kvc_fail(KVC_ERR_IO, "'%s' is not a regular file", path);
     }
-    if (sb.st_size < 10) {
+    if (sb.st_size < 10) { /* 8-byte length + "{}" */
         close(fd);
         return kvc_fail(KVC_ERR_FORMAT, "safetensors '%s' is too small (%lld bytes)" HINT, path, (long long)sb.st_size);
     }
     void *map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    const int map_errno = errno;
     close(fd);
-    if (map == MAP_FAILED) return kvc_fail(KVC_ERR_IO, "cannot map '%s': %s", path, strerror(errno));
+    if (map == MAP_FAILED) return kvc_fail(KVC_ERR_IO, "cannot map '%s': %s", path, strerror(map_errno));
     st_file *f = calloc(1, sizeof *f);
     if (!f || !(f->path = strdup(path))) {
         free(f);
         munmap(map, (size_t)sb.st_size);
-        return kvc_fail(KVC_ERR_NOMEM, "out of memory");
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory opening '%s'", path);
     }
     f->map = map;
     f->size = (size_t)sb.st_size;
-    uint64_t hlen;
-    memcpy(&hlen, f->map, 8);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | f->map[i];
     kvc_status st = KVC_OK;
     if (hlen < 2 || hlen > MAX_HEADER || hlen > f->size - 8)
-        st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': header length %llu does not fit the %zu-byte file" HINT, path,
-                      (unsigned long long)hlen, f->size);
+        st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': header length %llu does not fit the %zu-byte file (at most %llu)" HINT,
+                      path, (unsigned long long)hlen, f->size, (unsigned long long)MAX_HEADER);
     json_value *hdr = NULL;
-    if (st == KVC_OK) st = json_parse((const char *)f->map + 8, (size_t)hlen, path, &hdr);
+    char what[600];
+    snprintf(what, sizeof what, "safetensors header of '%.500s'", path);
+    if (st == KVC_OK) st = json_parse((const char *)f->map + 8, (size_t)hlen, what, &hdr);
     if (st == KVC_OK) st = parse_header(f, hdr, 8 + (size_t)hlen);
     json_free(hdr);
     if (st != KVC_OK) {
@@ -180,37 +216,51 @@ void st_close(st_file *f) {
     if (!f) return;
     for (int64_t i = 0; i < f->n; i++) free(f->tensors[i].name);
     free(f->tensors);
+    free(f->by_name);
     if (f->map) munmap(f->map, f->size);
     free(f->path);
     free(f);
 }
 
-int64_t st_n_tensors(const st_file *f) { return f->n; }
-const st_tensor *st_tensor_at(const st_file *f, int64_t i) { return &f->tensors[i]; }
+int64_t st_n_tensors(const st_file *f) { return f ? f->n : 0; }
+
+const st_tensor *st_tensor_at(const st_file *f, int64_t i) {
+    return (f && i >= 0 && i < f->n) ? &f->tensors[i] : NULL;
+}
 
 const st_tensor *st_find(const st_file *f, const char *name) {
-    for (int64_t i = 0; i < f->n; i++)
-        if (strcmp(f->tensors[i].name, name) == 0) return &f->tensors[i];
+    if (!f || !name) return NULL;
+    int64_t lo = 0, hi = f->n; /* binary search over by_name */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        const st_tensor *t = f->by_name[mid];
+        const int c = strcmp(t->name, name);
+        if (c == 0) return t;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
     return NULL;
 }
 
 kvc_status st_to_f32(const st_tensor *t, float *dst) {
+    if (!t || (!dst && t->n_elements)) return kvc_fail(KVC_ERR_ARG, "st_to_f32: null argument");
     const uint8_t *s = t->data;
+    const int64_t n = t->n_elements;
     switch (t->dtype) {
     case ST_F32:
-        memcpy(dst, s, (size_t)t->n_elements * 4);
+        if (n) memcpy(dst, s, (size_t)n * 4); /* data may be unaligned: memcpy, not a cast */
         return KVC_OK;
     case ST_F16:
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < t->n_elements; i++) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+        for (int64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);
             dst[i] = kvc_f16_to_f32(h);
         }
         return KVC_OK;
     case ST_BF16:
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < t->n_elements; i++) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+        for (int64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);
             dst[i] = kvc_bf16_to_f32(h);

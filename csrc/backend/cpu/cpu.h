@@ -1,15 +1,88 @@
-/* Kernels of the CPU backend (one family per file). */
+/* Internal header of the CPU backend: the kernels (one family per file), the GEMM microkernel that
+ * the attention kernel reuses, the thread count, and a vectorised exp shared by softmax and SiLU. */
 #ifndef KVC_CPU_H
 #define KVC_CPU_H
 
+#include <math.h>
 #include <stdint.h>
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* ---- kernels of the table (see backend.h for the contracts) ---- */
 void kvc_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
-void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq, int32_t pairing);
+void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
+                  int32_t pairing);
 void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
 void kvc_cpu_add(float *y, const float *x, int64_t n);
 void kvc_cpu_add_bias(float *y, const float *b, int64_t rows, int64_t dim);
 void kvc_cpu_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
                        const float *const *v, const int64_t *past_len, float scale, float *out);
+
+/* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
+/* The built-in GEMM alone (no external BLAS), C[m,n] = A[m,k] B[n,k]^T. */
+void kvc_cpu_gemm_builtin(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+/* The external CBLAS sgemm if one is loaded (returns 0 and does nothing otherwise). */
+int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+
+/* Register tile of the microkernel: KVC_MR rows of A (broadcast) x KVC_NR columns (vector lanes). */
+#if defined(__AVX512F__)
+#define KVC_MR 8
+#define KVC_NR 32
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVC_MR 6
+#define KVC_NR 16
+#else
+#define KVC_MR 4
+#define KVC_NR 16
+#endif
+
+/* C[i, j] (+)= sum_p A[i*rsa + p*csa] * B[p*ldb + j]   for i < mr <= KVC_MR, j < nr <= KVC_NR.
+ * Overwrites C when accumulate == 0. Reads no B column >= nr (safe at the end of a buffer). */
+void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_t csa, const float *b,
+                 int64_t ldb, float *c, int64_t ldc, int accumulate);
+
+/* Threads the CPU kernels use (kvc_set_num_threads; default: all cores). */
+int kvc_cpu_threads(void);
+
+/* ---- vectorised exp ----
+ * exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by its Taylor series to degree 7
+ * (truncation error < 1e-8 relative, below fp32 rounding). Inputs below -87.3 give exactly 0 (so a
+ * masked score of -inf contributes nothing), inputs above 88.7 give +inf. */
+#if defined(__AVX512F__)
+static inline __m512 kvc_exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
+    const __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 split in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_scalef_ps(p, n));
+}
+#endif
+
+/* y[i] = exp(x[i]) for i < n (y may alias x). */
+static inline void kvc_vexp(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, kvc_exp512(_mm512_loadu_ps(x + i)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(y + i, m, kvc_exp512(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+#else
+    for (; i < n; i++) y[i] = x[i] < -87.3f ? 0.f : expf(x[i]);
+#endif
+}
 
 #endif

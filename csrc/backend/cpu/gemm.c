@@ -1,133 +1,233 @@
-/* GEMM for the CPU backend: C[m,n] = A[m,k] * B[n,k]^T (B is a weight matrix stored [out, in]).
+/* GEMM of the CPU backend: C[m,n] = A[m,k] * B[n,k]^T, fp32, row-major (B is a weight [out, in]).
  *
- * Two implementations behind one entry point:
- *  - an external CBLAS sgemm loaded at run time (OpenBLAS from the scipy-openblas32 wheel by default,
- *    see kvpress_c/__init__.py), called single-threaded on column slices that our own OpenMP threads
- *    share out, so only one thread pool ever spins (two pools on two cores thrash each other);
- *  - a built-in kernel: a 4x4 register tile of dot products over k (both operands are k-contiguous),
- *    vectorised by the compiler, OpenMP over output tiles. It is the fallback when no BLAS is loaded
- *    and the path for small m (decode steps are GEMVs bound by memory bandwidth, where it matches BLAS
- *    without BLAS's per-call overhead).
- * benchmarks/gemm.py measures both; the README records the figures behind the choice. */
-#include <dlfcn.h>
+ * Built-in kernel, two shapes of work:
+ *  - skinny (m <= SKINNY_M, decode steps): each output is a dot product of two k-contiguous rows, so
+ *    nothing is packed and B (the weight, read once) streams straight from memory; OpenMP splits n.
+ *    This is a GEMV, bound by memory bandwidth.
+ *  - blocked (BLIS-style): for each block of NC columns and KC of k, B is packed into panels of
+ *    KVC_NR columns ([p][NR], so the microkernel loads B as vectors) and A into panels of KVC_MR
+ *    rows ([p][MR], broadcast); the threads share the packed blocks and split the microtiles.
+ *    The microkernel (ukernel.c) keeps an MR x NR tile of C in registers over the KC loop.
+ * kvc_cpu_matmul (blas.c) chooses between this and an external BLAS; see the figures there. */
 #include <omp.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "../backend.h"
-#include "../../core/common.h"
+#include "cpu.h"
 
-typedef void (*cblas_sgemm_fn)(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
-                               int lda, const float *b, int ldb, float beta, float *c, int ldc);
-typedef void (*set_threads_fn)(int);
+#define SKINNY_M 8  /* rows of A up to which the unpacked dot-product path runs */
+#define KC_MAX 512   /* k per packed block: an A panel (MR x KC) stays in L1, a B panel in L2 */
+#define MC_MAX 256   /* rows of A per packed block */
+#define NC_MAX 3072  /* columns of B per packed block (a few MB: L3) */
+#define MIN_PAR_FLOPS 65536 /* below this many multiply-adds a call runs on one thread */
 
-static cblas_sgemm_fn g_sgemm;
-static char g_blas_name[1024] = "builtin";
-static int g_blas_min_m = 16; /* below this many rows the built-in kernel is used */
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-enum { CblasRowMajor = 101, CblasNoTrans = 111, CblasTrans = 112 };
+/* ---------------------------------------------------------------------------------------------- */
+/* Skinny path: dot products over k, a tile of IM rows of A x 4 rows of B at a time.             */
 
-kvc_status kvc_set_blas(const char *path, const char *symbol) {
-    if (!path) {
-        g_sgemm = NULL;
-        snprintf(g_blas_name, sizeof g_blas_name, "builtin");
-        return KVC_OK;
+#if defined(__AVX512F__)
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+#define DOT_DECL(i) __m512 s##i##0 = _mm512_setzero_ps(), s##i##1 = s##i##0, s##i##2 = s##i##0, s##i##3 = s##i##0;
+#define DOT_STEP(IM, i, MASK)                                                                          \
+    if (IM > i) {                                                                                      \
+        const __m512 x = _mm512_maskz_loadu_ps(MASK, a + i * k + p);                                   \
+        s##i##0 = _mm512_fmadd_ps(x, y0, s##i##0);                                                     \
+        s##i##1 = _mm512_fmadd_ps(x, y1, s##i##1);                                                     \
+        s##i##2 = _mm512_fmadd_ps(x, y2, s##i##2);                                                     \
+        s##i##3 = _mm512_fmadd_ps(x, y3, s##i##3);                                                     \
     }
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!h) return kvc_fail(KVC_ERR_IO, "cannot load BLAS library '%s': %s", path, dlerror());
-    const char *sym = symbol && *symbol ? symbol : "cblas_sgemm";
-    cblas_sgemm_fn f = (cblas_sgemm_fn)dlsym(h, sym);
-    if (!f) {
-        dlclose(h);
-        return kvc_fail(KVC_ERR_IO, "'%s' has no symbol '%s' (try scipy_cblas_sgemm or cblas_sgemm)", path, sym);
+#define DOT_LOADS(MASK)                                                                                \
+    const __m512 y0 = _mm512_maskz_loadu_ps(MASK, b + p), y1 = _mm512_maskz_loadu_ps(MASK, b + k + p); \
+    const __m512 y2 = _mm512_maskz_loadu_ps(MASK, b + 2 * k + p);                                      \
+    const __m512 y3 = _mm512_maskz_loadu_ps(MASK, b + 3 * k + p);
+#define DOT_OUT(IM, i)                                                                                 \
+    if (IM > i) {                                                                                      \
+        c[i * ldc + 0] = hsum(s##i##0);                                                                \
+        c[i * ldc + 1] = hsum(s##i##1);                                                                \
+        c[i * ldc + 2] = hsum(s##i##2);                                                                \
+        c[i * ldc + 3] = hsum(s##i##3);                                                                \
     }
-    /* our threads split the work: make the library single-threaded */
-    const char *names[] = {"scipy_openblas_set_num_threads", "openblas_set_num_threads", "scipy_goto_set_num_threads"};
-    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
-        set_threads_fn st = (set_threads_fn)dlsym(h, names[i]);
-        if (st) {
-            st(1);
-            break;
-        }
+#define DOT_TILE(IM)                                                                                   \
+    static void dot_tile##IM(const float *a, const float *b, float *c, int64_t k, int64_t ldc) {       \
+        DOT_DECL(0) DOT_DECL(1) DOT_DECL(2) DOT_DECL(3)                                                \
+        int64_t p = 0;                                                                                 \
+        for (; p + 16 <= k; p += 16) {                                                                 \
+            DOT_LOADS(0xFFFF)                                                                          \
+            DOT_STEP(IM, 0, 0xFFFF) DOT_STEP(IM, 1, 0xFFFF) DOT_STEP(IM, 2, 0xFFFF) DOT_STEP(IM, 3, 0xFFFF) \
+        }                                                                                              \
+        if (p < k) {                                                                                   \
+            const __mmask16 tail = (__mmask16)((1u << (k - p)) - 1);                                   \
+            DOT_LOADS(tail)                                                                            \
+            DOT_STEP(IM, 0, tail) DOT_STEP(IM, 1, tail) DOT_STEP(IM, 2, tail) DOT_STEP(IM, 3, tail)    \
+        }                                                                                              \
+        DOT_OUT(IM, 0) DOT_OUT(IM, 1) DOT_OUT(IM, 2) DOT_OUT(IM, 3)                                    \
     }
-    g_sgemm = f;
-    snprintf(g_blas_name, sizeof g_blas_name, "%s", path);
-    return KVC_OK;
+DOT_TILE(1)
+DOT_TILE(2)
+DOT_TILE(3)
+DOT_TILE(4)
+
+/* im (<= 4) rows of A against 4 rows of B */
+static void dot_tile(int im, const float *a, const float *b, float *c, int64_t k, int64_t ldc) {
+    switch (im) {
+        case 1: dot_tile1(a, b, c, k, ldc); break;
+        case 2: dot_tile2(a, b, c, k, ldc); break;
+        case 3: dot_tile3(a, b, c, k, ldc); break;
+        default: dot_tile4(a, b, c, k, ldc); break;
+    }
 }
-
-const char *kvc_blas_name(void) { return g_blas_name; }
-
-void kvc_set_num_threads(int n) { omp_set_num_threads(n > 0 ? n : omp_get_num_procs()); }
-int kvc_get_num_threads(void) { return omp_get_max_threads(); }
-
-/* 4 x 4 block of dot products: c[i][j] = a_i . b_j over k */
-static inline void dot4x4(const float *a, const float *b, int64_t k, int64_t lda, int64_t ldb, float out[4][4], int mi, int nj) {
-    float acc[4][4] = {{0}};
-    if (mi == 4 && nj == 4) {
-        const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda;
-        const float *b0 = b, *b1 = b + ldb, *b2 = b + 2 * ldb, *b3 = b + 3 * ldb;
-        float s00 = 0, s01 = 0, s02 = 0, s03 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0;
-        float s20 = 0, s21 = 0, s22 = 0, s23 = 0, s30 = 0, s31 = 0, s32 = 0, s33 = 0;
-#pragma omp simd reduction(+ : s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
-        for (int64_t t = 0; t < k; t++) {
-            s00 += a0[t] * b0[t]; s01 += a0[t] * b1[t]; s02 += a0[t] * b2[t]; s03 += a0[t] * b3[t];
-            s10 += a1[t] * b0[t]; s11 += a1[t] * b1[t]; s12 += a1[t] * b2[t]; s13 += a1[t] * b3[t];
-            s20 += a2[t] * b0[t]; s21 += a2[t] * b1[t]; s22 += a2[t] * b2[t]; s23 += a2[t] * b3[t];
-            s30 += a3[t] * b0[t]; s31 += a3[t] * b1[t]; s32 += a3[t] * b2[t]; s33 += a3[t] * b3[t];
-        }
-        float r[4][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23}, {s30, s31, s32, s33}};
-        memcpy(out, r, sizeof r);
-        return;
-    }
-    for (int i = 0; i < mi; i++)
-        for (int j = 0; j < nj; j++) {
-            float s = 0;
-            const float *ai = a + i * lda, *bj = b + j * ldb;
+#else
+static void dot_tile(int im, const float *a, const float *b, float *c, int64_t k, int64_t ldc) {
+    for (int i = 0; i < im; i++)
+        for (int j = 0; j < 4; j++) {
+            const float *x = a + i * k, *y = b + j * k;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t t = 0; t < k; t++) s += ai[t] * bj[t];
-            acc[i][j] = s;
+            for (int64_t p = 0; p < k; p++) s += x[p] * y[p];
+            c[i * ldc + j] = s;
         }
-    memcpy(out, acc, sizeof acc);
+}
+#endif
+
+/* one output, for the last n % 4 columns */
+static float dot1(const float *x, const float *y, int64_t k) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t p = 0; p < k; p++) s += x[p] * y[p];
+    return s;
 }
 
-/* GEMV-friendly built-in kernel: parallel over n (weight rows), 4x4 tiles. */
-static void builtin_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-    const int64_t nb = (n + 3) / 4, mb = (m + 3) / 4;
-#pragma omp parallel for schedule(static) collapse(2) if (m * n * k > 32768)
-    for (int64_t jb = 0; jb < nb; jb++) {
-        for (int64_t ib = 0; ib < mb; ib++) {
-            const int64_t i0 = ib * 4, j0 = jb * 4;
-            const int mi = (int)(m - i0 < 4 ? m - i0 : 4), nj = (int)(n - j0 < 4 ? n - j0 : 4);
-            float out[4][4];
-            dot4x4(a + i0 * k, b + j0 * k, k, k, k, out, mi, nj);
-            for (int i = 0; i < mi; i++)
-                for (int j = 0; j < nj; j++) c[(i0 + i) * n + j0 + j] = out[i][j];
+static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    const int64_t nb = n / 4;
+    const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t jb = 0; jb <= nb; jb++) {
+        const int64_t j0 = jb * 4;
+        if (jb < nb) {
+            for (int64_t i0 = 0; i0 < m; i0 += 4)
+                dot_tile((int)imin(4, m - i0), a + i0 * k, b + j0 * k, c + i0 * n + j0, k, n);
+        } else {
+            for (int64_t j = j0; j < n; j++)
+                for (int64_t i = 0; i < m; i++) c[i * n + j] = dot1(a + i * k, b + j * k, k);
         }
     }
 }
 
-/* External BLAS on column slices, one slice per thread. */
-static void blas_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-    const int nt = omp_get_max_threads();
-    const int64_t slice = ((n + nt - 1) / nt + 15) / 16 * 16;
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int t = 0; t < nt; t++) {
-        const int64_t j0 = (int64_t)t * slice;
-        if (j0 >= n) continue;
-        const int64_t nj = n - j0 < slice ? n - j0 : slice;
-        g_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)nj, (int)k, 1.0f, a, (int)k, b + j0 * k, (int)k,
-                0.0f, c + j0, (int)n);
+/* ---------------------------------------------------------------------------------------------- */
+/* Packing.                                                                                       */
+
+/* B rows [j0, j0+nr) x columns [p0, p0+kc) -> dst[p][KVC_NR] (columns >= nr left unset: the
+ * microkernel masks them). */
+static void pack_b_panel(const float *b, int64_t k, int64_t j0, int nr, int64_t p0, int64_t kc, float *dst) {
+    int64_t p = 0;
+#if defined(__AVX512F__)
+    /* 16 x 16 blocks transposed in registers (the panel is a transpose of B's rows) */
+    for (int jg = 0; jg + 16 <= nr; jg += 16) {
+        for (p = 0; p + 16 <= kc; p += 16) {
+            __m512 r[16], t[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(b + (j0 + jg + j) * k + p0 + p);
+            for (int j = 0; j < 16; j += 2) {
+                t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+                t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+            }
+            for (int j = 0; j < 16; j += 4) {
+                r[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
+                r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
+                r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+            }
+            for (int j = 0; j < 4; j++) {
+                t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
+                t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
+                t[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
+                t[j + 12] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xDD);
+            }
+            for (int j = 0; j < 4; j++) {
+                r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+                r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+                r[j + 4] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0x88);
+                r[j + 12] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0xDD);
+            }
+            /* r[x] now holds column p + x of the 16 rows */
+            for (int x = 0; x < 16; x++) _mm512_storeu_ps(dst + (p + x) * KVC_NR + jg, r[x]);
+        }
+        for (int64_t q = p; q < kc; q++)
+            for (int j = 0; j < 16; j++) dst[q * KVC_NR + jg + j] = b[(j0 + jg + j) * k + p0 + q];
+    }
+    const int jdone = nr / 16 * 16;
+#else
+    const int jdone = 0;
+#endif
+    for (int j = jdone; j < nr; j++) {
+        const float *src = b + (j0 + j) * k + p0;
+        for (p = 0; p < kc; p++) dst[p * KVC_NR + j] = src[p];
     }
 }
 
-void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-    if (g_sgemm && m >= g_blas_min_m && m <= INT32_MAX && n <= INT32_MAX && k <= INT32_MAX) {
-        if (omp_in_parallel()) /* called from a parallel region: one thread, no nested teams */
-            g_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)m, (int)n, (int)k, 1.0f, a, (int)k, b, (int)k, 0.0f, c, (int)n);
-        else
-            blas_matmul(a, b, c, m, n, k);
+/* A rows [i0, i0+mr) x columns [p0, p0+kc) -> dst[p][KVC_MR] */
+static void pack_a_panel(const float *a, int64_t k, int64_t i0, int mr, int64_t p0, int64_t kc, float *dst) {
+    for (int i = 0; i < mr; i++) {
+        const float *src = a + (i0 + i) * k + p0;
+        for (int64_t p = 0; p < kc; p++) dst[p * KVC_MR + i] = src[p];
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Blocked path.                                                                                  */
+
+static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    /* k in equal chunks of at most KC_MAX (no thin leftover chunk) */
+    const int64_t kc_max = ceil_div(k, ceil_div(k, KC_MAX));
+    const int64_t nc_max = imin(NC_MAX, ceil_div(n, KVC_NR) * KVC_NR);
+    const int64_t mc_max = imin(MC_MAX, ceil_div(m, KVC_MR) * KVC_MR);
+    float *bp = aligned_alloc(64, (size_t)(nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
+    float *ap = aligned_alloc(64, (size_t)(mc_max * kc_max * sizeof(float) + 63) / 64 * 64);
+    if (!bp || !ap) { /* no memory for the packed blocks: the unpacked path needs none */
+        free(bp);
+        free(ap);
+        gemm_skinny(a, b, c, m, n, k);
         return;
     }
-    builtin_matmul(a, b, c, m, n, k);
+    const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
+#pragma omp parallel num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t j0 = 0; j0 < n; j0 += nc_max) {
+        const int64_t nc = imin(nc_max, n - j0), npan = ceil_div(nc, KVC_NR);
+        for (int64_t p0 = 0; p0 < k; p0 += kc_max) {
+            const int64_t kc = imin(kc_max, k - p0);
+            /* the implicit barrier at the end of each `omp for` orders packing before use */
+#pragma omp for schedule(static)
+            for (int64_t jp = 0; jp < npan; jp++)
+                pack_b_panel(b, k, j0 + jp * KVC_NR, (int)imin(KVC_NR, nc - jp * KVC_NR), p0, kc,
+                             bp + jp * KVC_NR * kc);
+            for (int64_t i0 = 0; i0 < m; i0 += mc_max) {
+                const int64_t mc = imin(mc_max, m - i0), mpan = ceil_div(mc, KVC_MR);
+#pragma omp for schedule(static)
+                for (int64_t ip = 0; ip < mpan; ip++)
+                    pack_a_panel(a, k, i0 + ip * KVC_MR, (int)imin(KVC_MR, mc - ip * KVC_MR), p0, kc,
+                                 ap + ip * KVC_MR * kc);
+                /* each thread takes a run of B panels and sweeps the A panels under each */
+#pragma omp for collapse(2) schedule(static)
+                for (int64_t jp = 0; jp < npan; jp++)
+                    for (int64_t ip = 0; ip < mpan; ip++) {
+                        const int mr = (int)imin(KVC_MR, mc - ip * KVC_MR);
+                        const int nr = (int)imin(KVC_NR, nc - jp * KVC_NR);
+                        kvc_cpu_ukr(mr, nr, kc, ap + ip * KVC_MR * kc, 1, KVC_MR, bp + jp * KVC_NR * kc, KVC_NR,
+                                    c + (i0 + ip * KVC_MR) * n + j0 + jp * KVC_NR, n, p0 > 0);
+                    }
+            }
+        }
+    }
+    free(bp);
+    free(ap);
+}
+
+void kvc_cpu_gemm_builtin(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    if (m <= SKINNY_M)
+        gemm_skinny(a, b, c, m, n, k);
+    else
+        gemm_blocked(a, b, c, m, n, k);
 }

@@ -1,0 +1,138 @@
+/* Runtime settings of the CPU backend (threads, external BLAS) and kvc_cpu_matmul, which picks the
+ * built-in GEMM (gemm.c) or an external CBLAS sgemm for each call.
+ *
+ * The external library is loaded with dlopen at run time (kvc_set_blas, or KVC_BLAS=path at first
+ * use), so the core links against no BLAS. It is made single-threaded and our own OpenMP threads
+ * each call it on a slice of the columns: only one thread pool ever runs, and two pools (OpenMP's and
+ * OpenBLAS's) spinning against each other on two cores are much slower than either alone.
+ *
+ * Which GEMM runs where (benchmarks/gemm.py, this machine: 2 cores of an AMD EPYC (Zen 4, AVX-512),
+ * GFLOP/s, see the table at the top of gemm.c): SEE_GEMM_TABLE */
+#include <dlfcn.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../core/common.h"
+#include "../backend.h"
+#include "cpu.h"
+
+typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int m, int n, int k, float alpha,
+                               const float *a, int lda, const float *b, int ldb, float beta, float *c, int ldc);
+typedef void (*set_threads_fn)(int);
+enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
+
+/* Rows of A from which the external BLAS is used when one is loaded (below: the built-in kernel). */
+#define BLAS_MIN_M 16
+
+static _Atomic(cblas_sgemm_fn) g_sgemm;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* guards g_name and g_explicit */
+static char g_name[1024] = "builtin";
+static int g_explicit;                                    /* kvc_set_blas was called */
+static pthread_once_t g_env_once = PTHREAD_ONCE_INIT;
+static atomic_int g_threads;                              /* 0: OpenMP's default */
+
+int kvc_cpu_threads(void) {
+    const int t = atomic_load_explicit(&g_threads, memory_order_relaxed);
+    return t > 0 ? t : omp_get_max_threads();
+}
+
+void kvc_set_num_threads(int n) {
+    if (n <= 0) n = omp_get_num_procs();
+    atomic_store(&g_threads, n);
+    omp_set_num_threads(n); /* for the parallel regions elsewhere in the core (calling thread) */
+}
+
+int kvc_get_num_threads(void) { return kvc_cpu_threads(); }
+
+/* Open `path` and find `symbol` (or, when symbol is NULL/empty, cblas_sgemm then scipy_cblas_sgemm).
+ * The handle is never closed: another thread may still be inside the old library. */
+static kvc_status load_blas(const char *path, const char *symbol, cblas_sgemm_fn *out) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) return kvc_fail(KVC_ERR_IO, "cannot load the BLAS library '%s': %s", path, dlerror());
+    cblas_sgemm_fn f = NULL;
+    if (symbol && *symbol) {
+        f = (cblas_sgemm_fn)dlsym(h, symbol);
+    } else {
+        f = (cblas_sgemm_fn)dlsym(h, "cblas_sgemm");
+        if (!f) f = (cblas_sgemm_fn)dlsym(h, "scipy_cblas_sgemm");
+    }
+    if (!f) {
+        dlclose(h);
+        return kvc_fail(KVC_ERR_IO, "the BLAS library '%s' has no symbol '%s' (try cblas_sgemm or scipy_cblas_sgemm)",
+                        path, symbol && *symbol ? symbol : "cblas_sgemm");
+    }
+    /* our threads share the work out: the library must not start its own pool */
+    static const char *setters[] = {"openblas_set_num_threads", "scipy_openblas_set_num_threads",
+                                    "scipy_openblas_set_num_threads64_", "mkl_set_num_threads",
+                                    "bli_thread_set_num_threads"};
+    for (size_t i = 0; i < sizeof setters / sizeof *setters; i++) {
+        set_threads_fn st = (set_threads_fn)dlsym(h, setters[i]);
+        if (st) {
+            st(1);
+            break;
+        }
+    }
+    *out = f;
+    return KVC_OK;
+}
+
+static void init_from_env(void) {
+    const char *path = getenv("KVC_BLAS");
+    if (!path || !*path) return;
+    pthread_mutex_lock(&g_lock);
+    if (!g_explicit) { /* an explicit kvc_set_blas wins over the environment */
+        cblas_sgemm_fn f = NULL;
+        if (load_blas(path, getenv("KVC_BLAS_SYMBOL"), &f) == KVC_OK) {
+            snprintf(g_name, sizeof g_name, "%s", path);
+            atomic_store(&g_sgemm, f);
+        } else {
+            fprintf(stderr, "kvpress_c: KVC_BLAS ignored: %s\n", kvc_last_error());
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+}
+
+kvc_status kvc_set_blas(const char *path, const char *symbol) {
+    pthread_once(&g_env_once, init_from_env);
+    cblas_sgemm_fn f = NULL;
+    if (path) KVC_TRY(load_blas(path, symbol, &f));
+    pthread_mutex_lock(&g_lock);
+    g_explicit = 1;
+    snprintf(g_name, sizeof g_name, "%s", path ? path : "builtin");
+    atomic_store(&g_sgemm, f);
+    pthread_mutex_unlock(&g_lock);
+    return KVC_OK;
+}
+
+const char *kvc_blas_name(void) {
+    pthread_once(&g_env_once, init_from_env);
+    return g_name;
+}
+
+int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    pthread_once(&g_env_once, init_from_env);
+    const cblas_sgemm_fn f = atomic_load(&g_sgemm);
+    if (!f || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) return 0;
+    const int nt = omp_in_parallel() ? 1 : kvc_cpu_threads();
+    /* column slices, a multiple of 16 wide, one per thread */
+    const int64_t slice = ((n + nt - 1) / nt + 15) / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        const int64_t j0 = (int64_t)t * slice;
+        if (j0 < n) {
+            const int64_t nj = n - j0 < slice ? n - j0 : slice;
+            f(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, (int)m, (int)nj, (int)k, 1.0f, a, (int)k, b + j0 * k,
+              (int)k, 0.0f, c + j0, (int)n);
+        }
+    }
+    return 1;
+}
+
+void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    if (m >= BLAS_MIN_M && kvc_cpu_gemm_blas(a, b, c, m, n, k)) return;
+    kvc_cpu_gemm_builtin(a, b, c, m, n, k);
+}
