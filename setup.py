@@ -72,11 +72,18 @@ class BuildExt(build_ext):
         return os.path.join(self.build_lib, "kvpress_c", "libkvpress_c.so")
 
     def copy_extensions_to_source(self):
-        # in-place builds (build_ext --inplace, editable installs) need the core library too
-        super().copy_extensions_to_source()
+        # in-place builds (build_ext --inplace, editable installs) copy the extension and the core
+        # library next to the sources; copy-then-rename, so a process that has the old files mapped
+        # keeps them intact (an in-place overwrite would crash it with SIGBUS)
         build_py = self.get_finalized_command("build_py")
-        dst = os.path.join(build_py.get_package_dir("kvpress_c"), "libkvpress_c.so")
-        shutil.copyfile(self._lib_build_path(), dst)
+        package_dir = build_py.get_package_dir("kvpress_c")
+        outputs = [self._lib_build_path()]
+        for ext in self.extensions:
+            outputs.append(os.path.join(self.build_lib, self.get_ext_filename(self.get_ext_fullname(ext.name))))
+        for src in outputs:
+            dst = os.path.join(package_dir, os.path.basename(src))
+            shutil.copyfile(src, dst + ".tmp")
+            os.replace(dst + ".tmp", dst)
 
     def get_outputs(self):
         return super().get_outputs() + [self._lib_build_path()]

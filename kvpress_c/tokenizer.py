@@ -47,20 +47,17 @@ _PRE_ALIASES = {
     "gpt2": ["gpt-2", "phi-2", "mpt", "olmo", "jais", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de",
              "jina-v1-en", "jina-v2-code", "roberta-bpe", "gigachat", "exaone4", "trillion", "mellum"],
     "smollm": ["starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-    "llama3": ["llama-bpe", "llama-v3", "falcon3", "pixtral-llama", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4",
+    "llama3": ["llama-bpe", "llama-v3", "falcon3", "pixtral", "dbrx", "smaug-bpe", "chatglm-bpe", "glm4",
                "falcon-h1", "midm-2.0", "lfm2"],
     "qwen2": ["deepseek-r1-qwen", "stablelm2", "megrez", "kormo"],
-    "tekken": ["pixtral"],
     "gpt4o": ["gpt-4o", "llama4", "minimax-m2"],
 }
 _PRE_CANONICAL = {name: name for name in _PRE_RULES}
 _PRE_CANONICAL.update({alias: name for name, aliases in _PRE_ALIASES.items() for alias in aliases})
 # pre-tokenizers whose vocabularies are used with "whole word first" (ignore_merges) in llama.cpp
-_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "midm-2.0", "lfm2", "tekken",
-                  "pixtral", "pixtral-llama"}
+_IGNORE_MERGES = {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "midm-2.0", "lfm2", "pixtral", "tekken"}
 # pre-tokenizers for which llama.cpp prepends BOS when the file does not say
-_ADD_BOS_BY_DEFAULT = {"llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "midm-2.0", "lfm2", "tekken",
-                       "pixtral", "pixtral-llama", "chameleon"}
+_ADD_BOS_BY_DEFAULT = _IGNORE_MERGES | {"chameleon"}
 
 # texts of end-of-turn / end-of-text tokens of common chat formats: when one of these is a special token of
 # the vocabulary it is a stop id (generation must end there even if the file names only one EOS)
@@ -94,7 +91,7 @@ class Tokenizer:
                  special_ids: Optional[Iterable[int]] = None, add_eos: bool = False,
                  unk_id: Optional[int] = None, pad_id: Optional[int] = None):
         self._tok = tok
-        n = tok.get_vocab_size(with_added_tokens=True)
+        n = self._vocab_size = tok.get_vocab_size(with_added_tokens=True)  # fixed from here on
 
         def valid(i):
             return int(i) if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n else None
@@ -270,7 +267,7 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     @property
     def bos_token(self) -> str:
@@ -318,7 +315,7 @@ def _gguf_byte_level_bpe(tokens, merges, pre: Optional[str]) -> _HFTokenizer:
     ignore_merges = (pre or "").strip().lower() in _IGNORE_MERGES
     tok = _HFTokenizer(models.BPE(vocab=_vocab_dict(tokens), merges=_parse_merges(merges), fuse_unk=False,
                                   byte_fallback=False, ignore_merges=ignore_merges))
-    if _PRE_CANONICAL.get((pre or "").strip().lower()) == "qwen2":
+    if (pre or "").strip().lower() == "qwen2":
         tok.normalizer = normalizers.NFC()  # Qwen2's own tokenizer.json normalises to NFC first
     tok.pre_tokenizer = _byte_level_pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()

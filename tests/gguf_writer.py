@@ -279,3 +279,55 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, hidden: int = 32, heads:
     if rope_freqs is not None:
         g.add_array("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     return g
+
+
+# -- a minimal reader (tests only: an implementation independent of the C parser) ----------------
+
+def read_gguf(path: str):
+    """-> (metadata {key: value or list}, tensors {name: (ggml type id, ne, file offset, nbytes)})."""
+    with open(path, "rb") as fh:
+        buf = fh.read()
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        v = struct.unpack_from(fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return v[0]
+
+    def string():
+        nonlocal pos
+        n = take("<Q")
+        s = buf[pos:pos + n].decode("utf-8", errors="replace")
+        pos += n
+        return s
+
+    def value(t):
+        return string() if t == STRING else take(_SCALAR[t])
+
+    assert buf[:4] == b"GGUF"
+    pos = 4
+    take("<I")
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    meta = {}
+    for _ in range(n_kv):
+        key, t = string(), take("<I")
+        if t == ARRAY:
+            et, n = take("<I"), take("<Q")
+            meta[key] = [value(et) for _ in range(n)]
+        else:
+            meta[key] = value(t)
+    infos = []
+    for _ in range(n_tensors):
+        name, nd = string(), take("<I")
+        ne = [take("<Q") for _ in range(nd)]
+        infos.append((name, take("<I"), ne, take("<Q")))
+    align = meta.get("general.alignment", 32)
+    data_start = (pos + align - 1) // align * align
+    by_id = {v[0]: (v[1], v[2]) for v in GGML.values()}
+    tensors = {}
+    for name, t, ne, off in infos:
+        n = int(np.prod(ne))
+        be, bb = by_id[t]
+        tensors[name] = (t, ne, data_start + off, n // be * bb)
+    return meta, tensors

@@ -1,16 +1,21 @@
 /* ggml tensor formats -> fp32, written from the block layouts of ggml's quantisation types.
  * Contraction to FMA is off so that d * q + m rounds exactly as the reference dequantisers (ggml,
  * gguf-py) do: a model loads to the same fp32 weights everywhere. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 #include <string.h>
 
 #include "convert.h"
 #include "dequant.h"
 #include "gguf.h"
 
-/* Below this many blocks a tensor is converted on one thread: a parallel region per small norm
- * vector costs more than the conversion, and with busy-waiting OpenMP runtimes it adds up. */
-#define PAR_MIN_BLOCKS 4096
+/* Below this many values a tensor is converted on one thread (~1-2 ms of work): every parallel
+ * region ends in a barrier, and on a busy machine waiting there for a descheduled worker costs
+ * more than the conversion (measured: 2 threads 4x slower than 1 over SmolLM2's 272 tensors). */
+#define PAR_MIN_VALUES (1 << 22)
 
 typedef struct type_info {
     const char *name;
@@ -128,8 +133,10 @@ static inline void q5_0(const uint8_t *b, float *o) { /* fp16 d, u32 qh, 16 byte
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     for (int j = 0; j < 16; j++) {
-        o[j] = (float)(((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16) * d;
-        o[j + 16] = (float)(((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16) * d;
+        const int lo = (int)((b[6 + j] & 15) | (((qh >> j) & 1) << 4));         /* int: q - 16 may be negative */
+        const int hi = (int)((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+        o[j] = (float)(lo - 16) * d;
+        o[j + 16] = (float)(hi - 16) * d;
     }
 }
 
@@ -148,18 +155,22 @@ static inline void q8_0(const uint8_t *b, float *o) { /* fp16 d, 32 int8: q d */
     for (int j = 0; j < 32; j++) o[j] = (float)(int8_t)b[2 + j] * d;
 }
 
-/* ---- 256-value super-blocks (k-quants), written per element e = 0..255. ---- */
+/* ---- 256-value super-blocks (k-quants). Loops run over runs of 16 values that share a scale and
+ * a bit position, so that the inner loops have constant shifts and vectorise. ---- */
 
 static inline void q2_k(const uint8_t *b, float *o) {
     /* 16 scale bytes (low nibble: scale, high: min, per 16 values), 64 bytes of 2-bit values,
      * fp16 d, fp16 dmin. Byte l of half h holds elements 128h + 32s + l at bits 2s. */
     const uint8_t *sc = b, *qs = b + 16;
     const float d = half_at(b + 80), dmin = half_at(b + 82);
-    for (int e = 0; e < 256; e++) {
-        const int h = e >> 7, s = (e >> 5) & 3, l = e & 31;
-        const float dl = d * (float)(sc[e >> 4] & 15), ml = dmin * (float)(sc[e >> 4] >> 4);
-        o[e] = dl * (float)((qs[32 * h + l] >> (2 * s)) & 3) - ml;
-    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int r = 0; r < 2; r++) {
+                const int j = 8 * h + 2 * s + r; /* run of 16 values: elements 16j .. 16j + 15 */
+                const float dl = d * (float)(sc[j] & 15), ml = dmin * (float)(sc[j] >> 4);
+                const uint8_t *q = qs + 32 * h + 16 * r;
+                for (int l = 0; l < 16; l++) o[16 * j + l] = dl * (float)((q[l] >> (2 * s)) & 3) - ml;
+            }
 }
 
 static inline void q3_k(const uint8_t *b, float *o) {
@@ -167,13 +178,16 @@ static inline void q3_k(const uint8_t *b, float *o) {
      * bytes of 6-bit signed scales per 16 values, fp16 d. A clear high bit subtracts 4. */
     const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
     const float d = half_at(b + 108);
-    for (int e = 0; e < 256; e++) {
-        const int j = e >> 4, h = e >> 7, s = (e >> 5) & 3, l = e & 31;
-        const int lo = (sc[j & 7] >> (4 * (j >> 3))) & 15, hi = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
-        const float dl = d * (float)((lo | (hi << 4)) - 32);
-        const int q = ((qs[32 * h + l] >> (2 * s)) & 3) - (((hm[l] >> (e >> 5)) & 1) ? 0 : 4);
-        o[e] = dl * (float)q;
-    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int r = 0; r < 2; r++) {
+                const int j = 8 * h + 2 * s + r, bit = 4 * h + s;
+                const int lo = (sc[j & 7] >> (4 * (j >> 3))) & 15, hi = (sc[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+                const float dl = d * (float)((lo | (hi << 4)) - 32);
+                const uint8_t *q = qs + 32 * h + 16 * r, *m = hm + 16 * r;
+                for (int l = 0; l < 16; l++)
+                    o[16 * j + l] = dl * (float)((int)((q[l] >> (2 * s)) & 3) - (((m[l] >> bit) & 1) ? 0 : 4));
+            }
 }
 
 /* Q4_K/Q5_K: 8 groups of 32 values, each with a 6-bit scale and min packed in 12 bytes. */
@@ -221,20 +235,23 @@ static inline void q6_k(const uint8_t *b, float *o) {
     /* 128 bytes of low nibbles, 64 bytes of 2-bit high parts, 16 int8 scales (per 16 values), fp16
      * d. In half n, group g (32 values): low nibble (g < 2) or high nibble of ql[64n + 32(g&1) + l],
      * bits 2g of qh[32n + l]; value (q - 32) * d * scale. */
-    const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     const float d = half_at(b + 208);
-    for (int e = 0; e < 256; e++) {
-        const int n = e >> 7, g = (e >> 5) & 3, l = e & 31;
-        const int lo = (ql[64 * n + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15;
-        const int hi = (qh[32 * n + l] >> (2 * g)) & 3;
-        o[e] = (d * (float)sc[e >> 4]) * (float)((lo | (hi << 4)) - 32);
-    }
+    for (int n = 0; n < 2; n++)
+        for (int g = 0; g < 4; g++)
+            for (int r = 0; r < 2; r++) {
+                const int j = 8 * n + 2 * g + r;
+                const float dl = d * (float)sc[j];
+                const uint8_t *ql = b + 64 * n + 32 * (g & 1) + 16 * r, *qh = b + 128 + 32 * n + 16 * r;
+                const int shift = 4 * (g >> 1);
+                for (int l = 0; l < 16; l++)
+                    o[16 * j + l] = dl * (float)((int)(((ql[l] >> shift) & 15) | (((qh[l] >> (2 * g)) & 3) << 4)) - 32);
+            }
 }
 
 #define BLOCK_LOOP(fn)                                                       \
     do {                                                                     \
-        _Pragma("omp parallel for schedule(static) if (nb >= PAR_MIN_BLOCKS)") \
+        _Pragma("omp parallel for schedule(static) if (n >= PAR_MIN_VALUES)") \
         for (int64_t i = 0; i < nb; i++) fn(s + i * bs, dst + i * be);       \
     } while (0)
 
@@ -256,11 +273,11 @@ kvc_status ggml_dequantize(int32_t type, const void *src, size_t src_bytes, floa
         memcpy(dst, s, (size_t)n * 4);
         break;
     case GGML_T_F16:
-#pragma omp parallel for schedule(static) if (n >= 32 * PAR_MIN_BLOCKS)
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN_VALUES)
         for (int64_t i = 0; i < n; i++) dst[i] = half_at(s + 2 * i);
         break;
     case GGML_T_BF16:
-#pragma omp parallel for schedule(static) if (n >= 32 * PAR_MIN_BLOCKS)
+#pragma omp parallel for schedule(static) if (n >= PAR_MIN_VALUES)
         for (int64_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);

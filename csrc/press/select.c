@@ -79,6 +79,10 @@ void kvc_topk_rows(const float *scores, int64_t n, int64_t k, int64_t *out) {
     free(c);
 }
 
+/* alpha_safeguard travels as a float (0.7f = 0.69999998...), which would make int(10 * alpha) = 6
+ * where kvpress (Python doubles) gets 7: read it back as the decimal the user wrote (6 places). */
+static double safeguard_alpha(float a) { return nearbyint((double)a * 1e6) / 1e6; }
+
 /* Ada-KV: head-wise budgets from a layer-wide top-k. `n_kept` is the average per-head budget
  * (window inside), `w` the protected window at the end of every head. */
 static kvc_status adakv_select(const kvc_press_config *p, int32_t n_kv, const int64_t *len,
@@ -103,8 +107,9 @@ static kvc_status adakv_select(const kvc_press_config *p, int32_t n_kv, const in
     if (p->safeguard == KVC_SAFEGUARD_PROTECT) {
         /* kvpress AdaKVPress: each head's top n_safe protected (window included in that ranking,
          * since its scores are max + 1), then the best of the rest layer-wide up to n_kv * n_kept. */
-        int64_t n_safe = (int64_t)((double)n_kept * p->alpha_safeguard);
-        if (p->alpha_safeguard > 0 && n_kept > 0 && n_safe < 1) n_safe = 1;
+        const double alpha = safeguard_alpha(p->alpha_safeguard);
+        int64_t n_safe = (int64_t)((double)n_kept * alpha);
+        if (alpha > 0 && n_kept > 0 && n_safe < 1) n_safe = 1;
         int64_t protected_total = 0;
         int64_t *tmp = malloc(sizeof(int64_t) * (size_t)(n_safe > 0 ? n_safe : 1));
         if (!tmp) {
@@ -129,6 +134,7 @@ static kvc_status adakv_select(const kvc_press_config *p, int32_t n_kv, const in
         /* official Ada-KV: global top n_kv * Bp over past rows gives f_h; each head keeps its own top
          * cap_h = round(f_h (1 - a) + floor(Bp a)) past rows, plus the window. */
         const int64_t Bp = n_kept - w > 0 ? n_kept - w : 0;
+        const double alpha = safeguard_alpha(p->alpha_safeguard);
         int64_t m = 0;
         for (int32_t h = 0; h < n_kv; h++)
             for (int64_t r = 0; r < len[h] - w; r++) c[m++] = (cand){scores[h][r], r, h};
@@ -142,7 +148,7 @@ static kvc_status adakv_select(const kvc_press_config *p, int32_t n_kv, const in
         for (int64_t i = 0; i < (int64_t)n_kv * Bp && i < m; i++) f[c[i].h]++;
         for (int32_t h = 0; h < n_kv; h++) {
             const int64_t n_past = len[h] - w;
-            int64_t cap = (int64_t)llround((double)f[h] * (1.0 - p->alpha_safeguard) + floor((double)Bp * p->alpha_safeguard));
+            int64_t cap = (int64_t)llround((double)f[h] * (1.0 - alpha) + floor((double)Bp * alpha));
             if (cap > n_past) cap = n_past;
             if (cap < 0) cap = 0;
             kvc_topk_rows(scores[h], n_past, cap, tmp);

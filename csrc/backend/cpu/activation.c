@@ -1,24 +1,51 @@
-/* Elementwise kernels: SwiGLU (silu(gate) * up), residual add, bias add. */
-#include <math.h>
+/* Elementwise kernels: SwiGLU (silu(gate) * up, silu(g) = g / (1 + exp(-g))), residual add, bias
+ * add. Memory-bound: threads only for large arrays (a fork/join costs microseconds). */
+#include <omp.h>
 
-#include "../backend.h"
+#include "cpu.h"
 
-void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim) {
-    const int64_t n = rows * dim;
-#pragma omp parallel for simd schedule(static) if (n > 65536)
-    for (int64_t i = 0; i < n; i++) {
+#define PAR_MIN 65536 /* elements from which a kernel runs on several threads */
+
+/* out[i] = silu(gate[i]) * up[i] for i < n */
+static void swiglu_span(const float *gate, const float *up, float *out, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = kvc_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
         const float g = gate[i];
         out[i] = g / (1.0f + expf(-g)) * up[i];
     }
 }
 
+void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim) {
+    const int64_t n = rows * dim;
+    const int nt = n >= PAR_MIN && !omp_in_parallel() ? kvc_cpu_threads() : 1;
+    const int64_t span = ((n + nt - 1) / nt + 15) / 16 * 16;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int t = 0; t < nt; t++) {
+        const int64_t i0 = (int64_t)t * span;
+        if (i0 < n) swiglu_span(gate + i0, up + i0, out + i0, n - i0 < span ? n - i0 : span);
+    }
+}
+
 void kvc_cpu_add(float *y, const float *x, int64_t n) {
-#pragma omp parallel for simd schedule(static) if (n > 65536)
+    const int par = n >= PAR_MIN && !omp_in_parallel();
+#pragma omp parallel for simd schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t i = 0; i < n; i++) y[i] += x[i];
 }
 
 void kvc_cpu_add_bias(float *y, const float *b, int64_t rows, int64_t dim) {
-    for (int64_t r = 0; r < rows; r++)
+    const int par = rows > 1 && rows * dim >= PAR_MIN && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t r = 0; r < rows; r++) {
+        float *yr = y + r * dim;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; i++) y[r * dim + i] += b[i];
+        for (int64_t i = 0; i < dim; i++) yr[i] += b[i];
+    }
 }

@@ -1,80 +1,235 @@
-/* Causal GQA attention over a ragged KV cache, flash style: for each (query head, query tile) the
- * keys are visited in tiles with an online softmax (running max and sum), so memory is O(tile) per
- * thread and no n x n matrix ever exists. Query i of the call sees the first past_len[h] + i + 1
- * rows of its KV head h = hq / (H / Hkv). */
+/* Causal GQA attention over a ragged KV cache, flash style.
+ *
+ * Query i (of the n in this call) of query head hq reads KV head h = hq / (H / Hkv), whose keys
+ * k[h] and values v[h] are [past_len[h] + n, d]; it sees the first past_len[h] + i + 1 rows:
+ *   out[i, hq] = softmax_j(scale * q[i, hq] . k[h][j]) v[h][j]   over the visible j.
+ * Keys are visited in tiles with an online softmax (running max m and sum l per query row; when the
+ * max grows, the earlier sum and output are rescaled by exp(m_old - m_new)), so memory is O(tile)
+ * per thread and no n x n score matrix ever exists.
+ *
+ * Prefill (many queries): a task is (KV head, a group of its query heads, a tile of queries); its
+ * rows (query, head) share every key and value tile, which is loaded once for all of them. Scores
+ * Q K^T and the update P V both run on the GEMM microkernel (K tile transposed so keys are lanes).
+ * Decode (a few queries): the rows of a KV head are few, so its keys are split into chunks processed
+ * in parallel (each with its own m, l, partial output), then merged: with 3 KV heads on 2 cores, or
+ * one long sequence, the heads alone would leave cores idle. */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "../backend.h"
+#include "cpu.h"
 
-#define TQ 16  /* query rows per task */
-#define TK 128 /* key rows per tile */
+#define TK 64        /* keys per tile */
+#define ROWS_MAX 64  /* query rows per prefill task */
+#define QBUF 8192    /* floats of the per-task Q and O buffers: rows x d <= QBUF */
+#define DMAX 256     /* head_dim limit (checked by kvc_kernel_attention) */
+#define DECODE_N 4   /* up to this many queries: the split-keys decode path */
+#define CHUNK_MIN 256 /* fewest keys per decode chunk */
 
-static void attend_tile(const float *q, int64_t n, int32_t H, int32_t d, int32_t hq, int64_t i0, int64_t mq,
-                        const float *K, const float *V, int64_t past, float scale, float *out) {
-    float S[TQ][TK];
-    float O[TQ][256]; /* d <= 256 */
-    float mrow[TQ], lrow[TQ];
-    for (int64_t i = 0; i < mq; i++) {
-        mrow[i] = -FLT_MAX;
-        lrow[i] = 0.f;
-        memset(O[i], 0, sizeof(float) * d);
+/* ---------------------------------------------------------------------------------------------- */
+/* One online-softmax step for `rows` rows on a tile of `tk` keys.                                */
+/* S[r][0:tk] holds the scaled scores (masked ones -inf); on return it holds P = exp(S - m_new).  */
+/* O rows are rescaled by exp(m_old - m_new); l and m are updated.                                */
+static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *O, int d) {
+    for (int r = 0; r < rows; r++) {
+        float *s = S + r * TK;
+        float mx = m[r];
+        for (int j = 0; j < tk; j++) mx = s[j] > mx ? s[j] : mx;
+        if (mx == -INFINITY) { /* nothing visible yet in this row */
+            memset(s, 0, sizeof(float) * tk);
+            continue;
+        }
+        for (int j = 0; j < tk; j++) s[j] -= mx;
+        kvc_vexp(s, s, tk);
+        float sum = 0.f;
+        for (int j = 0; j < tk; j++) sum += s[j];
+        const float corr = m[r] == -INFINITY ? 0.f : expf(m[r] - mx);
+        if (corr != 1.f) {
+            float *o = O + r * d;
+            for (int e = 0; e < d; e++) o[e] *= corr;
+        }
+        l[r] = l[r] * corr + sum;
+        m[r] = mx;
     }
-    const int64_t kend = past + i0 + mq; /* rows visible to the last query of the tile */
-    for (int64_t k0 = 0; k0 < kend; k0 += TK) {
-        const int64_t mk = kend - k0 < TK ? kend - k0 : TK;
-        for (int64_t i = 0; i < mq; i++) {
-            const float *qi = q + ((i0 + i) * H + hq) * d;
-            const int64_t vis = past + i0 + i + 1 - k0; /* visible rows of this tile for query i */
-            const int64_t lim = vis < mk ? vis : mk;
-            float mx = mrow[i];
-            for (int64_t j = 0; j < lim; j++) {
-                const float *kj = K + (k0 + j) * d;
-                float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                for (int32_t e = 0; e < d; e++) s += qi[e] * kj[e];
-                S[i][j] = s * scale;
-                mx = S[i][j] > mx ? S[i][j] : mx;
-            }
-            if (lim <= 0) continue;
-            const float corr = expf(mrow[i] - mx);
-            float sum = 0.f;
-            for (int64_t j = 0; j < lim; j++) {
-                S[i][j] = expf(S[i][j] - mx);
-                sum += S[i][j];
-            }
-            lrow[i] = lrow[i] * corr + sum;
-            mrow[i] = mx;
-            float *oi = O[i];
-#pragma omp simd
-            for (int32_t e = 0; e < d; e++) oi[e] *= corr;
-            for (int64_t j = 0; j < lim; j++) {
-                const float p = S[i][j];
-                const float *vj = V + (k0 + j) * d;
-#pragma omp simd
-                for (int32_t e = 0; e < d; e++) oi[e] += p * vj[e];
-            }
+}
+
+/* O[rows][d] += P[rows][tk] V[tk][d] through the microkernel (O stays in registers over the keys). */
+static void update_pv(const float *P, int rows, int tk, const float *V, int d, float *O) {
+    for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
+        const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
+        for (int e0 = 0; e0 < d; e0 += KVC_NR) {
+            const int nr = d - e0 < KVC_NR ? d - e0 : KVC_NR;
+            kvc_cpu_ukr(mr, nr, tk, P + r0 * TK, TK, 1, V + e0, d, O + r0 * d + e0, d, 1);
         }
     }
-    for (int64_t i = 0; i < mq; i++) {
-        float *o = out + ((i0 + i) * H + hq) * d;
-        const float inv = lrow[i] > 0 ? 1.f / lrow[i] : 0.f;
-        for (int32_t e = 0; e < d; e++) o[e] = O[i][e] * inv;
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The rows of one task against the keys [kb, ke) of their KV head.                               */
+/* Q[rows][d] holds the queries already multiplied by `scale`; row r is query i0 + r / gc, which  */
+/* sees the keys < past + i0 + r / gc + 1. Accumulates into O[rows][d], m[rows], l[rows].         */
+/* Scores: `dot` computes each as a dot product over d (few rows: decode); otherwise the K tile is */
+/* transposed so the microkernel computes rows x keys in registers (prefill).                     */
+static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const float *K, const float *V,
+                   int64_t past, int64_t kb, int64_t ke, int dot, float *O, float *m, float *l) {
+    float KT[DMAX * TK], S[ROWS_MAX * TK];
+    for (int64_t k0 = kb; k0 < ke; k0 += TK) {
+        const int tk = (int)(ke - k0 < TK ? ke - k0 : TK);
+        if (dot) {
+            for (int j = 0; j < tk; j++) {
+                const float *kr = K + (k0 + j) * d;
+                for (int r = 0; r < rows; r++) {
+                    const float *qr = Q + r * d;
+                    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                    for (int e = 0; e < d; e++) s += qr[e] * kr[e];
+                    S[r * TK + j] = s;
+                }
+            }
+        } else {
+            /* KT[e][j] = K[k0 + j][e]: keys become vector lanes */
+            for (int j = 0; j < tk; j++) {
+                const float *kr = K + (k0 + j) * d;
+                for (int e = 0; e < d; e++) KT[e * TK + j] = kr[e];
+            }
+            for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
+                const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
+                for (int j0 = 0; j0 < tk; j0 += KVC_NR) {
+                    const int nr = tk - j0 < KVC_NR ? tk - j0 : KVC_NR;
+                    kvc_cpu_ukr(mr, nr, d, Q + r0 * d, d, 1, KT + j0, TK, S + r0 * TK + j0, TK, 0);
+                }
+            }
+        }
+        /* causal mask, needed only where the tile reaches past the first row's last visible key */
+        if (k0 + tk > past + i0 + 1) {
+            for (int r = 0; r < rows; r++) {
+                const int64_t vis = past + i0 + r / gc + 1 - k0; /* visible keys of this tile */
+                for (int64_t j = vis < 0 ? 0 : vis; j < tk; j++) S[r * TK + j] = -INFINITY;
+            }
+        }
+        softmax_step(S, rows, tk, m, l, O, d);
+        update_pv(S, rows, tk, V + k0 * d, d, O);
     }
-    (void)n;
+}
+
+/* Copy `rows` query rows (row r = query i0 + r / gc, head hq0 + r % gc) scaled into Q. */
+static void gather_q(const float *q, int32_t H, int32_t d, int32_t hq0, int32_t gc, int64_t i0, int rows,
+                     float scale, float *Q) {
+    for (int r = 0; r < rows; r++) {
+        const float *src = q + ((i0 + r / gc) * H + hq0 + r % gc) * d;
+        for (int e = 0; e < d; e++) Q[r * d + e] = src[e] * scale;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Prefill: task = (KV head h, query heads [h*g + g0, +gc), queries [i0, i0 + mq)).               */
+
+static void attention_prefill(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
+                              const float *const *v, const int64_t *past_len, float scale, float *out) {
+    const int32_t g = H / Hkv;
+    const int rmax = QBUF / d < ROWS_MAX ? QBUF / d : ROWS_MAX;
+    const int32_t gc = g < rmax ? g : rmax; /* query heads per task */
+    const int64_t gchunks = (g + gc - 1) / gc;
+    const int64_t tq = rmax / gc; /* queries per task */
+    const int64_t qtiles = (n + tq - 1) / tq;
+    const int64_t per_tile = (int64_t)Hkv * gchunks, tasks = per_tile * qtiles;
+    const int par = !omp_in_parallel() && tasks > 1 && (double)n * (n + past_len[0]) * H * d > 2e5;
+    /* later query tiles see more keys: hand them out first */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t t = 0; t < tasks; t++) {
+        float Q[QBUF], O[QBUF], m[ROWS_MAX], l[ROWS_MAX];
+        const int64_t qt = qtiles - 1 - t / per_tile;
+        const int32_t h = (int32_t)(t % per_tile / gchunks), g0 = (int32_t)(t % per_tile % gchunks * gc);
+        const int32_t gn = g - g0 < gc ? g - g0 : gc;
+        const int64_t i0 = qt * tq, mq = n - i0 < tq ? n - i0 : tq;
+        const int rows = (int)(mq * gn);
+        gather_q(q, H, d, h * g + g0, gn, i0, rows, scale, Q);
+        memset(O, 0, sizeof(float) * rows * d);
+        for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
+        attend(Q, rows, gn, i0, d, k[h], v[h], past_len[h], 0, past_len[h] + i0 + mq, 0, O, m, l);
+        for (int r = 0; r < rows; r++) {
+            float *dst = out + ((i0 + r / gn) * H + (int64_t)h * g + g0 + r % gn) * d;
+            const float inv = 1.f / l[r]; /* l >= 1: the row's own max contributes exp(0) */
+            for (int e = 0; e < d; e++) dst[e] = O[r * d + e] * inv;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Decode: n <= DECODE_N queries. Task = (KV head h, keys [kb, ke)) over all n * g rows of h; its  */
+/* partial result (unnormalised O, m, l per row) goes to `part`, then the chunks of each head are  */
+/* merged. Returns 0 (nothing done) when the rows do not fit the buffers or memory is short.       */
+
+static int attention_decode(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
+                            const float *const *v, const int64_t *past_len, float scale, float *out) {
+    const int32_t g = H / Hkv;
+    const int rows = (int)(n * g);
+    if (rows > ROWS_MAX || rows * d > QBUF) return 0;
+    const int nt = omp_in_parallel() ? 1 : kvc_cpu_threads();
+    int64_t total = 0;
+    for (int32_t h = 0; h < Hkv; h++) total += past_len[h] + n;
+    /* chunks: enough tasks to balance the threads, each long enough to amortise its merge */
+    int64_t ch = (total + 4 * nt - 1) / (4 * nt);
+    ch = ch < CHUNK_MIN ? CHUNK_MIN : (ch + TK - 1) / TK * TK;
+    int64_t *first = malloc(sizeof(int64_t) * (Hkv + 1)); /* first task of each head */
+    if (!first) return 0;
+    first[0] = 0;
+    for (int32_t h = 0; h < Hkv; h++) first[h + 1] = first[h] + (past_len[h] + n + ch - 1) / ch;
+    const int64_t tasks = first[Hkv], stride = (int64_t)rows * (d + 2);
+    float *part = malloc(sizeof(float) * tasks * stride);
+    if (!part) {
+        free(first);
+        return 0;
+    }
+    const int par = nt > 1 && tasks > 1 && (double)total * rows * d > 2e5;
+#pragma omp parallel num_threads(nt) if (par)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; t++) {
+            int32_t h = 0;
+            while (first[h + 1] <= t) h++;
+            const int64_t kb = (t - first[h]) * ch, len = past_len[h] + n;
+            const int64_t ke = kb + ch < len ? kb + ch : len;
+            float Q[QBUF];
+            float *O = part + t * stride, *m = O + rows * d, *l = m + rows;
+            gather_q(q, H, d, h * g, g, 0, rows, scale, Q);
+            memset(O, 0, sizeof(float) * rows * d);
+            for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
+            attend(Q, rows, g, 0, d, k[h], v[h], past_len[h], kb, ke, 1, O, m, l);
+        }
+        /* merge: rescale each chunk to the largest max of its row */
+#pragma omp for schedule(static)
+        for (int64_t hr = 0; hr < (int64_t)Hkv * rows; hr++) {
+            const int32_t h = (int32_t)(hr / rows);
+            const int r = (int)(hr % rows);
+            float mx = -INFINITY, sum = 0.f;
+            for (int64_t t = first[h]; t < first[h + 1]; t++) {
+                const float mt = part[t * stride + rows * d + r];
+                mx = mt > mx ? mt : mx;
+            }
+            float *dst = out + ((int64_t)(r / g) * H + (int64_t)h * g + r % g) * d;
+            memset(dst, 0, sizeof(float) * d);
+            for (int64_t t = first[h]; t < first[h + 1]; t++) {
+                const float *O = part + t * stride;
+                const float mt = O[rows * d + r];
+                if (mt == -INFINITY) continue; /* a chunk this row does not see */
+                const float w = expf(mt - mx);
+                sum += O[rows * d + rows + r] * w;
+                for (int e = 0; e < d; e++) dst[e] += O[r * d + e] * w;
+            }
+            const float inv = 1.f / sum;
+            for (int e = 0; e < d; e++) dst[e] *= inv;
+        }
+    }
+    free(part);
+    free(first);
+    return 1;
 }
 
 void kvc_cpu_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
                        const float *const *v, const int64_t *past_len, float scale, float *out) {
-    const int32_t g = H / Hkv;
-    const int64_t tiles = (n + TQ - 1) / TQ;
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int32_t hq = 0; hq < H; hq++) {
-            const int32_t h = hq / g;
-            const int64_t i0 = t * TQ, mq = n - i0 < TQ ? n - i0 : TQ;
-            attend_tile(q, n, H, d, hq, i0, mq, k[h], v[h], past_len[h], scale, out);
-        }
-    }
+    if (n <= DECODE_N && attention_decode(q, n, H, Hkv, d, k, v, past_len, scale, out)) return;
+    attention_prefill(q, n, H, Hkv, d, k, v, past_len, scale, out);
 }

@@ -28,7 +28,9 @@ int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64
 
 /* Register tile of the microkernel: KVC_MR rows of A (broadcast) x KVC_NR columns (vector lanes). */
 #if defined(__AVX512F__)
+#ifndef KVC_MR
 #define KVC_MR 8
+#endif
 #define KVC_NR 32
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KVC_MR 6
@@ -49,7 +51,7 @@ int kvc_cpu_threads(void);
 /* ---- vectorised exp ----
  * exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by its Taylor series to degree 7
  * (truncation error < 1e-8 relative, below fp32 rounding). Inputs below -87.3 give exactly 0 (so a
- * masked score of -inf contributes nothing), inputs above 88.7 give +inf. */
+ * masked score of -inf contributes nothing); inputs above 88.7 are clamped to it (about 3.3e38). */
 #if defined(__AVX512F__)
 static inline __m512 kvc_exp512(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);

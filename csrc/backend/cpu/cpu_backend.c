@@ -1,4 +1,4 @@
-/* The CPU backend's kernel table (the reference the CUDA backend is tested against). */
+/* The CPU backend's kernel table: the readable reference the CUDA backend is tested against. */
 #include "../backend.h"
 #include "cpu.h"
 

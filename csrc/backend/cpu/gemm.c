@@ -16,10 +16,15 @@
 #include "../backend.h"
 #include "cpu.h"
 
-#define SKINNY_M 8  /* rows of A up to which the unpacked dot-product path runs */
+#ifndef SKINNY_M
+#define SKINNY_M 12 /* rows of A up to which the unpacked dot-product path runs */
+#endif
+#ifndef KC_MAX
 #define KC_MAX 512   /* k per packed block: an A panel (MR x KC) stays in L1, a B panel in L2 */
+#endif
+#ifndef MC_MAX
 #define MC_MAX 256   /* rows of A per packed block */
-#define NC_MAX 3072  /* columns of B per packed block (a few MB: L3) */
+#endif
 #define MIN_PAR_FLOPS 65536 /* below this many multiply-adds a call runs on one thread */
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -182,46 +187,39 @@ static void pack_a_panel(const float *a, int64_t k, int64_t i0, int mr, int64_t 
 static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
     /* k in equal chunks of at most KC_MAX (no thin leftover chunk) */
     const int64_t kc_max = ceil_div(k, ceil_div(k, KC_MAX));
-    const int64_t nc_max = imin(NC_MAX, ceil_div(n, KVC_NR) * KVC_NR);
     const int64_t mc_max = imin(MC_MAX, ceil_div(m, KVC_MR) * KVC_MR);
-    float *bp = aligned_alloc(64, (size_t)(nc_max * kc_max * sizeof(float) + 63) / 64 * 64);
+    const int64_t npan = ceil_div(n, KVC_NR);
     float *ap = aligned_alloc(64, (size_t)(mc_max * kc_max * sizeof(float) + 63) / 64 * 64);
-    if (!bp || !ap) { /* no memory for the packed blocks: the unpacked path needs none */
-        free(bp);
-        free(ap);
+    if (!ap) { /* no memory for the packed block: the unpacked path needs none */
         gemm_skinny(a, b, c, m, n, k);
         return;
     }
     const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
 #pragma omp parallel num_threads(kvc_cpu_threads()) if (par)
-    for (int64_t j0 = 0; j0 < n; j0 += nc_max) {
-        const int64_t nc = imin(nc_max, n - j0), npan = ceil_div(nc, KVC_NR);
+    {
+        /* this thread's packed B panel: KC x NR, hot in L1/L2 while every A panel passes under it */
+        float bp[KC_MAX * KVC_NR] __attribute__((aligned(64)));
         for (int64_t p0 = 0; p0 < k; p0 += kc_max) {
             const int64_t kc = imin(kc_max, k - p0);
-            /* the implicit barrier at the end of each `omp for` orders packing before use */
-#pragma omp for schedule(static)
-            for (int64_t jp = 0; jp < npan; jp++)
-                pack_b_panel(b, k, j0 + jp * KVC_NR, (int)imin(KVC_NR, nc - jp * KVC_NR), p0, kc,
-                             bp + jp * KVC_NR * kc);
             for (int64_t i0 = 0; i0 < m; i0 += mc_max) {
                 const int64_t mc = imin(mc_max, m - i0), mpan = ceil_div(mc, KVC_MR);
+                /* A block shared by all threads; the barrier ending this `omp for` orders it before use */
 #pragma omp for schedule(static)
                 for (int64_t ip = 0; ip < mpan; ip++)
                     pack_a_panel(a, k, i0 + ip * KVC_MR, (int)imin(KVC_MR, mc - ip * KVC_MR), p0, kc,
                                  ap + ip * KVC_MR * kc);
-                /* each thread takes a run of B panels and sweeps the A panels under each */
-#pragma omp for collapse(2) schedule(static)
-                for (int64_t jp = 0; jp < npan; jp++)
-                    for (int64_t ip = 0; ip < mpan; ip++) {
-                        const int mr = (int)imin(KVC_MR, mc - ip * KVC_MR);
-                        const int nr = (int)imin(KVC_NR, nc - jp * KVC_NR);
-                        kvc_cpu_ukr(mr, nr, kc, ap + ip * KVC_MR * kc, 1, KVC_MR, bp + jp * KVC_NR * kc, KVC_NR,
-                                    c + (i0 + ip * KVC_MR) * n + j0 + jp * KVC_NR, n, p0 > 0);
-                    }
+                /* each thread takes a run of B panels; each panel meets every A panel of the block */
+#pragma omp for schedule(static)
+                for (int64_t jp = 0; jp < npan; jp++) {
+                    const int nr = (int)imin(KVC_NR, n - jp * KVC_NR);
+                    pack_b_panel(b, k, jp * KVC_NR, nr, p0, kc, bp);
+                    for (int64_t ip = 0; ip < mpan; ip++)
+                        kvc_cpu_ukr((int)imin(KVC_MR, mc - ip * KVC_MR), nr, kc, ap + ip * KVC_MR * kc, 1, KVC_MR,
+                                    bp, KVC_NR, c + (i0 + ip * KVC_MR) * n + jp * KVC_NR, n, p0 > 0);
+                }
             }
         }
     }
-    free(bp);
     free(ap);
 }
 

@@ -1,16 +1,20 @@
-/* RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, row by row (sum of squares in double). */
-#include <math.h>
+/* RMSNorm: y[r,:] = x[r,:] / sqrt(mean(x[r,:]^2) + eps) * w (y may alias x). The sum of squares is
+ * accumulated in double: rows are short (the hidden size) and this keeps it exact to fp32 output. */
+#include <omp.h>
 
-#include "../backend.h"
+#include "cpu.h"
 
 void kvc_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps) {
-#pragma omp parallel for schedule(static) if (rows > 4)
+    const int par = rows > 1 && rows * dim >= 32768 && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         float *yr = y + r * dim;
-        double ss = 0;
+        double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];
-        const float inv = (float)(1.0 / sqrt(ss / dim + eps));
+        const float inv = (float)(1.0 / sqrt(ss / (double)dim + (double)eps));
+#pragma omp simd
         for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
     }
 }

@@ -1,29 +1,43 @@
-/* Rotary position embedding, in place on x[n, heads, d]. Two pairings of the head dimensions:
- * HALF rotates (i, i + d/2) (Hugging Face, Qwen2), ADJACENT rotates (2i, 2i + 1) (GGUF llama
- * weights, whose q/k rows the converter permuted). Angles in double for long positions. */
-#include <math.h>
+/* Rotary position embedding, in place on x[n, heads, d]. For each pair (a, b) of dimensions and
+ * i < d/2, with angle = pos * inv_freq[i]:  a' = a cos - b sin,  b' = a sin + b cos.
+ * KVC_ROPE_HALF pairs (i, i + d/2) (Hugging Face layout, Qwen2); KVC_ROPE_ADJACENT pairs (2i, 2i+1)
+ * (GGUF llama weights, whose q/k rows the converter interleaved). Angles, cos and sin are computed
+ * in double: positions reach 1e5+, where a float angle would already be off by ~1e-2 rad. */
+#include <omp.h>
 
-#include "../backend.h"
 #include "../../include/kvpress_c.h"
+#include "cpu.h"
 
-void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq, int32_t pairing) {
+#define HALF_MAX 512 /* d <= 1024 (checked by kvc_kernel_rope) */
+
+void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
+                  int32_t pairing) {
     const int32_t half = d / 2;
-#pragma omp parallel for schedule(static) if (n > 4)
+    const int par = n > 1 && n * heads * d >= 16384 && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t t = 0; t < n; t++) {
-        float cs[512], sn[512]; /* d/2 <= 512 */
+        float cs[HALF_MAX], sn[HALF_MAX];
         for (int32_t i = 0; i < half; i++) {
-            const double a = (double)pos[t] * inv_freq[i];
-            cs[i] = (float)cos(a);
-            sn[i] = (float)sin(a);
+            const double ang = (double)pos[t] * (double)inv_freq[i];
+            cs[i] = (float)cos(ang);
+            sn[i] = (float)sin(ang);
         }
         for (int32_t h = 0; h < heads; h++) {
             float *v = x + (t * heads + h) * d;
-            for (int32_t i = 0; i < half; i++) {
-                const int32_t ia = pairing == KVC_ROPE_ADJACENT ? 2 * i : i;
-                const int32_t ib = pairing == KVC_ROPE_ADJACENT ? 2 * i + 1 : i + half;
-                const float a = v[ia], b = v[ib];
-                v[ia] = a * cs[i] - b * sn[i];
-                v[ib] = a * sn[i] + b * cs[i];
+            if (pairing == KVC_ROPE_ADJACENT) {
+                for (int32_t i = 0; i < half; i++) {
+                    const float a = v[2 * i], b = v[2 * i + 1];
+                    v[2 * i] = a * cs[i] - b * sn[i];
+                    v[2 * i + 1] = a * sn[i] + b * cs[i];
+                }
+            } else {
+                float *va = v, *vb = v + half;
+#pragma omp simd
+                for (int32_t i = 0; i < half; i++) {
+                    const float a = va[i], b = vb[i];
+                    va[i] = a * cs[i] - b * sn[i];
+                    vb[i] = a * sn[i] + b * cs[i];
+                }
             }
         }
     }

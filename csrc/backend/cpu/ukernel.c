@@ -39,7 +39,7 @@
 
 #define UKR_BODY(MR_, RSA, CSA)                                                                        \
     do {                                                                                               \
-        DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5) DECL(6) DECL(7)                                \
+        DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5) DECL(6) DECL(7) DECL(8) DECL(9) DECL(10) DECL(11)                                \
         const __mmask16 m0 = (__mmask16)(nr >= 16 ? 0xFFFF : (1u << nr) - 1);                          \
         const __mmask16 m1 = (__mmask16)(nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (1u << (nr - 16)) - 1);    \
         for (int64_t p = 0; p < kc; p++) {                                                             \
@@ -47,9 +47,9 @@
             const __m512 b1 = _mm512_maskz_loadu_ps(m1, b + p * ldb + 16);                             \
             const float *ap = a + p * (CSA);                                                           \
             STEP(MR_, 0, RSA) STEP(MR_, 1, RSA) STEP(MR_, 2, RSA) STEP(MR_, 3, RSA)                                        \
-            STEP(MR_, 4, RSA) STEP(MR_, 5, RSA) STEP(MR_, 6, RSA) STEP(MR_, 7, RSA)                                        \
+            STEP(MR_, 4, RSA) STEP(MR_, 5, RSA) STEP(MR_, 6, RSA) STEP(MR_, 7, RSA) STEP(MR_, 8, RSA) STEP(MR_, 9, RSA) STEP(MR_, 10, RSA) STEP(MR_, 11, RSA)                                        \
         }                                                                                              \
-        STORE(MR_, 0) STORE(MR_, 1) STORE(MR_, 2) STORE(MR_, 3) STORE(MR_, 4) STORE(MR_, 5) STORE(MR_, 6) STORE(MR_, 7)                        \
+        STORE(MR_, 0) STORE(MR_, 1) STORE(MR_, 2) STORE(MR_, 3) STORE(MR_, 4) STORE(MR_, 5) STORE(MR_, 6) STORE(MR_, 7) STORE(MR_, 8) STORE(MR_, 9) STORE(MR_, 10) STORE(MR_, 11)                        \
     } while (0)
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -130,6 +130,12 @@ UKR_BOTH(6)
 UKR_BOTH(7)
 UKR_BOTH(8)
 #endif
+#if KVC_MR > 8
+UKR_BOTH(9)
+UKR_BOTH(10)
+UKR_BOTH(11)
+UKR_BOTH(12)
+#endif
 
 void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_t csa, const float *b,
                  int64_t ldb, float *c, int64_t ldc, int accumulate) {
@@ -144,6 +150,9 @@ void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_
 #if KVC_MR > 6
             P(7) P(8)
 #endif
+#if KVC_MR > 8
+            P(9) P(10) P(11) P(12)
+#endif
 #undef P
             default: return;
         }
@@ -157,6 +166,9 @@ void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_
 #endif
 #if KVC_MR > 6
         G(7) G(8)
+#endif
+#if KVC_MR > 8
+        G(9) G(10) G(11) G(12)
 #endif
 #undef G
         default: return;
