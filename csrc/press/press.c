@@ -227,9 +227,10 @@ kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) 
         if (!evict) return KVC_OK;
     }
     kvc_status st = KVC_OK;
-    float **scores = calloc((size_t)Hkv, sizeof *scores);
-    int64_t **keep = calloc((size_t)Hkv, sizeof *keep);
-    int64_t *n_keep = calloc((size_t)Hkv, sizeof *n_keep);
+    const size_t nh = (size_t)(uint32_t)Hkv; /* Hkv > 0 (validated config) */
+    float **scores = calloc(nh, sizeof *scores);
+    int64_t **keep = calloc(nh, sizeof *keep);
+    int64_t *n_keep = calloc(nh, sizeof *n_keep);
     if (!scores || !keep || !n_keep) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: press");
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         scores[h] = malloc(sizeof(float) * (size_t)(L->len[h] > 0 ? L->len[h] : 1));

@@ -55,15 +55,6 @@ void kvc_gather_queries(const kvc_layer_ctx *ctx, int32_t H, int32_t d, int32_t 
     for (int64_t i = 0; i < m; i++) memcpy(dst + i * d, ctx->q + ((first + i) * H + hq) * d, sizeof(float) * d);
 }
 
-/* Softmax attention of one query over rows [0, visible) of a head; adds weight * p[r] into acc[r]
- * for r < n_acc. `logits` is scratch of `visible` floats. */
-static void accumulate_probs(const float *q, const float *k, int64_t visible, int32_t d, float scale,
-                             float *logits, float *acc, int64_t n_acc, float weight) {
-    kvc_attention_probs(q, k, visible, d, scale, logits);
-    const int64_t lim = n_acc < visible ? n_acc : visible;
-    for (int64_t r = 0; r < lim; r++) acc[r] += logits[r] * weight;
-}
-
 void kvc_window_attention(const kvc_score_input *in, int32_t w, float *const *out) {
     const kvc_config *c = in->cfg;
     const kvc_layer_ctx *ctx = in->ctx;

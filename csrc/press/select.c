@@ -274,7 +274,7 @@ kvc_status kvc_chunk_select(const kvc_press_config *p, int32_t layer, int32_t n_
         if (k_chunks < 0) k_chunks = 0;
     }
     if (k_chunks > n_chunks) k_chunks = n_chunks;
-    float *cs = malloc(sizeof(float) * (size_t)(n_chunks > 0 ? n_chunks : 1));
+    float *cs = calloc((size_t)(n_chunks > 0 ? n_chunks : 1), sizeof(float));
     int64_t *top = malloc(sizeof(int64_t) * (size_t)(n_chunks > 0 ? n_chunks : 1));
     if (!cs || !top) {
         free(cs);

@@ -36,18 +36,33 @@ static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *
     for (int r = 0; r < rows; r++) {
         float *s = S + r * TK;
         float mx = m[r];
+#pragma omp simd reduction(max : mx)
         for (int j = 0; j < tk; j++) mx = s[j] > mx ? s[j] : mx;
         if (mx == -INFINITY) { /* nothing visible yet in this row */
             memset(s, 0, sizeof(float) * tk);
             continue;
         }
+        float sum = 0.f;
+#if defined(__AVX512F__)
+        const __m512 vmx = _mm512_set1_ps(mx);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int j = 0; j < tk; j += 16) {
+            const __mmask16 mk = (__mmask16)(tk - j >= 16 ? 0xFFFF : (1u << (tk - j)) - 1);
+            const __m512 p = kvc_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), vmx));
+            _mm512_mask_storeu_ps(s + j, mk, p);
+            vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mk, p));
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#else
         for (int j = 0; j < tk; j++) s[j] -= mx;
         kvc_vexp(s, s, tk);
-        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int j = 0; j < tk; j++) sum += s[j];
+#endif
         const float corr = m[r] == -INFINITY ? 0.f : expf(m[r] - mx);
         if (corr != 1.f) {
             float *o = O + r * d;
+#pragma omp simd
             for (int e = 0; e < d; e++) o[e] *= corr;
         }
         l[r] = l[r] * corr + sum;
@@ -66,6 +81,54 @@ static void update_pv(const float *P, int rows, int tk, const float *V, int d, f
     }
 }
 
+/* S[r][j] = Q[r] . K[j] for r < rows, j < tk, as dot products over d (for few rows, where
+ * transposing the K tile would cost as much as the products). AVX-512: 4 keys at a time, whose 4
+ * accumulators are reduced together (one horizontal reduction per 4 scores). */
+static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, float *S) {
+    int j = 0;
+#if defined(__AVX512F__)
+    const int dfull = d / 16 * 16;
+    const __mmask16 tail = (__mmask16)((1u << (d - dfull)) - 1);
+    for (; j + 4 <= tk; j += 4) {
+        const float *k0 = K + j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        for (int r = 0; r < rows; r++) {
+            const float *q = Q + r * d;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int e = 0; e < dfull; e += 16) {
+                const __m512 x = _mm512_loadu_ps(q + e);
+                a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k0 + e), a0);
+                a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k1 + e), a1);
+                a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k2 + e), a2);
+                a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k3 + e), a3);
+            }
+            if (tail) {
+                const __m512 x = _mm512_maskz_loadu_ps(tail, q + dfull);
+                a0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k0 + dfull), a0);
+                a1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k1 + dfull), a1);
+                a2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k2 + dfull), a2);
+                a3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k3 + dfull), a3);
+            }
+            /* each 128-bit lane -> (sum a0, sum a1, sum a2, sum a3) over the lane, then add the lanes */
+            const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+            const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+            const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+            const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
+            _mm_storeu_ps(S + r * TK + j, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
+        }
+    }
+#endif
+    for (; j < tk; j++) {
+        const float *kr = K + j * d;
+        for (int r = 0; r < rows; r++) {
+            const float *qr = Q + r * d;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int e = 0; e < d; e++) s += qr[e] * kr[e];
+            S[r * TK + j] = s;
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------- */
 /* The rows of one task against the keys [kb, ke) of their KV head.                               */
 /* Q[rows][d] holds the queries already multiplied by `scale`; row r is query i0 + r / gc, which  */
@@ -78,22 +141,9 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
     for (int64_t k0 = kb; k0 < ke; k0 += TK) {
         const int tk = (int)(ke - k0 < TK ? ke - k0 : TK);
         if (dot) {
-            for (int j = 0; j < tk; j++) {
-                const float *kr = K + (k0 + j) * d;
-                for (int r = 0; r < rows; r++) {
-                    const float *qr = Q + r * d;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int e = 0; e < d; e++) s += qr[e] * kr[e];
-                    S[r * TK + j] = s;
-                }
-            }
+            scores_dot(Q, rows, d, K + k0 * d, tk, S);
         } else {
-            /* KT[e][j] = K[k0 + j][e]: keys become vector lanes */
-            for (int j = 0; j < tk; j++) {
-                const float *kr = K + (k0 + j) * d;
-                for (int e = 0; e < d; e++) KT[e * TK + j] = kr[e];
-            }
+            kvc_cpu_transpose(K + k0 * d, d, tk, d, KT, TK); /* KT[e][j] = K[k0 + j][e]: keys become lanes */
             for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
                 const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
                 for (int j0 = 0; j0 < tk; j0 += KVC_NR) {

@@ -25,8 +25,18 @@ typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int m, int n, 
 typedef void (*set_threads_fn)(int);
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
 
-/* Rows of A from which the external BLAS is used when one is loaded (below: the built-in kernel). */
+/* Rows of A from which the external BLAS is used when one is loaded (below: the built-in kernel).
+ * KVC_BLAS_MIN_M overrides it (read when a library is loaded; benchmarks/gemm.py sets 1 to time the
+ * library alone). */
 #define BLAS_MIN_M 16
+static atomic_llong g_blas_min_m = BLAS_MIN_M;
+
+static void read_min_m(void) {
+    const char *s = getenv("KVC_BLAS_MIN_M");
+    char *end = NULL;
+    const long long v = s && *s ? strtoll(s, &end, 10) : -1;
+    atomic_store(&g_blas_min_m, v >= 0 && end && *end == '\0' ? v : BLAS_MIN_M);
+}
 
 static _Atomic(cblas_sgemm_fn) g_sgemm;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER; /* guards g_name and g_explicit */
@@ -77,6 +87,7 @@ static kvc_status load_blas(const char *path, const char *symbol, cblas_sgemm_fn
         }
     }
     *out = f;
+    read_min_m();
     return KVC_OK;
 }
 
@@ -133,6 +144,6 @@ int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64
 }
 
 void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-    if (m >= BLAS_MIN_M && kvc_cpu_gemm_blas(a, b, c, m, n, k)) return;
+    if (m >= atomic_load_explicit(&g_blas_min_m, memory_order_relaxed) && kvc_cpu_gemm_blas(a, b, c, m, n, k)) return;
     kvc_cpu_gemm_builtin(a, b, c, m, n, k);
 }

@@ -28,9 +28,7 @@ int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64
 
 /* Register tile of the microkernel: KVC_MR rows of A (broadcast) x KVC_NR columns (vector lanes). */
 #if defined(__AVX512F__)
-#ifndef KVC_MR
 #define KVC_MR 8
-#endif
 #define KVC_NR 32
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KVC_MR 6
@@ -44,6 +42,9 @@ int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64
  * Overwrites C when accumulate == 0. Reads no B column >= nr (safe at the end of a buffer). */
 void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_t csa, const float *b,
                  int64_t ldb, float *c, int64_t ldc, int accumulate);
+
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (16 x 16 register blocks with AVX-512). */
+void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst, int64_t ldd);
 
 /* Threads the CPU kernels use (kvc_set_num_threads; default: all cores). */
 int kvc_cpu_threads(void);

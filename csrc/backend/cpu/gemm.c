@@ -20,11 +20,12 @@
 #define SKINNY_M 12 /* rows of A up to which the unpacked dot-product path runs */
 #endif
 #ifndef KC_MAX
-#define KC_MAX 512   /* k per packed block: an A panel (MR x KC) stays in L1, a B panel in L2 */
+#define KC_MAX 512   /* k per packed B panel (KC x NR floats, 64 KB at most: L2) */
 #endif
 #ifndef MC_MAX
-#define MC_MAX 256   /* rows of A per packed block */
+#define MC_MAX 512   /* rows of A per block (1 MB at KC 512: L2/L3; B is repacked once per block) */
 #endif
+#define MC (MC_MAX / KVC_MR * KVC_MR) /* whole microkernel panels */
 #define MIN_PAR_FLOPS 65536 /* below this many multiply-adds a call runs on one thread */
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -106,7 +107,42 @@ static float dot1(const float *x, const float *y, int64_t k) {
     return s;
 }
 
+#if defined(__AVX512F__)
+/* one row of A against 8 rows of B (decode GEMV: 8 independent streams of B in flight) */
+static void dot_1x8(const float *a, const float *b, float *c, int64_t k) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int64_t p = 0; p < k; p += 16) {
+        const __mmask16 mk = (__mmask16)(k - p >= 16 ? 0xFFFF : (1u << (k - p)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(mk, a + p);
+        s0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + p), s0);
+        s1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + k + p), s1);
+        s2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 2 * k + p), s2);
+        s3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 3 * k + p), s3);
+        s4 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 4 * k + p), s4);
+        s5 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 5 * k + p), s5);
+        s6 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 6 * k + p), s6);
+        s7 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 7 * k + p), s7);
+    }
+    c[0] = hsum(s0), c[1] = hsum(s1), c[2] = hsum(s2), c[3] = hsum(s3);
+    c[4] = hsum(s4), c[5] = hsum(s5), c[6] = hsum(s6), c[7] = hsum(s7);
+}
+#endif
+
 static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX512F__)
+    if (m == 1) {
+        const int64_t nb8 = n / 8;
+        const int par1 = (double)n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par1)
+        for (int64_t jb = 0; jb <= nb8; jb++) {
+            if (jb < nb8)
+                dot_1x8(a, b + jb * 8 * k, c + jb * 8, k);
+            else
+                for (int64_t j = jb * 8; j < n; j++) c[j] = dot1(a, b + j * k, k);
+        }
+        return;
+    }
+#endif
     const int64_t nb = n / 4;
     const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
 #pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
@@ -123,29 +159,28 @@ static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Packing.                                                                                       */
+/* Transposition (packing B panels, the K tiles of attention).                                    */
 
-/* B rows [j0, j0+nr) x columns [p0, p0+kc) -> dst[p][KVC_NR] (columns >= nr left unset: the
- * microkernel masks them). */
-static void pack_b_panel(const float *b, int64_t k, int64_t j0, int nr, int64_t p0, int64_t kc, float *dst) {
-    int64_t p = 0;
+void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst, int64_t ldd) {
+    int64_t r0 = 0;
 #if defined(__AVX512F__)
-    /* 16 x 16 blocks transposed in registers (the panel is a transpose of B's rows) */
-    for (int jg = 0; jg + 16 <= nr; jg += 16) {
-        for (p = 0; p + 16 <= kc; p += 16) {
+    /* 16 x 16 blocks transposed in registers */
+    for (; r0 + 16 <= rows; r0 += 16) {
+        int64_t c0 = 0;
+        for (; c0 + 16 <= cols; c0 += 16) {
             __m512 r[16], t[16];
-            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(b + (j0 + jg + j) * k + p0 + p);
-            for (int j = 0; j < 16; j += 2) {
+            for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(src + (r0 + j) * lds + c0);
+            for (int j = 0; j < 16; j += 2) { /* interleave row pairs */
                 t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
                 t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
             }
-            for (int j = 0; j < 16; j += 4) {
+            for (int j = 0; j < 16; j += 4) { /* 4 x 4 blocks inside each 128-bit lane */
                 r[j] = _mm512_shuffle_ps(t[j], t[j + 2], 0x44);
                 r[j + 1] = _mm512_shuffle_ps(t[j], t[j + 2], 0xEE);
                 r[j + 2] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0x44);
                 r[j + 3] = _mm512_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
             }
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < 4; j++) { /* then the lanes themselves, in two rounds */
                 t[j] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88);
                 t[j + 4] = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xDD);
                 t[j + 8] = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88);
@@ -157,70 +192,54 @@ static void pack_b_panel(const float *b, int64_t k, int64_t j0, int nr, int64_t 
                 r[j + 4] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0x88);
                 r[j + 12] = _mm512_shuffle_f32x4(t[j + 4], t[j + 12], 0xDD);
             }
-            /* r[x] now holds column p + x of the 16 rows */
-            for (int x = 0; x < 16; x++) _mm512_storeu_ps(dst + (p + x) * KVC_NR + jg, r[x]);
+            /* r[x] now holds column c0 + x of the 16 rows */
+            for (int x = 0; x < 16; x++) _mm512_storeu_ps(dst + (c0 + x) * ldd + r0, r[x]);
         }
-        for (int64_t q = p; q < kc; q++)
-            for (int j = 0; j < 16; j++) dst[q * KVC_NR + jg + j] = b[(j0 + jg + j) * k + p0 + q];
+        for (; c0 < cols; c0++)
+            for (int j = 0; j < 16; j++) dst[c0 * ldd + r0 + j] = src[(r0 + j) * lds + c0];
     }
-    const int jdone = nr / 16 * 16;
-#else
-    const int jdone = 0;
 #endif
-    for (int j = jdone; j < nr; j++) {
-        const float *src = b + (j0 + j) * k + p0;
-        for (p = 0; p < kc; p++) dst[p * KVC_NR + j] = src[p];
-    }
-}
-
-/* A rows [i0, i0+mr) x columns [p0, p0+kc) -> dst[p][KVC_MR] */
-static void pack_a_panel(const float *a, int64_t k, int64_t i0, int mr, int64_t p0, int64_t kc, float *dst) {
-    for (int i = 0; i < mr; i++) {
-        const float *src = a + (i0 + i) * k + p0;
-        for (int64_t p = 0; p < kc; p++) dst[p * KVC_MR + i] = src[p];
+    for (; r0 < rows; r0++) {
+        const float *s = src + r0 * lds;
+        for (int64_t c = 0; c < cols; c++) dst[c * ldd + r0] = s[c];
     }
 }
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Blocked path.                                                                                  */
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Blocked path.                                                                                  */
+/* The microkernel broadcasts A straight from its rows (8 row streams, k-contiguous: nothing to    */
+/* pack); B is packed one panel at a time into a thread-local buffer that stays hot while every A  */
+/* panel of the row block passes under it. Threads split the panels of each row block; they write  */
+/* disjoint columns of C, so no barrier is needed between blocks.                                  */
+
 static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-    /* k in equal chunks of at most KC_MAX (no thin leftover chunk) */
-    const int64_t kc_max = ceil_div(k, ceil_div(k, KC_MAX));
-    const int64_t mc_max = imin(MC_MAX, ceil_div(m, KVC_MR) * KVC_MR);
+    const int64_t kc_max = ceil_div(k, ceil_div(k, KC_MAX)); /* equal chunks, no thin leftover */
     const int64_t npan = ceil_div(n, KVC_NR);
-    float *ap = aligned_alloc(64, (size_t)(mc_max * kc_max * sizeof(float) + 63) / 64 * 64);
-    if (!ap) { /* no memory for the packed block: the unpacked path needs none */
-        gemm_skinny(a, b, c, m, n, k);
-        return;
-    }
     const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
 #pragma omp parallel num_threads(kvc_cpu_threads()) if (par)
     {
-        /* this thread's packed B panel: KC x NR, hot in L1/L2 while every A panel passes under it */
         float bp[KC_MAX * KVC_NR] __attribute__((aligned(64)));
-        for (int64_t p0 = 0; p0 < k; p0 += kc_max) {
-            const int64_t kc = imin(kc_max, k - p0);
-            for (int64_t i0 = 0; i0 < m; i0 += mc_max) {
-                const int64_t mc = imin(mc_max, m - i0), mpan = ceil_div(mc, KVC_MR);
-                /* A block shared by all threads; the barrier ending this `omp for` orders it before use */
-#pragma omp for schedule(static)
-                for (int64_t ip = 0; ip < mpan; ip++)
-                    pack_a_panel(a, k, i0 + ip * KVC_MR, (int)imin(KVC_MR, mc - ip * KVC_MR), p0, kc,
-                                 ap + ip * KVC_MR * kc);
-                /* each thread takes a run of B panels; each panel meets every A panel of the block */
-#pragma omp for schedule(static)
-                for (int64_t jp = 0; jp < npan; jp++) {
-                    const int nr = (int)imin(KVC_NR, n - jp * KVC_NR);
-                    pack_b_panel(b, k, jp * KVC_NR, nr, p0, kc, bp);
-                    for (int64_t ip = 0; ip < mpan; ip++)
-                        kvc_cpu_ukr((int)imin(KVC_MR, mc - ip * KVC_MR), nr, kc, ap + ip * KVC_MR * kc, 1, KVC_MR,
-                                    bp, KVC_NR, c + (i0 + ip * KVC_MR) * n + jp * KVC_NR, n, p0 > 0);
+        for (int64_t i0 = 0; i0 < m; i0 += MC) {
+            const int64_t mc = imin(MC, m - i0), mpan = ceil_div(mc, KVC_MR);
+#pragma omp for schedule(static) nowait
+            for (int64_t jp = 0; jp < npan; jp++) {
+                const int nr = (int)imin(KVC_NR, n - jp * KVC_NR);
+                for (int64_t p0 = 0; p0 < k; p0 += kc_max) {
+                    const int64_t kc = imin(kc_max, k - p0);
+                    /* bp[p][j] = B[jp * NR + j][p0 + p]; lanes >= nr are masked by the microkernel */
+                    kvc_cpu_transpose(b + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
+                    for (int64_t ip = 0; ip < mpan; ip++) {
+                        const int64_t i = i0 + ip * KVC_MR;
+                        kvc_cpu_ukr((int)imin(KVC_MR, i0 + mc - i), nr, kc, a + i * k + p0, k, 1, bp, KVC_NR,
+                                    c + i * n + jp * KVC_NR, n, p0 > 0);
+                    }
                 }
             }
         }
     }
-    free(ap);
 }
 
 void kvc_cpu_gemm_builtin(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {

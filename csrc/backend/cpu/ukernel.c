@@ -37,19 +37,26 @@
         _mm512_mask_storeu_ps(ci + 16, m1, c##i##1);                                                   \
     }
 
+/* C's rows are touched only at the end: start fetching them now (they are in L2/L3, not L1) */
+#define PREF(MR_)                                                                                      \
+    for (int i = 0; i < MR_; i++) {                                                                    \
+        _mm_prefetch((const char *)(c + i * ldc), _MM_HINT_T0);                                        \
+        _mm_prefetch((const char *)(c + i * ldc + 16), _MM_HINT_T0);                                   \
+    }
 #define UKR_BODY(MR_, RSA, CSA)                                                                        \
     do {                                                                                               \
-        DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5) DECL(6) DECL(7) DECL(8) DECL(9) DECL(10) DECL(11)                                \
+        DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5) DECL(6) DECL(7)                                \
         const __mmask16 m0 = (__mmask16)(nr >= 16 ? 0xFFFF : (1u << nr) - 1);                          \
         const __mmask16 m1 = (__mmask16)(nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : (1u << (nr - 16)) - 1);    \
+        PREF(MR_)                                                                                      \
         for (int64_t p = 0; p < kc; p++) {                                                             \
             const __m512 b0 = _mm512_maskz_loadu_ps(m0, b + p * ldb);                                  \
             const __m512 b1 = _mm512_maskz_loadu_ps(m1, b + p * ldb + 16);                             \
             const float *ap = a + p * (CSA);                                                           \
             STEP(MR_, 0, RSA) STEP(MR_, 1, RSA) STEP(MR_, 2, RSA) STEP(MR_, 3, RSA)                                        \
-            STEP(MR_, 4, RSA) STEP(MR_, 5, RSA) STEP(MR_, 6, RSA) STEP(MR_, 7, RSA) STEP(MR_, 8, RSA) STEP(MR_, 9, RSA) STEP(MR_, 10, RSA) STEP(MR_, 11, RSA)                                        \
+            STEP(MR_, 4, RSA) STEP(MR_, 5, RSA) STEP(MR_, 6, RSA) STEP(MR_, 7, RSA)                                        \
         }                                                                                              \
-        STORE(MR_, 0) STORE(MR_, 1) STORE(MR_, 2) STORE(MR_, 3) STORE(MR_, 4) STORE(MR_, 5) STORE(MR_, 6) STORE(MR_, 7) STORE(MR_, 8) STORE(MR_, 9) STORE(MR_, 10) STORE(MR_, 11)                        \
+        STORE(MR_, 0) STORE(MR_, 1) STORE(MR_, 2) STORE(MR_, 3) STORE(MR_, 4) STORE(MR_, 5) STORE(MR_, 6) STORE(MR_, 7)                        \
     } while (0)
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -130,12 +137,6 @@ UKR_BOTH(6)
 UKR_BOTH(7)
 UKR_BOTH(8)
 #endif
-#if KVC_MR > 8
-UKR_BOTH(9)
-UKR_BOTH(10)
-UKR_BOTH(11)
-UKR_BOTH(12)
-#endif
 
 void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_t csa, const float *b,
                  int64_t ldb, float *c, int64_t ldc, int accumulate) {
@@ -150,9 +151,6 @@ void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_
 #if KVC_MR > 6
             P(7) P(8)
 #endif
-#if KVC_MR > 8
-            P(9) P(10) P(11) P(12)
-#endif
 #undef P
             default: return;
         }
@@ -166,9 +164,6 @@ void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_
 #endif
 #if KVC_MR > 6
         G(7) G(8)
-#endif
-#if KVC_MR > 8
-        G(9) G(10) G(11) G(12)
 #endif
 #undef G
         default: return;
