@@ -10,9 +10,11 @@
  * Prefill (many queries): a task is (KV head, a group of its query heads, a tile of queries); its
  * rows (query, head) share every key and value tile, which is loaded once for all of them. Scores
  * Q K^T and the update P V both run on the GEMM microkernel (K tile transposed so keys are lanes).
- * Decode (a few queries): the rows of a KV head are few, so its keys are split into chunks processed
- * in parallel (each with its own m, l, partial output), then merged: with 3 KV heads on 2 cores, or
- * one long sequence, the heads alone would leave cores idle. */
+ * Decode (n <= DECODE_N queries): a KV head has only n * g rows, so its keys are split into chunks
+ * processed in parallel (each with its own m, l and partial output), then merged: with 3 KV heads
+ * on 2 cores, or one long sequence, the heads alone would leave cores idle. There the scores are dot
+ * products over d, 4 keys at a time (transposing a K tile would cost as much as the few rows' work).
+ * Scratch lives on the stack (about 150 KB per thread at d = 256) except the decode partials. */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -76,7 +78,7 @@ static void update_pv(const float *P, int rows, int tk, const float *V, int d, f
         const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
         for (int e0 = 0; e0 < d; e0 += KVC_NR) {
             const int nr = d - e0 < KVC_NR ? d - e0 : KVC_NR;
-            kvc_cpu_ukr(mr, nr, tk, P + r0 * TK, TK, 1, V + e0, d, O + r0 * d + e0, d, 1);
+            kvc_cpu_ukr(mr, nr, tk, P + r0 * TK, TK, V + e0, d, O + r0 * d + e0, d, 1);
         }
     }
 }
@@ -148,7 +150,7 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
                 const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
                 for (int j0 = 0; j0 < tk; j0 += KVC_NR) {
                     const int nr = tk - j0 < KVC_NR ? tk - j0 : KVC_NR;
-                    kvc_cpu_ukr(mr, nr, d, Q + r0 * d, d, 1, KT + j0, TK, S + r0 * TK + j0, TK, 0);
+                    kvc_cpu_ukr(mr, nr, d, Q + r0 * d, d, KT + j0, TK, S + r0 * TK + j0, TK, 0);
                 }
             }
         }

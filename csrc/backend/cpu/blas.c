@@ -3,11 +3,12 @@
  *
  * The external library is loaded with dlopen at run time (kvc_set_blas, or KVC_BLAS=path at first
  * use), so the core links against no BLAS. It is made single-threaded and our own OpenMP threads
- * each call it on a slice of the columns: only one thread pool ever runs, and two pools (OpenMP's and
- * OpenBLAS's) spinning against each other on two cores are much slower than either alone.
+ * each call it on a slice of the columns, so that only one thread pool is ever active: OpenMP's
+ * threads keep spinning for a while after each parallel region, and a second pool (OpenBLAS's)
+ * would compete with them for the cores.
  *
- * Which GEMM runs where (benchmarks/gemm.py, this machine: 2 cores of an AMD EPYC (Zen 4, AVX-512),
- * GFLOP/s, see the table at the top of gemm.c): SEE_GEMM_TABLE */
+ * Which one runs where: BLAS_MIN_M below, chosen from the measurements at the top of gemm.c.
+ * kvc_blas_name() names the loaded library even where the dispatch leaves it unused. */
 #include <dlfcn.h>
 #include <omp.h>
 #include <pthread.h>
@@ -25,10 +26,22 @@ typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int m, int n, 
 typedef void (*set_threads_fn)(int);
 enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
 
-/* Rows of A from which the external BLAS is used when one is loaded (below: the built-in kernel).
- * KVC_BLAS_MIN_M overrides it (read when a library is loaded; benchmarks/gemm.py sets 1 to time the
- * library alone). */
-#define BLAS_MIN_M 16
+/* Rows of A from which a loaded external BLAS is used (below: the built-in kernel), from
+ * benchmarks/gemm.py on this machine (figures at the top of gemm.c):
+ *  - AVX-512: the built-in kernel is as fast as OpenBLAS or faster at every size, so a loaded BLAS
+ *    is not used unless asked for;
+ *  - AVX2 (the built-in 6 x 16 kernel against OpenBLAS's Haswell kernels, OPENBLAS_CORETYPE=Haswell,
+ *    one thread): built-in wins up to m = 8 (GEMV 2-4x), OpenBLAS from m = 16 (15-30 %);
+ *  - plain C (not measured): any tuned BLAS beats it once there is more than one row.
+ * KVC_BLAS_MIN_M=<rows> overrides it (read when a library is loaded; benchmarks/gemm.py sets 1 to
+ * time the library alone). */
+#if defined(__AVX512F__)
+#define BLAS_MIN_M INT64_MAX
+#elif defined(KVC_SIMD)
+#define BLAS_MIN_M 13
+#else
+#define BLAS_MIN_M 2
+#endif
 static atomic_llong g_blas_min_m = BLAS_MIN_M;
 
 static void read_min_m(void) {
@@ -127,7 +140,7 @@ const char *kvc_blas_name(void) {
 int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
     pthread_once(&g_env_once, init_from_env);
     const cblas_sgemm_fn f = atomic_load(&g_sgemm);
-    if (!f || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) return 0;
+    if (!f || m <= 0 || n <= 0 || k <= 0 || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) return 0;
     const int nt = omp_in_parallel() ? 1 : kvc_cpu_threads();
     /* column slices, a multiple of 16 wide, one per thread */
     const int64_t slice = ((n + nt - 1) / nt + 15) / 16 * 16;

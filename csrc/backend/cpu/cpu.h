@@ -38,10 +38,48 @@ int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64
 #define KVC_NR 16
 #endif
 
-/* C[i, j] (+)= sum_p A[i*rsa + p*csa] * B[p*ldb + j]   for i < mr <= KVC_MR, j < nr <= KVC_NR.
+/* A vector of VL floats and its operations, for the kernels written once for AVX-512 and AVX2. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define KVC_SIMD 1
+#if defined(__AVX512F__)
+typedef __m512 vf;
+typedef __mmask16 vmask;
+#define VL 16 /* lanes */
+#define V_ZERO() _mm512_setzero_ps()
+#define V_MASK(n) ((__mmask16)((n) >= 16 ? 0xFFFF : (n) <= 0 ? 0 : (1u << (n)) - 1))
+#define V_LOAD(p) _mm512_loadu_ps(p)
+#define V_LOADM(p, mk) _mm512_maskz_loadu_ps(mk, p)
+#define V_STOREM(p, mk, v) _mm512_mask_storeu_ps(p, mk, v)
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_HSUM(v) _mm512_reduce_add_ps(v)
+#else
+typedef __m256 vf;
+typedef __m256i vmask;
+#define VL 8
+/* lanes j < n: maskload/maskstore never touch the others */
+#define V_MASK(n) _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define V_ZERO() _mm256_setzero_ps()
+#define V_LOAD(p) _mm256_loadu_ps(p)
+#define V_LOADM(p, mk) _mm256_maskload_ps(p, mk)
+#define V_STOREM(p, mk, v) _mm256_maskstore_ps(p, mk, v)
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+static inline float kvc_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define V_HSUM(v) kvc_hsum256(v)
+#endif
+#endif
+
+/* C[i, j] (+)= sum_p A[i * lda + p] * B[p * ldb + j]   for i < mr <= KVC_MR, j < nr <= KVC_NR, p < kc.
  * Overwrites C when accumulate == 0. Reads no B column >= nr (safe at the end of a buffer). */
-void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t rsa, int64_t csa, const float *b,
-                 int64_t ldb, float *c, int64_t ldc, int accumulate);
+void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                 int64_t ldc, int accumulate);
 
 /* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (16 x 16 register blocks with AVX-512). */
 void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst, int64_t ldd);

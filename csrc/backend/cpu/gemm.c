@@ -1,14 +1,18 @@
 /* GEMM of the CPU backend: C[m,n] = A[m,k] * B[n,k]^T, fp32, row-major (B is a weight [out, in]).
  *
  * Built-in kernel, two shapes of work:
- *  - skinny (m <= SKINNY_M, decode steps): each output is a dot product of two k-contiguous rows, so
- *    nothing is packed and B (the weight, read once) streams straight from memory; OpenMP splits n.
- *    This is a GEMV, bound by memory bandwidth.
- *  - blocked (BLIS-style): for each block of NC columns and KC of k, B is packed into panels of
- *    KVC_NR columns ([p][NR], so the microkernel loads B as vectors) and A into panels of KVC_MR
- *    rows ([p][MR], broadcast); the threads share the packed blocks and split the microtiles.
- *    The microkernel (ukernel.c) keeps an MR x NR tile of C in registers over the KC loop.
- * kvc_cpu_matmul (blas.c) chooses between this and an external BLAS; see the figures there. */
+ *  - skinny (m <= SKINNY_M: decode steps, small chunks): each output is a dot product of two
+ *    k-contiguous rows, so nothing is packed and B (the weight, read once) streams straight from
+ *    memory; OpenMP splits n. At m = 1 this is a GEMV, bound by memory bandwidth.
+ *  - blocked (BLIS-style, m > SKINNY_M): B is packed one panel of KVC_NR rows x KC at a time
+ *    (transposed to [p][NR] so the microkernel loads it as vectors) into a buffer on each thread's
+ *    stack; every KVC_MR-row panel of A (a block of MC rows) then passes under it, read in place
+ *    (the microkernel broadcasts A's values, so A needs no packing). The microkernel (ukernel.c)
+ *    keeps an MR x NR = 8 x 32 tile of C in 16 zmm registers over the KC loop. Threads split the
+ *    B panels; no allocation, no barrier between blocks.
+ *
+ * GEMM_TABLE
+ */
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,43 +36,42 @@ static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Skinny path: dot products over k, a tile of IM rows of A x 4 rows of B at a time.             */
+/* Skinny path: dot products over k, a tile of up to 4 rows of A x 4 rows of B at a time (the    */
+/* accumulators are reduced once, at the end of k).                                               */
 
-#if defined(__AVX512F__)
-static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-#define DOT_DECL(i) __m512 s##i##0 = _mm512_setzero_ps(), s##i##1 = s##i##0, s##i##2 = s##i##0, s##i##3 = s##i##0;
-#define DOT_STEP(IM, i, MASK)                                                                          \
+#if defined(KVC_SIMD)
+#define DOT_DECL(i) vf s##i##0 = V_ZERO(), s##i##1 = s##i##0, s##i##2 = s##i##0, s##i##3 = s##i##0;
+#define DOT_LOADS(LOAD)                                                                                \
+    const vf y0 = LOAD(b + p), y1 = LOAD(b + k + p), y2 = LOAD(b + 2 * k + p), y3 = LOAD(b + 3 * k + p);
+#define DOT_STEP(IM, i, LOAD)                                                                          \
     if (IM > i) {                                                                                      \
-        const __m512 x = _mm512_maskz_loadu_ps(MASK, a + i * k + p);                                   \
-        s##i##0 = _mm512_fmadd_ps(x, y0, s##i##0);                                                     \
-        s##i##1 = _mm512_fmadd_ps(x, y1, s##i##1);                                                     \
-        s##i##2 = _mm512_fmadd_ps(x, y2, s##i##2);                                                     \
-        s##i##3 = _mm512_fmadd_ps(x, y3, s##i##3);                                                     \
+        const vf x = LOAD(a + i * k + p);                                                              \
+        s##i##0 = V_FMA(x, y0, s##i##0);                                                               \
+        s##i##1 = V_FMA(x, y1, s##i##1);                                                               \
+        s##i##2 = V_FMA(x, y2, s##i##2);                                                               \
+        s##i##3 = V_FMA(x, y3, s##i##3);                                                               \
     }
-#define DOT_LOADS(MASK)                                                                                \
-    const __m512 y0 = _mm512_maskz_loadu_ps(MASK, b + p), y1 = _mm512_maskz_loadu_ps(MASK, b + k + p); \
-    const __m512 y2 = _mm512_maskz_loadu_ps(MASK, b + 2 * k + p);                                      \
-    const __m512 y3 = _mm512_maskz_loadu_ps(MASK, b + 3 * k + p);
 #define DOT_OUT(IM, i)                                                                                 \
     if (IM > i) {                                                                                      \
-        c[i * ldc + 0] = hsum(s##i##0);                                                                \
-        c[i * ldc + 1] = hsum(s##i##1);                                                                \
-        c[i * ldc + 2] = hsum(s##i##2);                                                                \
-        c[i * ldc + 3] = hsum(s##i##3);                                                                \
+        c[i * ldc + 0] = V_HSUM(s##i##0);                                                              \
+        c[i * ldc + 1] = V_HSUM(s##i##1);                                                              \
+        c[i * ldc + 2] = V_HSUM(s##i##2);                                                              \
+        c[i * ldc + 3] = V_HSUM(s##i##3);                                                              \
     }
+#define TAIL_LOAD(ptr) V_LOADM(ptr, tail)
 #define DOT_TILE(IM)                                                                                   \
     static void dot_tile##IM(const float *a, const float *b, float *c, int64_t k, int64_t ldc) {       \
         DOT_DECL(0) DOT_DECL(1) DOT_DECL(2) DOT_DECL(3)                                                \
         int64_t p = 0;                                                                                 \
-        for (; p + 16 <= k; p += 16) {                                                                 \
-            DOT_LOADS(0xFFFF)                                                                          \
-            DOT_STEP(IM, 0, 0xFFFF) DOT_STEP(IM, 1, 0xFFFF) DOT_STEP(IM, 2, 0xFFFF) DOT_STEP(IM, 3, 0xFFFF) \
+        for (; p + VL <= k; p += VL) {                                                                 \
+            DOT_LOADS(V_LOAD)                                                                          \
+            DOT_STEP(IM, 0, V_LOAD) DOT_STEP(IM, 1, V_LOAD) DOT_STEP(IM, 2, V_LOAD) DOT_STEP(IM, 3, V_LOAD) \
         }                                                                                              \
         if (p < k) {                                                                                   \
-            const __mmask16 tail = (__mmask16)((1u << (k - p)) - 1);                                   \
-            DOT_LOADS(tail)                                                                            \
-            DOT_STEP(IM, 0, tail) DOT_STEP(IM, 1, tail) DOT_STEP(IM, 2, tail) DOT_STEP(IM, 3, tail)    \
+            const vmask tail = V_MASK((int)(k - p));                                                   \
+            DOT_LOADS(TAIL_LOAD)                                                                       \
+            DOT_STEP(IM, 0, TAIL_LOAD) DOT_STEP(IM, 1, TAIL_LOAD) DOT_STEP(IM, 2, TAIL_LOAD)           \
+            DOT_STEP(IM, 3, TAIL_LOAD)                                                                 \
         }                                                                                              \
         DOT_OUT(IM, 0) DOT_OUT(IM, 1) DOT_OUT(IM, 2) DOT_OUT(IM, 3)                                    \
     }
@@ -85,6 +88,25 @@ static void dot_tile(int im, const float *a, const float *b, float *c, int64_t k
         case 3: dot_tile3(a, b, c, k, ldc); break;
         default: dot_tile4(a, b, c, k, ldc); break;
     }
+}
+
+/* one row of A against 8 rows of B (decode GEMV: 8 independent streams of B in flight) */
+static void dot_1x8(const float *a, const float *b, float *c, int64_t k) {
+    vf s0 = V_ZERO(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+    for (int64_t p = 0; p < k; p += VL) {
+        const vmask mk = V_MASK((int)(k - p < VL ? k - p : VL));
+        const vf x = V_LOADM(a + p, mk);
+        s0 = V_FMA(x, V_LOADM(b + p, mk), s0);
+        s1 = V_FMA(x, V_LOADM(b + k + p, mk), s1);
+        s2 = V_FMA(x, V_LOADM(b + 2 * k + p, mk), s2);
+        s3 = V_FMA(x, V_LOADM(b + 3 * k + p, mk), s3);
+        s4 = V_FMA(x, V_LOADM(b + 4 * k + p, mk), s4);
+        s5 = V_FMA(x, V_LOADM(b + 5 * k + p, mk), s5);
+        s6 = V_FMA(x, V_LOADM(b + 6 * k + p, mk), s6);
+        s7 = V_FMA(x, V_LOADM(b + 7 * k + p, mk), s7);
+    }
+    c[0] = V_HSUM(s0), c[1] = V_HSUM(s1), c[2] = V_HSUM(s2), c[3] = V_HSUM(s3);
+    c[4] = V_HSUM(s4), c[5] = V_HSUM(s5), c[6] = V_HSUM(s6), c[7] = V_HSUM(s7);
 }
 #else
 static void dot_tile(int im, const float *a, const float *b, float *c, int64_t k, int64_t ldc) {
@@ -107,35 +129,14 @@ static float dot1(const float *x, const float *y, int64_t k) {
     return s;
 }
 
-#if defined(__AVX512F__)
-/* one row of A against 8 rows of B (decode GEMV: 8 independent streams of B in flight) */
-static void dot_1x8(const float *a, const float *b, float *c, int64_t k) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
-    for (int64_t p = 0; p < k; p += 16) {
-        const __mmask16 mk = (__mmask16)(k - p >= 16 ? 0xFFFF : (1u << (k - p)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(mk, a + p);
-        s0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + p), s0);
-        s1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + k + p), s1);
-        s2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 2 * k + p), s2);
-        s3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 3 * k + p), s3);
-        s4 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 4 * k + p), s4);
-        s5 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 5 * k + p), s5);
-        s6 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 6 * k + p), s6);
-        s7 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(mk, b + 7 * k + p), s7);
-    }
-    c[0] = hsum(s0), c[1] = hsum(s1), c[2] = hsum(s2), c[3] = hsum(s3);
-    c[4] = hsum(s4), c[5] = hsum(s5), c[6] = hsum(s6), c[7] = hsum(s7);
-}
-#endif
-
 static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-#if defined(__AVX512F__)
-    if (m == 1) {
-        const int64_t nb8 = n / 8;
-        const int par1 = (double)n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
-#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par1)
-        for (int64_t jb = 0; jb <= nb8; jb++) {
-            if (jb < nb8)
+    const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
+#if defined(KVC_SIMD)
+    if (m == 1) { /* GEMV: 8 rows of B per step, the last n % 8 one by one */
+        const int64_t nb = n / 8;
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+        for (int64_t jb = 0; jb <= nb; jb++) {
+            if (jb < nb)
                 dot_1x8(a, b + jb * 8 * k, c + jb * 8, k);
             else
                 for (int64_t j = jb * 8; j < n; j++) c[j] = dot1(a, b + j * k, k);
@@ -144,7 +145,6 @@ static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int
     }
 #endif
     const int64_t nb = n / 4;
-    const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
 #pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t jb = 0; jb <= nb; jb++) {
         const int64_t j0 = jb * 4;
@@ -207,9 +207,6 @@ void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Blocked path.                                                                                  */
-
-/* ---------------------------------------------------------------------------------------------- */
-/* Blocked path.                                                                                  */
 /* The microkernel broadcasts A straight from its rows (8 row streams, k-contiguous: nothing to    */
 /* pack); B is packed one panel at a time into a thread-local buffer that stays hot while every A  */
 /* panel of the row block passes under it. Threads split the panels of each row block; they write  */
@@ -233,7 +230,7 @@ static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, in
                     kvc_cpu_transpose(b + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
                     for (int64_t ip = 0; ip < mpan; ip++) {
                         const int64_t i = i0 + ip * KVC_MR;
-                        kvc_cpu_ukr((int)imin(KVC_MR, i0 + mc - i), nr, kc, a + i * k + p0, k, 1, bp, KVC_NR,
+                        kvc_cpu_ukr((int)imin(KVC_MR, i0 + mc - i), nr, kc, a + i * k + p0, k, bp, KVC_NR,
                                     c + i * n + jp * KVC_NR, n, p0 > 0);
                     }
                 }
@@ -243,6 +240,11 @@ static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, in
 }
 
 void kvc_cpu_gemm_builtin(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    if (m <= 0 || n <= 0) return;
+    if (k <= 0) { /* an empty sum */
+        memset(c, 0, sizeof(float) * (size_t)(m * n));
+        return;
+    }
     if (m <= SKINNY_M)
         gemm_skinny(a, b, c, m, n, k);
     else
