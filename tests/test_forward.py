@@ -96,6 +96,10 @@ def test_tiny_random_models_match_hf(arch, tmp_path, rng):
     err = rel_err(model.logits(ids), hf_logits(hf, ids))
     print(f"{arch}: max relative logit error {err:.2e}")
     assert err < 1e-4
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids[:20]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert model.generate(ids[:20], max_new_tokens=12, stop_ids=[]) == out[0, 20:].tolist()
+    # greedy: every token we pick is HF's argmax on the same prefix (teacher-forced), up to fp32 ties
+    # (random tiny models have near-equal top logits often enough that comparing whole runs is flaky)
+    ours = model.generate(ids[:20], max_new_tokens=12, stop_ids=[])
+    ref = hf_logits(hf, ids[:20] + ours)
+    for step, tok in enumerate(ours):
+        row = ref[19 + step]
+        assert row[tok] >= row.max() - 1e-4 * np.abs(row).max(), f"step {step}: picked {tok}, HF argmax {row.argmax()}"
