@@ -31,14 +31,15 @@ enum { CBLAS_ROW_MAJOR = 101, CBLAS_NO_TRANS = 111, CBLAS_TRANS = 112 };
  *  - AVX-512: the built-in kernel is as fast as OpenBLAS or faster at every size, so a loaded BLAS
  *    is not used unless asked for;
  *  - AVX2 (the built-in 6 x 16 kernel against OpenBLAS's Haswell kernels, OPENBLAS_CORETYPE=Haswell,
- *    one thread): built-in wins up to m = 8 (GEMV 2-4x), OpenBLAS from m = 16 (15-30 %);
+ *    one thread): the built-in kernel wins or ties up to m = 64 (GEMV 2-4x faster), OpenBLAS is
+ *    5-10 % faster from m = 128;
  *  - plain C (not measured): any tuned BLAS beats it once there is more than one row.
  * KVC_BLAS_MIN_M=<rows> overrides it (read when a library is loaded; benchmarks/gemm.py sets 1 to
  * time the library alone). */
 #if defined(__AVX512F__)
 #define BLAS_MIN_M INT64_MAX
 #elif defined(KVC_SIMD)
-#define BLAS_MIN_M 13
+#define BLAS_MIN_M 128
 #else
 #define BLAS_MIN_M 2
 #endif

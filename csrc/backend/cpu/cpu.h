@@ -81,7 +81,8 @@ static inline float kvc_hsum256(__m256 v) {
 void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
                  int64_t ldc, int accumulate);
 
-/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (16 x 16 register blocks with AVX-512). */
+/* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (16 x 16 register blocks with AVX-512,
+ * 8 x 8 with AVX2). */
 void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols, float *dst, int64_t ldd);
 
 /* Threads the CPU kernels use (kvc_set_num_threads; default: all cores). */

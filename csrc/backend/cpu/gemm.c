@@ -11,7 +11,30 @@
  *    keeps an MR x NR = 8 x 32 tile of C in 16 zmm registers over the KC loop. Threads split the
  *    B panels; no allocation, no barrier between blocks.
  *
- * GEMM_TABLE
+ * Measured with benchmarks/gemm.py (results/gemm.json) on this machine: 2 cores of an AMD EPYC
+ * (Zen 4, AVX-512), 2 threads, GFLOP/s of the best of several calls, OpenBLAS 0.3.34 from
+ * scipy-openblas32 (SkylakeX kernels). "openblas" is the library as kvc_cpu_matmul calls it (single-
+ * threaded, our threads each doing a slice of the columns), "native" the library's own threading.
+ *
+ *      m      n     k   builtin  openblas  native       m      n     k   builtin  openblas  native
+ *      1    576   576      40.3      40.2    28.5     512    576   576     225.1     204.8   209.3
+ *      1    192   576      20.5      20.9    22.2     512    192   576     223.0     194.6   200.7
+ *      1   1536   576      53.0      51.7    14.5     512   1536   576     223.1     208.9   183.5
+ *      1    576  1536      55.4      54.8    35.4     512    576  1536     224.8     198.0   178.3
+ *      1  49152   576      16.2       7.0     6.9     512  49152   576     210.1     198.7   196.0
+ *     64    576   576     202.8     174.5   176.7    2048    576   576     216.8     179.0   209.6
+ *     64    192   576     186.6     157.2   155.2    2048    192   576     223.8     178.5   207.3
+ *     64   1536   576     208.2     185.4   184.2    2048   1536   576     214.0     193.3   208.8
+ *     64    576  1536     208.6     181.5   182.7    2048    576  1536     219.9     185.7   206.2
+ *     64  49152   576     178.3     147.8   146.8    2048  49152   576     210.5     204.3   205.4
+ *
+ * At m = 1 the small shapes take 10-40 us and both are bound by call and thread overheads; on the
+ * 49152-row lm_head (113 MB of weights) the built-in GEMV streams 32 GB/s, OpenBLAS 14.
+ * One thread (CPU time, so less noisy here): builtin 99-112 GFLOP/s from m = 64, OpenBLAS 91-107;
+ * the peak of one core is about 110. So the built-in kernel is as fast or faster in every regime
+ * and kvc_cpu_matmul uses it everywhere on AVX-512, even with a BLAS loaded (blas.c, BLAS_MIN_M).
+ * With AVX2 only (built with -march=x86-64-v3, OpenBLAS forced to its Haswell kernels) the built-in
+ * 6 x 16 kernel ties or wins up to m = 64 and OpenBLAS is 5-10 % faster beyond: BLAS from m = 128.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -197,6 +220,31 @@ void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols
         }
         for (; c0 < cols; c0++)
             for (int j = 0; j < 16; j++) dst[c0 * ldd + r0 + j] = src[(r0 + j) * lds + c0];
+    }
+#elif defined(__AVX2__)
+    /* 8 x 8 blocks transposed in registers */
+    for (; r0 + 8 <= rows; r0 += 8) {
+        int64_t c0 = 0;
+        for (; c0 + 8 <= cols; c0 += 8) {
+            __m256 r[8], t[8];
+            for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(src + (r0 + j) * lds + c0);
+            for (int j = 0; j < 8; j += 2) {
+                t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+                t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+            }
+            for (int j = 0; j < 8; j += 4) {
+                r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+                r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+                r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+                r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+            }
+            for (int x = 0; x < 4; x++) { /* columns x and x + 4 */
+                _mm256_storeu_ps(dst + (c0 + x) * ldd + r0, _mm256_permute2f128_ps(r[x], r[x + 4], 0x20));
+                _mm256_storeu_ps(dst + (c0 + x + 4) * ldd + r0, _mm256_permute2f128_ps(r[x], r[x + 4], 0x31));
+            }
+        }
+        for (; c0 < cols; c0++)
+            for (int j = 0; j < 8; j++) dst[c0 * ldd + r0 + j] = src[(r0 + j) * lds + c0];
     }
 #endif
     for (; r0 < rows; r0++) {
