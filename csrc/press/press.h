@@ -45,9 +45,6 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
                             int64_t **keep, int64_t *n_keep);
 /* EDIE scorer (edie.c) */
 kvc_status kvc_score_edie(const kvc_score_input *in, float *const *scores);
-/* Softmax of q against rows [0, visible) of k (scale applied); out[visible]. */
-void kvc_attention_probs(const float *q, const float *k, int64_t visible, int32_t d, float scale, float *out);
-
 /* Attention probabilities of m queries against one head's rows, with one GEMM: q_rows [m, d]
  * contiguous, k [len, d]; query i sees rows [0, visible[i]); probs [m, len] (zeros past visible). */
 void kvc_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,

@@ -10,24 +10,6 @@
 /* ---------------------------------------------------------------------------------------------- */
 /* window attention                                                                                */
 
-void kvc_attention_probs(const float *q, const float *k, int64_t visible, int32_t d, float scale, float *out) {
-    float mx = -FLT_MAX;
-    for (int64_t r = 0; r < visible; r++) {
-        const float *kr = k + r * d;
-        float dot = 0.f;
-        for (int32_t j = 0; j < d; j++) dot += q[j] * kr[j];
-        out[r] = dot * scale;
-        if (out[r] > mx) mx = out[r];
-    }
-    double sum = 0.0;
-    for (int64_t r = 0; r < visible; r++) {
-        out[r] = expf(out[r] - mx);
-        sum += out[r];
-    }
-    const float inv = (float)(1.0 / sum);
-    for (int64_t r = 0; r < visible; r++) out[r] *= inv;
-}
-
 void kvc_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
                     const int64_t *visible, float *probs) {
     kvc_cpu_matmul(q_rows, k, probs, m, len, d);
