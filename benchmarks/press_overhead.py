@@ -16,6 +16,9 @@ import time
 
 import numpy as np
 
+# run from a checkout without installing: the package is one folder up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def presses_ours(ratio):
     import kvpress_c as k

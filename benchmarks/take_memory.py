@@ -19,6 +19,9 @@ import time
 
 import numpy as np
 
+# run from a checkout without installing: the package is one folder up
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 SHAPES = dict(layers=30, hidden=576, heads=9, kv_heads=3, ffn=1536, vocab=49152)
 
 
@@ -94,6 +97,13 @@ def main(argv=None):
               f"{full / 2**20:>9.1f}{tag} {full / r['take_peak_bytes']:>6.1f}x {r['take_s']:>8.1f}")
     print("* full-cache size computed from the cache layout (a full prefill at that length was not run)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    # merge with earlier runs of the same configuration (one length per run is a long job at 128k)
+    if os.path.exists(args.out):
+        with open(args.out) as fh:
+            old = json.load(fh)
+        if old.get("budget") == args.budget and old.get("chunk") == args.chunk:
+            new_n = {r["n"] for r in rows}
+            rows = sorted([r for r in old["rows"] if r["n"] not in new_n] + rows, key=lambda r: r["n"])
     with open(args.out, "w") as fh:
         json.dump({"budget": args.budget, "chunk": args.chunk, "rows": rows}, fh, indent=2)
     print(f"wrote {args.out}")

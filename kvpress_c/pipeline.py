@@ -55,37 +55,93 @@ class Pipeline:
     def __call__(self, context: str, question: str = "", questions: Optional[Sequence[str]] = None,
                  press: Optional[BasePress] = None, max_new_tokens: int = 50, answer_prefix: str = "",
                  query_aware: bool = False, record_scores: bool = False) -> PipelineResult:
+        return self.run_many(context, question, questions, [press], max_new_tokens, answer_prefix,
+                             query_aware, record_scores)[0]
+
+    def run_many(self, context: str, question: str = "", questions: Optional[Sequence[str]] = None,
+                 presses: Sequence[Optional[BasePress]] = (None,), max_new_tokens: int = 50,
+                 answer_prefix: str = "", query_aware: bool = False,
+                 record_scores: bool = False) -> list[PipelineResult]:
+        """Answer the same prompt under several presses (None = full cache), one result per press.
+
+        Presses that act after each layer (every scorer press, Ada-KV, ChunkKV, EDIE/TADA...) share
+        a single prefill: the forward runs once and each press compresses its own copy of every
+        layer's K/V (Session.forward_shared), which gives the same caches as separate runs at the
+        cost of one. Presses that change the forward (TAKE, Judge Q) run their own prefill."""
         if questions is None:
             questions = [question]
         elif question:
             raise ValueError("give question= or questions=, not both")
         if not questions:
             raise ValueError("questions is empty")
-        if press is not None and not isinstance(press, BasePress):
-            raise TypeError(f"press must be a kvpress_c press (e.g. SnapKVPress(compression_ratio=0.5)), got {press!r}")
+        presses = list(presses)
+        if not presses:
+            raise ValueError("presses is empty")
+        for press in presses:
+            if press is not None and not isinstance(press, BasePress):
+                raise TypeError(f"press must be a kvpress_c press (e.g. SnapKVPress(compression_ratio=0.5)), got {press!r}")
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         stop_ids = set(self.model.tokenizer.stop_ids)
         parts = [self.split_prompt(context, q, answer_prefix) for q in questions]
-        if query_aware:
-            return self._run_aware(parts, press, max_new_tokens, stop_ids, record_scores)
-        return self._run_agnostic(parts, press, max_new_tokens, stop_ids, record_scores)
+        per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n) per prompt
+        prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
+        for pi, ids in enumerate(prompts):
+            q_ids = parts[pi][1] if query_aware else None
+            for k, entry in self._prefill_all(ids, presses, record_scores, q_ids):
+                per_press[k].append(entry)
+        results = []
+        for k, press in enumerate(presses):
+            if query_aware:
+                results.append(self._answer_aware(per_press[k], parts, max_new_tokens, stop_ids, record_scores))
+            else:
+                results.append(self._answer_agnostic(per_press[k][0], parts, max_new_tokens, stop_ids, record_scores))
+        return results
 
-    def _session(self, n_tokens: int, press, record_scores: bool):
+    @staticmethod
+    def _shares_prefill(press) -> bool:
+        return press is None or press.is_noop or (
+            press.attach_to_session and type(press).prefill is BasePress.prefill)
+
+    def _session(self, press, record_scores: bool):
         session = self.model.new_session(0)
         if press is not None and not press.is_noop and press.attach_to_session:
             session.set_press(record_scores=record_scores, **press.c_config())
         return session
 
-    def _compressed_prefill(self, session, ids, press, question_ids=None) -> tuple[np.ndarray, float]:
-        t0 = time.perf_counter()
-        if press is None or press.is_noop:
-            logits = session.forward(np.asarray(ids, dtype=np.int32), logits="last")
-        else:
-            logits = press.prefill(session, ids, self.model.config, question_ids=question_ids)
-        return logits, time.perf_counter() - t0
+    def _prefill_all(self, ids, presses, record, question_ids):
+        """Yield (press index, (session, logits, prefill_s, n_prompt)) for every press."""
+        arr = np.asarray(ids, dtype=np.int32)
+        cfg = self.model.config
+        shared = [k for k, p in enumerate(presses) if self._shares_prefill(p)]
+        if shared:
+            sessions = {k: self._session(presses[k], record) for k in shared}
+            full = [k for k in shared if presses[k] is None or presses[k].is_noop]
+            leader = sessions[full[0]] if full else self.model.new_session(0)
+            followers = [k for k in shared if sessions[k] is not leader]
+            for k in followers:
+                presses[k].before_prefill(sessions[k], len(arr), cfg)
+            t0 = time.perf_counter()
+            if followers:
+                logits = leader.forward_shared(arr, [sessions[k] for k in followers])
+            else:
+                logits = leader.forward(arr, logits="last")
+            prefill_s = time.perf_counter() - t0
+            for k in followers:
+                presses[k].after_prefill(sessions[k], len(arr), cfg)
+            for k in full[1:]:  # several full-cache entries: give each its own copy
+                sessions[k].forward(arr, logits="none")
+            for k in shared:
+                yield k, (sessions[k], logits, prefill_s, len(arr))
+        for k, press in enumerate(presses):
+            if k in shared:
+                continue
+            session = self._session(press, record)
+            t0 = time.perf_counter()
+            logits = press.prefill(session, arr, cfg, question_ids=question_ids)
+            yield k, (session, logits, time.perf_counter() - t0, len(arr))
 
-    def _collect(self, session, n_prompt: int, prefill_s: float, decode_s: float, record: bool) -> tuple:
+    def _collect(self, session, n_prompt: int, prefill_s: float, record: bool) -> tuple:
         cfg = self.model.config
         L, Hkv = cfg["n_layers"], cfg["n_kv_heads"]
         kept = [[session.cache_positions(l, h) for h in range(Hkv)] for l in range(L)]
@@ -104,41 +160,38 @@ class Pipeline:
             "cache_bytes": session.cache_bytes,
             "peak_kv_bytes": session.peak_cache_bytes,
             "prefill_s": prefill_s,
-            "decode_s": decode_s,
+            "decode_s": 0.0,
+            "new_tokens": 0,
         }
         return kept, stats, errors
 
-    def _run_agnostic(self, parts, press, max_new_tokens, stop_ids, record):
-        ctx_ids = parts[0][0]
-        session = self._session(len(ctx_ids), press, record)
-        _, prefill_s = self._compressed_prefill(session, ctx_ids, press)
-        kept, stats, errors = self._collect(session, len(ctx_ids), prefill_s, 0.0, record)
+    def _answer_agnostic(self, entry, parts, max_new_tokens, stop_ids, record):
+        session, _, prefill_s, n_prompt = entry
+        kept, stats, errors = self._collect(session, n_prompt, prefill_s, record)
         session.set_press(None)
         lengths, position = session.cache_lengths(), session.position
-        answers, decode_s = [], 0.0
+        answers = []
         for _, q_ids in parts:
             t0 = time.perf_counter()
             logits = session.forward(np.asarray(q_ids, dtype=np.int32), logits="last")
             gen = greedy(session, q_ids, max_new_tokens, stop_ids, first_logits=logits)
-            decode_s += time.perf_counter() - t0
+            stats["decode_s"] += time.perf_counter() - t0
+            stats["new_tokens"] += len(gen.ids)
             answers.append(self.model.decode(gen.ids))
             session.truncate(lengths, position)
-        stats["decode_s"] = decode_s
         stats["peak_kv_bytes"] = session.peak_cache_bytes
         return PipelineResult(answers, stats, kept, errors)
 
-    def _run_aware(self, parts, press, max_new_tokens, stop_ids, record):
+    def _answer_aware(self, entries, parts, max_new_tokens, stop_ids, record):
         answers, first = [], None
-        for ctx_ids, q_ids in parts:
-            ids = list(ctx_ids) + list(q_ids)
-            session = self._session(len(ids), press, record)
-            logits, prefill_s = self._compressed_prefill(session, ids, press, question_ids=q_ids)
+        for (session, logits, prefill_s, n_prompt), (_, q_ids) in zip(entries, parts):
             if first is None:
-                first = self._collect(session, len(ids), prefill_s, 0.0, record)
+                first = self._collect(session, n_prompt, prefill_s, record)
             session.set_press(None)
             t0 = time.perf_counter()
-            gen = greedy(session, ids, max_new_tokens, stop_ids, first_logits=logits)
+            gen = greedy(session, q_ids, max_new_tokens, stop_ids, first_logits=logits)
             first[1]["decode_s"] += time.perf_counter() - t0
+            first[1]["new_tokens"] += len(gen.ids)
             first[1]["peak_kv_bytes"] = max(first[1]["peak_kv_bytes"], session.peak_cache_bytes)
             answers.append(self.model.decode(gen.ids))
         kept, stats, errors = first

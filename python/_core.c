@@ -399,6 +399,80 @@ fail:
     return NULL;
 }
 
+/* forward_shared(ids, followers, logits='last'): one prefill whose K/V every follower session also
+ * receives, each compressing with its own attached press (kvc_forward_shared). */
+static PyObject *Session_forward_shared(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "followers", "logits", NULL};
+    PyObject *ids_obj, *fol_obj, *mode_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O", kwlist, &ids_obj, &fol_obj, &mode_obj)) return NULL;
+    if (check_session(self) < 0) return NULL;
+    int want_logits = 1;
+    if (mode_obj && PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "none") == 0) want_logits = 0;
+    else if (mode_obj && !(PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "last") == 0)) {
+        PyErr_SetString(PyExc_ValueError, "forward_shared: logits must be 'last' or 'none'");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(fol_obj, "followers must be a sequence of Session objects");
+    if (!seq) return NULL;
+    const Py_ssize_t nf = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    kvc_session **fs = PyMem_Calloc(nf ? (size_t)nf : 1, sizeof *fs);
+    PyArrayObject *ids = NULL, *logits = NULL;
+    Py_ssize_t marked = 0;
+    if (!fs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nf; i++) {
+        SessionObject *f = (SessionObject *)items[i];
+        if (Py_TYPE(items[i]) != Py_TYPE(self)) {
+            PyErr_Format(PyExc_TypeError, "follower %zd is not a Session", i);
+            goto done;
+        }
+        if (check_session(f) < 0) goto done;
+        if (f->model != self->model) {
+            PyErr_Format(PyExc_ValueError, "follower %zd belongs to another model", i);
+            goto done;
+        }
+        fs[i] = f->session;
+    }
+    if (!(ids = as_ids(ids_obj))) goto done;
+    const npy_intp n = PyArray_DIM(ids, 0);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "forward_shared() needs at least one token");
+        goto done;
+    }
+    if (want_logits) {
+        kvc_config cfg;
+        kvc_model_get_config(self->model->model, &cfg);
+        npy_intp dims[1] = {cfg.vocab};
+        if (!(logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32))) goto done;
+    }
+    kvc_status st;
+    self->busy = 1;
+    for (; marked < nf; marked++) ((SessionObject *)items[marked])->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_forward_shared(self->session, fs, (int32_t)nf, (const int32_t *)PyArray_DATA(ids), n,
+                            want_logits ? n - 1 : KVC_ROW_NONE, logits ? (float *)PyArray_DATA(logits) : NULL);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    for (Py_ssize_t i = 0; i < marked; i++) ((SessionObject *)items[i])->busy = 0;
+    if (st != KVC_OK) {
+        Py_CLEAR(logits);
+        raise_status(st);
+    }
+done:
+    PyMem_Free(fs);
+    Py_XDECREF(ids);
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(logits);
+        return NULL;
+    }
+    if (!logits) Py_RETURN_NONE;
+    return (PyObject *)logits;
+}
+
 static PyObject *Session_set_position(SessionObject *self, PyObject *arg) {
     if (check_session(self) < 0) return NULL;
     long long pos = PyLong_AsLongLong(arg);
@@ -637,6 +711,9 @@ static PyMethodDef Session_methods[] = {
      "forward(ids, logits='last', embeddings=None): run tokens (then embedding rows [m, hidden]) through\n"
      "the model, appending to the cache. Returns float32 logits [vocab] ('last' or a row index),\n"
      "[n, vocab] ('all') or None ('none')."},
+    {"forward_shared", (PyCFunction)(void (*)(void))Session_forward_shared, METH_VARARGS | METH_KEYWORDS,
+     "forward_shared(ids, followers, logits='last'): prefill ids once; every follower Session (empty, same\n"
+     "model) receives each layer's K/V and compresses it with its own attached press."},
     {"set_position", (PyCFunction)Session_set_position, METH_O, "set_position(p): the position the next token gets."},
     {"reset", (PyCFunction)Session_reset, METH_NOARGS, "Empty the cache and go back to position 0."},
     {"cache_lengths", (PyCFunction)Session_cache_lengths, METH_NOARGS, "Tokens held per (layer, kv head), int64 [L, Hkv]."},

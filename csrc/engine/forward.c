@@ -94,6 +94,20 @@ static kvc_status scratch_get(kvc_session *s, int64_t n, scratch *sc) {
     return KVC_OK;
 }
 
+/* A follower of a shared forward (kvc_forward_shared) takes this layer's new K/V rows into its own
+ * cache and lets its own press act, as if it had computed the layer itself: a press acts after the
+ * layer's attention, so the hidden states of the leader and of every follower are the same. */
+static kvc_status follower_layer(kvc_session *f, int32_t l, int64_t n, const int64_t *positions, const scratch *sc) {
+    const int32_t Hkv = f->cache.n_kv;
+    KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
+    int64_t past[64];
+    for (int32_t h = 0; h < Hkv; h++) past[h] = f->cache.layers[l].len[h];
+    kvc_cache_append(&f->cache, l, sc->k, sc->v, positions, n);
+    if (!f->hook) return KVC_OK;
+    kvc_layer_ctx ctx = {l, n, past, sc->q, sc->att, sc->o, sc->resid};
+    return f->hook(f->hook_user, f, &ctx);
+}
+
 /* One layer on n tokens; x [n, D] is updated in place. */
 static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n, scratch *sc) {
     const kvc_model *m = s->model;
@@ -133,6 +147,7 @@ static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n, scratch *s
         kvc_layer_ctx ctx = {l, n, past, sc->q, sc->att, sc->o, sc->resid};
         st = s->hook(s->hook_user, s, &ctx);
     }
+    for (int32_t i = 0; st == KVC_OK && i < s->n_followers; i++) st = follower_layer(s->followers[i], l, n, s->positions, sc);
     if (past != past_stack) free(past);
     if (st != KVC_OK) return st;
     be->add(sc->x, sc->o, n * D);
@@ -217,4 +232,44 @@ kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, con
     s->be->rmsnorm(sc.x + first * D, m->out_norm, sc.xn, rows, D, c->rms_eps);
     s->be->matmul(sc.xn, m->lm_head, logits, rows, c->vocab, D);
     return KVC_OK;
+}
+
+static int cache_is_empty(const kvc_session *s) {
+    for (int32_t l = 0; l < s->cache.n_layers; l++)
+        for (int32_t h = 0; h < s->cache.n_kv; h++)
+            if (s->cache.layers[l].len[h] != 0) return 0;
+    return 1;
+}
+
+kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers,
+                              const int32_t *ids, int64_t n, int64_t logits_row, float *logits) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: session is NULL");
+    if (n_followers < 0 || (n_followers > 0 && !followers))
+        return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: bad follower list");
+    if (!cache_is_empty(s) || s->pos != 0)
+        return kvc_fail(KVC_ERR_ARG, "a shared prefill starts from an empty session: call reset() on the leader first");
+    if (s->cache.n_kv > 64) return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared supports at most 64 KV heads");
+    for (int32_t i = 0; i < n_followers; i++) {
+        kvc_session *f = followers[i];
+        if (!f || f == s) return kvc_fail(KVC_ERR_ARG, "follower %d is NULL or the leader itself", i);
+        if (f->model != s->model) return kvc_fail(KVC_ERR_ARG, "follower %d belongs to another model", i);
+        if (f->needs_reset || f->pos != 0 || !cache_is_empty(f))
+            return kvc_fail(KVC_ERR_ARG, "follower %d is not empty: call reset() on it first", i);
+        for (int32_t j = 0; j < i; j++)
+            if (followers[j] == f) return kvc_fail(KVC_ERR_ARG, "follower %d is listed twice", i);
+    }
+    s->followers = followers;
+    s->n_followers = n_followers;
+    kvc_status st = kvc_forward_ex(s, ids, n, NULL, 0, logits_row, logits);
+    s->followers = NULL;
+    s->n_followers = 0;
+    for (int32_t i = 0; i < n_followers; i++) {
+        if (st == KVC_OK) {
+            followers[i]->pos = s->pos;
+        } else {
+            /* a follower may hold a partial prefill: empty it, the caller starts again */
+            kvc_session_reset(followers[i]);
+        }
+    }
+    return st;
 }

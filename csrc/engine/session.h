@@ -38,6 +38,9 @@ struct kvc_session {
     kvc_layer_hook hook;
     void *hook_user;
     void (*hook_free)(void *user);
+    /* kvc_forward_shared: sessions that receive this forward's K/V rows and run their own hook */
+    struct kvc_session *const *followers;
+    int32_t n_followers;
 };
 
 #endif

@@ -135,6 +135,13 @@ KVC_API kvc_status kvc_forward(kvc_session *s, const int32_t *ids, int64_t n, in
 #define KVC_ROW_ALL (-2)
 KVC_API kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, const float *embeddings,
                                   int64_t n_emb, int64_t logits_row, float *logits);
+/* One prefill, many caches: `s` computes the forward of `ids` once; each follower session receives
+ * every layer's new K/V rows and runs its own attached press on them, exactly as if it had run the
+ * prefill itself (a press acts after a layer's attention, so it never changes the hidden states).
+ * The leader and all followers must be empty (fresh or reset) sessions of the same model; on
+ * failure the followers are reset. Presses that change the forward (TAKE, Judge Q) cannot follow. */
+KVC_API kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers,
+                                      const int32_t *ids, int64_t n, int64_t logits_row, float *logits);
 /* Set the position the next token gets (e.g. after dropping appended soft or probe tokens). */
 KVC_API kvc_status kvc_session_set_position(kvc_session *s, int64_t position);
 

@@ -1,0 +1,111 @@
+"""One prefill, many caches (Session.forward_shared / Pipeline.run_many): each follower's cache, its
+kept positions and its decode logits equal a separate compressed prefill with the same press."""
+import numpy as np
+import pytest
+
+import kvpress_c
+
+
+def _presses():
+    return [
+        None,
+        kvpress_c.SnapKVPress(budget=48, window_size=16),
+        kvpress_c.StreamingLLMPress(compression_ratio=0.5),
+        kvpress_c.AdaKVPress(kvpress_c.SnapKVPress(budget=40, window_size=16)),
+        kvpress_c.ChunkKVPress(kvpress_c.SnapKVPress(budget=50, window_size=16), chunk_length=5, reuse_layers=2),
+        kvpress_c.PyramidKVPress(compression_ratio=0.6, window_size=16),
+        kvpress_c.KnormPress(budget=30),
+        kvpress_c.TADAPress(kvpress_c.EDIEPress(budget=40, window_size=16)),
+        kvpress_c.TAKEPress(budget=40, chunk_size=64),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from hf_models import write_tiny_model
+    return kvpress_c.load_model(write_tiny_model(str(tmp_path_factory.mktemp("shared") / "llama"), arch="llama", seed=5))
+
+
+def _positions(session, cfg):
+    return [[session.cache_positions(l, h) for h in range(cfg["n_kv_heads"])] for l in range(cfg["n_layers"])]
+
+
+def test_followers_equal_separate_prefills(tiny, rng):
+    cfg = tiny.config
+    ids = rng.integers(0, cfg["vocab"], size=150).astype(np.int32)
+    step = rng.integers(0, cfg["vocab"], size=3).astype(np.int32)
+    presses = [p for p in _presses()[1:-2]]  # scorer presses that attach to a session
+    separate = []
+    for p in presses:
+        s = tiny.new_session()
+        s.set_press(**p.c_config())
+        s.forward(ids, logits="none")
+        s.set_press(None)
+        nbytes = s.cache_bytes
+        separate.append((nbytes, _positions(s, cfg), s.forward(step, logits="all")))
+    leader = tiny.new_session()
+    followers = []
+    for p in presses:
+        s = tiny.new_session()
+        s.set_press(**p.c_config())
+        followers.append(s)
+    full_logits = tiny.new_session().forward(ids, logits="last")
+    logits = leader.forward_shared(ids, followers)
+    np.testing.assert_allclose(logits, full_logits, rtol=0, atol=1e-5)
+    assert int(leader.cache_lengths().min()) == len(ids)  # the leader keeps the full cache
+    for p, f, (nbytes, pos, step_logits) in zip(presses, followers, separate):
+        assert f.position == len(ids)
+        got = _positions(f, cfg)
+        for l in range(cfg["n_layers"]):
+            for h in range(cfg["n_kv_heads"]):
+                np.testing.assert_array_equal(got[l][h], pos[l][h], err_msg=f"{p} layer {l} head {h}")
+        assert f.cache_bytes == nbytes
+        f.set_press(None)
+        np.testing.assert_allclose(f.forward(step, logits="all"), step_logits, rtol=0, atol=1e-5,
+                                   err_msg=repr(p))
+
+
+def test_run_many_equals_one_press_at_a_time(default_model):
+    from kvpress_c.demo import needle_prompt
+    context, question, _ = needle_prompt(default_model, n_tokens=500, seed=3)
+    pipe = kvpress_c.Pipeline(default_model)
+    for aware in (False, True):
+        presses = _presses()
+        many = pipe.run_many(context, question, presses=presses, max_new_tokens=8, query_aware=aware)
+        for press, res in zip(_presses(), many):
+            one = pipe(context, question, press=press, max_new_tokens=8, query_aware=aware)
+            assert res.answers == one.answers, (press, aware)
+            assert res.stats["kept_tokens_total"] == one.stats["kept_tokens_total"], (press, aware)
+            for a, b in zip(res.kept_indices, one.kept_indices):
+                for x, y in zip(a, b):
+                    np.testing.assert_array_equal(x, y)
+
+
+def test_forward_shared_rejects_bad_followers(tiny, rng):
+    ids = rng.integers(0, tiny.config["vocab"], size=20).astype(np.int32)
+    leader, used = tiny.new_session(), tiny.new_session()
+    used.forward(ids[:3], logits="none")
+    with pytest.raises(ValueError, match="not empty"):
+        leader.forward_shared(ids, [used])
+    assert leader.position == 0 and int(leader.cache_lengths().max()) == 0
+    with pytest.raises(TypeError, match="not a Session"):
+        leader.forward_shared(ids, ["x"])
+    f = tiny.new_session()
+    with pytest.raises(ValueError, match="listed twice"):
+        leader.forward_shared(ids, [f, f])
+    with pytest.raises(ValueError, match="leader itself"):
+        leader.forward_shared(ids, [leader])
+    other = kvpress_c.load_model(tiny.path) if hasattr(tiny, "path") else None
+    if other is not None:
+        with pytest.raises(ValueError, match="another model"):
+            leader.forward_shared(ids, [other.new_session()])
+    # a follower whose press fails (window longer than the prompt) resets every follower
+    bad = tiny.new_session()
+    bad.set_press(**kvpress_c.SnapKVPress(budget=64, window_size=64).c_config())
+    good = tiny.new_session()
+    with pytest.raises(ValueError):
+        leader.forward_shared(ids, [good, bad])
+    assert good.position == 0 and int(good.cache_lengths().max()) == 0
+    leader.reset()
+    leader.forward_shared(ids, [good])
+    assert good.position == len(ids)
