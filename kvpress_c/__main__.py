@@ -1,4 +1,4 @@
-"""Command line: `python -m kvpress_c demo` (more subcommands are added by the evaluation harness)."""
+"""Command line: `python -m kvpress_c demo | eval | report | merge | judgeq`."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +26,11 @@ def _demo(args) -> int:
     return 0 if ok else 1
 
 
+def _judgeq(argv) -> int:
+    from .judgeq_cli import main as judgeq_main
+    return judgeq_main(list(argv))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpress_c", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,7 +38,22 @@ def main(argv=None) -> int:
     demo.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     demo.add_argument("--tokens", type=int, default=1000, help="approximate haystack length in tokens")
     demo.set_defaults(func=_demo)
+    from .eval.cli import add_eval_parser, add_report_parser
+    add_eval_parser(sub)
+    add_report_parser(sub)
+    jq = sub.add_parser("judgeq", help="Judge Q soft tokens: train | eval (see `judgeq -h`)", add_help=False)
+    jq.add_argument("rest", nargs=argparse.REMAINDER)
+    jq.set_defaults(func=lambda a: _judgeq(a.rest))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["judgeq"]:  # its own parser takes every argument after the word
+        return _judgeq(argv[1:])
     args = parser.parse_args(argv)
+    if args.command in ("eval", "report", "merge"):
+        try:
+            return args.func(args)
+        except (ValueError, FileNotFoundError, MemoryError) as e:  # bad input: say what to change
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return args.func(args)
 
 

@@ -38,11 +38,20 @@ class Pipeline:
         self.model = model
 
     # -- prompt construction (kvpress semantics) --------------------------------------------------
-    def split_prompt(self, context: str, question: str, answer_prefix: str = "") -> tuple[list[int], list[int]]:
+    def split_prompt(self, context: str, question: str, answer_prefix: str = "",
+                     chat: bool = True) -> tuple[list[int], list[int]]:
         """Token ids of the context part and of the question part (question + rest of the chat
-        template + answer_prefix), split where kvpress splits them."""
+        template + answer_prefix), split where kvpress splits them. chat=False: the raw text (BOS if
+        the model adds one), for benchmarks that do not wrap some tasks in the chat template."""
         from .chat import split_context_question
         tok = self.model.tokenizer
+        if not chat:
+            ctx_ids = ([tok.bos_id] if getattr(tok, "add_bos", False) and tok.bos_id is not None and tok.bos_id >= 0
+                       else []) + tok.encode(context)
+            q_ids = tok.encode(question + answer_prefix)
+            if not q_ids:  # nothing after the context: the last context token starts the answer
+                ctx_ids, q_ids = ctx_ids[:-1], ctx_ids[-1:]
+            return ctx_ids, q_ids
         ctx_text, suffix = split_context_question(
             tok.chat_template, context,
             bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
@@ -61,7 +70,7 @@ class Pipeline:
     def run_many(self, context: str, question: str = "", questions: Optional[Sequence[str]] = None,
                  presses: Sequence[Optional[BasePress]] = (None,), max_new_tokens: int = 50,
                  answer_prefix: str = "", query_aware: bool = False,
-                 record_scores: bool = False) -> list[PipelineResult]:
+                 record_scores: bool = False, chat: bool = True) -> list[PipelineResult]:
         """Answer the same prompt under several presses (None = full cache), one result per press.
 
         Presses that act after each layer (every scorer press, Ada-KV, ChunkKV, EDIE/TADA...) share
@@ -83,7 +92,7 @@ class Pipeline:
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         stop_ids = set(self.model.tokenizer.stop_ids)
-        parts = [self.split_prompt(context, q, answer_prefix) for q in questions]
+        parts = [self.split_prompt(context, q, answer_prefix, chat) for q in questions]
         per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n) per prompt
         prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
         for pi, ids in enumerate(prompts):

@@ -1,0 +1,109 @@
+"""`python -m kvpress_c eval|report|merge`: the evaluation harness from the command line."""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes i/n (e.g. 0/4), got {text!r}")
+    if not (n >= 1 and 0 <= i < n):
+        raise argparse.ArgumentTypeError(f"--shard i/n needs 0 <= i < n, got {text!r}")
+    return i, n
+
+
+def add_eval_parser(sub) -> None:
+    from .presets import NAMES
+    p = sub.add_parser("eval", help="run a benchmark (niah, ruler, longbench) for presses x budgets",
+                       description="Evaluate presses on a benchmark; results go to OUT/<press-budget>/ "
+                                   "(predictions.jsonl, metrics.json, config.json) and a rerun resumes.")
+    p.add_argument("benchmark", choices=["niah", "ruler", "longbench"])
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--press", nargs="+", default=["full"], choices=NAMES, metavar="NAME",
+                   help=f"one or more of: {', '.join(NAMES)} (presses share one prefill per sample)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--budget", type=int, nargs="+", help="tokens kept per KV head (one or more)")
+    size.add_argument("--compression-ratio", type=float, nargs="+", help="fraction of tokens removed (one or more)")
+    p.add_argument("--out", required=True, help="output folder of this run")
+    p.add_argument("--query-aware", action="store_true", help="compress the question with the context")
+    p.add_argument("--shard", type=_shard, default=(0, 1), help="i/n: this process takes samples i, i+n, ...")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override the benchmark's per-task value")
+    p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group("press options")
+    g.add_argument("--window-size", type=int, default=None)
+    g.add_argument("--kernel-size", type=int, default=None)
+    g.add_argument("--chunk-length", type=int, default=10, help="ChunkKV chunk size")
+    g.add_argument("--reuse-layers", type=int, default=1, help="ChunkKV layer-wise index reuse group")
+    g.add_argument("--chunk-size", type=int, default=4096, help="TAKE prefill chunk")
+    g.add_argument("--take-alpha", type=float, default=0.2, help="TAKE probe EMA")
+    g.add_argument("--warmup-budget", type=int, default=None, help="TAKE warm-up budget")
+    g.add_argument("--soft-tokens", default=None, help="Judge Q soft embeddings (.npy/.safetensors)")
+    b = p.add_argument_group("benchmark options")
+    b.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000], help="NIAH context lengths")
+    b.add_argument("--depths", type=float, nargs="+", default=None, help="NIAH depths in [0,1] (default: 10)")
+    b.add_argument("--haystack", default="pydoc", help="noise, pydoc or a text file (NIAH; RULER essay tasks)")
+    b.add_argument("--tasks", nargs="+", default=None, help="RULER/LongBench tasks (default: RULER niah_*, all LongBench)")
+    b.add_argument("--length", type=int, default=4096, help="RULER sequence length")
+    b.add_argument("--samples", type=int, default=20, help="RULER samples per task")
+    b.add_argument("--seed", type=int, default=42)
+    b.add_argument("--squad", default=None, help="SQuAD v2 dev json (RULER qa_1)")
+    b.add_argument("--hotpotqa", default=None, help="HotpotQA dev distractor json (RULER qa_2)")
+    b.add_argument("--data", default=None, help="LongBench folder of <task>.jsonl files")
+    b.add_argument("--max-length", type=int, default=8192, help="LongBench middle-truncation length")
+    b.add_argument("--limit", type=int, default=None, help="LongBench: first N samples per task")
+    b.add_argument("--longbench-e", action="store_true", help="LongBench-E files and length buckets")
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args) -> int:
+    from . import run
+    bench = {"niah": dict(lengths=args.lengths, depths=args.depths, haystack=args.haystack),
+             "ruler": dict(tasks=args.tasks, length=args.length, n_samples=args.samples, seed=args.seed,
+                           haystack=args.haystack, squad=args.squad, hotpotqa=args.hotpotqa),
+             "longbench": dict(tasks=args.tasks, data=args.data, max_length=args.max_length, limit=args.limit,
+                               longbench_e=args.longbench_e)}[args.benchmark]
+    opts = dict(window_size=args.window_size, kernel_size=args.kernel_size, chunk_length=args.chunk_length,
+                reuse_layers=args.reuse_layers, chunk_size=args.chunk_size, take_alpha=args.take_alpha,
+                warmup_budget=args.warmup_budget, soft_tokens=args.soft_tokens)
+    res = run(args.benchmark, model=args.model, presses=args.press, budgets=args.budget,
+              compression_ratios=args.compression_ratio, out=args.out, query_aware=args.query_aware,
+              shard=args.shard, progress=not args.no_progress, press_options=opts,
+              max_new_tokens=args.max_new_tokens, **bench)
+    if args.shard[1] > 1:
+        print(f"shard {args.shard[0]}/{args.shard[1]} done; when every shard is: python -m kvpress_c merge {args.out}")
+        return 0
+    from .report import table
+    print(table(res.rows))
+    return 0
+
+
+def add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="table (and CSV, plot) across eval runs")
+    p.add_argument("dirs", nargs="+", help="eval output folders")
+    p.add_argument("--csv", default=None, help="write the rows here (default: DIR/report.csv of the first)")
+    p.add_argument("--plot", default=None, help="score-vs-budget PNG (default: DIR/report.png of the first)")
+    p.set_defaults(func=run_report)
+    m = sub.add_parser("merge", help="join the shards of a sharded eval run")
+    m.add_argument("out")
+    m.set_defaults(func=run_merge)
+
+
+def run_report(args) -> int:
+    from .report import collect, plot, table, write_csv
+    rows = collect(args.dirs)
+    print(table(rows))
+    csv_path = write_csv(rows, args.csv or os.path.join(args.dirs[0], "report.csv"))
+    png = plot(rows, args.plot or os.path.join(args.dirs[0], "report.png"))
+    print(f"\nwrote {csv_path} and {png}")
+    return 0
+
+
+def run_merge(args) -> int:
+    from . import merge
+    from .report import table
+    res = merge(args.out)
+    print(table(res.rows))
+    return 0
