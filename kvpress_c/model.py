@@ -166,6 +166,35 @@ def greedy(session, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: se
                       prefill_s=t1 - t0, decode_s=t2 - t1)
 
 
+def greedy_many(sessions: Sequence, first_logits: Sequence[np.ndarray], max_new_tokens: int,
+                stop_ids: set[int]) -> list[list[int]]:
+    """Greedy decoding of several prefilled sessions at once (one per press, say): each step runs
+    the still-active sessions through one batched forward (_core.forward_batch), whose weight GEMMs
+    are shared, so B sessions decode in little more than the time of one."""
+    outs: list[list[int]] = [[] for _ in sessions]
+    if max_new_tokens <= 0:
+        return outs
+    nxt = [int(np.argmax(l)) for l in first_logits]
+    active = []
+    for i, t in enumerate(nxt):
+        if t not in stop_ids:
+            outs[i].append(t)
+            if max_new_tokens > 1:
+                active.append(i)
+    while active:
+        logits = _core.forward_batch([sessions[i] for i in active], np.array([outs[i][-1] for i in active], np.int32))
+        still = []
+        for row, i in enumerate(active):
+            t = int(np.argmax(logits[row]))
+            if t in stop_ids:
+                continue
+            outs[i].append(t)
+            if len(outs[i]) < max_new_tokens:
+                still.append(i)
+        active = still
+    return outs
+
+
 def _as_ids(token_ids) -> np.ndarray:
     arr = np.asarray(token_ids)
     if arr.ndim != 1 or arr.size == 0:

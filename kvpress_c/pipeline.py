@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .model import Model, greedy
+from .model import Model, greedy_many
 from .presses.base import BasePress
 
 
@@ -99,13 +99,7 @@ class Pipeline:
             q_ids = parts[pi][1] if query_aware else None
             for k, entry in self._prefill_all(ids, presses, record_scores, q_ids):
                 per_press[k].append(entry)
-        results = []
-        for k, press in enumerate(presses):
-            if query_aware:
-                results.append(self._answer_aware(per_press[k], parts, max_new_tokens, stop_ids, record_scores))
-            else:
-                results.append(self._answer_agnostic(per_press[k][0], parts, max_new_tokens, stop_ids, record_scores))
-        return results
+        return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores)
 
     @staticmethod
     def _shares_prefill(press) -> bool:
@@ -174,34 +168,30 @@ class Pipeline:
         }
         return kept, stats, errors
 
-    def _answer_agnostic(self, entry, parts, max_new_tokens, stop_ids, record):
-        session, _, prefill_s, n_prompt = entry
-        kept, stats, errors = self._collect(session, n_prompt, prefill_s, record)
-        session.set_press(None)
-        lengths, position = session.cache_lengths(), session.position
-        answers = []
-        for _, q_ids in parts:
+    def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record):
+        """Decode every press's answers together (batched decode across the presses' sessions)."""
+        collected = [self._collect(entries[0][0], entries[0][3], entries[0][2], record) for entries in per_press]
+        answers = [[] for _ in per_press]
+        for entries in per_press:
+            for session, *_ in entries:
+                session.set_press(None)
+        saved = [(e[0][0].cache_lengths(), e[0][0].position) for e in per_press] if not query_aware else None
+        for qi, (_, q_ids) in enumerate(parts):
             t0 = time.perf_counter()
-            logits = session.forward(np.asarray(q_ids, dtype=np.int32), logits="last")
-            gen = greedy(session, q_ids, max_new_tokens, stop_ids, first_logits=logits)
-            stats["decode_s"] += time.perf_counter() - t0
-            stats["new_tokens"] += len(gen.ids)
-            answers.append(self.model.decode(gen.ids))
-            session.truncate(lengths, position)
-        stats["peak_kv_bytes"] = session.peak_cache_bytes
-        return PipelineResult(answers, stats, kept, errors)
-
-    def _answer_aware(self, entries, parts, max_new_tokens, stop_ids, record):
-        answers, first = [], None
-        for (session, logits, prefill_s, n_prompt), (_, q_ids) in zip(entries, parts):
-            if first is None:
-                first = self._collect(session, n_prompt, prefill_s, record)
-            session.set_press(None)
-            t0 = time.perf_counter()
-            gen = greedy(session, q_ids, max_new_tokens, stop_ids, first_logits=logits)
-            first[1]["decode_s"] += time.perf_counter() - t0
-            first[1]["new_tokens"] += len(gen.ids)
-            first[1]["peak_kv_bytes"] = max(first[1]["peak_kv_bytes"], session.peak_cache_bytes)
-            answers.append(self.model.decode(gen.ids))
-        kept, stats, errors = first
-        return PipelineResult(answers, stats, kept, errors)
+            if query_aware:
+                sessions = [entries[qi][0] for entries in per_press]
+                first = [entries[qi][1] for entries in per_press]
+            else:
+                sessions = [entries[0][0] for entries in per_press]
+                first = [s.forward(np.asarray(q_ids, dtype=np.int32), logits="last") for s in sessions]
+            outs = greedy_many(sessions, first, max_new_tokens, stop_ids)
+            dt = time.perf_counter() - t0
+            for k, (out, session) in enumerate(zip(outs, sessions)):
+                answers[k].append(self.model.decode(out))
+                stats = collected[k][1]
+                stats["decode_s"] += dt  # wall time of the batched decode these presses shared
+                stats["new_tokens"] += len(out)
+                stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], session.peak_cache_bytes)
+                if not query_aware:
+                    session.truncate(*saved[k])
+        return [PipelineResult(answers[k], c[1], c[0], c[2]) for k, c in enumerate(collected)]

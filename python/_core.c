@@ -784,11 +784,170 @@ static PyObject *mod_set_num_threads(PyObject *m, PyObject *arg) {
 
 static PyObject *mod_get_num_threads(PyObject *m, PyObject *unused) { return PyLong_FromLong(kvc_get_num_threads()); }
 
+/* Judge Q training: judgeq_loss_grad(model, prompt_ids, response_ids, soft, grad=True, maps=False)
+ * -> (loss, grad [n_soft, hidden] or None, soft_maps [L, H, P] or None, response_maps or None). */
+static PyObject *mod_judgeq_loss_grad(PyObject *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"model", "prompt_ids", "response_ids", "soft", "grad", "maps", NULL};
+    PyObject *model_obj, *p_obj, *r_obj, *e_obj;
+    int want_grad = 1, want_maps = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|pp", kwlist, &model_obj, &p_obj, &r_obj, &e_obj, &want_grad,
+                                     &want_maps))
+        return NULL;
+    if (!PyObject_TypeCheck(model_obj, get_state(m)->model_type)) {
+        PyErr_Format(PyExc_TypeError, "judgeq_loss_grad: model must be a kvpress_c._core.Model, not %.100s",
+                     Py_TYPE(model_obj)->tp_name);
+        return NULL;
+    }
+    ModelObject *mo = (ModelObject *)model_obj;
+    if (check_model(mo) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(mo->model, &cfg);
+    PyArrayObject *pids = NULL, *rids = NULL, *emb = NULL, *grad = NULL, *smaps = NULL, *rmaps = NULL;
+    PyObject *result = NULL;
+    if (!(pids = as_ids(p_obj)) || !(rids = as_ids(r_obj))) goto done;
+    emb = (PyArrayObject *)PyArray_FROMANY(e_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+    if (!emb) goto done;
+    if (PyArray_DIM(emb, 1) != cfg.hidden || PyArray_DIM(emb, 0) < 1) {
+        PyErr_Format(PyExc_ValueError, "soft embeddings must have shape (n_soft >= 1, %d), got (%zd, %zd)", cfg.hidden,
+                     (Py_ssize_t)PyArray_DIM(emb, 0), (Py_ssize_t)PyArray_DIM(emb, 1));
+        goto done;
+    }
+    const npy_intp P = PyArray_DIM(pids, 0);
+    if (want_grad && !(grad = (PyArrayObject *)PyArray_SimpleNew(2, PyArray_DIMS(emb), NPY_FLOAT32))) goto done;
+    if (want_maps) {
+        npy_intp dims[3] = {cfg.n_layers, cfg.n_heads, P};
+        if (!(smaps = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32)) ||
+            !(rmaps = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32)))
+            goto done;
+    }
+    double loss = 0.0;
+    kvc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_judgeq_loss_grad(mo->model, (const int32_t *)PyArray_DATA(pids), P, (const int32_t *)PyArray_DATA(rids),
+                              PyArray_DIM(rids, 0), (const float *)PyArray_DATA(emb), PyArray_DIM(emb, 0), &loss,
+                              grad ? (float *)PyArray_DATA(grad) : NULL, smaps ? (float *)PyArray_DATA(smaps) : NULL,
+                              rmaps ? (float *)PyArray_DATA(rmaps) : NULL);
+    Py_END_ALLOW_THREADS
+    if (st != KVC_OK) {
+        raise_status(st);
+        goto done;
+    }
+    result = Py_BuildValue("(dOOO)", loss, grad ? (PyObject *)grad : Py_None, smaps ? (PyObject *)smaps : Py_None,
+                           rmaps ? (PyObject *)rmaps : Py_None);
+done:
+    Py_XDECREF(pids);
+    Py_XDECREF(rids);
+    Py_XDECREF(emb);
+    Py_XDECREF(grad);
+    Py_XDECREF(smaps);
+    Py_XDECREF(rmaps);
+    return result;
+}
+
+/* token_embeddings(model, ids) -> float32 [n, hidden]: input embedding rows (Judge Q initialisation). */
+static PyObject *mod_token_embeddings(PyObject *m, PyObject *args) {
+    PyObject *model_obj, *ids_obj;
+    if (!PyArg_ParseTuple(args, "OO", &model_obj, &ids_obj)) return NULL;
+    if (!PyObject_TypeCheck(model_obj, get_state(m)->model_type)) {
+        PyErr_Format(PyExc_TypeError, "token_embeddings: model must be a kvpress_c._core.Model, not %.100s",
+                     Py_TYPE(model_obj)->tp_name);
+        return NULL;
+    }
+    ModelObject *mo = (ModelObject *)model_obj;
+    if (check_model(mo) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(mo->model, &cfg);
+    PyArrayObject *ids = as_ids(ids_obj);
+    if (!ids) return NULL;
+    npy_intp dims[2] = {PyArray_DIM(ids, 0), cfg.hidden};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    if (!out) {
+        Py_DECREF(ids);
+        return NULL;
+    }
+    kvc_status st = kvc_model_token_embeddings(mo->model, (const int32_t *)PyArray_DATA(ids), dims[0],
+                                               (float *)PyArray_DATA(out));
+    Py_DECREF(ids);
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        return raise_status(st);
+    }
+    return (PyObject *)out;
+}
+
+/* forward_batch(sessions, ids): one decode token per session, logits [B, vocab] (kvc_forward_batch). */
+static PyObject *mod_forward_batch(PyObject *m, PyObject *args) {
+    PyObject *seq_obj, *ids_obj;
+    if (!PyArg_ParseTuple(args, "OO", &seq_obj, &ids_obj)) return NULL;
+    core_state *state = get_state(m);
+    PyObject *seq = PySequence_Fast(seq_obj, "sessions must be a sequence of Session objects");
+    if (!seq) return NULL;
+    const Py_ssize_t B = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    kvc_session **ss = NULL;
+    PyArrayObject *ids = NULL, *logits = NULL;
+    Py_ssize_t marked = 0;
+    if (B == 0 || B > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "forward_batch needs at least one session");
+        goto done;
+    }
+    if (!(ss = PyMem_Calloc((size_t)B, sizeof *ss))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < B; i++) {
+        if (!PyObject_TypeCheck(items[i], state->session_type)) {
+            PyErr_Format(PyExc_TypeError, "item %zd is not a Session", i);
+            goto done;
+        }
+        SessionObject *s = (SessionObject *)items[i];
+        if (check_session(s) < 0) goto done;
+        if (s->model != ((SessionObject *)items[0])->model) {
+            PyErr_Format(PyExc_ValueError, "session %zd belongs to another model", i);
+            goto done;
+        }
+        ss[i] = s->session;
+    }
+    if (!(ids = as_ids(ids_obj))) goto done;
+    if (PyArray_DIM(ids, 0) != B) {
+        PyErr_Format(PyExc_ValueError, "forward_batch: %zd sessions but %zd token ids", B, (Py_ssize_t)PyArray_DIM(ids, 0));
+        goto done;
+    }
+    kvc_config cfg;
+    kvc_model_get_config(((SessionObject *)items[0])->model->model, &cfg);
+    npy_intp dims[2] = {B, cfg.vocab};
+    if (!(logits = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32))) goto done;
+    kvc_status st;
+    for (; marked < B; marked++) ((SessionObject *)items[marked])->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_forward_batch(ss, (int32_t)B, (const int32_t *)PyArray_DATA(ids), (float *)PyArray_DATA(logits));
+    Py_END_ALLOW_THREADS
+    if (st != KVC_OK) raise_status(st);
+done:
+    for (Py_ssize_t i = 0; i < marked; i++) ((SessionObject *)items[i])->busy = 0;
+    PyMem_Free(ss);
+    Py_XDECREF(ids);
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(logits);
+        return NULL;
+    }
+    return (PyObject *)logits;
+}
+
 static PyMethodDef module_methods[] = {
+    {"forward_batch", mod_forward_batch, METH_VARARGS,
+     "forward_batch(sessions, ids): one token per session (no press attached), float32 logits [B, vocab];\n"
+     "the weight GEMMs run once for all sessions."},
     {"set_blas", mod_set_blas, METH_VARARGS, "set_blas(path=None, symbol='scipy_cblas_sgemm'): external CBLAS sgemm or the built-in GEMM."},
     {"blas_name", mod_blas_name, METH_NOARGS, "Name of the GEMM in use."},
     {"set_num_threads", mod_set_num_threads, METH_O, "Threads of the CPU backend (<= 0: all cores)."},
     {"get_num_threads", mod_get_num_threads, METH_NOARGS, "Threads of the CPU backend."},
+    {"judgeq_loss_grad", (PyCFunction)(void (*)(void))mod_judgeq_loss_grad, METH_VARARGS | METH_KEYWORDS,
+     "judgeq_loss_grad(model, prompt_ids, response_ids, soft, grad=True, maps=False) -> (loss, grad, soft_maps,\n"
+     "response_maps): Judge Q loss of soft embeddings [n_soft, hidden] for one (prompt, response) pair and\n"
+     "dL/dsoft; maps [n_layers, n_heads, n_prompt] when maps=True (None where not asked)."},
+    {"token_embeddings", mod_token_embeddings, METH_VARARGS, "token_embeddings(model, ids) -> float32 [n, hidden] input embedding rows."},
     {NULL, NULL, 0, NULL}};
 
 static int module_exec(PyObject *m) {

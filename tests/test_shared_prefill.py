@@ -109,3 +109,52 @@ def test_forward_shared_rejects_bad_followers(tiny, rng):
     leader.reset()
     leader.forward_shared(ids, [good])
     assert good.position == len(ids)
+
+
+def test_forward_batch_equals_one_session_at_a_time(tiny, rng):
+    """Batched decode over sessions with different (compressed) caches and positions = each session
+    decoding alone."""
+    from kvpress_c import _core
+    from kvpress_c.model import greedy_many
+    cfg = tiny.config
+    presses = [None, kvpress_c.SnapKVPress(budget=30, window_size=8), kvpress_c.KnormPress(budget=20),
+               kvpress_c.AdaKVPress(kvpress_c.SnapKVPress(budget=25, window_size=8))]
+    pairs = []
+    for k, p in enumerate(presses):
+        n = int(rng.integers(40, 90))
+        ids = rng.integers(0, cfg["vocab"], size=n).astype(np.int32)
+        a, b = tiny.new_session(), tiny.new_session()
+        for s in (a, b):
+            if p is not None:
+                s.set_press(**p.c_config())
+            s.forward(ids, logits="none")
+            s.set_press(None)
+        pairs.append((a, b))
+    for step in range(4):
+        toks = rng.integers(0, cfg["vocab"], size=len(pairs)).astype(np.int32)
+        batched = _core.forward_batch([a for a, _ in pairs], toks)
+        for row, ((_, b), t) in enumerate(zip(pairs, toks)):
+            np.testing.assert_allclose(batched[row], b.forward(np.array([t], np.int32), logits="last"),
+                                       rtol=0, atol=2e-5, err_msg=f"step {step} session {row}")
+    for a, b in pairs:
+        assert a.position == b.position
+        np.testing.assert_array_equal(a.cache_lengths(), b.cache_lengths())
+    # greedy_many = greedy on each session
+    from kvpress_c.model import greedy
+    firsts = [a.forward(np.array([1], np.int32), logits="last") for a, _ in pairs]
+    firsts_b = [b.forward(np.array([1], np.int32), logits="last") for _, b in pairs]
+    many = greedy_many([a for a, _ in pairs], firsts, 6, stop_ids=set())
+    for (_, b), f, out in zip(pairs, firsts_b, many):
+        assert greedy(b, [1], 6, set(), first_logits=f).ids == out
+    with pytest.raises(ValueError, match="press attached"):
+        s = tiny.new_session()
+        s.set_press(**kvpress_c.KnormPress(budget=4).c_config())
+        _core.forward_batch([s], [1])
+    with pytest.raises(ValueError, match="listed twice"):
+        _core.forward_batch([pairs[0][0], pairs[0][0]], [1, 2])
+    with pytest.raises(ValueError, match="2 sessions but 1"):
+        _core.forward_batch([pairs[0][0], pairs[1][0]], [1])
+    with pytest.raises(ValueError, match="vocabulary"):
+        _core.forward_batch([pairs[0][0]], [cfg["vocab"]])
+    with pytest.raises(TypeError, match="not a Session"):
+        _core.forward_batch(["x"], [1])

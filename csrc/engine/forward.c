@@ -273,3 +273,97 @@ kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int
     }
     return st;
 }
+
+/* ---- batched decode: one new token for each of B sessions ------------------------------------------
+ * The weight GEMMs run once on B rows (decode is bound by reading the weights, so B sessions cost
+ * little more than one); attention runs per session over its own ragged cache. Sessions may hold
+ * different caches (one per press, say) and sit at different positions. */
+static kvc_status batch_layer(kvc_session *const *ss, int32_t B, int32_t l, scratch *sc, const int64_t *positions) {
+    kvc_session *s0 = ss[0];
+    const kvc_model *m = s0->model;
+    const kvc_config *c = &m->cfg;
+    const kvc_backend *be = s0->be;
+    const kvc_layer_weights *W = &m->layers[l];
+    const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, F = c->ffn;
+    const int64_t qd = H * d, kd = Hkv * d;
+
+    be->rmsnorm(sc->x, W->attn_norm, sc->xn, B, D, c->rms_eps);
+    be->matmul(sc->xn, W->wq, sc->q, B, qd, D);
+    be->matmul(sc->xn, W->wk, sc->k, B, kd, D);
+    be->matmul(sc->xn, W->wv, sc->v, B, kd, D);
+    if (W->bq) {
+        be->add_bias(sc->q, W->bq, B, qd);
+        be->add_bias(sc->k, W->bk, B, kd);
+        be->add_bias(sc->v, W->bv, B, kd);
+    }
+    be->rope(sc->q, positions, B, (int32_t)H, (int32_t)d, m->rope_inv_freq, c->rope_pairing);
+    be->rope(sc->k, positions, B, (int32_t)Hkv, (int32_t)d, m->rope_inv_freq, c->rope_pairing);
+    for (int32_t i = 0; i < B; i++) {
+        kvc_session *s = ss[i];
+        KVC_TRY(kvc_cache_reserve(&s->cache, l, 1));
+        kvc_layer_cache *L = &s->cache.layers[l];
+        int64_t past[64];
+        for (int64_t h = 0; h < Hkv; h++) past[h] = L->len[h];
+        kvc_cache_append(&s->cache, l, sc->k + i * kd, sc->v + i * kd, positions + i, 1);
+        be->attention(sc->q + i * qd, 1, (int32_t)H, (int32_t)Hkv, (int32_t)d, (const float *const *)L->k,
+                      (const float *const *)L->v, past, 1.0f / sqrtf((float)d), sc->att + i * qd);
+    }
+    be->matmul(sc->att, W->wo, sc->o, B, D, qd);
+    be->add(sc->x, sc->o, B * D);
+    be->rmsnorm(sc->x, W->ffn_norm, sc->xn, B, D, c->rms_eps);
+    for (int64_t r0 = 0; r0 < B; r0 += MLP_ROWS) {
+        const int64_t rows = B - r0 < MLP_ROWS ? B - r0 : MLP_ROWS;
+        be->matmul(sc->xn + r0 * D, W->w_gate, sc->gate, rows, F, D);
+        be->matmul(sc->xn + r0 * D, W->w_up, sc->up, rows, F, D);
+        be->swiglu(sc->gate, sc->up, sc->gate, rows, F);
+        be->matmul(sc->gate, W->w_down, sc->o + r0 * D, rows, D, F);
+    }
+    be->add(sc->x, sc->o, B * D);
+    return KVC_OK;
+}
+
+kvc_status kvc_forward_batch(kvc_session *const *ss, int32_t B, const int32_t *ids, float *logits) {
+    if (B <= 0 || !ss || !ids) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch: need B >= 1 sessions and ids");
+    if (!logits) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch: logits buffer is NULL");
+    kvc_session *s0 = ss[0];
+    if (!s0) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch: session 0 is NULL");
+    const kvc_config *c = &s0->model->cfg;
+    if (c->n_kv_heads > 64) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch supports at most 64 KV heads");
+    for (int32_t i = 0; i < B; i++) {
+        const kvc_session *s = ss[i];
+        if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch: session %d is NULL", i);
+        if (s->model != s0->model) return kvc_fail(KVC_ERR_ARG, "session %d belongs to another model", i);
+        if (s->needs_reset)
+            return kvc_fail(KVC_ERR_ARG, "session %d failed in the middle of a compressed prefill: reset it", i);
+        if (s->hook) return kvc_fail(KVC_ERR_ARG, "session %d has a press attached: detach it before batched decoding", i);
+        if (ids[i] < 0 || ids[i] >= c->vocab)
+            return kvc_fail(KVC_ERR_ARG, "token id %d for session %d is outside the vocabulary [0, %d)", ids[i], i, c->vocab);
+        for (int32_t j = 0; j < i; j++)
+            if (ss[j] == s) return kvc_fail(KVC_ERR_ARG, "session %d is listed twice", i);
+    }
+    scratch sc;
+    KVC_TRY(scratch_get(s0, B, &sc));
+    int64_t *positions = s0->positions; /* sized for B by scratch_get */
+    const int64_t D = c->hidden;
+    for (int32_t i = 0; i < B; i++) {
+        positions[i] = ss[i]->pos;
+        memcpy(sc.x + i * D, s0->model->tok_embd + (size_t)ids[i] * D, sizeof(float) * D);
+    }
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        kvc_status st = batch_layer(ss, B, l, &sc, positions);
+        if (st != KVC_OK) {
+            /* lose nothing: drop the row this call appended to layers 0..l of every session */
+            for (int32_t i = 0; i < B; i++)
+                for (int32_t k = 0; k <= l; k++) {
+                    kvc_layer_cache *L = &ss[i]->cache.layers[k];
+                    for (int32_t h = 0; h < ss[i]->cache.n_kv; h++)
+                        if (L->len[h] > 0 && L->pos[h][L->len[h] - 1] == positions[i]) L->len[h]--;
+                }
+            return st;
+        }
+    }
+    for (int32_t i = 0; i < B; i++) ss[i]->pos += 1;
+    s0->be->rmsnorm(sc.x, s0->model->out_norm, sc.xn, B, D, c->rms_eps);
+    s0->be->matmul(sc.xn, s0->model->lm_head, logits, B, c->vocab, D);
+    return KVC_OK;
+}

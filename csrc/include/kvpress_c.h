@@ -142,6 +142,9 @@ KVC_API kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_
  * failure the followers are reset. Presses that change the forward (TAKE, Judge Q) cannot follow. */
 KVC_API kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers,
                                       const int32_t *ids, int64_t n, int64_t logits_row, float *logits);
+/* Batched decode: one token ids[i] for each of B sessions of the same model (any caches, any
+ * positions, no press attached), logits [B, vocab]. The weight GEMMs run once for all B rows. */
+KVC_API kvc_status kvc_forward_batch(kvc_session *const *sessions, int32_t B, const int32_t *ids, float *logits);
 /* Set the position the next token gets (e.g. after dropping appended soft or probe tokens). */
 KVC_API kvc_status kvc_session_set_position(kvc_session *s, int64_t position);
 
@@ -287,6 +290,25 @@ KVC_API kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, in
                                         const int64_t *past_len, float scale, float *out);
 /* Dequantise `n` values of GGUF tensor type `ggml_type` from `src` into fp32. */
 KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, size_t src_bytes, float *dst, int64_t n);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Judge Q training (JudgeQ-trainable-queries.txt Eq. 3-5, METHODS.md "Judge Q")                   */
+
+/* Loss and gradient of soft-token embeddings `soft` [n_soft, hidden] for one (prompt, response) pair.
+ * Maps per layer l and query head h over the n_prompt prompt positions j: A_resp[l, h, j] is the mean
+ * over the response rows of a forward of prompt + response of their causal softmax attention (over
+ * everything each row sees), read at prompt position j, not renormalised; A_soft likewise for the soft
+ * rows of a forward of prompt + soft (soft rows at positions n_prompt .. n_prompt + n_soft - 1, as
+ * JudgeQPress runs them). loss = mean over (l, h, j) of (A_soft - A_resp)^2.
+ * grad [n_soft, hidden] receives dL/dsoft (NULL: loss only). soft_maps and response_maps, each
+ * [n_layers, n_heads, n_prompt], receive A_soft and A_resp (either may be NULL). Runs on the CPU
+ * backend; reentrant (each call uses its own session). */
+KVC_API kvc_status kvc_judgeq_loss_grad(kvc_model *model, const int32_t *prompt_ids, int64_t n_prompt,
+                                        const int32_t *response_ids, int64_t n_response, const float *soft,
+                                        int64_t n_soft, double *loss, float *grad, float *soft_maps,
+                                        float *response_maps);
+/* Input embeddings of n token ids: out [n, hidden] (to initialise soft tokens from real tokens). */
+KVC_API kvc_status kvc_model_token_embeddings(const kvc_model *model, const int32_t *ids, int64_t n, float *out);
 
 #ifdef __cplusplus
 }

@@ -18,7 +18,7 @@ NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dol
 QUESTION = "What is the best thing to do in San Francisco?"
 CONTEXT_TEMPLATE = "This is a very long story book: <book> {haystack} </book>.\n"
 QUESTION_TEMPLATE = "Based on the content of the book, Question: {question}\nAnswer:"
-MAX_NEW_TOKENS = 48
+MAX_NEW_TOKENS = 32
 
 
 def prompt_tokens(pipeline, context: str, question: str) -> int:

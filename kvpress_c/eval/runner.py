@@ -146,7 +146,11 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
         if os.path.exists(cfg_path):
             with open(cfg_path, encoding="utf-8") as f:
                 old = json.load(f)
-            diff = {k for k in set(old) | set(cfg) if k not in ("n_samples_total",) and old.get(k) != cfg.get(k)}
+            # more samples (RULER --samples) extend a run; anything else is another experiment
+            strip = lambda c: {**c, "n_samples_total": None, "benchmark_options":
+                               {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
+            a, b = strip(old), strip(cfg)
+            diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
             if diff:
                 raise ValueError(f"{run_dir} holds results of a different configuration (differs in "
                                  f"{', '.join(sorted(diff))}); pass another --out or delete that folder")
