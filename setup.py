@@ -55,6 +55,16 @@ def find_nvcc():
     return nvcc or None
 
 
+def find_cuda_libdir(nvcc):
+    home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    for cand in (os.environ.get("CUDA_HOME"), home, "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))):
+        for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            d = cand and os.path.join(cand, sub)
+            if d and os.path.exists(os.path.join(d, "libcudart.so")) and os.path.exists(os.path.join(d, "libcublas.so")):
+                return d
+    return None
+
+
 class BuildExt(build_ext):
     """Builds libkvpress_c.so first, then the extension linked against it."""
 
@@ -78,6 +88,8 @@ class BuildExt(build_ext):
         build_py = self.get_finalized_command("build_py")
         package_dir = build_py.get_package_dir("kvpress_c")
         outputs = [self._lib_build_path()]
+        if getattr(self, "_cuda_lib", None):
+            outputs.append(self._cuda_lib)
         for ext in self.extensions:
             outputs.append(os.path.join(self.build_lib, self.get_ext_filename(self.get_ext_fullname(ext.name))))
         for src in outputs:
@@ -95,17 +107,37 @@ class BuildExt(build_ext):
         link_args = ["-fopenmp", "-ldl", "-lm"]
         if os.environ.get("KVC_SANITIZE") == "1":
             link_args += ["-fsanitize=address,undefined"]
-        nvcc = find_nvcc()
-        if nvcc and cuda_sources():
-            objects += self._build_cuda(nvcc)
-            cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-            link_args += [f"-L{cuda_home}/lib64", "-lcudart", "-lcublas", "-lcublasLt",
-                          f"-Wl,-rpath,{cuda_home}/lib64"]
-        elif cuda_sources():
-            print("kvpress_c: nvcc not found (or KVC_CUDA=0): building the CPU backend only", file=sys.stderr)
         lib_path = os.path.join(out_dir, "libkvpress_c.so")
         cc.link_shared_object(objects, lib_path, extra_postargs=link_args + ["-Wl,-soname,libkvpress_c.so"])
+        self._build_cuda_library(out_dir)
         return lib_path
+
+    def _build_cuda_library(self, out_dir):
+        # The CUDA backend is a separate library the core opens at run time (cuda_api.h), so the
+        # core never depends on CUDA and a failed CUDA build leaves a working CPU-only install.
+        nvcc = find_nvcc()
+        if not cuda_sources():
+            return
+        if not nvcc:
+            print("kvpress_c: nvcc not found (or KVC_CUDA=0): building the CPU backend only", file=sys.stderr)
+            return
+        lib_dir = find_cuda_libdir(nvcc)
+        if lib_dir is None:
+            print("kvpress_c: nvcc found but no libcudart/libcublas next to it: building the CPU backend only",
+                  file=sys.stderr)
+            return
+        try:
+            objects = self._build_cuda(nvcc)
+            path = os.path.join(out_dir, "libkvpress_c_cuda.so")
+            cmd = [nvcc, "-shared", "-o", path, *objects, f"-L{lib_dir}", "-lcudart", "-lcublas", "-lcublasLt",
+                   f"-Xlinker=-rpath,{lib_dir}", "-Xlinker=-soname,libkvpress_c_cuda.so"]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            print(f"kvpress_c: the CUDA backend did not build ({exc}); building the CPU backend only. "
+                  "Set KVC_CUDA=0 to skip the attempt.", file=sys.stderr)
+            return
+        self._cuda_lib = path
 
     def _build_cuda(self, nvcc):
         arch = os.environ.get("KVC_CUDA_ARCH", "90")

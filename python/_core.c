@@ -784,27 +784,79 @@ static PyObject *mod_set_num_threads(PyObject *m, PyObject *arg) {
 
 static PyObject *mod_get_num_threads(PyObject *m, PyObject *unused) { return PyLong_FromLong(kvc_get_num_threads()); }
 
-/* Judge Q training: judgeq_loss_grad(model, prompt_ids, response_ids, soft, grad=True, maps=False)
- * -> (loss, grad [n_soft, hidden] or None, soft_maps [L, H, P] or None, response_maps or None). */
-static PyObject *mod_judgeq_loss_grad(PyObject *m, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"model", "prompt_ids", "response_ids", "soft", "grad", "maps", NULL};
-    PyObject *model_obj, *p_obj, *r_obj, *e_obj;
-    int want_grad = 1, want_maps = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|pp", kwlist, &model_obj, &p_obj, &r_obj, &e_obj, &want_grad,
-                                     &want_maps))
-        return NULL;
+/* Judge Q training (csrc/train/judgeq_grad.c). A pair is a PyCapsule holding a kvc_judgeq_pair (the
+ * prompt's K/V and the response's attention maps); its context is a reference to the Model. */
+#define JUDGEQ_PAIR_NAME "kvpress_c._core.judgeq_pair"
+
+static void judgeq_pair_capsule_free(PyObject *cap) {
+    kvc_judgeq_pair *pair = (kvc_judgeq_pair *)PyCapsule_GetPointer(cap, JUDGEQ_PAIR_NAME);
+    PyObject *model = (PyObject *)PyCapsule_GetContext(cap);
+    kvc_judgeq_pair_free(pair);
+    Py_XDECREF(model);
+}
+
+/* judgeq_pair(model, prompt_ids, response_ids, max_soft=32) -> (pair, bytes) */
+static PyObject *mod_judgeq_pair(PyObject *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"model", "prompt_ids", "response_ids", "max_soft", NULL};
+    PyObject *model_obj, *p_obj, *r_obj;
+    long long max_soft = 32;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|L", kwlist, &model_obj, &p_obj, &r_obj, &max_soft)) return NULL;
     if (!PyObject_TypeCheck(model_obj, get_state(m)->model_type)) {
-        PyErr_Format(PyExc_TypeError, "judgeq_loss_grad: model must be a kvpress_c._core.Model, not %.100s",
+        PyErr_Format(PyExc_TypeError, "judgeq_pair: model must be a kvpress_c._core.Model, not %.100s",
                      Py_TYPE(model_obj)->tp_name);
         return NULL;
     }
     ModelObject *mo = (ModelObject *)model_obj;
     if (check_model(mo) < 0) return NULL;
+    PyArrayObject *pids = as_ids(p_obj), *rids = NULL;
+    if (!pids) return NULL;
+    if (!(rids = as_ids(r_obj))) {
+        Py_DECREF(pids);
+        return NULL;
+    }
+    kvc_judgeq_pair *pair = NULL;
+    kvc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_judgeq_pair_new(mo->model, (const int32_t *)PyArray_DATA(pids), PyArray_DIM(pids, 0),
+                             (const int32_t *)PyArray_DATA(rids), PyArray_DIM(rids, 0), max_soft, &pair);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(pids);
+    Py_DECREF(rids);
+    if (st != KVC_OK) return raise_status(st);
+    PyObject *cap = PyCapsule_New(pair, JUDGEQ_PAIR_NAME, NULL);
+    if (!cap) {
+        kvc_judgeq_pair_free(pair);
+        return NULL;
+    }
+    Py_INCREF(model_obj);
+    if (PyCapsule_SetContext(cap, model_obj) < 0 || PyCapsule_SetDestructor(cap, judgeq_pair_capsule_free) < 0) {
+        Py_DECREF(model_obj);
+        Py_DECREF(cap); /* no destructor yet: free by hand */
+        kvc_judgeq_pair_free(pair);
+        return NULL;
+    }
+    return Py_BuildValue("(Nn)", cap, (Py_ssize_t)kvc_judgeq_pair_bytes(pair));
+}
+
+/* judgeq_loss_grad(pair, soft, grad=True, maps=False) -> (loss, grad [n_soft, hidden] or None,
+ * soft_maps [L, H, P] or None, response_maps or None) */
+static PyObject *mod_judgeq_loss_grad(PyObject *m, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"pair", "soft", "grad", "maps", NULL};
+    PyObject *pair_obj, *e_obj;
+    int want_grad = 1, want_maps = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|pp", kwlist, &pair_obj, &e_obj, &want_grad, &want_maps))
+        return NULL;
+    if (!PyCapsule_IsValid(pair_obj, JUDGEQ_PAIR_NAME)) {
+        PyErr_SetString(PyExc_TypeError, "judgeq_loss_grad: pair must come from judgeq_pair()");
+        return NULL;
+    }
+    kvc_judgeq_pair *pair = (kvc_judgeq_pair *)PyCapsule_GetPointer(pair_obj, JUDGEQ_PAIR_NAME);
+    ModelObject *mo = (ModelObject *)PyCapsule_GetContext(pair_obj);
+    if (!pair || !mo) return NULL;
     kvc_config cfg;
     kvc_model_get_config(mo->model, &cfg);
-    PyArrayObject *pids = NULL, *rids = NULL, *emb = NULL, *grad = NULL, *smaps = NULL, *rmaps = NULL;
+    PyArrayObject *emb = NULL, *grad = NULL, *smaps = NULL, *rmaps = NULL;
     PyObject *result = NULL;
-    if (!(pids = as_ids(p_obj)) || !(rids = as_ids(r_obj))) goto done;
     emb = (PyArrayObject *)PyArray_FROMANY(e_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
     if (!emb) goto done;
     if (PyArray_DIM(emb, 1) != cfg.hidden || PyArray_DIM(emb, 0) < 1) {
@@ -812,10 +864,9 @@ static PyObject *mod_judgeq_loss_grad(PyObject *m, PyObject *args, PyObject *kwd
                      (Py_ssize_t)PyArray_DIM(emb, 0), (Py_ssize_t)PyArray_DIM(emb, 1));
         goto done;
     }
-    const npy_intp P = PyArray_DIM(pids, 0);
     if (want_grad && !(grad = (PyArrayObject *)PyArray_SimpleNew(2, PyArray_DIMS(emb), NPY_FLOAT32))) goto done;
     if (want_maps) {
-        npy_intp dims[3] = {cfg.n_layers, cfg.n_heads, P};
+        npy_intp dims[3] = {cfg.n_layers, cfg.n_heads, (npy_intp)kvc_judgeq_pair_prompt_len(pair)};
         if (!(smaps = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32)) ||
             !(rmaps = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32)))
             goto done;
@@ -823,10 +874,9 @@ static PyObject *mod_judgeq_loss_grad(PyObject *m, PyObject *args, PyObject *kwd
     double loss = 0.0;
     kvc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = kvc_judgeq_loss_grad(mo->model, (const int32_t *)PyArray_DATA(pids), P, (const int32_t *)PyArray_DATA(rids),
-                              PyArray_DIM(rids, 0), (const float *)PyArray_DATA(emb), PyArray_DIM(emb, 0), &loss,
-                              grad ? (float *)PyArray_DATA(grad) : NULL, smaps ? (float *)PyArray_DATA(smaps) : NULL,
-                              rmaps ? (float *)PyArray_DATA(rmaps) : NULL);
+    st = kvc_judgeq_pair_loss_grad(pair, (const float *)PyArray_DATA(emb), PyArray_DIM(emb, 0), &loss,
+                                   grad ? (float *)PyArray_DATA(grad) : NULL, smaps ? (float *)PyArray_DATA(smaps) : NULL,
+                                   rmaps ? (float *)PyArray_DATA(rmaps) : NULL);
     Py_END_ALLOW_THREADS
     if (st != KVC_OK) {
         raise_status(st);
@@ -835,8 +885,6 @@ static PyObject *mod_judgeq_loss_grad(PyObject *m, PyObject *args, PyObject *kwd
     result = Py_BuildValue("(dOOO)", loss, grad ? (PyObject *)grad : Py_None, smaps ? (PyObject *)smaps : Py_None,
                            rmaps ? (PyObject *)rmaps : Py_None);
 done:
-    Py_XDECREF(pids);
-    Py_XDECREF(rids);
     Py_XDECREF(emb);
     Py_XDECREF(grad);
     Py_XDECREF(smaps);
@@ -943,10 +991,12 @@ static PyMethodDef module_methods[] = {
     {"blas_name", mod_blas_name, METH_NOARGS, "Name of the GEMM in use."},
     {"set_num_threads", mod_set_num_threads, METH_O, "Threads of the CPU backend (<= 0: all cores)."},
     {"get_num_threads", mod_get_num_threads, METH_NOARGS, "Threads of the CPU backend."},
+    {"judgeq_pair", (PyCFunction)(void (*)(void))mod_judgeq_pair, METH_VARARGS | METH_KEYWORDS,
+     "judgeq_pair(model, prompt_ids, response_ids, max_soft=32) -> (pair, bytes): Judge Q training pair (one\n"
+     "forward of prompt + response: the prompt's K/V and the response's attention maps, kept)."},
     {"judgeq_loss_grad", (PyCFunction)(void (*)(void))mod_judgeq_loss_grad, METH_VARARGS | METH_KEYWORDS,
-     "judgeq_loss_grad(model, prompt_ids, response_ids, soft, grad=True, maps=False) -> (loss, grad, soft_maps,\n"
-     "response_maps): Judge Q loss of soft embeddings [n_soft, hidden] for one (prompt, response) pair and\n"
-     "dL/dsoft; maps [n_layers, n_heads, n_prompt] when maps=True (None where not asked)."},
+     "judgeq_loss_grad(pair, soft, grad=True, maps=False) -> (loss, grad, soft_maps, response_maps): Judge Q\n"
+     "loss of soft embeddings [n_soft, hidden] and dL/dsoft; maps [n_layers, n_heads, n_prompt] when maps=True."},
     {"token_embeddings", mod_token_embeddings, METH_VARARGS, "token_embeddings(model, ids) -> float32 [n, hidden] input embedding rows."},
     {NULL, NULL, 0, NULL}};
 

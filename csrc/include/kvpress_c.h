@@ -302,11 +302,27 @@ KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, siz
  * JudgeQPress runs them). loss = mean over (l, h, j) of (A_soft - A_resp)^2.
  * grad [n_soft, hidden] receives dL/dsoft (NULL: loss only). soft_maps and response_maps, each
  * [n_layers, n_heads, n_prompt], receive A_soft and A_resp (either may be NULL). Runs on the CPU
- * backend; reentrant (each call uses its own session). */
+ * backend; reentrant (each call uses its own session). The backward runs over the soft rows only:
+ * memory is the prompt's K/V cache plus O(n_soft) activations per layer. */
 KVC_API kvc_status kvc_judgeq_loss_grad(kvc_model *model, const int32_t *prompt_ids, int64_t n_prompt,
                                         const int32_t *response_ids, int64_t n_response, const float *soft,
                                         int64_t n_soft, double *loss, float *grad, float *soft_maps,
                                         float *response_maps);
+
+/* The same, split for training loops that see a pair many times (epochs): kvc_judgeq_pair_new runs
+ * the prompt + response forward once and keeps the prompt's K/V (room for max_soft soft rows) and
+ * the target A_resp; kvc_judgeq_pair_loss_grad then costs only the soft rows' forward and backward.
+ * A pair holds n_layers * n_kv_heads * (n_prompt + max(n_response, max_soft)) * head_dim * 2 floats
+ * (kvc_judgeq_pair_bytes); one call at a time per pair (a concurrent call fails with KVC_ERR_ARG). */
+typedef struct kvc_judgeq_pair kvc_judgeq_pair;
+KVC_API kvc_status kvc_judgeq_pair_new(kvc_model *model, const int32_t *prompt_ids, int64_t n_prompt,
+                                       const int32_t *response_ids, int64_t n_response, int64_t max_soft,
+                                       kvc_judgeq_pair **out);
+KVC_API kvc_status kvc_judgeq_pair_loss_grad(kvc_judgeq_pair *pair, const float *soft, int64_t n_soft,
+                                             double *loss, float *grad, float *soft_maps, float *response_maps);
+KVC_API void kvc_judgeq_pair_free(kvc_judgeq_pair *pair);
+KVC_API size_t kvc_judgeq_pair_bytes(const kvc_judgeq_pair *pair);
+KVC_API int64_t kvc_judgeq_pair_prompt_len(const kvc_judgeq_pair *pair);
 /* Input embeddings of n token ids: out [n, hidden] (to initialise soft tokens from real tokens). */
 KVC_API kvc_status kvc_model_token_embeddings(const kvc_model *model, const int32_t *ids, int64_t n, float *out);
 
