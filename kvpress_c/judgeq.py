@@ -268,6 +268,9 @@ def _item_ids(model, item) -> Optional[list[int]]:
     raise ValueError(f"a corpus item must be a string, {{'text': ...}} or a ShareGPT conversation, got {item!r:.80}")
 
 
+_GEN_BATCH = 16  # prompts whose greedy responses are decoded together
+
+
 def build_dataset(model, texts_or_jsonl, *, max_samples: Optional[int] = None, max_text_tokens: int = 320,
                   min_text_tokens: int = 48, prompt_fraction: float = 0.9, max_response_tokens: int = 64,
                   min_response_tokens: int = 8, seed: int = 0, progress: bool = True) -> list[Sample]:
@@ -277,7 +280,7 @@ def build_dataset(model, texts_or_jsonl, *, max_samples: Optional[int] = None, m
     of the prompt (kvpress_c, up to `max_response_tokens`, stopping at an end token), randomly
     truncated to a length drawn uniformly in [min_response_tokens, its length] (seeded). Items shorter
     than `min_text_tokens` are skipped."""
-    from .model import Model, greedy
+    from .model import Model, greedy_many
     if not isinstance(model, Model):
         raise TypeError("build_dataset needs a kvpress_c.Model (it generates the responses)")
     if not 0 < prompt_fraction < 1:
@@ -286,27 +289,40 @@ def build_dataset(model, texts_or_jsonl, *, max_samples: Optional[int] = None, m
         raise ValueError("need 1 <= min_response_tokens <= max_response_tokens")
     if max_text_tokens < 2 or min_text_tokens < 2:
         raise ValueError("max_text_tokens and min_text_tokens must be >= 2")
-    items = _read_source(texts_or_jsonl)
+    source = _read_source(texts_or_jsonl)
+    items = iter(source)
     rng = np.random.default_rng(seed)
     stop = set(model.tokenizer.stop_ids)
     out: list[Sample] = []
-    bar = _progress(total=min(max_samples or len(items), len(items)), desc="judgeq data", disable=not progress)
-    for item in items:
-        if max_samples is not None and len(out) >= max_samples:
+    bar = _progress(total=min(max_samples or len(source), len(source)), desc="judgeq data", disable=not progress)
+    exhausted = False
+    while not exhausted and (max_samples is None or len(out) < max_samples):
+        # the responses of a group of prompts decode together (one batched forward per step)
+        want = _GEN_BATCH if max_samples is None else min(_GEN_BATCH, max_samples - len(out))
+        prompts = []
+        while len(prompts) < want:
+            item = next(items, None)
+            if item is None:
+                exhausted = True
+                break
+            ids = _item_ids(model, item)
+            if not ids or len(ids) < min_text_tokens:
+                continue
+            ids = ids[:max_text_tokens]
+            n_prompt = max(1, int(round(len(ids) * prompt_fraction)))
+            prompts.append(np.asarray(ids[:n_prompt], dtype=np.int64))
+        if not prompts:
             break
-        ids = _item_ids(model, item)
-        if not ids or len(ids) < min_text_tokens:
-            continue
-        ids = ids[:max_text_tokens]
-        n_prompt = max(1, int(round(len(ids) * prompt_fraction)))
-        prompt = np.asarray(ids[:n_prompt], dtype=np.int64)
-        session = model.new_session(n_prompt + max_response_tokens)
-        resp = greedy(session, prompt.astype(np.int32), max_response_tokens, stop).ids
-        if len(resp) == 0:
-            continue
-        keep = int(rng.integers(min(min_response_tokens, len(resp)), len(resp) + 1))
-        out.append(Sample(prompt, np.asarray(resp[:keep], dtype=np.int64)))
-        bar.update(1)
+        sessions = [model.new_session(len(p) + max_response_tokens) for p in prompts]
+        first = [s.forward(p.astype(np.int32), logits="last") for s, p in zip(sessions, prompts)]
+        responses = greedy_many(sessions, first, max_response_tokens, stop)
+        del sessions
+        for prompt, resp in zip(prompts, responses):
+            if len(resp) == 0:
+                continue
+            keep = int(rng.integers(min(min_response_tokens, len(resp)), len(resp) + 1))
+            out.append(Sample(prompt, np.asarray(resp[:keep], dtype=np.int64)))
+            bar.update(1)
     bar.close()
     if not out:
         raise ValueError("build_dataset: no usable item (texts too short? lower min_text_tokens)")
