@@ -431,7 +431,7 @@ def train(model, data, n_soft: int = 32, lr: float = 5e-5, epochs: int = 3, batc
     A seeded `val_fraction` of it is held out (or `val_data` is used); each optimiser step accumulates
     the gradient of `batch_size` samples (their mean). Validation loss before training, every
     `val_every` steps (0: at the end of each epoch only) and at the end. Paper setup: lr 5e-5, 3 epochs,
-    batch 32 (over 50 000 samples); small CPU runs need a larger lr (docs/judgeq.md).
+    batch 32 (over 50 000 samples); small CPU runs need a larger lr (docs/results/judgeq/README.md).
     init: "random", "mean", token ids, or an array [n_soft, hidden].
     out: a folder for checkpoint.npz (E, Adam moments, step, epoch position, RNG state; written after
     every step, atomically), history.json, soft_embeddings.npy, best_soft_embeddings.npy and
