@@ -9,7 +9,7 @@ Environment:
   KVC_DEBUG=1       -O0 -g, no -march=native
   KVC_SANITIZE=1    AddressSanitizer + UBSan (run python with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
   KVC_CUDA=0        never build the CUDA backend even if nvcc is found
-  KVC_CUDA_ARCH=90  compute capability for nvcc (default sm_90)
+  KVC_CUDA_ARCH=90  compute capabilities for nvcc, e.g. 90, 90a or 80,90 (default sm_90)
 """
 import glob
 import os
@@ -56,13 +56,23 @@ def find_nvcc():
 
 
 def find_cuda_libdir(nvcc):
+    # Only the CUDA runtime is linked (statically: the library then needs nothing but the driver at
+    # run time); cuBLAS is opened with dlopen when present (backend/cuda/gemm.cu), so it is not needed
+    # to build. nvcc may be a wrapper script: also look next to the CUDA installs.
     home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
     for cand in (os.environ.get("CUDA_HOME"), home, "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))):
         for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
             d = cand and os.path.join(cand, sub)
-            if d and os.path.exists(os.path.join(d, "libcudart.so")) and os.path.exists(os.path.join(d, "libcublas.so")):
+            if d and os.path.exists(os.path.join(d, "libcudart_static.a")):
                 return d
     return None
+
+
+def cuda_headers():
+    return sorted(glob.glob(os.path.join("csrc", "backend", "cuda", "*.cuh")) +
+                  glob.glob(os.path.join("csrc", "backend", "cuda", "*.h")) +
+                  [os.path.join("csrc", "include", "kvpress_c.h"), os.path.join("csrc", "model", "model.h"),
+                   os.path.join("csrc", "core", "common.h")])
 
 
 class BuildExt(build_ext):
@@ -90,6 +100,10 @@ class BuildExt(build_ext):
         outputs = [self._lib_build_path()]
         if getattr(self, "_cuda_lib", None):
             outputs.append(self._cuda_lib)
+        else:  # a CPU-only build: no stale CUDA library from an earlier build may stay beside the core
+            stale = os.path.join(package_dir, "libkvpress_c_cuda.so")
+            if os.path.exists(stale):
+                os.remove(stale)
         for ext in self.extensions:
             outputs.append(os.path.join(self.build_lib, self.get_ext_filename(self.get_ext_fullname(ext.name))))
         for src in outputs:
@@ -123,16 +137,17 @@ class BuildExt(build_ext):
             return
         lib_dir = find_cuda_libdir(nvcc)
         if lib_dir is None:
-            print("kvpress_c: nvcc found but no libcudart/libcublas next to it: building the CPU backend only",
+            print("kvpress_c: nvcc found but no libcudart_static.a next to it: building the CPU backend only",
                   file=sys.stderr)
             return
         try:
             objects = self._build_cuda(nvcc)
             path = os.path.join(out_dir, "libkvpress_c_cuda.so")
-            cmd = [nvcc, "-shared", "-o", path, *objects, f"-L{lib_dir}", "-lcudart", "-lcublas", "-lcublasLt",
-                   f"-Xlinker=-rpath,{lib_dir}", "-Xlinker=-soname,libkvpress_c_cuda.so"]
+            cmd = [nvcc, "-shared", "--cudart=static", "-o", path, *objects, f"-L{lib_dir}",
+                   "-Xlinker=-soname,libkvpress_c_cuda.so", "-ldl", "-lpthread", "-lrt"]
             print(" ".join(cmd))
             subprocess.check_call(cmd)
+            print(f"kvpress_c: built the CUDA backend ({path})", file=sys.stderr)
         except (subprocess.CalledProcessError, OSError) as exc:
             print(f"kvpress_c: the CUDA backend did not build ({exc}); building the CPU backend only. "
                   "Set KVC_CUDA=0 to skip the attempt.", file=sys.stderr)
@@ -140,13 +155,26 @@ class BuildExt(build_ext):
         self._cuda_lib = path
 
     def _build_cuda(self, nvcc):
+        # "90", "sm_90", "90a" or several: "80,90"
         arch = os.environ.get("KVC_CUDA_ARCH", "90")
+        archs = [a.strip().replace("sm_", "").replace("compute_", "") for a in arch.replace(";", ",").split(",") if a.strip()]
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         objects = []
+        # an object newer than its source, every CUDA header and the arch stamp is reused (nvcc is slow)
+        stamp = os.path.join(self.build_temp, "csrc", "cuda_arch.txt")
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        if not os.path.exists(stamp) or open(stamp).read() != arch:
+            with open(stamp, "w") as f:
+                f.write(arch)
+        deps = max(os.path.getmtime(h) for h in cuda_headers() + [stamp] if os.path.exists(h))
         for src in cuda_sources():
             obj = os.path.join(self.build_temp, src + ".o")
             os.makedirs(os.path.dirname(obj), exist_ok=True)
+            if os.path.exists(obj) and os.path.getmtime(obj) > max(deps, os.path.getmtime(src)):
+                objects.append(obj)
+                continue
             cmd = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                   f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DKVC_WITH_CUDA=1",
+                   *gencode, "-DKVC_WITH_CUDA=1",
                    "-Icsrc/include", "-c", src, "-o", obj]
             print(" ".join(cmd))
             subprocess.check_call(cmd)

@@ -5,7 +5,7 @@
     print(model.generate("What is the capital of France?", max_new_tokens=20))
 """
 from . import _core
-from ._paths import core_library_path, default_model_path, openblas_path
+from ._paths import core_library_path, cublas_path, default_model_path, openblas_path
 from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
 from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
@@ -30,6 +30,18 @@ def _init_blas():
 _init_blas()
 
 
+def _init_cublas():
+    # the CUDA backend (if used) opens cuBLAS from KVC_CUBLAS first: point it at a pip-installed copy
+    import os
+    if "KVC_CUBLAS" not in os.environ:
+        path = cublas_path()
+        if path:
+            os.environ["KVC_CUBLAS"] = path
+
+
+_init_cublas()
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by the CPU backend (<= 0: all cores)."""
     _core.set_num_threads(int(n))
@@ -40,7 +52,23 @@ def cuda_available() -> bool:
     return bool(getattr(_core, "cuda_available", lambda: False)())
 
 
+def cuda_info() -> dict:
+    """{'device': name, 'gemm': GEMM in use} of the CUDA backend; RuntimeError with the reason when
+    it cannot run here."""
+    return _core.cuda_init()
+
+
+def cuda_memory_stats(reset_peak: bool = False) -> dict:
+    """Device bytes held by the CUDA backend: current, peak (since the last reset), weights, cache,
+    cache_peak, activations, activations_peak, device_total. reset_peak=True starts the peaks again
+    after reading them."""
+    stats = _core.cuda_memory_stats()
+    if reset_peak:
+        _core.cuda_reset_peak()
+    return stats
+
+
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
            "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress", "default_model_path", "core_library_path", "set_num_threads",
-           "cuda_available", "__version__"]
+           "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

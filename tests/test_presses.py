@@ -502,13 +502,15 @@ def test_several_questions_reuse_one_compressed_context(default_model, needle, m
     import kvpress_c.pipeline as pl
     context, question, _ = needle
     seen = []
-    real_greedy = pl.greedy
+    real_greedy_many = pl.greedy_many
 
-    def spy(session, q_ids, *a, **k):
-        seen.append((session.cache_lengths().copy(), session.position, len(q_ids)))
-        return real_greedy(session, q_ids, *a, **k)
+    def spy(sessions, first_logits, *a, **k):
+        # called once per question, after the question's rows were appended to the compressed context
+        assert len(sessions) == 1
+        seen.append((sessions[0].cache_lengths().copy(), sessions[0].position))
+        return real_greedy_many(sessions, first_logits, *a, **k)
 
-    monkeypatch.setattr(pl, "greedy", spy)
+    monkeypatch.setattr(pl, "greedy_many", spy)
     press = kvpress_c.SnapKVPress(budget=128)
     pipe = kvpress_c.Pipeline(default_model)
     qs = [question, "What color is the sky in the text?", question]
@@ -516,8 +518,8 @@ def test_several_questions_reuse_one_compressed_context(default_model, needle, m
     ctx_ids = pipe.split_prompt(context, question)[0]
     lens0 = np.array([[len(k) for k in row] for row in many.kept_indices])
     assert len(seen) == 3
-    for (lens, pos, nq), q in zip(seen, qs):
-        assert nq == len(pipe.split_prompt(context, q)[1])
+    for (lens, pos), q in zip(seen, qs):
+        nq = len(pipe.split_prompt(context, q)[1])
         np.testing.assert_array_equal(lens, lens0 + nq)
         assert pos == len(ctx_ids) + nq  # positions continue after the evicted context
     one = pipe(context, question=question, press=press, max_new_tokens=6)

@@ -4,11 +4,13 @@
 #include <math.h>
 #include <string.h>
 
+#include "../backend/cuda_loader.h"
 #include "session.h"
 
 #define MLP_ROWS 256
 
-kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
+/* on_device: a session of a model placed on the GPU runs there (cuda_session.c) */
+static kvc_status session_create(kvc_model *model, int64_t capacity_hint, int on_device, kvc_session **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: out is NULL");
     *out = NULL;
     if (!model) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: model is NULL");
@@ -23,13 +25,30 @@ kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session 
         free(s);
         return st;
     }
+    if (on_device && model->cuda) {
+        st = kvc_dev_session_new(s, capacity_hint);
+        if (st != KVC_OK) {
+            kvc_cache_free(&s->cache);
+            free(s);
+            return st;
+        }
+    }
     *out = s;
     return KVC_OK;
+}
+
+kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
+    return session_create(model, capacity_hint, 1, out);
+}
+
+kvc_status kvc_session_new_cpu(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
+    return session_create(model, capacity_hint, 0, out);
 }
 
 void kvc_session_free(kvc_session *s) {
     if (!s) return;
     if (s->hook_free) s->hook_free(s->hook_user);
+    if (s->dev) kvc_dev_session_free(s);
     kvc_cache_free(&s->cache);
     kvc_free(s->buf);
     free(s->positions);
@@ -38,6 +57,7 @@ void kvc_session_free(kvc_session *s) {
 
 void kvc_session_reset(kvc_session *s) {
     if (!s) return;
+    if (s->dev) kvc_dev_session_reset(s);
     kvc_cache_clear(&s->cache);
     s->pos = 0;
     s->needs_reset = 0;
@@ -54,11 +74,16 @@ kvc_status kvc_session_set_position(kvc_session *s, int64_t position) {
 
 int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32_t h) {
     if (!s || layer < 0 || layer >= s->cache.n_layers || h < 0 || h >= s->cache.n_kv) return -1;
+    if (s->dev) return kvc_dev_cache_len(s, layer, h);
     return s->cache.layers[layer].len[h];
 }
 
-size_t kvc_session_cache_bytes(const kvc_session *s) { return s ? s->cache.bytes : 0; }
-size_t kvc_session_peak_cache_bytes(const kvc_session *s) { return s ? s->cache.peak_bytes : 0; }
+size_t kvc_session_cache_bytes(const kvc_session *s) {
+    return s ? (s->dev ? kvc_dev_cache_bytes(s) : s->cache.bytes) : 0;
+}
+size_t kvc_session_peak_cache_bytes(const kvc_session *s) {
+    return s ? (s->dev ? kvc_dev_peak_cache_bytes(s) : s->cache.peak_bytes) : 0;
+}
 
 /* Scratch layout for n tokens (floats). */
 typedef struct scratch {
@@ -207,6 +232,7 @@ kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, con
         if (ids[i] < 0 || ids[i] >= c->vocab)
             return kvc_fail(KVC_ERR_ARG, "token id %d at index %lld is outside the vocabulary [0, %d)", ids[i],
                             (long long)i, c->vocab);
+    if (s->dev) return kvc_dev_forward(s, ids, n_ids, embeddings, n_emb, logits_row, logits);
     if (s->pos == 0 && s->capacity_hint > 0) {
         /* preallocate every layer once for the expected sequence length */
         for (int32_t l = 0; l < c->n_layers; l++) KVC_TRY(kvc_cache_reserve(&s->cache, l, s->capacity_hint));
@@ -237,7 +263,7 @@ kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, con
 static int cache_is_empty(const kvc_session *s) {
     for (int32_t l = 0; l < s->cache.n_layers; l++)
         for (int32_t h = 0; h < s->cache.n_kv; h++)
-            if (s->cache.layers[l].len[h] != 0) return 0;
+            if (kvc_session_cache_len(s, l, h) != 0) return 0;
     return 1;
 }
 
@@ -341,6 +367,7 @@ kvc_status kvc_forward_batch(kvc_session *const *ss, int32_t B, const int32_t *i
         for (int32_t j = 0; j < i; j++)
             if (ss[j] == s) return kvc_fail(KVC_ERR_ARG, "session %d is listed twice", i);
     }
+    if (s0->dev) return kvc_dev_forward_batch(ss, B, ids, logits);
     scratch sc;
     KVC_TRY(scratch_get(s0, B, &sc));
     int64_t *positions = s0->positions; /* sized for B by scratch_get */

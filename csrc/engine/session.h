@@ -25,7 +25,8 @@ typedef kvc_status (*kvc_layer_hook)(void *user, struct kvc_session *s, const kv
 struct kvc_session {
     kvc_model *model;
     const kvc_backend *be;
-    kvc_cache cache;
+    kvc_cache cache;          /* the CPU cache (empty for a device session) */
+    void *dev;                /* device session of the CUDA backend (its own ragged cache), or NULL */
     int64_t pos;              /* next token position */
     int64_t capacity_hint;
     int needs_reset;          /* a failed call left the cache inconsistent */
@@ -42,5 +43,8 @@ struct kvc_session {
     struct kvc_session *const *followers;
     int32_t n_followers;
 };
+
+/* A session on the CPU backend even when the model also lives on the GPU (Judge Q training). */
+kvc_status kvc_session_new_cpu(kvc_model *model, int64_t capacity_hint, kvc_session **out);
 
 #endif

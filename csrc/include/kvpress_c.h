@@ -292,6 +292,62 @@ KVC_API kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, in
 KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, size_t src_bytes, float *dst, int64_t n);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* CUDA backend: a separate library (libkvpress_c_cuda.so, next to libkvpress_c.so) opened at run    */
+/* time, so this library never depends on CUDA. bf16 weights and activations, fp32 accumulation.    */
+
+typedef enum kvc_device { KVC_DEVICE_CPU = 0, KVC_DEVICE_CUDA = 1 } kvc_device;
+
+/* 1 when libkvpress_c_cuda.so is present and a usable GPU is visible (never fails, never aborts). */
+KVC_API int kvc_cuda_available(void);
+/* KVC_OK, or KVC_ERR_DEVICE with the reason in kvc_last_error() ("CUDA backend not available: ..."). */
+KVC_API kvc_status kvc_cuda_init(void);
+/* "" when not initialised. */
+KVC_API const char *kvc_cuda_device_name(void);
+KVC_API const char *kvc_cuda_gemm_name(void);
+/* Device bytes, out[8]: current, peak, weights, cache, cache peak, activations, activations peak,
+ * device total (peaks since kvc_cuda_reset_peak). */
+KVC_API kvc_status kvc_cuda_memory_stats(int64_t *out);
+KVC_API kvc_status kvc_cuda_reset_peak(void);
+/* Tests: use the built-in WMMA GEMM even when cuBLAS was found (1) or not (0). */
+KVC_API kvc_status kvc_cuda_force_builtin_gemm(int on);
+/* Prefill attention kernel: 0 the WMMA kernel (default), 1 the register-tile mma.sync kernel (also
+ * chosen by KVC_ATTN_MMA=1 in the environment). */
+KVC_API kvc_status kvc_cuda_set_attention_kernel(int kind);
+
+/* Load a model and place it on `device` (kvc_device). With KVC_DEVICE_CUDA the weights are copied to
+ * the GPU as bf16 and every session of the model runs there (the host copy stays for the tokenizer
+ * and Judge Q training). */
+KVC_API kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **out);
+KVC_API int32_t kvc_model_device(const kvc_model *model);
+
+/* The CUDA kernels on host arrays, with the contracts of the kvc_kernel_* functions above (inputs
+ * rounded to bf16 on the device, fp32 accumulation, outputs back as fp32), for tests. */
+KVC_API kvc_status kvc_cuda_kernel_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+/* y = rmsnorm(x + r) * w; with r (may be NULL) x_out (may be NULL) receives x + r */
+KVC_API kvc_status kvc_cuda_kernel_rmsnorm(const float *x, const float *r, const float *w, float *y, float *x_out,
+                                           int64_t rows, int64_t dim, float eps);
+KVC_API kvc_status kvc_cuda_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
+                                        const float *inv_freq, int32_t pairing);
+KVC_API kvc_status kvc_cuda_kernel_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
+/* n == 1 runs the split-K decode kernel unless force_prefill */
+KVC_API kvc_status kvc_cuda_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                             const float *const *k, const float *const *v, const int64_t *past_len,
+                                             float scale, float *out, int32_t force_prefill);
+/* kvc_press_compute with the scores computed on the GPU (scorers: SnapKV, TOVA, Knorm, Streaming,
+ * Random; KVC_ERR_UNSUPPORTED for the others) and the CPU's allocation and selection. */
+KVC_API kvc_status kvc_cuda_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
+                                          int32_t layer, int32_t n_layers, const float *q, int64_t n,
+                                          const float *k, const float *v, int64_t len, float *scores,
+                                          int64_t *keep, int64_t *n_keep);
+/* Device-only timing for benchmarks: seconds per call (best of reps after a warm-up) of the bf16
+ * GEMM (what 0, dims {m, n, k}) or of the causal GQA prefill attention (what 1, dims {n, H, Hkv, d}). */
+KVC_API kvc_status kvc_cuda_bench(int32_t what, const int64_t *dims, int32_t reps, double *seconds);
+/* Device top-k of each of `heads` score rows [heads, n]: keep[h * n + i], i < min(k[h], n), sorted
+ * rows (higher score first, ties to the lower row: the CPU rule). */
+KVC_API kvc_status kvc_cuda_kernel_topk(const float *scores, int32_t heads, int64_t n, const int64_t *k,
+                                        int64_t *keep);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Judge Q training (JudgeQ-trainable-queries.txt Eq. 3-5, METHODS.md "Judge Q")                   */
 
 /* Loss and gradient of soft-token embeddings `soft` [n_soft, hidden] for one (prompt, response) pair.

@@ -4,6 +4,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "../backend/cuda_loader.h"
 #include "gguf.h"
 #include "model.h"
 
@@ -157,6 +158,7 @@ kvc_status kvc_model_finish(kvc_model *m) {
 
 void kvc_model_free(kvc_model *m) {
     if (!m) return;
+    kvc_cuda_model_release(m);
     for (size_t i = 0; i < m->n_owned; i++) kvc_free(m->owned[i]);
     free(m->owned);
     if (m->meta) gguf_close(m->meta);

@@ -32,6 +32,7 @@ struct kvc_model {
     float *rope_inv_freq;       /* [d/2], computed by kvc_model_finish */
     size_t weight_bytes;
     struct gguf_file *meta;     /* GGUF metadata kept for the tokenizer; NULL for HF folders */
+    void *cuda;                 /* bf16 copy on the GPU (backend/cuda_loader.c), or NULL: CPU only */
     /* every buffer the model owns, freed by kvc_model_free */
     void **owned;
     size_t n_owned, cap_owned;

@@ -5,6 +5,7 @@
 #include <omp.h>
 #include <string.h>
 
+#include "../backend/cuda_loader.h"
 #include "press.h"
 
 void kvc_press_config_defaults(kvc_press_config *c) {
@@ -50,6 +51,8 @@ static kvc_status validate(const kvc_press_config *c) {
                         (long long)c->budget, c->window);
     return KVC_OK;
 }
+
+kvc_status kvc_press_validate(const kvc_press_config *c) { return validate(c); }
 
 void kvc_press_free(kvc_press *p) {
     if (!p) return;
@@ -314,6 +317,7 @@ kvc_status kvc_session_press_error(const kvc_session *s, int32_t layer, double *
 kvc_status kvc_session_truncate(kvc_session *s, const int64_t *new_len, int64_t position) {
     if (!s || !new_len) return kvc_fail(KVC_ERR_ARG, "null argument");
     if (position < 0) return kvc_fail(KVC_ERR_ARG, "position must be >= 0");
+    if (s->dev) return kvc_dev_truncate(s, new_len, position);
     const int32_t Hkv = s->cache.n_kv;
     for (int32_t l = 0; l < s->cache.n_layers; l++)
         for (int32_t h = 0; h < Hkv; h++)
@@ -329,6 +333,7 @@ kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int3
     if (!s || !out) return kvc_fail(KVC_ERR_ARG, "null argument");
     if (layer < 0 || layer >= s->cache.n_layers || h < 0 || h >= s->cache.n_kv)
         return kvc_fail(KVC_ERR_ARG, "layer %d / head %d out of range", layer, h);
+    if (s->dev) return kvc_dev_cache_positions(s, layer, h, out);
     const kvc_layer_cache *L = &s->cache.layers[layer];
     if (L->len[h] > 0) memcpy(out, L->pos[h], sizeof(int64_t) * (size_t)L->len[h]);
     return KVC_OK;

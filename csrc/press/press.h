@@ -70,6 +70,9 @@ kvc_status kvc_chunk_select(const kvc_press_config *p, int32_t layer, int32_t n_
 /* Top-k rows of one score vector: higher score first, then lower row; result sorted by row. */
 void kvc_topk_rows(const float *scores, int64_t n, int64_t k, int64_t *out);
 
+/* Check a press config (the messages kvc_session_set_press gives). */
+kvc_status kvc_press_validate(const kvc_press_config *c);
+
 /* The layer hook installed by kvc_session_set_press. */
 kvc_status kvc_press_hook(void *user, struct kvc_session *s, const kvc_layer_ctx *ctx);
 void kvc_press_free(kvc_press *p);

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../backend/cuda_loader.h"
 #include "press.h"
 
 typedef struct take_state {
@@ -150,6 +151,80 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
     free(scores);
     return st;
 }
+
+/* The same step on a GPU session (the chunk loop below is shared): the probe queries come to the
+ * host for the EMA (p x H x d floats), the probe scores, top-k and compaction run on the device. */
+static kvc_status take_dev_hook(void *user, void *ds, const kvc_dev_ctx *ctx, int32_t l, int64_t n,
+                                const int64_t *past) {
+    kvc_session *s = user;
+    take_state *t = s->hook_user;
+    const kvc_take_config *cfg = t->cfg;
+    const int32_t Hkv = t->Hkv, H = t->H, d = t->d, W = cfg->warmup_layers;
+    const int64_t p = cfg->n_probe;
+    const size_t qn = (size_t)p * H * d;
+    const kvc_cuda_api *a;
+    KVC_TRY(kvc_cuda_api_get(&a));
+    float *qa = t->qa + (size_t)l * qn;
+    if (!t->has_qa[l]) {
+        KVC_TRY(a->download_ctx(ctx, KVC_DEV_Q, n - p, p, qa));
+        t->has_qa[l] = 1;
+    } else {
+        float *qp = kvc_malloc(sizeof(float) * qn, "TAKE probe queries");
+        if (!qp) return KVC_ERR_NOMEM;
+        kvc_status st = a->download_ctx(ctx, KVC_DEV_Q, n - p, p, qp);
+        for (size_t i = 0; st == KVC_OK && i < qn; i++) qa[i] = cfg->alpha * qa[i] + (1 - cfg->alpha) * qp[i];
+        kvc_free(qp);
+        KVC_TRY(st);
+    }
+    const int64_t k = (!t->last_chunk && l < W) ? cfg->warmup_budget : cfg->budget;
+    const int defer = cfg->delayed && l < W - 1;
+    int64_t lens[64], real[64], kk[64], n_keep[64] = {0};
+    int64_t *keep[64] = {0};
+    float *sc[64] = {0};
+    kvc_status st = KVC_OK;
+    int score = 0;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        lens[h] = a->cache_len(ds, l, h);
+        real[h] = lens[h] - p;
+        score |= !defer && real[h] > k;
+        kk[h] = (defer || real[h] <= k) ? real[h] : k;
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(lens[h] > 0 ? lens[h] : 1))))
+            st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
+    }
+    if (st == KVC_OK && cfg->use_inner && !defer) {
+        kvc_press_config inner = cfg->inner;
+        inner.window = (int32_t)p;
+        inner.compression_ratio = 0;
+        inner.budget = k;
+        inner.allocation = KVC_ALLOC_UNIFORM;
+        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+            if (!(sc[h] = malloc(sizeof(float) * (size_t)(lens[h] > 0 ? lens[h] : 1))))
+                st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
+        int on_device = 0;
+        if (st == KVC_OK) st = kvc_dev_layer_scores(s, ds, ctx, &inner, l, n, past, lens, sc, &on_device);
+        if (st == KVC_OK)
+            st = kvc_press_select(&inner, l, t->L, Hkv, real, (const float *const *)sc, 0, -1, keep, n_keep);
+    } else if (st == KVC_OK && score) {
+        st = a->probe_score(ds, l, qa, p, real, cfg->kernel);
+        if (st == KVC_OK) st = a->select_topk(ds, l, real, kk, keep, n_keep);
+    } else if (st == KVC_OK) { /* keep every real row, drop the probes */
+        for (int32_t h = 0; h < Hkv; h++) {
+            for (int64_t r = 0; r < real[h]; r++) keep[h][r] = r;
+            n_keep[h] = real[h];
+        }
+    }
+    if (st == KVC_OK) st = a->compact(ds, l, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK && cfg->delayed && l == W - 1)
+        for (int32_t m = 0; m < W - 1 && st == KVC_OK; m++)
+            st = a->compact(ds, m, (const int64_t *const *)keep, n_keep, 0);
+    for (int32_t h = 0; h < Hkv; h++) {
+        free(keep[h]);
+        free(sc[h]);
+    }
+    return st;
+}
+
+kvc_dev_hook kvc_take_dev_hook_for(const kvc_session *s) { return s->hook == take_hook ? take_dev_hook : NULL; }
 
 kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg_in,
                                     float *logits) {

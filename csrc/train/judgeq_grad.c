@@ -484,7 +484,7 @@ kvc_status kvc_judgeq_pair_new(kvc_model *model, const int32_t *prompt_ids, int6
         goto fail;
     }
     /* room for the response now and for the soft rows later: never reallocated */
-    st = kvc_session_new(model, P + (nr > max_soft ? nr : max_soft), &pair->s);
+    st = kvc_session_new_cpu(model, P + (nr > max_soft ? nr : max_soft), &pair->s);
     if (st != KVC_OK) goto fail;
     memcpy(ids, prompt_ids, sizeof(int32_t) * (size_t)P);
     memcpy(ids + P, response_ids, sizeof(int32_t) * (size_t)nr);

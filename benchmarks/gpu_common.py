@@ -1,0 +1,422 @@
+"""Shared pieces of the GPU benchmarks (gpu_prefill.py, gpu_decode.py): the GPU check, the
+Llama-3.1-8B-shaped random bf16 model written as safetensors, the presses on both systems, the
+measured GEMM / copy rates and FLOP counts, and the JSON + markdown output.
+
+Speed does not depend on weight values, so the model's weights are tiles of one random bf16 pool
+(writing 16 GB of fresh random numbers would take minutes for nothing)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, head_dim=128)
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def require_gpu() -> None:
+    """Exit with the reason when the CUDA backend cannot run here."""
+    import kvpress_c
+    if kvpress_c.cuda_available():
+        return
+    try:
+        kvpress_c._core.cuda_init()
+        reason = "unknown reason"
+    except Exception as e:  # the loader's own message
+        reason = str(e)
+    sys.exit(f"{os.path.basename(sys.argv[0])}: this benchmark needs the CUDA backend and a GPU: {reason}")
+
+
+def write_llama8b(path: str, shapes: dict = LLAMA8B, seed: int = 0) -> str:
+    """config.json + model-0000i-of-0000n.safetensors (bf16) with the shapes of Llama-3.1-8B."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    s = shapes
+    D, F, hd, V = s["hidden"], s["ffn"], s["head_dim"], s["vocab"]
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).view(np.uint32) >> 16
+    pool = pool.astype(np.uint16)
+    ones = np.full(1 << 16, 0x3F80, np.uint16)  # bf16 1.0 for the norms
+
+    def tensor(shape):
+        n = int(np.prod(shape))
+        src = ones if len(shape) == 1 else pool
+        reps = -(-n // len(src))
+        off = int(rng.integers(0, len(src)))
+        return np.tile(np.roll(src, off), reps)[:n]
+
+    names = [("model.embed_tokens.weight", (V, D))]
+    for l in range(s["layers"]):
+        p = f"model.layers.{l}."
+        names += [(p + "input_layernorm.weight", (D,)), (p + "post_attention_layernorm.weight", (D,)),
+                  (p + "self_attn.q_proj.weight", (s["heads"] * hd, D)),
+                  (p + "self_attn.k_proj.weight", (s["kv_heads"] * hd, D)),
+                  (p + "self_attn.v_proj.weight", (s["kv_heads"] * hd, D)),
+                  (p + "self_attn.o_proj.weight", (D, s["heads"] * hd)),
+                  (p + "mlp.gate_proj.weight", (F, D)), (p + "mlp.up_proj.weight", (F, D)),
+                  (p + "mlp.down_proj.weight", (D, F))]
+    names += [("model.norm.weight", (D,)), ("lm_head.weight", (V, D))]
+    # one shard per ~4 GB, written tensor by tensor (safetensors: u64 header size, JSON header, data)
+    shards, cur, size = [], [], 0
+    for name, shape in names:
+        b = 2 * int(np.prod(shape))
+        if cur and size + b > (4 << 30):
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += b
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for name, shape in shard:
+            b = 2 * int(np.prod(shape))
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + b]}
+            off += b
+            weight_map[name] = fname
+        hj = json.dumps(header).encode()
+        hj += b" " * (-len(hj) % 8)
+        with open(os.path.join(path, fname + ".tmp"), "wb") as f:
+            f.write(len(hj).to_bytes(8, "little"))
+            f.write(hj)
+            for name, shape in shard:
+                f.write(tensor(shape).tobytes())
+        os.replace(os.path.join(path, fname + ".tmp"), os.path.join(path, fname))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": s["layers"],
+           "hidden_size": D, "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+           "head_dim": hd, "intermediate_size": F, "vocab_size": V, "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+           "bos_token_id": min(128000, V - 2), "eos_token_id": min(128001, V - 1)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def default_model_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "kvpress_c_llama8b_random_bf16")
+
+
+# ---- presses: kvpress_c and kvpress side by side ----
+
+def kvc_press(name: str, ratio: float, take_budget: int = 2048):
+    import kvpress_c as K
+    return {"full": None,
+            "snapkv": K.SnapKVPress(compression_ratio=ratio),
+            "adakv": K.AdaKVPress(K.SnapKVPress(compression_ratio=ratio)),
+            "chunkkv": K.ChunkKVPress(K.SnapKVPress(compression_ratio=ratio)),
+            "take": K.TAKEPress(budget=take_budget)}[name]
+
+
+def hf_press(name: str, ratio: float):
+    import kvpress as P
+    return {"full": None,
+            "snapkv": P.SnapKVPress(compression_ratio=ratio),
+            "adakv": P.AdaKVPress(P.SnapKVPress(compression_ratio=ratio)),
+            "chunkkv": P.ChunkKVPress(P.SnapKVPress(compression_ratio=ratio), chunk_length=10),
+            "take": None}[name]
+
+
+def kvc_prefill(model, press, ids):
+    """One compressed prefill on a fresh session; returns (seconds, session)."""
+    s = model.new_session()
+    if press is not None and press.attach_to_session and not press.is_noop:
+        s.set_press(**press.c_config())
+    t0 = time.perf_counter()
+    if press is None:
+        s.forward(ids, logits="last")
+    else:
+        press.prefill(s, ids, model.config)
+    return time.perf_counter() - t0, s
+
+
+def hf_prefill(hf, press, ids_t):
+    """kvpress 0.5.x on HF transformers: the press as a context manager around the prefill.
+    cache_position is passed explicitly: kvpress's hook reads it and transformers >= 5.3 no longer
+    hands it to the attention layers. Returns (seconds, cache)."""
+    import contextlib
+    import torch
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    n = ids_t.shape[1]
+    ctx = press(hf) if press is not None else contextlib.nullcontext()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad(), ctx:
+        try:
+            hf(ids_t, past_key_values=cache, use_cache=True, cache_position=torch.arange(n, device=ids_t.device),
+               logits_to_keep=1)
+        except TypeError:  # a transformers without the cache_position argument
+            cache = DynamicCache()
+            hf(ids_t, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, cache
+
+
+def load_hf(path: str):
+    import torch
+    import transformers
+    attn = "sdpa"
+    try:
+        import flash_attn  # noqa: F401
+        attn = "flash_attention_2"
+    except ImportError:
+        pass
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation=attn)
+    return hf.cuda().eval(), attn
+
+
+# ---- the command line and the two systems ----
+
+def add_system_args(ap) -> None:
+    """The last two options of both benchmarks: --systems and --model-dir."""
+    ap.add_argument("--systems", nargs="+", default=["kvpress_c", "hf"])
+    ap.add_argument("--model-dir", default=default_model_dir())
+
+
+def start(ap, argv):
+    """Parses the command line, exits with the reason without a usable GPU, writes the model when it
+    is not there yet: (args, model path)."""
+    args = ap.parse_args(argv)
+    require_gpu()
+    return args, write_llama8b(args.model_dir)
+
+
+def run_systems(args, path, meta: dict, run_kvpress_c, run_hf) -> list[dict]:
+    """The rows of the systems in args.systems, kvpress_c first; each run_*(args, path, rows) appends
+    its rows. meta gets the device and its GEMM (kvpress_c), the attention implementation (HF), or why
+    HF was skipped (an import failed)."""
+    rows: list[dict] = []
+    if "kvpress_c" in args.systems:
+        info = run_kvpress_c(args, path, rows)
+        meta.update(device=info["device"], kvpress_c_gemm=info["gemm"])
+    if "hf" in args.systems:
+        try:
+            meta["hf_attention"] = run_hf(args, path, rows)
+        except ImportError as e:
+            meta["hf_skipped"] = f"{e} (install torch with CUDA, transformers and kvpress 0.5.x)"
+    return rows
+
+
+# ---- the measuring loops' shared steps ----
+
+KVC_ERRORS = (NotImplementedError, RuntimeError, MemoryError, ValueError)  # what a kvpress_c point may raise
+
+
+def random_ids(n: int) -> np.ndarray:
+    """n prompt token ids (int64), seeded by n, clear of the special tokens at both ends of the vocabulary."""
+    return np.random.default_rng(n).integers(1000, LLAMA8B["vocab"] - 1000, size=n)
+
+
+def load_kvc(path: str):
+    """Starts kvpress_c's CUDA backend and loads the model on it: (the _core module, cuda_init()'s info, model)."""
+    import kvpress_c
+    core = kvpress_c._core
+    info = core.cuda_init()
+    return core, info, kvpress_c.load_model(path, device="cuda")
+
+
+def load_hf_system(path: str):
+    """torch, kvpress and transformers imported (ImportError when one is missing), the HF model loaded:
+    (model, attention implementation, the system's name for the rows)."""
+    import torch  # noqa: F401
+    import kvpress
+    import transformers
+    hf, attn = load_hf(path)
+    return hf, attn, f"kvpress {kvpress.__version__} / transformers {transformers.__version__} ({attn})"
+
+
+def skip_missing_hf_press(name: str, press, row: dict, rows: list[dict]) -> bool:
+    """True, with the row noted and kept, when kvpress has no press for `name` (other than "full")."""
+    if name != "full" and press is None:
+        row["error"] = "kvpress has no such press"
+        rows.append(row)
+        return True
+    return False
+
+
+def note_error(row: dict, e: BaseException) -> None:
+    """A point that failed: its row keeps the exception instead of numbers."""
+    row["error"] = f"{type(e).__name__}: {e}"
+
+
+def emit(rows: list[dict], row: dict) -> None:
+    """Keeps a finished row and shows it on stderr at once."""
+    rows.append(row)
+    print(row, file=sys.stderr, flush=True)
+
+
+def free_cuda_memory() -> None:
+    """After `del` of a model: collect it and give torch's cached GPU memory back."""
+    import gc
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- rates and FLOPs ----
+
+def gemm_rate_tflops(m: int = 8192, n: int = 14336, k: int = 4096, reps: int = 10) -> float | None:
+    """cuBLAS bf16 GEMM rate through torch (None without torch CUDA)."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b.T
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b.T
+    torch.cuda.synchronize()
+    rate = 2 * m * n * k * reps / (time.perf_counter() - t0) / 1e12
+    del a, b
+    torch.cuda.empty_cache()  # give the memory back: kvpress_c allocates outside torch's cache
+    return rate
+
+
+def copy_rate_tbs(nbytes: int = 2 << 30, reps: int = 10) -> float | None:
+    """Device-to-device copy rate (read + write bytes per second) through torch."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    rate = 2 * nbytes * reps / (time.perf_counter() - t0) / 1e12
+    del a, b
+    torch.cuda.empty_cache()
+    return rate
+
+
+def sdpa_rate_tflops(n: int = 32768, H: int = 32, Hkv: int = 8, d: int = 128) -> float | None:
+    """torch scaled_dot_product_attention, causal GQA: the bar for the attention kernel."""
+    try:
+        import torch
+        import torch.nn.functional as Fn
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    q = torch.randn(1, H, n, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, Hkv, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    Fn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    Fn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.cuda.synchronize()
+    return attention_flops(n, H, d) / (time.perf_counter() - t0) / 1e12
+
+
+def kvc_bench_seconds(what: int, dims) -> float | None:
+    """kvpress_c's own kernels timed on the device (kvc_cuda_bench): 0 GEMM (m, n, k), 1 prefill
+    attention (n, H, Hkv, d)."""
+    import ctypes
+    from kvpress_c import core_library_path
+    lib = ctypes.CDLL(core_library_path())
+    arr = (ctypes.c_int64 * len(dims))(*dims)
+    out = ctypes.c_double()
+    if lib.kvc_cuda_bench(ctypes.c_int32(what), arr, ctypes.c_int32(5), ctypes.byref(out)) != 0:
+        return None
+    return out.value
+
+
+def kvc_gemm_tflops(m: int = 8192, n: int = 14336, k: int = 4096) -> float | None:
+    t = kvc_bench_seconds(0, [m, n, k])
+    return 2 * m * n * k / t / 1e12 if t else None
+
+
+def kvc_attention_tflops(n: int = 32768, H: int = 32, Hkv: int = 8, d: int = 128, kernel: int | None = None) -> float | None:
+    """kernel: 0 the WMMA prefill kernel, 1 the register-tile mma kernel, None the one in use."""
+    import ctypes
+    from kvpress_c import core_library_path
+    lib = ctypes.CDLL(core_library_path())
+    if kernel is not None:
+        lib.kvc_cuda_set_attention_kernel(ctypes.c_int(kernel))
+    try:
+        t = kvc_bench_seconds(1, [n, H, Hkv, d])
+    finally:
+        if kernel is not None:  # back to what the environment chose
+            lib.kvc_cuda_set_attention_kernel(ctypes.c_int(1 if os.environ.get("KVC_ATTN_MMA") == "1" else 0))
+    return attention_flops(n, H, d) / t / 1e12 if t else None
+
+
+def attention_flops(n: int, H: int, d: int) -> float:
+    """Causal attention: Q K^T and P V over the lower triangle, 2 FLOPs per multiply-add."""
+    return 2 * 2 * (n * (n + 1) / 2) * d * H
+
+
+def prefill_flops(n: int, s: dict = LLAMA8B) -> float:
+    D, F, hd = s["hidden"], s["ffn"], s["head_dim"]
+    qd, kd = s["heads"] * hd, s["kv_heads"] * hd
+    per_layer = 2 * n * D * (qd + 2 * kd) + 2 * n * qd * D + 2 * n * D * 2 * F + 2 * n * F * D
+    return s["layers"] * (per_layer + attention_flops(n, s["heads"], hd)) + 2 * D * s["vocab"]
+
+
+def weight_bytes(s: dict = LLAMA8B) -> int:
+    D, F, hd = s["hidden"], s["ffn"], s["head_dim"]
+    qd, kd = s["heads"] * hd, s["kv_heads"] * hd
+    return 2 * (s["layers"] * (D * (qd + 2 * kd) + qd * D + 3 * D * F) + 2 * s["vocab"] * D)
+
+
+def kv_bytes(tokens_per_head: float, s: dict = LLAMA8B) -> float:
+    return s["layers"] * s["kv_heads"] * tokens_per_head * s["head_dim"] * 2 * 2
+
+
+# ---- output ----
+
+def write_results(name: str, meta: dict, rows: list[dict], columns: list[tuple[str, str]], title: str) -> None:
+    """benchmarks/results/<name>.json and .md (a markdown table of `columns`: (key, header))."""
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, name + ".json")
+    # merge with earlier runs (one length per run fits the device's time limit): same point -> replaced
+    key = lambda r: (r.get("system"), r.get("tokens", r.get("context")), r.get("press"))
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        new_keys = {key(r) for r in rows}
+        rows = [r for r in old.get("rows", []) if key(r) not in new_keys] + rows
+        meta = {**old.get("meta", {}), **{k: v for k, v in meta.items() if v is not None}}
+    rows = sorted(rows, key=lambda r: (str(r.get("system")), r.get("tokens", r.get("context")) or 0, str(r.get("press"))))
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+    def fmt(v):
+        if v is None:
+            return "n/a"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = [f"# {title}", "", "\n".join(f"- {k}: {fmt(v)}" for k, v in meta.items()), "",
+             "| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |")
+    with open(os.path.join(RESULTS, name + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"\nwrote {os.path.join(RESULTS, name + '.json')} and .md")

@@ -1,0 +1,61 @@
+/* Device helpers shared by the two flash-style prefill attention kernels (attention_prefill.cu, WMMA;
+ * attention_prefill_mma.cu, mma.sync): the block's place in the grid and the K/V tile load through
+ * shared memory. Both kernels give a block BQ queries of one query head (blockIdx.y) and walk its
+ * KV head's cache in tiles of keys. */
+#ifndef KVC_CUDA_ATTENTION_TILES_CUH
+#define KVC_CUDA_ATTENTION_TILES_CUH
+
+#include "common.cuh"
+
+namespace kvc {
+
+/* What a block of a prefill kernel works on. */
+struct PrefillBlock {
+    int hq;           /* query head */
+    int64_t q0;       /* first query of the block */
+    int64_t past;     /* cache rows of the KV head before the first query of this call */
+    int64_t kend;     /* keys the block's last query sees: the end of the key loop */
+    const bf16 *K, *V; /* the KV head's cache, rows of D */
+};
+
+/* The block's query tile (the longest tiles first: blockIdx.x 0 takes the last tile) and query head,
+ * with grp query heads per KV head; query i of KV head h sees cache rows < past[h] + i + 1. */
+template <int BQ>
+__device__ __forceinline__ PrefillBlock prefill_block(int64_t n, int32_t grp, const bf16 *const *kp,
+                                                      const bf16 *const *vp, const int32_t *__restrict__ past_arr) {
+    PrefillBlock b;
+    const int64_t qt = gridDim.x - 1 - blockIdx.x;
+    b.hq = blockIdx.y;
+    const int h = b.hq / grp;
+    b.q0 = qt * BQ;
+    b.past = past_arr[h];
+    const int64_t rows_here = n - b.q0 < BQ ? n - b.q0 : BQ;
+    b.kend = b.past + b.q0 + rows_here;
+    b.K = kp[h];
+    b.V = vp[h];
+    return b;
+}
+
+/* Keys and values k0 .. k0 + BK - 1 (head_dim D) into Ks / Vs (row stride ld halves, rows 16-byte
+ * aligned) by the whole block, 16 bytes a thread at a time; rows at or past kend are zero. The caller
+ * puts the barriers around it. */
+template <int D, int BK>
+__device__ __forceinline__ void load_kv_tile(bf16 *Ks, bf16 *Vs, int ld, const bf16 *K, const bf16 *V, int64_t k0,
+                                             int64_t kend) {
+    constexpr int VEC = D / 8; /* 16-byte vectors per row */
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int t = threadIdx.x; t < BK * VEC; t += blockDim.x) {
+        const int r = t / VEC, c = (t % VEC) * 8;
+        uint4 kv = zero, vv = zero;
+        if (k0 + r < kend) {
+            kv = *(const uint4 *)(K + (k0 + r) * D + c);
+            vv = *(const uint4 *)(V + (k0 + r) * D + c);
+        }
+        *(uint4 *)(Ks + r * ld + c) = kv;
+        *(uint4 *)(Vs + r * ld + c) = vv;
+    }
+}
+
+} // namespace kvc
+
+#endif

@@ -1,0 +1,192 @@
+/* Internal header of the CUDA backend: errors, the device context, tracked allocation, the kernel
+ * entry points each .cu file provides (one kernel family per file). */
+#ifndef KVC_CUDA_COMMON_CUH
+#define KVC_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cuda_api.h"
+
+extern "C" {
+#include "../../model/model.h"
+}
+
+typedef __nv_bfloat16 bf16;
+
+namespace kvc {
+
+#define KVC_MAX_KV 64 /* KV heads a kernel parameter block holds */
+
+/* ---- errors (context.cu) ---- */
+kvc_status fail(kvc_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A CUDA error as a status: out of memory -> KVC_ERR_NOMEM, anything else KVC_ERR_DEVICE. */
+kvc_status cuda_fail(cudaError_t e, const char *what);
+/* The last launch error, if any, as a status. */
+kvc_status check_launch(const char *what);
+
+#define CU_TRY(call, what)                                          \
+    do {                                                            \
+        cudaError_t e__ = (call);                                   \
+        if (e__ != cudaSuccess) return kvc::cuda_fail(e__, what);   \
+    } while (0)
+#define LAUNCH_TRY(what)                                            \
+    do {                                                            \
+        kvc_status s__ = kvc::check_launch(what);                   \
+        if (s__ != KVC_OK) return s__;                              \
+    } while (0)
+
+/* ---- context ---- */
+struct Context {
+    int ready;
+    int device;
+    int sm_count;
+    size_t total_mem;
+    char name[256];
+    cudaStream_t stream;
+};
+extern Context g;
+/* Initialise once (thread-safe); KVC_OK or the reason it cannot run. */
+kvc_status ensure_init(void);
+
+/* ---- tracked device memory: every byte this library allocates, by category ---- */
+enum { MEM_WEIGHTS = 0, MEM_CACHE = 1, MEM_ACT = 2 };
+kvc_status dalloc(void **p, size_t bytes, int cat, const char *what);
+void dfree(void *p, size_t bytes, int cat);
+void memory_stats(int64_t *out);
+void reset_peak(void);
+
+/* A device buffer that grows on demand (activations, scratch). */
+struct Buf {
+    void *p = nullptr;
+    size_t bytes = 0;
+    int cat = MEM_ACT;
+    kvc_status need(size_t b, const char *what) {
+        if (b <= bytes) return KVC_OK;
+        dfree(p, bytes, cat);
+        p = nullptr;
+        bytes = 0;
+        size_t nb = b + b / 4;
+        kvc_status st = dalloc(&p, nb, cat, what);
+        if (st != KVC_OK) return st;
+        bytes = nb;
+        return KVC_OK;
+    }
+    void release() {
+        dfree(p, bytes, cat);
+        p = nullptr;
+        bytes = 0;
+    }
+    template <class T> T *as() const { return (T *)p; }
+};
+
+/* ---- gemm.cu ---- */
+/* C[m,n] (= or +=, beta 0 or 1) A[m,k] B[n,k]^T: A and B bf16 row-major with leading dimensions
+ * lda, ldb; C fp32 (c_f32) or bf16 with ldc. fp32 accumulation. */
+kvc_status gemm(const bf16 *A, int64_t lda, const bf16 *B, int64_t ldb, void *C, int64_t ldc, int c_f32, int64_t m,
+                int64_t n, int64_t k, float beta);
+kvc_status gemm_init(void);
+const char *gemm_name(void);
+/* force the built-in WMMA GEMM (tests) */
+void gemm_force_builtin(int on);
+int gemm_builtin_forced(void);
+
+/* ---- activation.cu: conversions, embedding, SwiGLU, bias ---- */
+kvc_status f32_to_bf16(const float *src, bf16 *dst, int64_t n);
+kvc_status bf16_to_f32(const bf16 *src, float *dst, int64_t n);
+kvc_status embed(const bf16 *table, const int32_t *ids, int64_t n, int64_t D, float *x);
+/* gu [rows, 2F] (gate | up): gu[r, :F] = silu(gate) * up, in place */
+kvc_status swiglu(bf16 *gu, int64_t rows, int64_t F);
+/* y[r, :] += b over rows (bf16 y with row stride ld, fp32 b) */
+kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
+kvc_status iota64(int64_t *dst, int64_t start, int64_t n);
+
+/* ---- norm.cu ---- */
+/* if o: x[r] += o[r] (o bf16, row stride ldo); then y[r] = x[r] / rms(x[r]) * w  (bf16 y) */
+kvc_status rmsnorm(float *x, const bf16 *o, int64_t ldo, const float *w, bf16 *y, int64_t rows, int64_t D, float eps);
+
+/* ---- rope.cu ---- */
+/* in place on `heads` heads of d values starting at column col0 of each row of x (row stride ld) */
+kvc_status rope(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t heads, int32_t d, const int64_t *pos,
+                const float *inv_freq, int32_t pairing);
+/* Per-head pointer table of a layer's cache, passed by value to kernels. */
+struct HeadPtrs {
+    bf16 *k[KVC_MAX_KV];
+    bf16 *v[KVC_MAX_KV];
+};
+/* cache rows base[h] + i of head h receive K/V of token i: src rows (stride ld) hold K at column
+ * kcol + h*d and V at vcol + h*d. base: device int32 [Hkv]. */
+kvc_status append_kv(const bf16 *src, int64_t ld, int64_t kcol, int64_t vcol, int64_t n, int32_t Hkv, int32_t d,
+                     bf16 *const *kp, bf16 *const *vp, const int32_t *base);
+kvc_status add_lens(int32_t *len, int32_t count, int32_t add);
+
+/* ---- attention_prefill.cu ---- */
+/* Causal GQA attention of n queries (q rows, stride ldq, head hq at column hq*d) over the cache of
+ * each KV head (kp/vp: device arrays [Hkv]); query i of KV head h sees rows < past[h] + i + 1
+ * (past: device int32 [Hkv]). out rows stride ldo. Flash-style (never n x n), WMMA tensor cores. */
+kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, float scale, bf16 *out,
+                             int64_t ldo);
+
+/* ---- attention_prefill_mma.cu: the register-tile kernel (opt-in: KVC_ATTN_MMA=1 or attention_use_mma) ---- */
+kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, float scale,
+                                 bf16 *out, int64_t ldo);
+void attention_use_mma(int on);
+int attention_mma_enabled(void);
+
+/* ---- attention_decode.cu ---- */
+/* One query per head (q [H*d]) over len[h] rows of each KV head (len: device int32 [Hkv]),
+ * split-K over the rows; partial: scratch of decode_partial_floats() floats. */
+size_t decode_partial_floats(int32_t H, int32_t d, int32_t splits);
+kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
+                            const bf16 *const *vp, const int32_t *len, float scale, bf16 *out, float *partial,
+                            int32_t splits);
+
+/* ---- score.cu ---- */
+struct HeadInfo {
+    const bf16 *k[KVC_MAX_KV];
+    const bf16 *v[KVC_MAX_KV];
+    int64_t len[KVC_MAX_KV];    /* rows held */
+    int64_t n_acc[KVC_MAX_KV];  /* rows scored (before the protected tail) */
+    int64_t vstart[KVC_MAX_KV]; /* query j sees rows < min(vlimit, vstart + j + 1) */
+    int64_t vlimit[KVC_MAX_KV];
+};
+/* att[hq][r] (row stride lda) = mean over the m queries (q rows: q + j*ldq, fp32 or bf16) of their
+ * softmax attention on row r, r < n_acc[h]. stats: scratch (window_stats_floats). */
+size_t window_stats_floats(int32_t H, int64_t m, int64_t maxlen);
+kvc_status window_attention(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
+                            const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats);
+/* scores[h][r] (row stride lds), r < n_acc[h]: pooling and GQA reduction of att (SnapKV family);
+ * all_heads: mean over every query head, the same for each KV head (TOVA). */
+kvc_status pool_reduce(const float *att, int64_t lda, int32_t H, int32_t Hkv, const HeadInfo &hi, int32_t kernel,
+                       int32_t pool_max, int32_t gqa_max, int32_t pool_then_reduce, int32_t all_heads, float *scores,
+                       int64_t lds);
+/* rows [n_acc[h], len[h]) get (max over every head's scored rows) + 1 */
+kvc_status protect_tail(float *scores, int64_t lds, int32_t Hkv, const HeadInfo &hi);
+kvc_status score_knorm(const HeadInfo &hi, int32_t Hkv, int32_t d, float *scores, int64_t lds);
+kvc_status score_streaming(const HeadInfo &hi, int32_t Hkv, int32_t n_sink, float *scores, int64_t lds);
+kvc_status score_random(const HeadInfo &hi, int32_t Hkv, uint64_t seed, int32_t layer, float *scores, int64_t lds);
+/* 1 - cos(R, R + O) summed over rows (R fp32 [rows, D], O bf16 rows of stride ldo) into *out (device double) */
+kvc_status dissim_sum(const float *R, const bf16 *O, int64_t ldo, int64_t rows, int64_t D, double *out);
+
+/* ---- topk.cu ---- */
+/* keep (device int32, n_keep <= n entries, sorted) = top k rows of scores[0..n) (device); returns the
+ * count through *n_keep. tmp: scratch grown as needed. */
+kvc_status topk_rows(const float *scores, int64_t n, int64_t k, int32_t *keep, Buf &tmp);
+
+/* ---- compact.cu ---- */
+/* new head h row i = old head h row rows[off[h] + i], i < cnt[h] (rows, off, cnt on the device side
+ * as one int32 array: rows at `rows`, offsets in host struct) */
+struct GatherInfo {
+    const bf16 *ok[KVC_MAX_KV], *ov[KVC_MAX_KV];
+    bf16 *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
+    int64_t off[KVC_MAX_KV + 1]; /* prefix sums of the kept counts */
+};
+kvc_status gather_rows(const GatherInfo &gi, int32_t Hkv, int32_t d, const int32_t *rows);
+
+} // namespace kvc
+
+#endif

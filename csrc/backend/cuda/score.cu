@@ -1,0 +1,356 @@
+/* Press scorers on the device (METHODS.md, "Baseline scorers"; the CPU scorers in press/score.c are
+ * the reference).
+ *
+ * Window attention (SnapKV, TOVA, TAKE's probes): att[hq][r] = mean over the m scoring queries of
+ * their softmax attention on row r, in two passes over the keys, without ever holding [m, len]:
+ *   pass 1: per (query head, chunk of 1024 rows) the running max and sum of exp for every query,
+ *           merged over the chunks (a small kernel) into the softmax statistics (M_j, L_j);
+ *   pass 2: the same dot products again, p = exp(s - M_j) / L_j, summed over the queries.
+ * A thread owns rows of the chunk and computes their dot products with 16 queries at a time (queries
+ * in shared memory, read as broadcasts). Then pooling (avg counting padding, or max) and the GQA
+ * reduction (mean or max, before or after pooling), and the protected tail (window) at max + 1. */
+#include "common.cuh"
+
+namespace kvc {
+
+#define CK 1024 /* rows per block */
+#define WT 128  /* threads per block */
+#define JG 16   /* queries per group */
+#define RPT (CK / WT)
+
+size_t window_stats_floats(int32_t H, int64_t m, int64_t maxlen) {
+    const int64_t nchunks = (maxlen + CK - 1) / CK;
+    return (size_t)H * m * 2 * (nchunks + 1);
+}
+
+template <int PASS>
+__global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict__ q, int q_f32, int64_t ldq, int64_t m,
+                                                         int32_t g, int32_t d, const HeadInfo hi, float scale,
+                                                         float *__restrict__ part, const float *__restrict__ stats,
+                                                         float *__restrict__ att, int64_t lda, int64_t nchunks) {
+    extern __shared__ float qs[]; /* [JG][d] */
+    __shared__ float red_m[WT][JG + 1], red_l[WT][JG + 1];
+    const int hq = blockIdx.y, h = hq / g;
+    const int64_t chunk = blockIdx.x;
+    const int64_t len = hi.len[h];
+    const bf16 *K = hi.k[h];
+    float acc[RPT];
+    for (int t = 0; t < RPT; t++) acc[t] = 0.f;
+    for (int64_t j0 = 0; j0 < m; j0 += JG) {
+        const int mg = m - j0 < JG ? (int)(m - j0) : JG;
+        __syncthreads();
+        for (int u = threadIdx.x; u < JG * d; u += WT) {
+            const int j = u / d, e = u % d;
+            float v = 0.f;
+            if (j < mg) {
+                const int64_t off = (j0 + j) * ldq + (int64_t)hq * d + e;
+                v = q_f32 ? ((const float *)q)[off] : __bfloat162float(((const bf16 *)q)[off]);
+            }
+            qs[u] = v * scale;
+        }
+        __syncthreads();
+        float M[JG], L[JG];
+        for (int j = 0; j < JG; j++) {
+            if (PASS == 1) {
+                M[j] = -INFINITY;
+                L[j] = 0.f;
+            } else {
+                const int64_t jj = j0 + (j < mg ? j : 0);
+                M[j] = stats[((int64_t)hq * m + jj) * 2];
+                L[j] = stats[((int64_t)hq * m + jj) * 2 + 1];
+            }
+        }
+#pragma unroll
+        for (int t = 0; t < RPT; t++) {
+            const int64_t r = chunk * CK + (int64_t)t * WT + threadIdx.x;
+            if (r >= len) continue;
+            float s[JG];
+            for (int j = 0; j < JG; j++) s[j] = 0.f;
+            const bf16 *kr = K + r * d;
+            for (int e0 = 0; e0 < d; e0 += 8) {
+                float kv[8];
+                if (d % 8 == 0) {
+                    const uint4 raw = *(const uint4 *)(kr + e0);
+                    const bf16 *b = (const bf16 *)&raw;
+                    for (int e = 0; e < 8; e++) kv[e] = __bfloat162float(b[e]);
+                } else {
+                    for (int e = 0; e < 8; e++) kv[e] = e0 + e < d ? __bfloat162float(kr[e0 + e]) : 0.f;
+                }
+#pragma unroll
+                for (int j = 0; j < JG; j++) {
+                    const float *qj = qs + j * d + e0;
+                    float a = s[j];
+                    for (int e = 0; e < 8; e++)
+                        if (e0 + e < d) a += qj[e] * kv[e];
+                    s[j] = a;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < JG; j++) {
+                if (j >= mg) continue;
+                const int64_t jj = j0 + j;
+                int64_t vis = hi.vstart[h] + jj + 1;
+                if (vis > hi.vlimit[h]) vis = hi.vlimit[h];
+                if (r >= vis) continue;
+                if (PASS == 1) {
+                    const float mn = fmaxf(M[j], s[j]);
+                    L[j] = L[j] * (M[j] == -INFINITY ? 0.f : __expf(M[j] - mn)) + __expf(s[j] - mn);
+                    M[j] = mn;
+                } else {
+                    acc[t] += __expf(s[j] - M[j]) / L[j];
+                }
+            }
+        }
+        if (PASS == 1) {
+            for (int j = 0; j < JG; j++) {
+                red_m[threadIdx.x][j] = M[j];
+                red_l[threadIdx.x][j] = L[j];
+            }
+            __syncthreads();
+            if (threadIdx.x < mg) {
+                const int j = threadIdx.x;
+                float mm = -INFINITY;
+                for (int t = 0; t < WT; t++) mm = fmaxf(mm, red_m[t][j]);
+                float ll = 0.f;
+                if (mm != -INFINITY)
+                    for (int t = 0; t < WT; t++)
+                        if (red_m[t][j] != -INFINITY) ll += red_l[t][j] * __expf(red_m[t][j] - mm);
+                float *dst = part + (((int64_t)hq * nchunks + chunk) * m + j0 + j) * 2;
+                dst[0] = mm;
+                dst[1] = ll;
+            }
+        }
+    }
+    if (PASS == 2) {
+        const int64_t n_acc = hi.n_acc[h];
+        for (int t = 0; t < RPT; t++) {
+            const int64_t r = chunk * CK + (int64_t)t * WT + threadIdx.x;
+            if (r < n_acc) att[(int64_t)hq * lda + r] = acc[t] / (float)m;
+        }
+    }
+}
+
+__global__ void window_merge_kernel(const float *__restrict__ part, int64_t m, int64_t nchunks, float *__restrict__ stats) {
+    const int hq = blockIdx.y;
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= m) return;
+    float M = -INFINITY;
+    for (int64_t c = 0; c < nchunks; c++) M = fmaxf(M, part[(((int64_t)hq * nchunks + c) * m + j) * 2]);
+    float L = 0.f;
+    for (int64_t c = 0; c < nchunks; c++) {
+        const float *p = part + (((int64_t)hq * nchunks + c) * m + j) * 2;
+        if (p[0] != -INFINITY) L += p[1] * __expf(p[0] - M);
+    }
+    stats[((int64_t)hq * m + j) * 2] = M;
+    stats[((int64_t)hq * m + j) * 2 + 1] = L > 0.f ? L : 1.f;
+}
+
+kvc_status window_attention(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
+                            const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats) {
+    if (m <= 0) return KVC_OK;
+    int64_t maxlen = 1;
+    for (int h = 0; h < Hkv; h++) maxlen = hi.len[h] > maxlen ? hi.len[h] : maxlen;
+    const int64_t nchunks = (maxlen + CK - 1) / CK;
+    float *part = stats + (size_t)H * m * 2; /* after the final statistics */
+    const int32_t grp = H / Hkv;
+    dim3 grid((unsigned)nchunks, (unsigned)H);
+    const size_t smem = sizeof(float) * JG * d;
+    window_pass_kernel<1><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att, lda,
+                                                        nchunks);
+    LAUNCH_TRY("window attention (pass 1)");
+    dim3 mgrid((unsigned)((m + 127) / 128), (unsigned)H);
+    window_merge_kernel<<<mgrid, 128, 0, g.stream>>>(part, m, nchunks, stats);
+    LAUNCH_TRY("window attention (merge)");
+    window_pass_kernel<2><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att, lda,
+                                                        nchunks);
+    LAUNCH_TRY("window attention (pass 2)");
+    return KVC_OK;
+}
+
+/* ---- pooling and GQA reduction ---- */
+
+__device__ __forceinline__ float pool_at(const float *x, int64_t n, int64_t r, int half, int kernel, int pool_max) {
+    const int64_t lo = r - half < 0 ? 0 : r - half, hi = r + half >= n ? n - 1 : r + half;
+    if (pool_max) {
+        float mx = -3.402823466e38f;
+        for (int64_t t = lo; t <= hi; t++) mx = fmaxf(mx, x[t]);
+        return mx;
+    }
+    float s = 0.f;
+    for (int64_t t = lo; t <= hi; t++) s += x[t];
+    return s / (float)kernel;
+}
+
+__global__ void pool_reduce_kernel(const float *__restrict__ att, int64_t lda, int32_t H, int32_t g, const HeadInfo hi,
+                                   int32_t kernel, int32_t pool_max, int32_t gqa_max, int32_t ptr, int32_t all_heads,
+                                   float *__restrict__ scores, int64_t lds) {
+    const int h = blockIdx.y;
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t n = hi.n_acc[h];
+    if (r >= n) return;
+    const int half = kernel / 2;
+    float v;
+    if (all_heads) { /* TOVA: mean over every head of the layer */
+        float s = 0.f;
+        for (int hq = 0; hq < H; hq++) s += att[(int64_t)hq * lda + r];
+        v = s / (float)H;
+    } else if (ptr) {
+        v = 0.f;
+        for (int j = 0; j < g; j++) {
+            const float x = pool_at(att + (int64_t)(h * g + j) * lda, n, r, half, kernel, pool_max);
+            v = j == 0 ? x : (gqa_max ? fmaxf(v, x) : v + x);
+        }
+        if (!gqa_max) v /= (float)g;
+    } else {
+        const int64_t lo = r - half < 0 ? 0 : r - half, hi2 = r + half >= n ? n - 1 : r + half;
+        float acc = pool_max ? -3.402823466e38f : 0.f;
+        for (int64_t t = lo; t <= hi2; t++) {
+            float red = 0.f;
+            for (int j = 0; j < g; j++) {
+                const float x = att[(int64_t)(h * g + j) * lda + t];
+                red = j == 0 ? x : (gqa_max ? fmaxf(red, x) : red + x);
+            }
+            if (!gqa_max) red /= (float)g;
+            acc = pool_max ? fmaxf(acc, red) : acc + red;
+        }
+        v = pool_max ? acc : acc / (float)kernel;
+    }
+    scores[(int64_t)h * lds + r] = v;
+}
+
+kvc_status pool_reduce(const float *att, int64_t lda, int32_t H, int32_t Hkv, const HeadInfo &hi, int32_t kernel,
+                       int32_t pool_max, int32_t gqa_max, int32_t pool_then_reduce, int32_t all_heads, float *scores,
+                       int64_t lds) {
+    int64_t maxn = 1;
+    for (int h = 0; h < Hkv; h++) maxn = hi.n_acc[h] > maxn ? hi.n_acc[h] : maxn;
+    dim3 grid((unsigned)((maxn + 255) / 256), (unsigned)Hkv);
+    pool_reduce_kernel<<<grid, 256, 0, g.stream>>>(att, lda, H, H / Hkv, hi, kernel, pool_max, gqa_max,
+                                                   pool_then_reduce, all_heads, scores, lds);
+    LAUNCH_TRY("pooling");
+    return KVC_OK;
+}
+
+__global__ void protect_tail_kernel(float *scores, int64_t lds, int32_t Hkv, const HeadInfo hi) {
+    __shared__ float red[1024 / 32];
+    float mx = -3.402823466e38f;
+    for (int h = 0; h < Hkv; h++)
+        for (int64_t r = threadIdx.x; r < hi.n_acc[h]; r += blockDim.x) mx = fmaxf(mx, scores[(int64_t)h * lds + r]);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : -3.402823466e38f;
+        for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+        if (threadIdx.x == 0) red[0] = v;
+    }
+    __syncthreads();
+    float gmax = red[0];
+    if (gmax == -3.402823466e38f) gmax = 0.f;
+    for (int h = 0; h < Hkv; h++)
+        for (int64_t r = hi.n_acc[h] + threadIdx.x; r < hi.len[h]; r += blockDim.x) scores[(int64_t)h * lds + r] = gmax + 1.f;
+}
+
+kvc_status protect_tail(float *scores, int64_t lds, int32_t Hkv, const HeadInfo &hi) {
+    protect_tail_kernel<<<1, 1024, 0, g.stream>>>(scores, lds, Hkv, hi);
+    LAUNCH_TRY("protected rows");
+    return KVC_OK;
+}
+
+/* ---- scorers without attention ---- */
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+/* kind 0: knorm, 1: streaming, 2: random */
+__global__ void simple_score_kernel(int kind, const HeadInfo hi, int32_t d, int32_t n_sink, uint64_t seed, int32_t layer,
+                                    float *__restrict__ scores, int64_t lds) {
+    const int h = blockIdx.y;
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t len = hi.len[h];
+    if (r >= len) return;
+    float v;
+    if (kind == 0) {
+        const bf16 *k = hi.k[h] + r * d;
+        float s = 0.f;
+        for (int e = 0; e < d; e++) {
+            const float x = __bfloat162float(k[e]);
+            s += x * x;
+        }
+        v = -sqrtf(s);
+    } else if (kind == 1) {
+        v = r < n_sink ? (float)(len + 1) : (float)r;
+    } else {
+        const uint64_t x = splitmix64(seed ^ splitmix64(((uint64_t)layer << 40) ^ ((uint64_t)h << 32) ^ (uint64_t)r));
+        v = (float)((double)(x >> 40) * (1.0 / 16777216.0));
+    }
+    scores[(int64_t)h * lds + r] = v;
+}
+
+static kvc_status simple_score(int kind, const HeadInfo &hi, int32_t Hkv, int32_t d, int32_t n_sink, uint64_t seed,
+                               int32_t layer, float *scores, int64_t lds) {
+    int64_t maxlen = 1;
+    for (int h = 0; h < Hkv; h++) maxlen = hi.len[h] > maxlen ? hi.len[h] : maxlen;
+    dim3 grid((unsigned)((maxlen + 255) / 256), (unsigned)Hkv);
+    simple_score_kernel<<<grid, 256, 0, g.stream>>>(kind, hi, d, n_sink, seed, layer, scores, lds);
+    LAUNCH_TRY("scores");
+    return KVC_OK;
+}
+
+kvc_status score_knorm(const HeadInfo &hi, int32_t Hkv, int32_t d, float *scores, int64_t lds) {
+    return simple_score(0, hi, Hkv, d, 0, 0, 0, scores, lds);
+}
+kvc_status score_streaming(const HeadInfo &hi, int32_t Hkv, int32_t n_sink, float *scores, int64_t lds) {
+    return simple_score(1, hi, Hkv, 0, n_sink, 0, 0, scores, lds);
+}
+kvc_status score_random(const HeadInfo &hi, int32_t Hkv, uint64_t seed, int32_t layer, float *scores, int64_t lds) {
+    return simple_score(2, hi, Hkv, 0, 0, seed, layer, scores, lds);
+}
+
+/* ---- TADA dissimilarity ---- */
+
+__global__ void dissim_kernel(const float *__restrict__ R, const bf16 *__restrict__ O, int64_t ldo, int64_t D,
+                              double *out) {
+    __shared__ double red[3][8];
+    const int64_t row = blockIdx.x;
+    double rr = 0, ss = 0, rs = 0;
+    for (int64_t e = threadIdx.x; e < D; e += blockDim.x) {
+        const double a = R[row * D + e], b = a + (double)__bfloat162float(O[row * ldo + e]);
+        rr += a * a;
+        ss += b * b;
+        rs += a * b;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        rr += __shfl_xor_sync(0xffffffffu, rr, off);
+        ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        rs += __shfl_xor_sync(0xffffffffu, rs, off);
+    }
+    if (threadIdx.x % 32 == 0) {
+        red[0][threadIdx.x / 32] = rr;
+        red[1][threadIdx.x / 32] = ss;
+        red[2][threadIdx.x / 32] = rs;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double a = 0, b = 0, c = 0;
+        for (int w = 0; w < (int)blockDim.x / 32; w++) {
+            a += red[0][w];
+            b += red[1][w];
+            c += red[2][w];
+        }
+        atomicAdd(out, c / (sqrt(a * b) + 1e-30));
+    }
+}
+
+kvc_status dissim_sum(const float *R, const bf16 *O, int64_t ldo, int64_t rows, int64_t D, double *out) {
+    CU_TRY(cudaMemsetAsync(out, 0, sizeof(double), g.stream), "dissimilarity");
+    if (rows <= 0) return KVC_OK;
+    dissim_kernel<<<(unsigned)rows, 256, 0, g.stream>>>(R, O, ldo, D, out);
+    LAUNCH_TRY("dissimilarity");
+    return KVC_OK;
+}
+
+} // namespace kvc
