@@ -717,6 +717,10 @@ static PyObject *Session_get_cache_bytes(SessionObject *self, void *c) {
     if (!self->session) Py_RETURN_NONE;
     return PyLong_FromSize_t(kvc_session_cache_bytes(self->session));
 }
+static PyObject *Session_get_press_seconds(SessionObject *self, void *c) {
+    return PyFloat_FromDouble(kvc_session_press_seconds(self->session));
+}
+
 static PyObject *Session_get_peak_cache_bytes(SessionObject *self, void *c) {
     if (!self->session) Py_RETURN_NONE;
     return PyLong_FromSize_t(kvc_session_peak_cache_bytes(self->session));
@@ -755,6 +759,8 @@ static PyGetSetDef Session_getset[] = {
     {"position", (getter)Session_get_position, NULL, "Next token position.", NULL},
     {"cache_bytes", (getter)Session_get_cache_bytes, NULL, "Bytes the KV cache holds now.", NULL},
     {"peak_cache_bytes", (getter)Session_get_peak_cache_bytes, NULL, "Most bytes the KV cache held.", NULL},
+    {"press_seconds", (getter)Session_get_press_seconds, NULL,
+     "Wall seconds spent in the attached press since the last reset (CPU backend).", NULL},
     {"model", (getter)Session_get_model, NULL, "The model.", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 

@@ -53,6 +53,9 @@ def test_followers_equal_separate_prefills(tiny, rng):
     logits = leader.forward_shared(ids, followers)
     np.testing.assert_allclose(logits, full_logits, rtol=0, atol=1e-5)
     assert int(leader.cache_lengths().min()) == len(ids)  # the leader keeps the full cache
+    # each session times its own press (benchmarks read it); a session without one spent nothing
+    assert leader.press_seconds == 0.0
+    assert all(f.press_seconds > 0.0 for f in followers)
     for p, f, (nbytes, pos, step_logits) in zip(presses, followers, separate):
         assert f.position == len(ids)
         got = _positions(f, cfg)
@@ -61,8 +64,12 @@ def test_followers_equal_separate_prefills(tiny, rng):
                 np.testing.assert_array_equal(got[l][h], pos[l][h], err_msg=f"{p} layer {l} head {h}")
         assert f.cache_bytes == nbytes
         f.set_press(None)
+        spent = f.press_seconds
         np.testing.assert_allclose(f.forward(step, logits="all"), step_logits, rtol=0, atol=1e-5,
                                    err_msg=repr(p))
+        assert f.press_seconds == spent  # no press attached: the clock stands still
+        f.reset()
+        assert f.press_seconds == 0.0
 
 
 def test_run_many_equals_one_press_at_a_time(default_model):

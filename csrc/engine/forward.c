@@ -3,6 +3,7 @@
  * row blocks so activations stay O(block x ffn) whatever the prompt length. */
 #include <math.h>
 #include <string.h>
+#include <time.h>
 
 #include "../backend/cuda_loader.h"
 #include "session.h"
@@ -59,6 +60,7 @@ void kvc_session_reset(kvc_session *s) {
     if (!s) return;
     if (s->dev) kvc_dev_session_reset(s);
     kvc_cache_clear(&s->cache);
+    s->press_seconds = 0.0;
     s->pos = 0;
     s->needs_reset = 0;
 }
@@ -77,6 +79,8 @@ int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32_t h) {
     if (s->dev) return kvc_dev_cache_len(s, layer, h);
     return s->cache.layers[layer].len[h];
 }
+
+double kvc_session_press_seconds(const kvc_session *s) { return s ? s->press_seconds : 0.0; }
 
 size_t kvc_session_cache_bytes(const kvc_session *s) {
     return s ? (s->dev ? kvc_dev_cache_bytes(s) : s->cache.bytes) : 0;
@@ -119,6 +123,20 @@ static kvc_status scratch_get(kvc_session *s, int64_t n, scratch *sc) {
     return KVC_OK;
 }
 
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The press hook, timed: a press's own cost, apart from the forward it rides on (benchmarks). */
+static kvc_status run_hook(kvc_session *s, const kvc_layer_ctx *ctx) {
+    const double t0 = now_seconds();
+    kvc_status st = s->hook(s->hook_user, s, ctx);
+    s->press_seconds += now_seconds() - t0;
+    return st;
+}
+
 /* A follower of a shared forward (kvc_forward_shared) takes this layer's new K/V rows into its own
  * cache and lets its own press act, as if it had computed the layer itself: a press acts after the
  * layer's attention, so the hidden states of the leader and of every follower are the same. */
@@ -130,7 +148,7 @@ static kvc_status follower_layer(kvc_session *f, int32_t l, int64_t n, const int
     kvc_cache_append(&f->cache, l, sc->k, sc->v, positions, n);
     if (!f->hook) return KVC_OK;
     kvc_layer_ctx ctx = {l, n, past, sc->q, sc->att, sc->o, sc->resid};
-    return f->hook(f->hook_user, f, &ctx);
+    return run_hook(f, &ctx);
 }
 
 /* One layer on n tokens; x [n, D] is updated in place. */
@@ -170,7 +188,7 @@ static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n, scratch *s
     kvc_status st = KVC_OK;
     if (s->hook) {
         kvc_layer_ctx ctx = {l, n, past, sc->q, sc->att, sc->o, sc->resid};
-        st = s->hook(s->hook_user, s, &ctx);
+        st = run_hook(s, &ctx);
     }
     for (int32_t i = 0; st == KVC_OK && i < s->n_followers; i++) st = follower_layer(s->followers[i], l, n, s->positions, sc);
     if (past != past_stack) free(past);

@@ -30,6 +30,7 @@ struct kvc_session {
     int64_t pos;              /* next token position */
     int64_t capacity_hint;
     int needs_reset;          /* a failed call left the cache inconsistent */
+    double press_seconds;     /* wall time spent in the press hook since the last reset */
     /* scratch, grown on demand */
     float *buf;
     size_t buf_floats;

@@ -155,6 +155,9 @@ KVC_API int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32
 /* Bytes the KV cache holds now (allocated capacity) and at most so far. */
 KVC_API size_t kvc_session_cache_bytes(const kvc_session *s);
 KVC_API size_t kvc_session_peak_cache_bytes(const kvc_session *s);
+/* Wall seconds spent in the attached press (scoring, selection, compaction) since the last reset,
+ * including the press of this session as a follower of a shared forward (CPU backend). */
+KVC_API double kvc_session_press_seconds(const kvc_session *s);
 
 /* Cut the cache back to new_len[layer * Hkv + h] rows per head (<= current) and set the next
  * position: used to return to a compressed context between questions. */
