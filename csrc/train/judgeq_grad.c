@@ -31,6 +31,7 @@
 
 #include "../backend/cpu/cpu.h"
 #include "../engine/session.h"
+#include "../press/press.h"
 #include "judgeq_grad.h"
 
 #define KC_NN 128 /* rows of B per pass of the microkernel in kvc_gemm_nn (KC x NR floats: 16 KB, L1) */
@@ -95,27 +96,17 @@ void kvc_swiglu_backward(const float *gate, const float *up, const float *dout, 
     }
 }
 
-/* p[i, :] = softmax over the first past + i + 1 rows of scale * q_i . k_j (zeros beyond), q [m, d]
- * contiguous, k [len, d]. One GEMM for the scores, exp in libm (these rows are few). */
+/* Causal softmax rows of m queries at positions past .. past+m-1 over len cached keys (row i sees
+ * keys 0 .. past+i): the scorers' kvc_probs_rows, fed in blocks so the visibility list stays on
+ * the stack. */
 static void probs_rows(const float *q, int64_t m, const float *k, int64_t len, int32_t d, float scale, int64_t past,
                        float *p) {
-    kvc_cpu_matmul(q, k, p, m, len, d);
-    for (int64_t i = 0; i < m; i++) {
-        float *row = p + i * len;
-        const int64_t vis = imin64(past + i + 1, len);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < vis; j++) {
-            row[j] *= scale;
-            mx = row[j] > mx ? row[j] : mx;
-        }
-        double z = 0.0;
-        for (int64_t j = 0; j < vis; j++) {
-            row[j] = expf(row[j] - mx);
-            z += row[j];
-        }
-        const float inv = (float)(1.0 / z);
-        for (int64_t j = 0; j < vis; j++) row[j] *= inv;
-        for (int64_t j = vis; j < len; j++) row[j] = 0.f;
+    enum { BLOCK = 256 };
+    int64_t visible[BLOCK];
+    for (int64_t i0 = 0; i0 < m; i0 += BLOCK) {
+        const int64_t mb = imin64(BLOCK, m - i0);
+        for (int64_t i = 0; i < mb; i++) visible[i] = past + i0 + i + 1;
+        kvc_probs_rows(q + i0 * d, mb, k, len, d, scale, visible, p + i0 * len);
     }
 }
 
@@ -274,9 +265,13 @@ static kvc_status soft_forward(kvc_session *s, work *w, const float *soft, int64
         KVC_TRY(kvc_cache_reserve(&s->cache, l, m));
         kvc_cache_append(&s->cache, l, w->kb, w->vb, w->pos, m);
         const kvc_layer_cache *L = &s->cache.layers[l];
-        double layer_loss = 0.0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads()) reduction(+ : layer_loss)
+        /* per-head partial sums added in head order: the loss is bitwise the same for any thread count
+         * (an OpenMP reduction combines in an unspecified order; resumed training must match) */
+        double head_loss[256];
+        if (H > 256) return kvc_fail(KVC_ERR_UNSUPPORTED, "judgeq: more than 256 query heads");
+#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads())
         for (int32_t hq = 0; hq < H; hq++) {
+            double layer_loss = 0.0;
             const int32_t h = hq / g;
             float *qh = w->qh + (size_t)hq * m * d, *pr = w->pr + (size_t)hq * m * len;
             gather_head(q, H, d, hq, 0, m, qh);
@@ -293,8 +288,9 @@ static kvc_status soft_forward(kvc_session *s, work *w, const float *soft, int64
                 layer_loss += diff * diff;
                 if (with_grad) w->gmap[off + j] = (float)(2.0 * diff * norm);
             }
+            head_loss[hq] = layer_loss;
         }
-        loss += layer_loss;
+        for (int32_t hq = 0; hq < H; hq++) loss += head_loss[hq];
         be->matmul(w->attn, W->wo, w->tmp, m, D, qd);
         for (int64_t i = 0; i < m * D; i++) xm[i] = x[i] + w->tmp[i];
         if (l + 1 == Ly) break; /* the last MLP feeds no loss term */
