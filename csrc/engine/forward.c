@@ -137,6 +137,21 @@ static kvc_status run_hook(kvc_session *s, const kvc_layer_ctx *ctx) {
     return st;
 }
 
+/* x += MLP(rmsnorm(x)) for n rows, in row blocks of MLP_ROWS (bounded gate/up scratch). */
+static void mlp_block(const kvc_backend *be, const kvc_layer_weights *W, const kvc_config *c, const scratch *sc,
+                      int64_t n) {
+    const int64_t D = c->hidden, F = c->ffn;
+    be->rmsnorm(sc->x, W->ffn_norm, sc->xn, n, D, c->rms_eps);
+    for (int64_t r0 = 0; r0 < n; r0 += MLP_ROWS) {
+        const int64_t rows = n - r0 < MLP_ROWS ? n - r0 : MLP_ROWS;
+        be->matmul(sc->xn + r0 * D, W->w_gate, sc->gate, rows, F, D);
+        be->matmul(sc->xn + r0 * D, W->w_up, sc->up, rows, F, D);
+        be->swiglu(sc->gate, sc->up, sc->gate, rows, F);
+        be->matmul(sc->gate, W->w_down, sc->o + r0 * D, rows, D, F);
+    }
+    be->add(sc->x, sc->o, n * D);
+}
+
 /* A follower of a shared forward (kvc_forward_shared) takes this layer's new K/V rows into its own
  * cache and lets its own press act, as if it had computed the layer itself: a press acts after the
  * layer's attention, so the hidden states of the leader and of every follower are the same. */
@@ -157,7 +172,7 @@ static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n, scratch *s
     const kvc_config *c = &m->cfg;
     const kvc_backend *be = s->be;
     const kvc_layer_weights *W = &m->layers[l];
-    const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, F = c->ffn;
+    const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
     const int64_t qd = H * d, kd = Hkv * d;
 
     /* attention block */
@@ -196,15 +211,7 @@ static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n, scratch *s
     be->add(sc->x, sc->o, n * D);
 
     /* MLP block, in row blocks */
-    be->rmsnorm(sc->x, W->ffn_norm, sc->xn, n, D, c->rms_eps);
-    for (int64_t r0 = 0; r0 < n; r0 += MLP_ROWS) {
-        const int64_t rows = n - r0 < MLP_ROWS ? n - r0 : MLP_ROWS;
-        be->matmul(sc->xn + r0 * D, W->w_gate, sc->gate, rows, F, D);
-        be->matmul(sc->xn + r0 * D, W->w_up, sc->up, rows, F, D);
-        be->swiglu(sc->gate, sc->up, sc->gate, rows, F);
-        be->matmul(sc->gate, W->w_down, sc->o + r0 * D, rows, D, F);
-    }
-    be->add(sc->x, sc->o, n * D);
+    mlp_block(be, W, c, sc, n);
     return KVC_OK;
 }
 
@@ -328,7 +335,7 @@ static kvc_status batch_layer(kvc_session *const *ss, int32_t B, int32_t l, scra
     const kvc_config *c = &m->cfg;
     const kvc_backend *be = s0->be;
     const kvc_layer_weights *W = &m->layers[l];
-    const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, F = c->ffn;
+    const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
     const int64_t qd = H * d, kd = Hkv * d;
 
     be->rmsnorm(sc->x, W->attn_norm, sc->xn, B, D, c->rms_eps);
@@ -354,15 +361,7 @@ static kvc_status batch_layer(kvc_session *const *ss, int32_t B, int32_t l, scra
     }
     be->matmul(sc->att, W->wo, sc->o, B, D, qd);
     be->add(sc->x, sc->o, B * D);
-    be->rmsnorm(sc->x, W->ffn_norm, sc->xn, B, D, c->rms_eps);
-    for (int64_t r0 = 0; r0 < B; r0 += MLP_ROWS) {
-        const int64_t rows = B - r0 < MLP_ROWS ? B - r0 : MLP_ROWS;
-        be->matmul(sc->xn + r0 * D, W->w_gate, sc->gate, rows, F, D);
-        be->matmul(sc->xn + r0 * D, W->w_up, sc->up, rows, F, D);
-        be->swiglu(sc->gate, sc->up, sc->gate, rows, F);
-        be->matmul(sc->gate, W->w_down, sc->o + r0 * D, rows, D, F);
-    }
-    be->add(sc->x, sc->o, B * D);
+    mlp_block(be, W, c, sc, B);
     return KVC_OK;
 }
 
