@@ -16,6 +16,13 @@ static void swiglu_span(const float *gate, const float *up, float *out, int64_t 
         const __m512 e = kvc_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
         _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = kvc_exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
 #endif
     for (; i < n; i++) {
         const float g = gate[i];

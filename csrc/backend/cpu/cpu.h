@@ -111,6 +111,27 @@ static inline __m512 kvc_exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_scalef_ps(p, n));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* the same on 8 lanes; 2^n is built in the exponent bits, so the upper clamp is 88.3 (n <= 127) */
+static inline __m256 kvc_exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ); /* false below lo and for NaN/-inf */
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
 #endif
 
 /* y[i] = exp(x[i]) for i < n (y may alias x). */
@@ -122,6 +143,9 @@ static inline void kvc_vexp(const float *x, float *y, int64_t n) {
         const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
         _mm512_mask_storeu_ps(y + i, m, kvc_exp512(_mm512_maskz_loadu_ps(m, x + i)));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, kvc_exp256(_mm256_loadu_ps(x + i)));
+    for (; i < n; i++) y[i] = x[i] < -87.3f ? 0.f : expf(x[i]);
 #else
     for (; i < n; i++) y[i] = x[i] < -87.3f ? 0.f : expf(x[i]);
 #endif
