@@ -76,7 +76,8 @@ class Pipeline:
         Presses that act after each layer (every scorer press, Ada-KV, ChunkKV, EDIE/TADA...) share
         a single prefill: the forward runs once and each press compresses its own copy of every
         layer's K/V (Session.forward_shared), which gives the same caches as separate runs at the
-        cost of one. Presses that change the forward (TAKE, Judge Q) run their own prefill."""
+        cost of one. Judge Q takes a full copy and runs only its soft rows after it (each such press
+        holds a full cache until then). Presses that change the forward (TAKE) run their own prefill."""
         if questions is None:
             questions = [question]
         elif question:
@@ -106,7 +107,7 @@ class Pipeline:
 
     @staticmethod
     def _shares_prefill(press) -> bool:
-        return press is None or press.is_noop or (
+        return press is None or press.is_noop or press.compresses_full_cache or (
             press.attach_to_session and type(press).prefill is BasePress.prefill)
 
     def _session(self, press, record_scores: bool):
@@ -120,11 +121,14 @@ class Pipeline:
         arr = np.asarray(ids, dtype=np.int32)
         cfg = self.model.config
         shared = [k for k, p in enumerate(presses) if self._shares_prefill(p)]
+        if len(shared) == 1 and presses[shared[0]] is not None and presses[shared[0]].compresses_full_cache:
+            shared = []  # alone, its own prefill is as fast and holds one full cache, not two
         if shared:
             sessions = {k: self._session(presses[k], record) for k in shared}
             full = [k for k in shared if presses[k] is None or presses[k].is_noop]
             leader = sessions[full[0]] if full else self.model.new_session(0)
             followers = [k for k in shared if sessions[k] is not leader]
+            extra = {}
             for k in followers:
                 presses[k].before_prefill(sessions[k], len(arr), cfg)
             t0 = time.perf_counter()
@@ -134,11 +138,16 @@ class Pipeline:
                 logits = leader.forward(arr, logits="last")
             prefill_s = time.perf_counter() - t0
             for k in followers:
-                presses[k].after_prefill(sessions[k], len(arr), cfg)
+                if presses[k].compresses_full_cache:  # the follower took the full cache: compress it now
+                    t1 = time.perf_counter()
+                    presses[k].compress_full_cache(sessions[k], len(arr), cfg)
+                    extra[k] = time.perf_counter() - t1
+                else:
+                    presses[k].after_prefill(sessions[k], len(arr), cfg)
             for k in full[1:]:  # several full-cache entries: give each its own copy
                 sessions[k].forward(arr, logits="none")
             for k in shared:
-                yield k, (sessions[k], logits, prefill_s, len(arr))
+                yield k, (sessions[k], logits, prefill_s + extra.get(k, 0.0), len(arr))
         for k, press in enumerate(presses):
             if k in shared:
                 continue

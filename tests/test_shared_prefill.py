@@ -76,10 +76,11 @@ def test_run_many_equals_one_press_at_a_time(default_model):
     from kvpress_c.demo import needle_prompt
     context, question, _ = needle_prompt(default_model, n_tokens=500, seed=3)
     pipe = kvpress_c.Pipeline(default_model)
+    judgeq = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64)]  # shares via its soft rows
     for aware in (False, True):
-        presses = _presses()
+        presses = _presses() + judgeq()
         many = pipe.run_many(context, question, presses=presses, max_new_tokens=8, query_aware=aware)
-        for press, res in zip(_presses(), many):
+        for press, res in zip(_presses() + judgeq(), many):
             one = pipe(context, question, press=press, max_new_tokens=8, query_aware=aware)
             assert res.answers == one.answers, (press, aware)
             assert res.stats["kept_tokens_total"] == one.stats["kept_tokens_total"], (press, aware)
@@ -165,3 +166,48 @@ def test_forward_batch_equals_one_session_at_a_time(tiny, rng):
         _core.forward_batch([pairs[0][0]], [cfg["vocab"]])
     with pytest.raises(TypeError, match="not a Session"):
         _core.forward_batch(["x"], [1])
+
+
+def test_judgeq_on_a_shared_prefill_equals_its_own_prefill(tiny, rng):
+    """Judge Q's soft rows run after a shared prefill, on a copy of the full cache: the same kept
+    tokens and decode logits as its own prefill of prompt + soft rows (the prompt's K/V do not depend
+    on the soft tokens), for several budgets from one forward."""
+    cfg = tiny.config
+    ids = rng.integers(0, cfg["vocab"], size=160).astype(np.int32)
+    step = rng.integers(0, cfg["vocab"], size=3).astype(np.int32)
+    soft = rng.normal(0, 1, size=(6, cfg["hidden"])).astype(np.float32)
+    presses = [kvpress_c.JudgeQPress(soft_embeddings=soft, budget=b) for b in (20, 40, 90)]
+    assert all(p.compresses_full_cache for p in presses)
+    own = []
+    for p in presses:
+        s = tiny.new_session()
+        logits = p.prefill(s, ids, cfg)
+        own.append((logits, _positions(s, cfg), s.forward(step, logits="all")))
+    leader = tiny.new_session()
+    followers = [tiny.new_session() for _ in presses]
+    logits = leader.forward_shared(ids, followers)
+    for p, f, (own_logits, pos, step_logits) in zip(presses, followers, own):
+        np.testing.assert_allclose(logits, own_logits, rtol=0, atol=1e-5)
+        p.compress_full_cache(f, len(ids), cfg)
+        assert f.position == len(ids)
+        got = _positions(f, cfg)
+        for l in range(cfg["n_layers"]):
+            for h in range(cfg["n_kv_heads"]):
+                assert len(got[l][h]) == p.budget
+                np.testing.assert_array_equal(got[l][h], pos[l][h], err_msg=f"budget {p.budget} layer {l} head {h}")
+        np.testing.assert_allclose(f.forward(step, logits="all"), step_logits, rtol=0, atol=1e-4)
+    # the pipeline takes this path when Judge Q shares a sample with other presses
+    pipe = kvpress_c.Pipeline(tiny)
+    assert pipe._shares_prefill(presses[0])
+    one = kvpress_c.JudgeQPress(soft_embeddings=soft[:1], budget=20)
+    assert not one.compresses_full_cache  # a single soft row would read as a decode step to the press hook
+
+
+def test_a_window_longer_than_the_forward_call_is_an_error(tiny, rng):
+    cfg = tiny.config
+    s = tiny.new_session()
+    s.forward(rng.integers(0, cfg["vocab"], size=100).astype(np.int32), logits="none")
+    s.set_press(**kvpress_c.SnapKVPress(budget=20, window_size=16).c_config())
+    with pytest.raises(ValueError, match="longer than this forward call"):
+        s.forward(rng.integers(0, cfg["vocab"], size=8).astype(np.int32), logits="none")
+    assert s.cache_lengths().min() == 100  # nothing lost

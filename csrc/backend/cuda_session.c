@@ -138,8 +138,12 @@ static kvc_status dev_press_hook(void *user, void *ds, const kvc_dev_ctx *ctx, i
     int64_t lens[64];
     for (int32_t h = 0; h < Hkv; h++) lens[h] = a->cache_len(ds, layer, h);
     const int32_t w = kvc_scorer_has_window(cfg->scorer) ? cfg->window : 0;
-    if (w > 0 && n <= w)
-        return kvc_fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%d)", (long long)n, w);
+    for (int32_t h = 0; h < Hkv && w > 0; h++)
+        if (lens[h] <= w)
+            return kvc_fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%d)",
+                            (long long)lens[h], w);
+    if (w > 0 && n < w)
+        return kvc_fail(KVC_ERR_ARG, "the press window (%d) is longer than this forward call (%lld tokens)", w, (long long)n);
     if (cfg->scorer == KVC_SCORE_STREAMING)
         for (int32_t h = 0; h < Hkv; h++)
             if (lens[h] <= cfg->n_sink)

@@ -215,9 +215,15 @@ kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) 
     const int32_t Hkv = c->n_kv_heads, layer = ctx->layer;
     kvc_layer_cache *L = &s->cache.layers[layer];
     const int32_t w = uses_window(cfg->scorer) ? cfg->window : 0;
-    if (w > 0 && ctx->n <= w)
-        return kvc_fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%d)",
-                        (long long)ctx->n, w);
+    /* the window's queries are this call's last w rows; a call after a prefill (Judge Q's soft rows on a
+     * copied full cache) may be the window alone */
+    for (int32_t h = 0; h < Hkv && w > 0; h++)
+        if (L->len[h] <= w)
+            return kvc_fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%d)",
+                            (long long)L->len[h], w);
+    if (w > 0 && ctx->n < w)
+        return kvc_fail(KVC_ERR_ARG, "the press window (%d) is longer than this forward call (%lld tokens)", w,
+                        (long long)ctx->n);
     if (cfg->scorer == KVC_SCORE_STREAMING) {
         for (int32_t h = 0; h < Hkv; h++)
             if (L->len[h] <= cfg->n_sink)

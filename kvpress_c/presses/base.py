@@ -45,6 +45,14 @@ class BasePress:
     def after_prefill(self, session, n: int, config: dict) -> None:
         """Called after the compressed prefill (e.g. to update running statistics)."""
 
+    #: presses that change the prefill but can instead compress a full-cache copy of a shared prefill
+    #: afterwards (compress_full_cache): the pipeline then runs one forward for them and the others
+    compresses_full_cache = False
+
+    def compress_full_cache(self, session, n: int, config: dict) -> None:
+        """Compress a session that holds the full cache of an n-token prompt, as prefill() would have."""
+        raise NotImplementedError
+
     @property
     def is_noop(self) -> bool:
         cfg = self.c_config()

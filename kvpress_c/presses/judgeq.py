@@ -104,11 +104,31 @@ class JudgeQPress(_QueryRowsPress):
                                     "`python -m kvpress_c judgeq train` and pass soft_embeddings=")
         return cls(soft_embeddings=path, **kwargs)
 
-    def prefill(self, session, ids, config: dict, question_ids=None):
+    def _check_width(self, config: dict) -> None:
         if self.soft_embeddings.shape[1] != config["hidden"]:
             raise ValueError(f"soft embeddings have width {self.soft_embeddings.shape[1]}, the model's hidden size is "
                              f"{config['hidden']}")
+
+    def prefill(self, session, ids, config: dict, question_ids=None):
+        self._check_width(config)
         return self._prefill_with_rows(session, ids, self.n_soft, embeddings=self.soft_embeddings)
+
+    @property
+    def compresses_full_cache(self) -> bool:
+        # the prompt's K/V do not depend on the soft tokens, so the soft rows can run after a shared
+        # prefill, on a copy of its full cache (the press hook treats a 1-row call as decoding)
+        return self.n_soft >= 2
+
+    def compress_full_cache(self, session, n: int, config: dict) -> None:
+        """The soft rows run after the n prompt tokens of a full cache; the press scores with their
+        queries and keeps the top prompt tokens; the soft rows go. Same cache as prefill()."""
+        self._check_width(config)
+        session.set_press(window=self.n_soft, **self.c_config())
+        try:
+            session.forward(None, logits="none", embeddings=self.soft_embeddings)
+        finally:
+            session.set_press(None)
+        session.set_position(n)
 
 
 @dataclass
