@@ -4,11 +4,18 @@
 #include <math.h>
 #include <string.h>
 
+#include <mutex>
 #include <vector>
 
 #include "engine.cuh"
 
 namespace kvc {
+
+/* Every session shares the one device stream, and the decode graph is captured on it: calls from several
+ * host threads (the Python module releases the GIL) take turns. Recursive, because a press hook called
+ * inside a forward calls back into this table. */
+static std::recursive_mutex g_device_lock;
+#define DEVICE_LOCK() std::lock_guard<std::recursive_mutex> device_lock_(g_device_lock)
 
 kvc_status init_with_host(const kvc_cuda_host *host); /* context.cu */
 kvc_status sess_score(DSess *s, const kvc_dev_ctx *ctx, const kvc_press_config *cfg, int32_t layer);
@@ -55,6 +62,7 @@ struct Temp {
 };
 
 static kvc_status k_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     Temp t;
     bf16 *A, *B;
@@ -70,6 +78,7 @@ static kvc_status k_matmul(const float *a, const float *b, float *c, int64_t m, 
 
 static kvc_status k_rmsnorm(const float *x, const float *r, const float *w, float *y, float *x_out, int64_t rows,
                             int64_t dim, float eps) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     Temp t;
     float *X, *W;
@@ -91,6 +100,7 @@ static kvc_status k_rmsnorm(const float *x, const float *r, const float *w, floa
 
 static kvc_status k_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
                          int32_t pairing) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     Temp t;
     bf16 *X;
@@ -107,6 +117,7 @@ static kvc_status k_rope(float *x, const int64_t *pos, int64_t n, int32_t heads,
 }
 
 static kvc_status k_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     Temp t;
     std::vector<float> gu;
@@ -130,6 +141,7 @@ static kvc_status k_swiglu(const float *gate, const float *up, float *out, int64
 static kvc_status k_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
                               const float *const *v, const int64_t *past_len, float scale, float *out,
                               int32_t force_prefill) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     if (Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "at most %d KV heads", KVC_MAX_KV);
     Temp t;
@@ -164,6 +176,7 @@ static kvc_status k_attention(const float *q, int64_t n, int32_t H, int32_t Hkv,
 
 static kvc_status k_score(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer, const float *q,
                           int64_t n, const float *k, const float *v, int64_t len, float *scores) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     if (Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "at most %d KV heads", KVC_MAX_KV);
     if (!scorer_on_device(cfg->scorer))
@@ -195,6 +208,7 @@ static kvc_status k_score(const kvc_press_config *cfg, int32_t H, int32_t Hkv, i
 }
 
 static kvc_status k_topk(const float *scores, int32_t heads, int64_t n, const int64_t *k, int64_t *keep) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     Temp t;
     float *S;
@@ -221,6 +235,7 @@ static kvc_status k_topk(const float *scores, int32_t heads, int64_t n, const in
 }
 
 static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, double *seconds) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     if (what != 0 && what != 1) return fail(KVC_ERR_ARG, "bench: unknown kernel %d", what);
     Temp t;
@@ -288,13 +303,15 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
 
 static const char *a_device_name(void) { return g.ready ? g.name : ""; }
 static kvc_status a_model_upload(const struct kvc_model *m, void **out) {
+    DEVICE_LOCK();
     DModel *dm = nullptr;
     kvc_status st = model_upload(m, &dm);
     *out = dm;
     return st;
 }
-static void a_model_free(void *dm) { model_free((DModel *)dm); }
+static void a_model_free(void *dm) { DEVICE_LOCK(); model_free((DModel *)dm); }
 static kvc_status a_session_new(void *dm, int64_t capacity_hint, void **out) {
+    DEVICE_LOCK();
     DSess *s = nullptr;
     KVC_TRY(session_new((DModel *)dm, &s));
     if (capacity_hint > 0) {
@@ -309,8 +326,8 @@ static kvc_status a_session_new(void *dm, int64_t capacity_hint, void **out) {
     *out = s;
     return KVC_OK;
 }
-static void a_session_free(void *ds) { session_free((DSess *)ds); }
-static void a_session_clear(void *ds) { session_clear((DSess *)ds); }
+static void a_session_free(void *ds) { DEVICE_LOCK(); session_free((DSess *)ds); }
+static void a_session_clear(void *ds) { DEVICE_LOCK(); session_clear((DSess *)ds); }
 static int64_t a_cache_len(void *ds, int32_t l, int32_t h) {
     DSess *s = (DSess *)ds;
     return s->len[(size_t)l * s->Hkv + h];
@@ -322,6 +339,7 @@ static const int64_t *a_cache_positions(void *ds, int32_t l, int32_t h) {
 static size_t a_cache_bytes(void *ds) { return ((DSess *)ds)->cache_bytes; }
 static size_t a_peak_cache_bytes(void *ds) { return ((DSess *)ds)->cache_peak; }
 static kvc_status a_truncate(void *ds, int32_t l, const int64_t *new_len) {
+    DEVICE_LOCK();
     DSess *s = (DSess *)ds;
     for (int32_t h = 0; h < s->Hkv; h++) {
         const size_t i = (size_t)l * s->Hkv + h;
@@ -331,6 +349,7 @@ static kvc_status a_truncate(void *ds, int32_t l, const int64_t *new_len) {
     return upload_lens(s, l);
 }
 static kvc_status a_reserve_all(void *ds, int64_t extra) {
+    DEVICE_LOCK();
     DSess *s = (DSess *)ds;
     for (int32_t l = 0; l < s->L; l++) KVC_TRY(reserve(s, l, extra));
     return KVC_OK;
@@ -339,32 +358,40 @@ static kvc_status a_forward(void *ds, const int32_t *ids, int64_t n_ids, const f
                             int64_t logits_row, float *logits, kvc_dev_hook hook, void *hook_user,
                             void *const *followers, const kvc_dev_hook *f_hooks, void *const *f_users,
                             int32_t n_followers) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     return forward((DSess *)ds, ids, n_ids, emb, n_emb, pos0, logits_row, logits, hook, hook_user,
                    (DSess *const *)followers, f_hooks, f_users, n_followers);
 }
 static kvc_status a_forward_batch(void *const *ds, int32_t B, const int32_t *ids, const int64_t *pos, float *logits) {
+    DEVICE_LOCK();
     KVC_TRY(ensure_init());
     return forward_batch((DSess *const *)ds, B, ids, pos, logits);
 }
 static kvc_status a_score(void *ds, const kvc_dev_ctx *ctx, const kvc_press_config *cfg, int32_t layer) {
+    DEVICE_LOCK();
     return sess_score((DSess *)ds, ctx, cfg, layer);
 }
 static kvc_status a_probe_score(void *ds, int32_t layer, const float *qa, int64_t p, const int64_t *real,
                                 int32_t kernel) {
+    DEVICE_LOCK();
     return sess_probe_score((DSess *)ds, layer, qa, p, real, kernel);
 }
 static kvc_status a_scores_to_host(void *ds, int32_t layer, const int64_t *lens, float *const *out) {
+    DEVICE_LOCK();
     return sess_scores_to_host((DSess *)ds, layer, lens, out);
 }
 static kvc_status a_select_topk(void *ds, int32_t layer, const int64_t *lens, const int64_t *k, int64_t *const *keep,
                                 int64_t *n_keep) {
+    DEVICE_LOCK();
     return sess_select_topk((DSess *)ds, layer, lens, k, keep, n_keep);
 }
 static kvc_status a_compact(void *ds, int32_t layer, const int64_t *const *keep, const int64_t *n_keep, int64_t reserve) {
+    DEVICE_LOCK();
     return sess_compact((DSess *)ds, layer, keep, n_keep, reserve);
 }
 static kvc_status a_download_layer(void *ds, int32_t layer, float *const *k, float *const *v) {
+    DEVICE_LOCK();
     return sess_download_layer((DSess *)ds, layer, k, v);
 }
 

@@ -100,9 +100,9 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
             const float m_new = fmaxf(m_old, mx);
             float sum = 0.f;
             for (int c = c_half; c < c_half + BC / 2; c++) {
-                const float p = m_new == -INFINITY ? 0.f : __expf(srow[c] - m_new);
-                prow[c] = __float2bfloat16(p);
-                sum += p;
+                const bf16 p = __float2bfloat16(m_new == -INFINITY ? 0.f : __expf(srow[c] - m_new));
+                prow[c] = p;
+                sum += __bfloat162float(p); /* the normaliser of the weights P V actually uses */
             }
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             const float corr = m_old == -INFINITY ? 0.f : __expf(m_old - m_new);

@@ -97,6 +97,8 @@ static kvc_status model_upload_impl(const kvc_model *m, DModel *dm, Buf &stage) 
         KVC_TRY(upload_f32(dm, W.attn_norm, D, &Ld.attn_norm, "attention norm"));
         KVC_TRY(upload_f32(dm, W.ffn_norm, D, &Ld.ffn_norm, "MLP norm"));
     }
+    /* the small uploads above ran on the legacy stream, which g.stream (non-blocking) does not wait for */
+    CU_TRY(cudaDeviceSynchronize(), "weight upload");
     return KVC_OK;
 }
 
@@ -167,7 +169,8 @@ kvc_status session_new(DModel *dm, DSess **out) {
 }
 
 void session_clear(DSess *s) {
-    if (!s) return;
+    if (!s || !s->len || !s->cap || !s->len32 || !s->pos || !s->arena || !s->arena_bytes || !s->kh || !s->vh)
+        return; /* a session whose creation ran out of host memory holds no cache */
     cudaStreamSynchronize(g.stream);
     for (int32_t l = 0; l < s->L; l++) {
         if (s->arena[l]) dfree(s->arena[l], s->arena_bytes[l], MEM_CACHE);
@@ -404,16 +407,17 @@ static kvc_status layer_forward(DSess *s, int32_t l, int64_t n, int64_t pos0, kv
     }
     KVC_TRY(gemm(att, qd, W.wo, qd, o, D, 0, n, D, qd, 0.f));
 
-    if (n > 1 && (hook || nf > 0)) {
+    if (hook || nf > 0) {
+        /* presses act on prefills only (n > 1); followers take this layer's rows for any n */
         kvc_dev_ctx ctx;
         ctx.c = {s, l, n, qkv, ldq, att, o, x};
-        if (hook) KVC_TRY(hook(hook_user, s, &ctx, l, n, past));
+        if (hook && n > 1) KVC_TRY(hook(hook_user, s, &ctx, l, n, past));
         for (int32_t i = 0; i < nf; i++) {
             DSess *f = fol[i];
             int64_t fpast[KVC_MAX_KV];
             KVC_TRY(append_rows(f, l, qkv, ldq, qd, qd + kd, n, pos0, fpast));
             KVC_TRY(upload_lens(f, l));
-            if (fh && fh[i]) KVC_TRY(fh[i](fu ? fu[i] : nullptr, f, &ctx, l, n, fpast));
+            if (n > 1 && fh && fh[i]) KVC_TRY(fh[i](fu ? fu[i] : nullptr, f, &ctx, l, n, fpast));
         }
     }
 
@@ -591,9 +595,19 @@ kvc_status forward(DSess *s, const int32_t *ids, int64_t n_ids, const float *emb
             return st;
         }
     }
-    if (lrows > 0) KVC_TRY(logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits));
-    CU_TRY(cudaStreamSynchronize(g.stream), "forward");
-    return KVC_OK;
+    /* every layer holds the new rows now: a failure from here on must drop them too */
+    kvc_status st = lrows > 0 ? logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits) : KVC_OK;
+    if (st == KVC_OK) {
+        const cudaError_t e = cudaStreamSynchronize(g.stream);
+        if (e != cudaSuccess) st = cuda_fail(e, "forward");
+    }
+    if (st != KVC_OK) {
+        cudaStreamSynchronize(g.stream);
+        cudaGetLastError();
+        rollback(s, s->L - 1, pos0);
+        for (int32_t i = 0; i < nf; i++) rollback(fol[i], s->L - 1, pos0);
+    }
+    return st;
 }
 
 /* One token for each of B sessions: the weight GEMMs run once on B rows; append and attention per
@@ -647,9 +661,17 @@ kvc_status forward_batch(DSess *const *ss, int32_t B, const int32_t *ids, const 
         for (int32_t i = 0; i < B; i++) rollback(ss[i], l - 1, pos[i]);
         return st;
     }
-    KVC_TRY(logits_out(s, 0, B, logits));
-    CU_TRY(cudaStreamSynchronize(g.stream), "forward");
-    return KVC_OK;
+    st = logits_out(s, 0, B, logits);
+    if (st == KVC_OK) {
+        const cudaError_t e = cudaStreamSynchronize(g.stream);
+        if (e != cudaSuccess) st = cuda_fail(e, "forward");
+    }
+    if (st != KVC_OK) {
+        cudaStreamSynchronize(g.stream);
+        cudaGetLastError();
+        for (int32_t i = 0; i < B; i++) rollback(ss[i], ss[i]->L - 1, pos[i]);
+    }
+    return st;
 }
 
 } // namespace kvc

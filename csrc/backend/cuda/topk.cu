@@ -16,7 +16,7 @@ __global__ void topk_prepare_kernel(const float *__restrict__ s, int64_t n, floa
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         float v = s[i];
         if (isnan(v)) v = -INFINITY;
-        if (v == 0.f) v = 0.f; /* -0 -> +0 */
+        if ((__float_as_uint(v) << 1) == 0u) v = 0.f; /* -0 -> +0 (a bit test: no flag may fold it away) */
         keys[i] = v;
         rows[i] = (int32_t)i;
         flags[i] = 0;
