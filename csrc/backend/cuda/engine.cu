@@ -364,6 +364,20 @@ static kvc_status append_rows(DSess *s, int32_t l, const bf16 *src, int64_t ld, 
     return KVC_OK;
 }
 
+/* The end of a forward call: wait for the stream; after a failure (st, or the wait's), drain the stream
+ * and clear its error so that the session can be used again. */
+static kvc_status end_call(kvc_status st) {
+    if (st == KVC_OK) {
+        const cudaError_t e = cudaStreamSynchronize(g.stream);
+        if (e != cudaSuccess) st = cuda_fail(e, "forward");
+    }
+    if (st != KVC_OK) {
+        cudaStreamSynchronize(g.stream);
+        cudaGetLastError();
+    }
+    return st;
+}
+
 /* drop rows at positions >= pos0 from layers 0..last (a failed call must lose nothing) */
 static void rollback(DSess *s, int32_t last, int64_t pos0) {
     for (int32_t l = 0; l <= last && l < s->L; l++) {
@@ -585,27 +599,14 @@ kvc_status forward(DSess *s, const int32_t *ids, int64_t n_ids, const float *emb
                                g.stream),
                "input embeddings");
     KVC_TRY(iota64(s->posd.as<int64_t>(), pos0, n));
-    for (int32_t l = 0; l < s->L; l++) {
-        kvc_status st = layer_forward(s, l, n, pos0, hook, hook_user, fol, fh, fu, nf);
-        if (st != KVC_OK) {
-            cudaStreamSynchronize(g.stream);
-            cudaGetLastError();
-            rollback(s, l, pos0);
-            for (int32_t i = 0; i < nf; i++) rollback(fol[i], l, pos0);
-            return st;
-        }
-    }
-    /* every layer holds the new rows now: a failure from here on must drop them too */
-    kvc_status st = lrows > 0 ? logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits) : KVC_OK;
-    if (st == KVC_OK) {
-        const cudaError_t e = cudaStreamSynchronize(g.stream);
-        if (e != cudaSuccess) st = cuda_fail(e, "forward");
-    }
+    kvc_status st = KVC_OK;
+    int32_t l = 0; /* the layers 0..l hold rows of this call (a failed layer may hold some) */
+    for (; l < s->L && st == KVC_OK; l++) st = layer_forward(s, l, n, pos0, hook, hook_user, fol, fh, fu, nf);
+    if (st == KVC_OK && lrows > 0) st = logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits);
+    st = end_call(st);
     if (st != KVC_OK) {
-        cudaStreamSynchronize(g.stream);
-        cudaGetLastError();
-        rollback(s, s->L - 1, pos0);
-        for (int32_t i = 0; i < nf; i++) rollback(fol[i], s->L - 1, pos0);
+        rollback(s, l - 1, pos0);
+        for (int32_t i = 0; i < nf; i++) rollback(fol[i], l - 1, pos0);
     }
     return st;
 }
@@ -655,22 +656,10 @@ kvc_status forward_batch(DSess *const *ss, int32_t B, const int32_t *ids, const 
         if (st == KVC_OK) st = swiglu(gu, B, F);
         if (st == KVC_OK) st = gemm(gu, 2 * F, W.wdown, F, x, D, 1, B, D, F, 1.f);
     }
-    if (st != KVC_OK) {
-        cudaStreamSynchronize(g.stream);
-        cudaGetLastError();
+    if (st == KVC_OK) st = logits_out(s, 0, B, logits);
+    st = end_call(st);
+    if (st != KVC_OK)
         for (int32_t i = 0; i < B; i++) rollback(ss[i], l - 1, pos[i]);
-        return st;
-    }
-    st = logits_out(s, 0, B, logits);
-    if (st == KVC_OK) {
-        const cudaError_t e = cudaStreamSynchronize(g.stream);
-        if (e != cudaSuccess) st = cuda_fail(e, "forward");
-    }
-    if (st != KVC_OK) {
-        cudaStreamSynchronize(g.stream);
-        cudaGetLastError();
-        for (int32_t i = 0; i < B; i++) rollback(ss[i], ss[i]->L - 1, pos[i]);
-    }
     return st;
 }
 
