@@ -92,6 +92,19 @@ int kvc_cpu_threads(void);
  * exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by its Taylor series to degree 7
  * (truncation error < 1e-8 relative, below fp32 rounding). Inputs below -87.3 give exactly 0 (so a
  * masked score of -inf contributes nothing); inputs above 88.7 are clamped to it (about 3.3e38). */
+/* r = x - n ln2 (ln2 split in two parts), then p = e^r in Horner form, for vectors of either width */
+#define KVC_EXP_REDUCE_TAYLOR(FMA, FNMA, SET1, x, n, r, p)  \
+    r = FNMA(n, SET1(0.693359375f), x);                      \
+    r = FNMA(n, SET1(-2.12194440e-4f), r);                   \
+    p = SET1(1.f / 5040.f);                                  \
+    p = FMA(p, r, SET1(1.f / 720.f));                        \
+    p = FMA(p, r, SET1(1.f / 120.f));                        \
+    p = FMA(p, r, SET1(1.f / 24.f));                         \
+    p = FMA(p, r, SET1(1.f / 6.f));                          \
+    p = FMA(p, r, SET1(0.5f));                               \
+    p = FMA(p, r, SET1(1.f));                                \
+    p = FMA(p, r, SET1(1.f))
+
 #if defined(__AVX512F__)
 static inline __m512 kvc_exp512(__m512 x) {
     const __m512 lo = _mm512_set1_ps(-87.3f), hi = _mm512_set1_ps(88.7f);
@@ -99,16 +112,8 @@ static inline __m512 kvc_exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x); /* ln2 split in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512 r, p;
+    KVC_EXP_REDUCE_TAYLOR(_mm512_fmadd_ps, _mm512_fnmadd_ps, _mm512_set1_ps, x, n, r, p);
     return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_scalef_ps(p, n));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -119,16 +124,8 @@ static inline __m256 kvc_exp256(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256 r, p;
+    KVC_EXP_REDUCE_TAYLOR(_mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_set1_ps, x, n, r, p);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
