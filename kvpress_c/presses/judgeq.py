@@ -61,13 +61,20 @@ class _QueryRowsPress(BasePress):
                 "budget": int(self.budget or 0), "kernel": self.kernel_size, "pool_max": int(self.pooling == "max"),
                 "gqa_max": int(self.gqa_reduce == "max"), "drop_window": 1}
 
-    def _prefill_with_rows(self, session, ids, n_extra: int, ids_extra=None, embeddings=None):
+    def _prefill_with_rows(self, session, ids, n_extra: int, ids_extra=None, embeddings=None, n_prompt=None):
+        """Forward `ids` then the n_extra rows with the press attached (its window = the extra rows),
+        detach it and continue at position n_prompt: len(ids), or given when `ids` is empty because the
+        session already holds the prompt. Returns the logits of the last prompt token (None then)."""
         ids = np.asarray(ids, dtype=np.int32)
-        session.set_press(window=n_extra, **self.c_config())
+        n_prompt = len(ids) if n_prompt is None else n_prompt
         all_ids = ids if ids_extra is None else np.concatenate([ids, np.asarray(ids_extra, dtype=np.int32)])
-        logits = session.forward(all_ids, logits=len(ids) - 1, embeddings=embeddings)
-        session.set_press(None)
-        session.set_position(len(ids))
+        session.set_press(window=n_extra, **self.c_config())
+        try:
+            logits = session.forward(all_ids if len(all_ids) else None, embeddings=embeddings,
+                                     logits=len(ids) - 1 if len(ids) else "none")
+        finally:
+            session.set_press(None)
+        session.set_position(n_prompt)
         return logits
 
 
@@ -123,12 +130,7 @@ class JudgeQPress(_QueryRowsPress):
         """The soft rows run after the n prompt tokens of a full cache; the press scores with their
         queries and keeps the top prompt tokens; the soft rows go. Same cache as prefill()."""
         self._check_width(config)
-        session.set_press(window=self.n_soft, **self.c_config())
-        try:
-            session.forward(None, logits="none", embeddings=self.soft_embeddings)
-        finally:
-            session.set_press(None)
-        session.set_position(n)
+        self._prefill_with_rows(session, [], self.n_soft, embeddings=self.soft_embeddings, n_prompt=n)
 
 
 @dataclass

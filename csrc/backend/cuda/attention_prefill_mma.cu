@@ -114,9 +114,8 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
         float sum0 = 0.f, sum1 = 0.f;
         for (int nt = 0; nt < MBC / 8; nt++)
             for (int e = 0; e < 2; e++) {
-                /* rounded to bf16 here, as P V will use them, so that l sums the same weights */
-                s[nt][e] = mn0 == -INFINITY ? 0.f : __bfloat162float(__float2bfloat16(exp2f(s[nt][e] - mn0)));
-                s[nt][2 + e] = mn1 == -INFINITY ? 0.f : __bfloat162float(__float2bfloat16(exp2f(s[nt][2 + e] - mn1)));
+                s[nt][e] = mn0 == -INFINITY ? 0.f : exp2f(s[nt][e] - mn0);
+                s[nt][2 + e] = mn1 == -INFINITY ? 0.f : exp2f(s[nt][2 + e] - mn1);
                 sum0 += s[nt][e];
                 sum1 += s[nt][2 + e];
             }

@@ -600,7 +600,7 @@ kvc_status forward(DSess *s, const int32_t *ids, int64_t n_ids, const float *emb
                "input embeddings");
     KVC_TRY(iota64(s->posd.as<int64_t>(), pos0, n));
     kvc_status st = KVC_OK;
-    int32_t l = 0; /* the layers 0..l hold rows of this call (a failed layer may hold some) */
+    int32_t l = 0; /* afterwards the layers < l hold rows of this call (a failed one may hold some) */
     for (; l < s->L && st == KVC_OK; l++) st = layer_forward(s, l, n, pos0, hook, hook_user, fol, fh, fu, nf);
     if (st == KVC_OK && lrows > 0) st = logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits);
     st = end_call(st);
