@@ -76,8 +76,9 @@ class Pipeline:
         Presses that act after each layer (every scorer press, Ada-KV, ChunkKV, EDIE/TADA...) share
         a single prefill: the forward runs once and each press compresses its own copy of every
         layer's K/V (Session.forward_shared), which gives the same caches as separate runs at the
-        cost of one. Judge Q takes a full copy and runs only its soft rows after it (each such press
-        holds a full cache until then). Presses that change the forward (TAKE) run their own prefill."""
+        cost of one. Judge Q, and TAKE on a prompt of one chunk, take a full copy and run only their
+        soft rows or probes after it (each such press holds a full cache until then). TAKE on a longer
+        prompt changes the forward itself and runs its own prefill."""
         if questions is None:
             questions = [question]
         elif question:
@@ -106,8 +107,8 @@ class Pipeline:
         return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores)
 
     @staticmethod
-    def _shares_prefill(press) -> bool:
-        return press is None or press.is_noop or press.compresses_full_cache or (
+    def _shares_prefill(press, ids, question_ids=None) -> bool:
+        return press is None or press.is_noop or press.compresses_full_cache(ids, question_ids) or (
             press.attach_to_session and type(press).prefill is BasePress.prefill)
 
     def _session(self, press, record_scores: bool):
@@ -120,8 +121,9 @@ class Pipeline:
         """Yield (press index, (session, logits, prefill_s, n_prompt)) for every press."""
         arr = np.asarray(ids, dtype=np.int32)
         cfg = self.model.config
-        shared = [k for k, p in enumerate(presses) if self._shares_prefill(p)]
-        if len(shared) == 1 and presses[shared[0]] is not None and presses[shared[0]].compresses_full_cache:
+        shared = [k for k, p in enumerate(presses) if self._shares_prefill(p, arr, question_ids)]
+        lone = presses[shared[0]] if len(shared) == 1 else None
+        if lone is not None and lone.compresses_full_cache(arr, question_ids):
             shared = []  # alone, its own prefill is as fast and holds one full cache, not two
         if shared:
             sessions = {k: self._session(presses[k], record) for k in shared}
@@ -138,9 +140,9 @@ class Pipeline:
                 logits = leader.forward(arr, logits="last")
             prefill_s = time.perf_counter() - t0
             for k in followers:
-                if presses[k].compresses_full_cache:  # the follower took the full cache: compress it now
+                if presses[k].compresses_full_cache(arr, question_ids):  # it took the full cache: compress it now
                     t1 = time.perf_counter()
-                    presses[k].compress_full_cache(sessions[k], len(arr), cfg)
+                    presses[k].compress_full_cache(sessions[k], arr, cfg, question_ids)
                     extra[k] = time.perf_counter() - t1
                 else:
                     presses[k].after_prefill(sessions[k], len(arr), cfg)

@@ -637,13 +637,13 @@ static PyObject *Session_press_layer_stats(SessionObject *self, PyObject *args) 
 
 static PyObject *Session_prefill_take(SessionObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"ids", "probe_ids", "budget", "chunk_size", "warmup_budget", "warmup_layers", "kernel",
-                             "alpha", "delayed", "inner", NULL};
+                             "alpha", "delayed", "inner", "prompt_cached", NULL};
     PyObject *ids_obj, *probe_obj, *inner = Py_None;
     kvc_take_config c;
     kvc_take_config_defaults(&c);
     long long budget, chunk = c.chunk_size, warm = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOL|LLiifpO", kwlist, &ids_obj, &probe_obj, &budget, &chunk, &warm,
-                                     &c.warmup_layers, &c.kernel, &c.alpha, &c.delayed, &inner))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOL|LLiifpOp", kwlist, &ids_obj, &probe_obj, &budget, &chunk, &warm,
+                                     &c.warmup_layers, &c.kernel, &c.alpha, &c.delayed, &inner, &c.prompt_cached))
         return NULL;
     if (check_session(self) < 0) return NULL;
     c.budget = budget;
@@ -706,6 +706,10 @@ static PyObject *Session_prefill_take(SessionObject *self, PyObject *args, PyObj
         Py_DECREF(logits);
         return raise_status(st);
     }
+    if (c.prompt_cached) {
+        Py_DECREF(logits);
+        Py_RETURN_NONE;
+    }
     return (PyObject *)logits;
 }
 
@@ -751,7 +755,9 @@ static PyMethodDef Session_methods[] = {
     {"press_layer_stats", (PyCFunction)Session_press_layer_stats, METH_VARARGS, "press_layer_stats(layer) -> (E_internal, 1 - cos(R, R+O))."},
     {"prefill_take", (PyCFunction)(void (*)(void))Session_prefill_take, METH_VARARGS | METH_KEYWORDS,
      "prefill_take(ids, probe_ids, budget, chunk_size=4096, warmup_budget=0, warmup_layers=-1, kernel=7,\n"
-     "alpha=0.2, delayed=True, inner=None): TAKE chunked prefill; returns the last token's logits."},
+     "alpha=0.2, delayed=True, inner=None, prompt_cached=False): TAKE chunked prefill; returns the last token's\n"
+     "logits. prompt_cached: the session holds the prompt's full cache (one chunk): run only the probes, evict\n"
+     "and return None."},
     {"truncate", (PyCFunction)Session_truncate, METH_VARARGS, "truncate(lengths[L, Hkv], position): cut the cache back."},
     {NULL, NULL, 0, NULL}};
 

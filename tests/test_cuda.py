@@ -529,20 +529,24 @@ def test_sessions_on_two_threads_match_one_at_a_time(model_pair, rng):
 
 
 @needs_gpu
-def test_judgeq_on_a_shared_prefill_matches_its_own_prefill(model_pair, rng):
+@pytest.mark.parametrize("kind", ["judgeq", "take"])
+def test_a_press_on_a_shared_prefill_matches_its_own_prefill(model_pair, rng, kind):
     _, _, gpu = model_pair
     cfg = gpu.config
     ids = rng.integers(3, cfg["vocab"], size=300).astype(np.int32)
-    soft = rng.normal(0, 1, size=(8, cfg["hidden"])).astype(np.float32)
-    presses = [kvpress_c.JudgeQPress(soft_embeddings=soft, budget=b) for b in (32, 100)]
+    if kind == "judgeq":
+        soft = rng.normal(0, 1, size=(8, cfg["hidden"])).astype(np.float32)
+        presses = [kvpress_c.JudgeQPress(soft_embeddings=soft, budget=b) for b in (32, 100)]
+    else:
+        presses = [kvpress_c.TAKEPress(budget=b, probe=rng.integers(3, cfg["vocab"], size=8)) for b in (32, 100)]
     leader, followers = gpu.new_session(), [gpu.new_session() for _ in presses]
     leader.forward_shared(ids, followers)
     for p, f in zip(presses, followers):
-        p.compress_full_cache(f, len(ids), cfg)
+        p.compress_full_cache(f, ids, cfg)
         alone = gpu.new_session()
         p.prefill(alone, ids, cfg)
         assert f.position == alone.position == len(ids)
-        # the soft rows' GEMMs run on 8 rows here and on 308 there (other cuBLAS algorithms, other bf16
+        # the extra rows' GEMMs run on 8 rows here and on 308 there (other cuBLAS algorithms, other bf16
         # roundings), so near-ties may fall the other way: the kept sets agree up to those
         overlap = []
         for l in range(cfg["n_layers"]):

@@ -76,11 +76,12 @@ def test_run_many_equals_one_press_at_a_time(default_model):
     from kvpress_c.demo import needle_prompt
     context, question, _ = needle_prompt(default_model, n_tokens=500, seed=3)
     pipe = kvpress_c.Pipeline(default_model)
-    judgeq = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64)]  # shares via its soft rows
+    # these two share the prefill through a full-cache copy (soft rows; probes of a one-chunk prompt)
+    full_copy = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64), kvpress_c.TAKEPress(budget=64)]
     for aware in (False, True):
-        presses = _presses() + judgeq()
+        presses = _presses() + full_copy()
         many = pipe.run_many(context, question, presses=presses, max_new_tokens=8, query_aware=aware)
-        for press, res in zip(_presses() + judgeq(), many):
+        for press, res in zip(_presses() + full_copy(), many):
             one = pipe(context, question, press=press, max_new_tokens=8, query_aware=aware)
             assert res.answers == one.answers, (press, aware)
             assert res.stats["kept_tokens_total"] == one.stats["kept_tokens_total"], (press, aware)
@@ -168,16 +169,26 @@ def test_forward_batch_equals_one_session_at_a_time(tiny, rng):
         _core.forward_batch(["x"], [1])
 
 
-def test_judgeq_on_a_shared_prefill_equals_its_own_prefill(tiny, rng):
-    """Judge Q's soft rows run after a shared prefill, on a copy of the full cache: the same kept
-    tokens and decode logits as its own prefill of prompt + soft rows (the prompt's K/V do not depend
-    on the soft tokens), for several budgets from one forward."""
+def _full_cache_presses(kind, cfg, rng):
+    if kind == "judgeq":
+        soft = rng.normal(0, 1, size=(6, cfg["hidden"])).astype(np.float32)
+        return [kvpress_c.JudgeQPress(soft_embeddings=soft, budget=b) for b in (20, 40, 90)]
+    probe = rng.integers(0, cfg["vocab"], size=7).astype(np.int32)
+    return [kvpress_c.TAKEPress(budget=b, probe=probe, kernel_size=3) for b in (20, 40, 90)] + \
+        [kvpress_c.TAKEPress(budget=30, warmup_layers=1), kvpress_c.TAKEPress(budget=30, delayed=False, alpha=0.5)]
+
+
+@pytest.mark.parametrize("kind", ["judgeq", "take"])
+def test_a_press_on_a_shared_prefill_equals_its_own_prefill(tiny, rng, kind):
+    """Judge Q's soft rows, or TAKE's probes on a one-chunk prompt, run after a shared prefill on a
+    copy of the full cache: the same kept tokens and decode logits as the press's own prefill of
+    prompt + extra rows (the prompt's K/V do not depend on rows after it), several budgets from one
+    forward."""
     cfg = tiny.config
     ids = rng.integers(0, cfg["vocab"], size=160).astype(np.int32)
     step = rng.integers(0, cfg["vocab"], size=3).astype(np.int32)
-    soft = rng.normal(0, 1, size=(6, cfg["hidden"])).astype(np.float32)
-    presses = [kvpress_c.JudgeQPress(soft_embeddings=soft, budget=b) for b in (20, 40, 90)]
-    assert all(p.compresses_full_cache for p in presses)
+    presses = _full_cache_presses(kind, cfg, rng)
+    assert all(p.compresses_full_cache(ids) for p in presses)
     own = []
     for p in presses:
         s = tiny.new_session()
@@ -188,19 +199,55 @@ def test_judgeq_on_a_shared_prefill_equals_its_own_prefill(tiny, rng):
     logits = leader.forward_shared(ids, followers)
     for p, f, (own_logits, pos, step_logits) in zip(presses, followers, own):
         np.testing.assert_allclose(logits, own_logits, rtol=0, atol=1e-5)
-        p.compress_full_cache(f, len(ids), cfg)
+        p.compress_full_cache(f, ids, cfg)
         assert f.position == len(ids)
         got = _positions(f, cfg)
         for l in range(cfg["n_layers"]):
             for h in range(cfg["n_kv_heads"]):
                 assert len(got[l][h]) == p.budget
-                np.testing.assert_array_equal(got[l][h], pos[l][h], err_msg=f"budget {p.budget} layer {l} head {h}")
+                np.testing.assert_array_equal(got[l][h], pos[l][h], err_msg=f"{p} layer {l} head {h}")
         np.testing.assert_allclose(f.forward(step, logits="all"), step_logits, rtol=0, atol=1e-4)
-    # the pipeline takes this path when Judge Q shares a sample with other presses
-    pipe = kvpress_c.Pipeline(tiny)
-    assert pipe._shares_prefill(presses[0])
-    one = kvpress_c.JudgeQPress(soft_embeddings=soft[:1], budget=20)
-    assert not one.compresses_full_cache  # a single soft row would read as a decode step to the press hook
+    # the pipeline takes this path when the press shares a sample with other presses
+    assert kvpress_c.Pipeline._shares_prefill(presses[0], ids)
+
+
+def test_when_a_press_cannot_share_the_prefill(tiny, rng):
+    cfg = tiny.config
+    ids = rng.integers(0, cfg["vocab"], size=160).astype(np.int32)
+    soft = rng.normal(0, 1, size=(1, cfg["hidden"])).astype(np.float32)
+    # a single soft row or probe would read as a decode step to the press hook
+    assert not kvpress_c.JudgeQPress(soft_embeddings=soft, budget=20).compresses_full_cache(ids)
+    assert not kvpress_c.TAKEPress(budget=20, probe=[5]).compresses_full_cache(ids)
+    assert not kvpress_c.TAKEPress(budget=20).compresses_full_cache(ids, question_ids=[5])
+    assert kvpress_c.TAKEPress(budget=20).compresses_full_cache(ids, question_ids=[5, 6])
+    # a prompt of several chunks: later chunks attend only to the pruned past, so TAKE changes the forward
+    take = kvpress_c.TAKEPress(budget=20, chunk_size=100)
+    assert not take.compresses_full_cache(ids) and not kvpress_c.Pipeline._shares_prefill(take, ids)
+
+
+def test_take_on_a_cache_it_cannot_use_is_an_error(tiny, rng):
+    """prompt_cached checks the session really holds the prompt's full cache; a refusal loses nothing."""
+    cfg = tiny.config
+    ids = rng.integers(0, cfg["vocab"], size=120).astype(np.int32)
+    probe = ids[-6:]
+    s = tiny.new_session()
+    s.forward(ids, logits="none")
+    with pytest.raises(ValueError, match="more than one chunk"):
+        s.prefill_take(ids, probe, 30, chunk_size=100, prompt_cached=True)
+    with pytest.raises(ValueError, match="at least 2 probe tokens"):
+        s.prefill_take(ids, probe[:1], 30, prompt_cached=True)
+    with pytest.raises(ValueError, match="full cache of the 100 prompt tokens"):
+        s.prefill_take(ids[:100], probe, 30, prompt_cached=True)
+    assert s.position == len(ids) and s.cache_lengths().min() == s.cache_lengths().max() == len(ids)
+    compressed = tiny.new_session()
+    compressed.set_press(**kvpress_c.SnapKVPress(budget=40, window_size=8).c_config())
+    compressed.forward(ids, logits="none")
+    compressed.set_press(None)
+    with pytest.raises(ValueError, match="full cache"):
+        compressed.prefill_take(ids, probe, 30, prompt_cached=True)
+    assert compressed.cache_lengths().max() == 40
+    assert s.prefill_take(ids, probe, 30, prompt_cached=True) is None
+    assert s.position == len(ids) and s.cache_lengths().max() == 30
 
 
 def test_a_window_longer_than_the_forward_call_is_an_error(tiny, rng):

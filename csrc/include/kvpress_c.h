@@ -263,11 +263,14 @@ typedef struct kvc_take_config {
     int64_t n_probe;
     int32_t use_inner;         /* 1: score with `inner` (its window = the probes) instead of probe attention */
     kvc_press_config inner;
+    int32_t prompt_cached;     /* 1: the session already holds the n prompt tokens, uncompressed (a shared
+                                * prefill; needs n <= chunk_size): only the probes run, then the eviction */
 } kvc_take_config;
 
 KVC_API void kvc_take_config_defaults(kvc_take_config *cfg);
 /* Prefill n tokens chunk by chunk, evicting after every chunk; logits of the last prompt token go
- * to `logits` ([vocab], may be NULL). The session must be empty or hold a compressed past. */
+ * to `logits` ([vocab], may be NULL; not written when cfg->prompt_cached). The session must be
+ * empty or hold a compressed past, or with prompt_cached hold exactly the n tokens' full cache. */
 KVC_API kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n,
                                             const kvc_take_config *cfg, float *logits);
 

@@ -245,6 +245,21 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
         if (cfg.probe_ids[i] < 0 || cfg.probe_ids[i] >= mc->vocab) return kvc_fail(KVC_ERR_ARG, "probe token %d outside the vocabulary", cfg.probe_ids[i]);
     if (cfg.use_inner && cfg.inner.allocation != KVC_ALLOC_UNIFORM)
         return kvc_fail(KVC_ERR_ARG, "inside TAKE the layer budgets come from TAKE: use a plain scorer press");
+    if (cfg.prompt_cached) {
+        /* one chunk whose forward already ran (shared prefill): its K/V do not depend on the probes,
+         * which come after it, so running only the probes now gives the cache of the one-call chunk */
+        if (n > cfg.chunk_size)
+            return kvc_fail(KVC_ERR_ARG, "prompt_cached: a %lld-token prompt is more than one chunk (%lld): "
+                            "run the chunked prefill", (long long)n, (long long)cfg.chunk_size);
+        if (cfg.n_probe < 2)
+            return kvc_fail(KVC_ERR_ARG, "prompt_cached needs at least 2 probe tokens (one token is a decode step)");
+        int full = kvc_session_position(s) == n;
+        for (int32_t l = 0; full && l < mc->n_layers; l++)
+            for (int32_t h = 0; full && h < mc->n_kv_heads; h++) full = kvc_session_cache_len(s, l, h) == n;
+        if (!full)
+            return kvc_fail(KVC_ERR_ARG, "prompt_cached: the session must hold the full cache of the %lld prompt "
+                            "tokens and nothing else", (long long)n);
+    }
 
     take_state t = {&cfg, mc->n_layers, mc->n_heads, mc->n_kv_heads, mc->head_dim, NULL, NULL, 0};
     const size_t qa_floats = (size_t)t.L * cfg.n_probe * t.H * t.d;
@@ -260,7 +275,13 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
     s->hook = take_hook;
     s->hook_user = &t;
     s->hook_free = NULL;
-    for (int64_t start = 0; start < n && st == KVC_OK; start += cfg.chunk_size) {
+    if (st == KVC_OK && cfg.prompt_cached) {
+        const int64_t pos0 = s->pos;
+        t.last_chunk = 1;
+        st = kvc_forward_ex(s, cfg.probe_ids, cfg.n_probe, NULL, 0, KVC_ROW_NONE, NULL);
+        if (st == KVC_OK) s->pos = pos0;
+    }
+    for (int64_t start = 0; start < n && st == KVC_OK && !cfg.prompt_cached; start += cfg.chunk_size) {
         const int64_t len = n - start < cfg.chunk_size ? n - start : cfg.chunk_size;
         t.last_chunk = start + len == n;
         memcpy(buf, ids + start, sizeof(int32_t) * (size_t)len);

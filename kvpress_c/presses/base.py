@@ -45,12 +45,14 @@ class BasePress:
     def after_prefill(self, session, n: int, config: dict) -> None:
         """Called after the compressed prefill (e.g. to update running statistics)."""
 
-    #: presses that change the prefill but can instead compress a full-cache copy of a shared prefill
-    #: afterwards (compress_full_cache): the pipeline then runs one forward for them and the others
-    compresses_full_cache = False
+    def compresses_full_cache(self, ids, question_ids=None) -> bool:
+        """True when this press, which changes the prefill, can instead compress a full-cache copy of
+        a shared prefill of `ids` afterwards (compress_full_cache) with the same result: the pipeline
+        then runs one forward for it and the other presses."""
+        return False
 
-    def compress_full_cache(self, session, n: int, config: dict) -> None:
-        """Compress a session that holds the full cache of an n-token prompt, as prefill() would have."""
+    def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:
+        """Compress a session that holds the full cache of the prompt `ids`, as prefill() would have."""
         raise NotImplementedError
 
     @property

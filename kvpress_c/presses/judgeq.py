@@ -120,17 +120,16 @@ class JudgeQPress(_QueryRowsPress):
         self._check_width(config)
         return self._prefill_with_rows(session, ids, self.n_soft, embeddings=self.soft_embeddings)
 
-    @property
-    def compresses_full_cache(self) -> bool:
+    def compresses_full_cache(self, ids, question_ids=None) -> bool:
         # the prompt's K/V do not depend on the soft tokens, so the soft rows can run after a shared
         # prefill, on a copy of its full cache (the press hook treats a 1-row call as decoding)
         return self.n_soft >= 2
 
-    def compress_full_cache(self, session, n: int, config: dict) -> None:
-        """The soft rows run after the n prompt tokens of a full cache; the press scores with their
-        queries and keeps the top prompt tokens; the soft rows go. Same cache as prefill()."""
+    def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:
+        """The soft rows run after the prompt's full cache; the press scores with their queries and
+        keeps the top prompt tokens; the soft rows go. Same cache as prefill()."""
         self._check_width(config)
-        self._prefill_with_rows(session, [], self.n_soft, embeddings=self.soft_embeddings, n_prompt=n)
+        self._prefill_with_rows(session, [], self.n_soft, embeddings=self.soft_embeddings, n_prompt=len(ids))
 
 
 @dataclass

@@ -72,13 +72,26 @@ class TAKEPress(BasePress):
             return np.asarray(question_ids, dtype=np.int32)
         return np.asarray(ids[-self.n_probe_default:], dtype=np.int32)
 
-    def prefill(self, session, ids, config: dict, question_ids=None):
-        ids = np.asarray(ids, dtype=np.int32)
-        n = len(ids)
+    def _c_kwargs(self, n: int) -> dict:
         kwargs = dict(chunk_size=self.chunk_size, kernel=self.kernel_size, alpha=float(self.alpha),
                       delayed=bool(self.delayed),
                       warmup_budget=self.warmup_budget if self.warmup_budget is not None else self.default_warmup_budget(n),
                       warmup_layers=-1 if self.warmup_layers is None else self.warmup_layers)
         if self.press is not None:
             kwargs["inner"] = self.press.c_config()
-        return session.prefill_take(ids, self.probe_ids(ids, question_ids), self.budget, **kwargs)
+        return kwargs
+
+    def prefill(self, session, ids, config: dict, question_ids=None):
+        ids = np.asarray(ids, dtype=np.int32)
+        return session.prefill_take(ids, self.probe_ids(ids, question_ids), self.budget, **self._c_kwargs(len(ids)))
+
+    def compresses_full_cache(self, ids, question_ids=None) -> bool:
+        # a prompt of one chunk: its K/V do not depend on the probes that follow it, so the probes can
+        # run after a shared prefill on a copy of its full cache (2 or more: one row is a decode step)
+        return len(ids) <= self.chunk_size and len(self.probe_ids(ids, question_ids)) >= 2
+
+    def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:
+        """The probes run after the prompt's full cache, score it and evict: the cache prefill() gives."""
+        ids = np.asarray(ids, dtype=np.int32)
+        session.prefill_take(ids, self.probe_ids(ids, question_ids), self.budget, prompt_cached=True,
+                             **self._c_kwargs(len(ids)))
