@@ -98,7 +98,7 @@ class Pipeline:
             from . import _core
             _core.cuda_reset_peak()
         parts = [self.split_prompt(context, q, answer_prefix, chat) for q in questions]
-        per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n) per prompt
+        per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n, shared) per prompt
         prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
         for pi, ids in enumerate(prompts):
             q_ids = parts[pi][1] if query_aware else None
@@ -118,7 +118,7 @@ class Pipeline:
         return session
 
     def _prefill_all(self, ids, presses, record, question_ids):
-        """Yield (press index, (session, logits, prefill_s, n_prompt)) for every press."""
+        """Yield (press index, (session, logits, prefill_s, n_prompt, shared)) for every press."""
         arr = np.asarray(ids, dtype=np.int32)
         cfg = self.model.config
         shared = [k for k, p in enumerate(presses) if self._shares_prefill(p, arr, question_ids)]
@@ -149,16 +149,16 @@ class Pipeline:
             for k in full[1:]:  # several full-cache entries: give each its own copy
                 sessions[k].forward(arr, logits="none")
             for k in shared:
-                yield k, (sessions[k], logits, prefill_s + extra.get(k, 0.0), len(arr))
+                yield k, (sessions[k], logits, prefill_s + extra.get(k, 0.0), len(arr), True)
         for k, press in enumerate(presses):
             if k in shared:
                 continue
             session = self._session(press, record)
             t0 = time.perf_counter()
             logits = press.prefill(session, arr, cfg, question_ids=question_ids)
-            yield k, (session, logits, time.perf_counter() - t0, len(arr))
+            yield k, (session, logits, time.perf_counter() - t0, len(arr), False)
 
-    def _collect(self, session, n_prompt: int, prefill_s: float, record: bool) -> tuple:
+    def _collect(self, session, n_prompt: int, prefill_s: float, shared: bool, record: bool) -> tuple:
         cfg = self.model.config
         L, Hkv = cfg["n_layers"], cfg["n_kv_heads"]
         kept = [[session.cache_positions(l, h) for h in range(Hkv)] for l in range(L)]
@@ -176,6 +176,10 @@ class Pipeline:
             "compression_ratio": 1.0 - kept_total / (n_prompt * L * Hkv),
             "cache_bytes": session.cache_bytes,
             "peak_kv_bytes": session.peak_cache_bytes,
+            # True: this press's cache came from the sample's one shared forward (prefill_s is that
+            # forward's, plus the press's own pass for Judge Q and one-chunk TAKE, whose copies held the
+            # full cache: run such a press alone for its own peak)
+            "shared_prefill": shared,
             "prefill_s": prefill_s,
             "decode_s": 0.0,
             "new_tokens": 0,
@@ -188,7 +192,7 @@ class Pipeline:
 
     def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record):
         """Decode every press's answers together (batched decode across the presses' sessions)."""
-        collected = [self._collect(entries[0][0], entries[0][3], entries[0][2], record) for entries in per_press]
+        collected = [self._collect(s, n, t, shared, record) for s, _, t, n, shared in (e[0] for e in per_press)]
         answers = [[] for _ in per_press]
         for entries in per_press:
             for session, *_ in entries:

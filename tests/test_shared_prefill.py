@@ -85,6 +85,8 @@ def test_run_many_equals_one_press_at_a_time(default_model):
             one = pipe(context, question, press=press, max_new_tokens=8, query_aware=aware)
             assert res.answers == one.answers, (press, aware)
             assert res.stats["kept_tokens_total"] == one.stats["kept_tokens_total"], (press, aware)
+            # TAKE on 500 tokens in chunks of 64 changes the forward: its own prefill
+            assert res.stats["shared_prefill"] == (getattr(press, "chunk_size", 4096) >= 500), press
             for a, b in zip(res.kept_indices, one.kept_indices):
                 for x, y in zip(a, b):
                     np.testing.assert_array_equal(x, y)
