@@ -36,7 +36,8 @@ def default_model(default_gguf):
 
 @pytest.fixture
 def rng(request):
-    """Fresh randomness each run; the seed is printed on failure (pytest shows captured stdout)."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh randomness each run; the seed is printed on failure (pytest shows captured stdout), and
+    KVC_TEST_SEED=<seed> replays it."""
+    seed = int(os.environ.get("KVC_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"[{request.node.name}] numpy seed = {seed}")
     return np.random.default_rng(seed)

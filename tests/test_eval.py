@@ -3,6 +3,7 @@ claim to be), LongBench loading rules, resume, shards + merge, report, and a sma
 each benchmark."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -34,10 +35,15 @@ def test_niah_lengths_and_depths(pipe, haystack, rng):
         assert s["context"].count(niah.NEEDLE) == 1
         # the needle's token depth: at the sentence boundary at or before the requested depth
         book = s["context"].split("<book> ", 1)[1].rsplit(" </book>", 1)[0]
-        before, after = (len(tok.encode(part.strip())) for part in book.split(niah.NEEDLE))
+        head, tail = (part.strip() for part in book.split(niah.NEEDLE))
+        before, after = len(tok.encode(head)), len(tok.encode(tail))
         got = before / (before + after)
         assert abs(got - s["meta"]["needle_depth_tokens"]) < 0.01
-        assert d - 0.08 <= got <= d + 0.01, (n, d, got)
+        assert got <= d + 0.01, (n, d, got)
+        # ... and no sentence ends between the needle and the requested depth (in a short haystack one
+        # sentence can span a tenth of it); 2 tokens of slack for re-tokenisation at the joins
+        gap = tok.decode(tok.encode(tail)[: max(0, int(d * (before + after)) - before - 2)])
+        assert not re.search(r"[.!?]\s+|\n", gap), (n, d, got, gap)
 
 
 @pytest.mark.parametrize("length", [1024, 3000])
