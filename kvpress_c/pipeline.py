@@ -76,9 +76,9 @@ class Pipeline:
         Presses that act after each layer (every scorer press, Ada-KV, ChunkKV, EDIE/TADA...) share
         a single prefill: the forward runs once and each press compresses its own copy of every
         layer's K/V (Session.forward_shared), which gives the same caches as separate runs at the
-        cost of one. Judge Q, and TAKE on a prompt of one chunk, take a full copy and run only their
-        soft rows or probes after it (each such press holds a full cache until then). TAKE on a longer
-        prompt changes the forward itself and runs its own prefill."""
+        cost of one. Judge Q, and TAKE on a prompt of one chunk, then take a copy of the full cache, one
+        press at a time, and run only their soft rows or probes on it. TAKE on a longer prompt changes
+        the forward itself and runs its own prefill."""
         if questions is None:
             questions = [question]
         elif question:
@@ -128,9 +128,9 @@ class Pipeline:
         if shared:
             sessions = {k: self._session(presses[k], record) for k in shared}
             full = [k for k in shared if presses[k] is None or presses[k].is_noop]
+            copies = [k for k in shared if k not in full and presses[k].compresses_full_cache(arr, question_ids)]
+            followers = [k for k in shared if k not in full and k not in copies]
             leader = sessions[full[0]] if full else self.model.new_session(0)
-            followers = [k for k in shared if sessions[k] is not leader]
-            extra = {}
             for k in followers:
                 presses[k].before_prefill(sessions[k], len(arr), cfg)
             t0 = time.perf_counter()
@@ -140,14 +140,15 @@ class Pipeline:
                 logits = leader.forward(arr, logits="last")
             prefill_s = time.perf_counter() - t0
             for k in followers:
-                if presses[k].compresses_full_cache(arr, question_ids):  # it took the full cache: compress it now
-                    t1 = time.perf_counter()
-                    presses[k].compress_full_cache(sessions[k], arr, cfg, question_ids)
-                    extra[k] = time.perf_counter() - t1
-                else:
-                    presses[k].after_prefill(sessions[k], len(arr), cfg)
+                presses[k].after_prefill(sessions[k], len(arr), cfg)
+            extra = {}
+            for k in copies:  # one full copy at a time, compressed before the next is made
+                t1 = time.perf_counter()
+                sessions[k].copy_cache_from(leader)
+                presses[k].compress_full_cache(sessions[k], arr, cfg, question_ids)
+                extra[k] = time.perf_counter() - t1
             for k in full[1:]:  # several full-cache entries: give each its own copy
-                sessions[k].forward(arr, logits="none")
+                sessions[k].copy_cache_from(leader)
             for k in shared:
                 yield k, (sessions[k], logits, prefill_s + extra.get(k, 0.0), len(arr), True)
         for k, press in enumerate(presses):

@@ -615,6 +615,24 @@ static PyObject *Session_truncate(SessionObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_copy_cache_from(SessionObject *self, PyObject *src_obj) {
+    if (check_session(self) < 0) return NULL;
+    if (Py_TYPE(src_obj) != Py_TYPE(self)) {
+        PyErr_SetString(PyExc_TypeError, "copy_cache_from() takes a Session");
+        return NULL;
+    }
+    SessionObject *src = (SessionObject *)src_obj;
+    if (check_session(src) < 0) return NULL;
+    kvc_status st;
+    self->busy = src->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_copy_cache(self->session, src->session);
+    Py_END_ALLOW_THREADS
+    self->busy = src->busy = 0;
+    if (st != KVC_OK) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_layer_budgets(SessionObject *self, PyObject *arg) {
     if (check_session(self) < 0) return NULL;
     PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
@@ -758,6 +776,9 @@ static PyMethodDef Session_methods[] = {
      "alpha=0.2, delayed=True, inner=None, prompt_cached=False): TAKE chunked prefill; returns the last token's\n"
      "logits. prompt_cached: the session holds the prompt's full cache (one chunk): run only the probes, evict\n"
      "and return None."},
+    {"copy_cache_from", (PyCFunction)Session_copy_cache_from, METH_O,
+     "copy_cache_from(src): this empty session takes an exact copy of src's cache and position (same model\n"
+     "and device); its attached press stays."},
     {"truncate", (PyCFunction)Session_truncate, METH_VARARGS, "truncate(lengths[L, Hkv], position): cut the cache back."},
     {NULL, NULL, 0, NULL}};
 

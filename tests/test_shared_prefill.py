@@ -260,3 +260,39 @@ def test_a_window_longer_than_the_forward_call_is_an_error(tiny, rng):
     with pytest.raises(ValueError, match="longer than this forward call"):
         s.forward(rng.integers(0, cfg["vocab"], size=8).astype(np.int32), logits="none")
     assert s.cache_lengths().min() == 100  # nothing lost
+
+
+def test_copy_cache_from_gives_an_exact_independent_copy(tiny, rng):
+    """Session.copy_cache_from: the same rows, positions and next position as the source (a ragged
+    compressed cache here), the same logits afterwards, and errors that leave both sessions intact."""
+    cfg = tiny.config
+    ids = rng.integers(0, cfg["vocab"], size=90).astype(np.int32)
+    step = rng.integers(0, cfg["vocab"], size=3).astype(np.int32)
+    src = tiny.new_session()
+    src.set_press(**kvpress_c.AdaKVPress(kvpress_c.SnapKVPress(budget=30, window_size=8)).c_config())
+    src.forward(ids, logits="none")
+    src.set_press(None)
+    dst = tiny.new_session()
+    dst.copy_cache_from(src)
+    assert dst.position == src.position == len(ids)
+    assert len(set(src.cache_lengths().ravel().tolist())) > 1  # Ada-KV: heads of different lengths
+    np.testing.assert_array_equal(dst.cache_lengths(), src.cache_lengths())
+    for l in range(cfg["n_layers"]):
+        for h in range(cfg["n_kv_heads"]):
+            np.testing.assert_array_equal(dst.cache_positions(l, h), src.cache_positions(l, h))
+    np.testing.assert_array_equal(dst.forward(step, logits="all"), src.forward(step, logits="all"))
+    dst.forward(step[:1], logits="none")  # the copy is independent: the source does not move
+    assert src.position == len(ids) + 3 and dst.position == len(ids) + 4
+    with pytest.raises(ValueError, match="not empty"):
+        dst.copy_cache_from(src)
+    assert dst.position == len(ids) + 4
+    with pytest.raises(ValueError, match="onto itself"):
+        src.copy_cache_from(src)
+    with pytest.raises(TypeError, match="takes a Session"):
+        tiny.new_session().copy_cache_from("x")
+    empty = tiny.new_session()
+    empty.copy_cache_from(tiny.new_session())
+    assert empty.position == 0 and int(empty.cache_lengths().max()) == 0
+    other = kvpress_c.load_model(tiny.path)
+    with pytest.raises(ValueError, match="different models"):
+        other.new_session().copy_cache_from(src)

@@ -21,6 +21,7 @@ void kvc_cuda_model_release(struct kvc_model *m);
 kvc_status kvc_dev_session_new(struct kvc_session *s, int64_t capacity_hint);
 void kvc_dev_session_free(struct kvc_session *s);
 void kvc_dev_session_reset(struct kvc_session *s);
+kvc_status kvc_dev_copy_cache(struct kvc_session *dst, const struct kvc_session *src);
 int64_t kvc_dev_cache_len(const struct kvc_session *s, int32_t layer, int32_t h);
 size_t kvc_dev_cache_bytes(const struct kvc_session *s);
 size_t kvc_dev_peak_cache_bytes(const struct kvc_session *s);

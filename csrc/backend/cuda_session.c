@@ -38,6 +38,12 @@ void kvc_dev_session_reset(kvc_session *s) {
     if (a && s->dev) a->session_clear(s->dev);
 }
 
+kvc_status kvc_dev_copy_cache(kvc_session *dst, const kvc_session *src) {
+    const kvc_cuda_api *a;
+    KVC_TRY(kvc_cuda_api_get(&a));
+    return a->session_copy(dst->dev, src->dev);
+}
+
 int64_t kvc_dev_cache_len(const kvc_session *s, int32_t layer, int32_t h) { return api_of()->cache_len(s->dev, layer, h); }
 size_t kvc_dev_cache_bytes(const kvc_session *s) { return api_of()->cache_bytes(s->dev); }
 size_t kvc_dev_peak_cache_bytes(const kvc_session *s) { return api_of()->peak_cache_bytes(s->dev); }

@@ -63,11 +63,13 @@ void kvc_cache_clear(kvc_cache *c) {
 static size_t row_bytes(const kvc_cache *c) { return 2 * (size_t)c->d * sizeof(float) + sizeof(int64_t); }
 
 /* Allocate a new arena with capacity new_cap[h] per head, copy rows sel (or the first len rows when
- * sel is NULL) from the old arena, and swap it in. Heads are laid out K | V | pos per head, each
- * slice 64-byte aligned (d is a multiple of 16 floats in every supported model; positions follow). */
+ * sel is NULL) from the old arena, or from `from` (another cache's layer) when given, and swap it
+ * in. Heads are laid out K | V | pos per head, each slice 64-byte aligned (d is a multiple of 16
+ * floats in every supported model; positions follow). */
 static kvc_status layer_repack(kvc_cache *c, int32_t layer, const int64_t *new_cap,
-                               const int64_t *const *sel, const int64_t *n_sel) {
+                               const int64_t *const *sel, const int64_t *n_sel, const kvc_layer_cache *from) {
     kvc_layer_cache *L = &c->layers[layer];
+    const kvc_layer_cache *F = from ? from : L;
     const size_t d = (size_t)c->d;
     size_t total = 0;
     for (int32_t h = 0; h < c->n_kv; h++) {
@@ -88,18 +90,18 @@ static kvc_status layer_repack(kvc_cache *c, int32_t layer, const int64_t *new_c
         p += (cap * d * sizeof(float) + 63) & ~(size_t)63;
         int64_t *pos = (int64_t *)p;
         p += (cap * sizeof(int64_t) + 63) & ~(size_t)63;
-        const int64_t n = sel ? n_sel[h] : L->len[h];
+        const int64_t n = sel ? n_sel[h] : F->len[h];
         if (sel) {
             for (int64_t i = 0; i < n; i++) {
                 const int64_t r = sel[h][i];
-                memcpy(k + i * d, L->k[h] + r * d, d * sizeof(float));
-                memcpy(v + i * d, L->v[h] + r * d, d * sizeof(float));
-                pos[i] = L->pos[h][r];
+                memcpy(k + i * d, F->k[h] + r * d, d * sizeof(float));
+                memcpy(v + i * d, F->v[h] + r * d, d * sizeof(float));
+                pos[i] = F->pos[h][r];
             }
         } else if (n > 0) {
-            memcpy(k, L->k[h], (size_t)n * d * sizeof(float));
-            memcpy(v, L->v[h], (size_t)n * d * sizeof(float));
-            memcpy(pos, L->pos[h], (size_t)n * sizeof(int64_t));
+            memcpy(k, F->k[h], (size_t)n * d * sizeof(float));
+            memcpy(v, F->v[h], (size_t)n * d * sizeof(float));
+            memcpy(pos, F->pos[h], (size_t)n * sizeof(int64_t));
         }
         L->k[h] = k;
         L->v[h] = v;
@@ -136,7 +138,7 @@ kvc_status kvc_cache_reserve(kvc_cache *c, int32_t layer, int64_t extra) {
         }
         caps[h] = cap;
     }
-    kvc_status st = layer_repack(c, layer, caps, NULL, NULL);
+    kvc_status st = layer_repack(c, layer, caps, NULL, NULL, NULL);
     if (caps != stack_caps) free(caps);
     return st;
 }
@@ -179,8 +181,19 @@ kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *
         }
         caps[h] = n_keep[h] + reserve;
     }
-    if (st == KVC_OK) st = layer_repack(c, layer, caps, keep, n_keep);
+    if (st == KVC_OK) st = layer_repack(c, layer, caps, keep, n_keep, NULL);
     if (caps != stack_caps) free(caps);
+    return st;
+}
+
+kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src) {
+    if (dst->n_layers != src->n_layers || dst->n_kv != src->n_kv || dst->d != src->d)
+        return kvc_fail(KVC_ERR_ARG, "copying a KV cache between caches of different shapes");
+    kvc_cache_clear(dst);
+    kvc_status st = KVC_OK;
+    for (int32_t l = 0; l < src->n_layers && st == KVC_OK; l++)
+        st = layer_repack(dst, l, src->layers[l].len, NULL, NULL, &src->layers[l]);
+    if (st != KVC_OK) kvc_cache_clear(dst);
     return st;
 }
 

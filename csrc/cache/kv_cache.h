@@ -38,6 +38,9 @@ void kvc_cache_append(kvc_cache *c, int32_t layer, const float *k, const float *
  * the layer into an arena with `reserve` spare rows per head. */
 kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *keep, const int64_t *n_keep,
                              int64_t reserve);
+/* Make dst (same shape) an exact copy of src, every arena sized to what src holds; on failure dst is
+ * left empty. */
+kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src);
 /* Cut every head of `layer` back to len[h] = new_len[h] (<= current length); no reallocation. */
 kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_len);
 

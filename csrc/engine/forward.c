@@ -292,6 +292,19 @@ static int cache_is_empty(const kvc_session *s) {
     return 1;
 }
 
+kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
+    if (!dst || !src) return kvc_fail(KVC_ERR_ARG, "kvc_session_copy_cache: session is NULL");
+    if (dst == src) return kvc_fail(KVC_ERR_ARG, "copying a session's cache onto itself");
+    if (dst->model != src->model) return kvc_fail(KVC_ERR_ARG, "the two sessions belong to different models");
+    if (!dst->dev != !src->dev) return kvc_fail(KVC_ERR_ARG, "one session is on the GPU and the other on the CPU");
+    if (src->needs_reset) return kvc_fail(KVC_ERR_ARG, "the source session failed a call: reset() it first");
+    if (dst->needs_reset || dst->pos != 0 || !cache_is_empty(dst))
+        return kvc_fail(KVC_ERR_ARG, "the destination session is not empty: call reset() on it first");
+    KVC_TRY(dst->dev ? kvc_dev_copy_cache(dst, src) : kvc_cache_copy(&dst->cache, &src->cache));
+    dst->pos = src->pos;
+    return KVC_OK;
+}
+
 kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers,
                               const int32_t *ids, int64_t n, int64_t logits_row, float *logits) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: session is NULL");

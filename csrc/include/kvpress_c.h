@@ -162,6 +162,10 @@ KVC_API double kvc_session_press_seconds(const kvc_session *s);
 /* Cut the cache back to new_len[layer * Hkv + h] rows per head (<= current) and set the next
  * position: used to return to a compressed context between questions. */
 KVC_API kvc_status kvc_session_truncate(kvc_session *s, const int64_t *new_len, int64_t position);
+/* Make the empty session dst (same model, same device) hold an exact copy of src's cache and
+ * position, e.g. to compress one prefill several ways. The press attached to dst stays; on failure
+ * dst stays empty. */
+KVC_API kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src);
 /* Original positions of the rows of (layer, kv_head): out must hold kvc_session_cache_len() values. */
 KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int32_t kv_head, int64_t *out);
 

@@ -328,6 +328,10 @@ static kvc_status a_session_new(void *dm, int64_t capacity_hint, void **out) {
 }
 static void a_session_free(void *ds) { DEVICE_LOCK(); session_free((DSess *)ds); }
 static void a_session_clear(void *ds) { DEVICE_LOCK(); session_clear((DSess *)ds); }
+static kvc_status a_session_copy(void *dst, const void *src) {
+    DEVICE_LOCK();
+    return session_copy((DSess *)dst, (const DSess *)src);
+}
 static int64_t a_cache_len(void *ds, int32_t l, int32_t h) {
     DSess *s = (DSess *)ds;
     return s->len[(size_t)l * s->Hkv + h];
@@ -419,6 +423,7 @@ static kvc_cuda_api make_api(void) {
     a.session_new = a_session_new;
     a.session_free = a_session_free;
     a.session_clear = a_session_clear;
+    a.session_copy = a_session_copy;
     a.cache_len = a_cache_len;
     a.cache_positions = a_cache_positions;
     a.cache_bytes = a_cache_bytes;

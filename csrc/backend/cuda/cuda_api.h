@@ -103,6 +103,7 @@ typedef struct kvc_cuda_api {
     kvc_status (*session_new)(void *dm, int64_t capacity_hint, void **out);
     void (*session_free)(void *ds);
     void (*session_clear)(void *ds); /* drop every row (arenas freed) */
+    kvc_status (*session_copy)(void *dst, const void *src); /* dst: an exact copy of src's cache */
     int64_t (*cache_len)(void *ds, int32_t layer, int32_t h);
     const int64_t *(*cache_positions)(void *ds, int32_t layer, int32_t h);
     size_t (*cache_bytes)(void *ds);

@@ -189,6 +189,15 @@ void session_clear(DSess *s) {
     if (s->dev_tables) cudaMemsetAsync(s->dev_tables, 0, s->dev_tables_bytes, g.stream);
 }
 
+kvc_status session_copy(DSess *dst, const DSess *src) {
+    session_clear(dst);
+    kvc_status st = KVC_OK;
+    for (int32_t l = 0; l < dst->L && st == KVC_OK; l++)
+        st = layer_repack(dst, l, src->len + (size_t)l * src->Hkv, nullptr, nullptr, nullptr, src);
+    if (st != KVC_OK) session_clear(dst);
+    return st;
+}
+
 void session_free(DSess *s) {
     if (!s) return;
     if (s->arena) session_clear(s);
@@ -242,7 +251,7 @@ static kvc_status upload_ptrs(DSess *s, int32_t l) {
 }
 
 kvc_status layer_repack(DSess *s, int32_t l, const int64_t *new_cap, const int32_t *keep_d, const int64_t *n_keep,
-                        const int64_t *const *keep_host) {
+                        const int64_t *const *keep_host, const DSess *from) {
     const int32_t Hkv = s->Hkv, d = s->d;
     const size_t o = (size_t)l * Hkv;
     size_t bytes = 0;
@@ -289,16 +298,17 @@ kvc_status layer_repack(DSess *s, int32_t l, const int64_t *new_cap, const int32
         }
         st = gather_rows(gi, Hkv, d, keep_d);
     } else {
+        const DSess *F = from ? from : s;
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-            const int64_t keep = s->len[o + h] < new_cap[h] ? s->len[o + h] : new_cap[h];
+            const int64_t keep = F->len[o + h] < new_cap[h] ? F->len[o + h] : new_cap[h];
             newlen[h] = keep;
             if (keep > 0) {
-                if (cudaMemcpyAsync(nk[h], s->kh[o + h], sizeof(bf16) * keep * d, cudaMemcpyDeviceToDevice, g.stream) !=
+                if (cudaMemcpyAsync(nk[h], F->kh[o + h], sizeof(bf16) * keep * d, cudaMemcpyDeviceToDevice, g.stream) !=
                         cudaSuccess ||
-                    cudaMemcpyAsync(nv[h], s->vh[o + h], sizeof(bf16) * keep * d, cudaMemcpyDeviceToDevice, g.stream) !=
+                    cudaMemcpyAsync(nv[h], F->vh[o + h], sizeof(bf16) * keep * d, cudaMemcpyDeviceToDevice, g.stream) !=
                         cudaSuccess)
                     st = cuda_fail(cudaGetLastError(), "cache copy");
-                memcpy(npos[h], s->pos[o + h], sizeof(int64_t) * keep);
+                memcpy(npos[h], F->pos[o + h], sizeof(int64_t) * keep);
             }
         }
     }

@@ -80,15 +80,18 @@ struct DevCtx {
 /* engine.cu */
 kvc_status reserve(DSess *s, int32_t l, int64_t extra);
 /* Re-pack layer l into an arena with new_cap[h] rows per head; keep (device int32, concatenated
- * per head, n_keep[h] each) selects the rows, or NULL to keep the first min(len, new_cap) rows. */
+ * per head, n_keep[h] each) selects the rows, or NULL to keep the first min(len, new_cap) rows of
+ * the layer, or of the same layer of session `from` when given (a copy). */
 kvc_status layer_repack(DSess *s, int32_t l, const int64_t *new_cap, const int32_t *keep_d, const int64_t *n_keep,
-                        const int64_t *const *keep_host);
+                        const int64_t *const *keep_host, const DSess *from = nullptr);
 kvc_status upload_lens(DSess *s, int32_t l);
 kvc_status model_upload(const kvc_model *m, DModel **out);
 void model_free(DModel *dm);
 kvc_status session_new(DModel *dm, DSess **out);
 void session_free(DSess *s);
 void session_clear(DSess *s);
+/* Make dst (emptied first) an exact copy of src's cache; on failure dst is left empty. */
+kvc_status session_copy(DSess *dst, const DSess *src);
 kvc_status forward(DSess *s, const int32_t *ids, int64_t n_ids, const float *emb, int64_t n_emb, int64_t pos0,
                    int64_t logits_row, float *logits, kvc_dev_hook hook, void *hook_user, DSess *const *fol,
                    const kvc_dev_hook *fh, void *const *fu, int32_t nf);
