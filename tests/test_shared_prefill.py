@@ -225,6 +225,10 @@ def test_when_a_press_cannot_share_the_prefill(tiny, rng):
     # a prompt of several chunks: later chunks attend only to the pruned past, so TAKE changes the forward
     take = kvpress_c.TAKEPress(budget=20, chunk_size=100)
     assert not take.compresses_full_cache(ids) and not kvpress_c.Pipeline._shares_prefill(take, ids)
+    # an inner scorer that reads every query of the forward call would see the probes alone
+    observed = kvpress_c.TAKEPress(budget=20, press=kvpress_c.ObservedAttentionPress(budget=20))
+    assert not observed.compresses_full_cache(ids)
+    assert kvpress_c.TAKEPress(budget=20, press=kvpress_c.SnapKVPress(budget=20, window_size=8)).compresses_full_cache(ids)
 
 
 def test_take_on_a_cache_it_cannot_use_is_an_error(tiny, rng):
@@ -283,7 +287,7 @@ def test_copy_cache_from_gives_an_exact_independent_copy(tiny, rng):
         tiny.new_session().copy_cache_from("x")
     empty = tiny.new_session()
     empty.copy_cache_from(tiny.new_session())
-    assert empty.position == 0 and int(empty.cache_lengths().max()) == 0
+    assert empty.position == 0 and int(empty.cache_lengths().max()) == 0 and empty.cache_bytes == 0
     other = kvpress_c.load_model(tiny.path)
     with pytest.raises(ValueError, match="different models"):
         other.new_session().copy_cache_from(src)

@@ -191,8 +191,11 @@ kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src) {
         return kvc_fail(KVC_ERR_ARG, "copying a KV cache between caches of different shapes");
     kvc_cache_clear(dst);
     kvc_status st = KVC_OK;
-    for (int32_t l = 0; l < src->n_layers && st == KVC_OK; l++)
-        st = layer_repack(dst, l, src->layers[l].len, NULL, NULL, &src->layers[l]);
+    for (int32_t l = 0; l < src->n_layers && st == KVC_OK; l++) {
+        int64_t rows = 0;
+        for (int32_t h = 0; h < src->n_kv; h++) rows += src->layers[l].len[h];
+        if (rows > 0) st = layer_repack(dst, l, src->layers[l].len, NULL, NULL, &src->layers[l]);
+    }
     if (st != KVC_OK) kvc_cache_clear(dst);
     return st;
 }

@@ -247,7 +247,8 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
         return kvc_fail(KVC_ERR_ARG, "inside TAKE the layer budgets come from TAKE: use a plain scorer press");
     if (cfg.prompt_cached) {
         /* one chunk whose forward already ran (shared prefill): its K/V do not depend on the probes,
-         * which come after it, so running only the probes now gives the cache of the one-call chunk */
+         * which come after it, so running only the probes now gives the cache of the one-call chunk
+         * (not with an inner scorer that reads every query of the call: the Python press checks) */
         if (n > cfg.chunk_size)
             return kvc_fail(KVC_ERR_ARG, "prompt_cached: a %lld-token prompt is more than one chunk (%lld): "
                             "run the chunked prefill", (long long)n, (long long)cfg.chunk_size);
@@ -265,8 +266,9 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
     const size_t qa_floats = (size_t)t.L * cfg.n_probe * t.H * t.d;
     t.qa = kvc_malloc(sizeof(float) * qa_floats, "TAKE probe queries");
     t.has_qa = calloc((size_t)t.L, 1);
-    int32_t *buf = malloc(sizeof(int32_t) * (size_t)(cfg.chunk_size + cfg.n_probe));
-    kvc_status st = (!t.qa || !t.has_qa || !buf) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE") : KVC_OK;
+    int32_t *buf = cfg.prompt_cached ? NULL : malloc(sizeof(int32_t) * (size_t)(cfg.chunk_size + cfg.n_probe));
+    kvc_status st = (!t.qa || !t.has_qa || (!buf && !cfg.prompt_cached)) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE")
+                                                                          : KVC_OK;
 
     /* our hook replaces any attached press for the duration */
     kvc_layer_hook saved_hook = s->hook;

@@ -47,8 +47,9 @@ class BasePress:
 
     def compresses_full_cache(self, ids, question_ids=None) -> bool:
         """True when this press, which changes the prefill, can instead compress a full-cache copy of
-        a shared prefill of `ids` afterwards (compress_full_cache) with the same result: the pipeline
-        then runs one forward for it and the other presses."""
+        a shared prefill of `ids` afterwards (compress_full_cache) with the same result (exactly on
+        the CPU; on the GPU the GEMMs of other row counts round bf16 differently): the pipeline then
+        runs one forward for it and the other presses."""
         return False
 
     def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:

@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .base import BasePress, ScorerPress
+from .base import SCORERS, BasePress, ScorerPress
 
 
 @dataclass
@@ -87,8 +87,10 @@ class TAKEPress(BasePress):
 
     def compresses_full_cache(self, ids, question_ids=None) -> bool:
         # a prompt of one chunk: its K/V do not depend on the probes that follow it, so the probes can
-        # run after a shared prefill on a copy of its full cache (2 or more: one row is a decode step)
-        return len(ids) <= self.chunk_size and len(self.probe_ids(ids, question_ids)) >= 2
+        # run after a shared prefill on a copy of its full cache (2 or more: one row is a decode step),
+        # unless the inner scorer reads every query of the forward call (observed attention)
+        observed = self.press is not None and self.press.c_config().get("scorer") == SCORERS["observed"]
+        return len(ids) <= self.chunk_size and len(self.probe_ids(ids, question_ids)) >= 2 and not observed
 
     def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:
         """The probes run after the prompt's full cache, score it and evict: the cache prefill() gives."""

@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define KVC_CUDA_API_VERSION 1
+#define KVC_CUDA_API_VERSION 2
 
 struct kvc_model;
 

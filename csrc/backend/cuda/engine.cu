@@ -192,8 +192,11 @@ void session_clear(DSess *s) {
 kvc_status session_copy(DSess *dst, const DSess *src) {
     session_clear(dst);
     kvc_status st = KVC_OK;
-    for (int32_t l = 0; l < dst->L && st == KVC_OK; l++)
-        st = layer_repack(dst, l, src->len + (size_t)l * src->Hkv, nullptr, nullptr, nullptr, src);
+    for (int32_t l = 0; l < dst->L && st == KVC_OK; l++) {
+        int64_t rows = 0;
+        for (int32_t h = 0; h < src->Hkv; h++) rows += src->len[(size_t)l * src->Hkv + h];
+        if (rows > 0) st = layer_repack(dst, l, src->len + (size_t)l * src->Hkv, nullptr, nullptr, nullptr, src);
+    }
     if (st != KVC_OK) session_clear(dst);
     return st;
 }
