@@ -122,13 +122,12 @@ class Pipeline:
         arr = np.asarray(ids, dtype=np.int32)
         cfg = self.model.config
         shared = [k for k, p in enumerate(presses) if self._shares_prefill(p, arr, question_ids)]
-        lone = presses[shared[0]] if len(shared) == 1 else None
-        if lone is not None and lone.compresses_full_cache(arr, question_ids):
+        full = [k for k in shared if presses[k] is None or presses[k].is_noop]
+        copies = [k for k in shared if k not in full and presses[k].compresses_full_cache(arr, question_ids)]
+        if shared == copies and len(copies) == 1:
             shared = []  # alone, its own prefill is as fast and holds one full cache, not two
         if shared:
             sessions = {k: self._session(presses[k], record) for k in shared}
-            full = [k for k in shared if presses[k] is None or presses[k].is_noop]
-            copies = [k for k in shared if k not in full and presses[k].compresses_full_cache(arr, question_ids)]
             followers = [k for k in shared if k not in full and k not in copies]
             leader = sessions[full[0]] if full else self.model.new_session(0)
             for k in followers:

@@ -705,8 +705,8 @@ static PyObject *Session_prefill_take(SessionObject *self, PyObject *args, PyObj
     kvc_config cfg;
     kvc_model_get_config(self->model->model, &cfg);
     npy_intp dims[1] = {cfg.vocab};
-    PyArrayObject *logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32);
-    if (!logits) {
+    PyArrayObject *logits = NULL; /* none when prompt_cached: the shared prefill gave them */
+    if (!c.prompt_cached && !(logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32))) {
         Py_DECREF(ids);
         Py_DECREF(probe);
         return NULL;
@@ -715,19 +715,16 @@ static PyObject *Session_prefill_take(SessionObject *self, PyObject *args, PyObj
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     st = kvc_session_prefill_take(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0), &c,
-                                  (float *)PyArray_DATA(logits));
+                                  logits ? (float *)PyArray_DATA(logits) : NULL);
     Py_END_ALLOW_THREADS
     self->busy = 0;
     Py_DECREF(ids);
     Py_DECREF(probe);
     if (st != KVC_OK) {
-        Py_DECREF(logits);
+        Py_XDECREF(logits);
         return raise_status(st);
     }
-    if (c.prompt_cached) {
-        Py_DECREF(logits);
-        Py_RETURN_NONE;
-    }
+    if (!logits) Py_RETURN_NONE;
     return (PyObject *)logits;
 }
 

@@ -244,6 +244,9 @@ def test_take_on_a_cache_it_cannot_use_is_an_error(tiny, rng):
         s.prefill_take(ids, probe[:1], 30, prompt_cached=True)
     with pytest.raises(ValueError, match="full cache of the 100 prompt tokens"):
         s.prefill_take(ids[:100], probe, 30, prompt_cached=True)
+    observed = kvpress_c.ObservedAttentionPress(budget=30).c_config()
+    with pytest.raises(ValueError, match="observed-attention scorer"):
+        s.prefill_take(ids, probe, 30, inner=observed, prompt_cached=True)
     assert s.position == len(ids) and s.cache_lengths().min() == s.cache_lengths().max() == len(ids)
     compressed = tiny.new_session()
     compressed.set_press(**kvpress_c.SnapKVPress(budget=40, window_size=8).c_config())

@@ -247,13 +247,15 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
         return kvc_fail(KVC_ERR_ARG, "inside TAKE the layer budgets come from TAKE: use a plain scorer press");
     if (cfg.prompt_cached) {
         /* one chunk whose forward already ran (shared prefill): its K/V do not depend on the probes,
-         * which come after it, so running only the probes now gives the cache of the one-call chunk
-         * (not with an inner scorer that reads every query of the call: the Python press checks) */
+         * which come after it, so running only the probes now gives the cache of the one-call chunk */
         if (n > cfg.chunk_size)
             return kvc_fail(KVC_ERR_ARG, "prompt_cached: a %lld-token prompt is more than one chunk (%lld): "
                             "run the chunked prefill", (long long)n, (long long)cfg.chunk_size);
         if (cfg.n_probe < 2)
             return kvc_fail(KVC_ERR_ARG, "prompt_cached needs at least 2 probe tokens (one token is a decode step)");
+        if (cfg.use_inner && cfg.inner.scorer == KVC_SCORE_OBSERVED)
+            return kvc_fail(KVC_ERR_ARG, "prompt_cached: the observed-attention scorer reads every query of the "
+                            "chunk's call, which already ran: run the chunked prefill");
         int full = kvc_session_position(s) == n;
         for (int32_t l = 0; full && l < mc->n_layers; l++)
             for (int32_t h = 0; full && h < mc->n_kv_heads; h++) full = kvc_session_cache_len(s, l, h) == n;
