@@ -1,9 +1,7 @@
 """Shared pieces of the GPU benchmarks (gpu_prefill.py, gpu_decode.py): the GPU check, the
-Llama-3.1-8B-shaped random bf16 model written as safetensors, the presses on both systems, the
-measured GEMM / copy rates and FLOP counts, and the JSON + markdown output.
-
-Speed does not depend on weight values, so the model's weights are tiles of one random bf16 pool
-(writing 16 GB of fresh random numbers would take minutes for nothing)."""
+Llama-3.1-8B-shaped random bf16 model (tests/random_llama.py writes it), the presses on both systems,
+the measured GEMM / copy rates and FLOP counts, and the JSON + markdown output with the ratios the
+targets are stated in (against the full cache, against the peer)."""
 from __future__ import annotations
 
 import json
@@ -14,9 +12,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from random_llama import LLAMA31_8B as LLAMA8B, write_llama31_bf16  # noqa: E402
 
-LLAMA8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, head_dim=128)
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -31,77 +30,6 @@ def require_gpu() -> None:
     except Exception as e:  # the loader's own message
         reason = str(e)
     sys.exit(f"{os.path.basename(sys.argv[0])}: this benchmark needs the CUDA backend and a GPU: {reason}")
-
-
-def write_llama8b(path: str, shapes: dict = LLAMA8B, seed: int = 0) -> str:
-    """config.json + model-0000i-of-0000n.safetensors (bf16) with the shapes of Llama-3.1-8B."""
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    os.makedirs(path, exist_ok=True)
-    s = shapes
-    D, F, hd, V = s["hidden"], s["ffn"], s["head_dim"], s["vocab"]
-    rng = np.random.default_rng(seed)
-    pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).view(np.uint32) >> 16
-    pool = pool.astype(np.uint16)
-    ones = np.full(1 << 16, 0x3F80, np.uint16)  # bf16 1.0 for the norms
-
-    def tensor(shape):
-        n = int(np.prod(shape))
-        src = ones if len(shape) == 1 else pool
-        reps = -(-n // len(src))
-        off = int(rng.integers(0, len(src)))
-        return np.tile(np.roll(src, off), reps)[:n]
-
-    names = [("model.embed_tokens.weight", (V, D))]
-    for l in range(s["layers"]):
-        p = f"model.layers.{l}."
-        names += [(p + "input_layernorm.weight", (D,)), (p + "post_attention_layernorm.weight", (D,)),
-                  (p + "self_attn.q_proj.weight", (s["heads"] * hd, D)),
-                  (p + "self_attn.k_proj.weight", (s["kv_heads"] * hd, D)),
-                  (p + "self_attn.v_proj.weight", (s["kv_heads"] * hd, D)),
-                  (p + "self_attn.o_proj.weight", (D, s["heads"] * hd)),
-                  (p + "mlp.gate_proj.weight", (F, D)), (p + "mlp.up_proj.weight", (F, D)),
-                  (p + "mlp.down_proj.weight", (D, F))]
-    names += [("model.norm.weight", (D,)), ("lm_head.weight", (V, D))]
-    # one shard per ~4 GB, written tensor by tensor (safetensors: u64 header size, JSON header, data)
-    shards, cur, size = [], [], 0
-    for name, shape in names:
-        b = 2 * int(np.prod(shape))
-        if cur and size + b > (4 << 30):
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append((name, shape))
-        size += b
-    shards.append(cur)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, off = {}, 0
-        for name, shape in shard:
-            b = 2 * int(np.prod(shape))
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + b]}
-            off += b
-            weight_map[name] = fname
-        hj = json.dumps(header).encode()
-        hj += b" " * (-len(hj) % 8)
-        with open(os.path.join(path, fname + ".tmp"), "wb") as f:
-            f.write(len(hj).to_bytes(8, "little"))
-            f.write(hj)
-            for name, shape in shard:
-                f.write(tensor(shape).tobytes())
-        os.replace(os.path.join(path, fname + ".tmp"), os.path.join(path, fname))
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": s["layers"],
-           "hidden_size": D, "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
-           "head_dim": hd, "intermediate_size": F, "vocab_size": V, "max_position_embeddings": 131072,
-           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                            "original_max_position_embeddings": 8192},
-           "bos_token_id": min(128000, V - 2), "eos_token_id": min(128001, V - 1)}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
 
 
 def default_model_dir() -> str:
@@ -190,7 +118,7 @@ def start(ap, argv):
     is not there yet: (args, model path)."""
     args = ap.parse_args(argv)
     require_gpu()
-    return args, write_llama8b(args.model_dir)
+    return args, write_llama31_bf16(args.model_dir)
 
 
 def run_systems(args, path, meta: dict, run_kvpress_c, run_hf) -> list[dict]:
@@ -389,8 +317,45 @@ def kv_bytes(tokens_per_head: float, s: dict = LLAMA8B) -> float:
 
 # ---- output ----
 
-def write_results(name: str, meta: dict, rows: list[dict], columns: list[tuple[str, str]], title: str) -> None:
-    """benchmarks/results/<name>.json and .md (a markdown table of `columns`: (key, header))."""
+def kvc_system_name() -> str:
+    """kvpress_c's rows are named after the opt-in switches of the run, so runs with and without them
+    sit side by side in one table (KVC_CUDA_GRAPHS=1: decode steps as CUDA graphs; KVC_ATTN_MMA=1:
+    the register-tile mma prefill attention)."""
+    name = "kvpress_c"
+    if os.environ.get("KVC_CUDA_GRAPHS") == "1":
+        name += " +graphs"
+    if os.environ.get("KVC_ATTN_MMA") == "1":
+        name += " +mma"
+    return name
+
+
+def add_ratios(rows: list[dict], value: str, length: str) -> None:
+    """The ratios the targets are stated in, for every row with `value` (seconds or ms, lower is better):
+    vs_full = value / the same system's full-cache value at the same length (a press's overhead, or
+    TAKE's speed-up when < 1); and on kvpress_c's rows, peer_x = the kvpress row's value / ours for
+    the same length and press (> 1: kvpress_c is faster)."""
+    def at(system_ok, n, press):
+        for r in rows:
+            if system_ok(str(r.get("system"))) and r.get(length) == n and r.get("press") == press and r.get(value):
+                return r[value]
+        return None
+
+    for r in rows:
+        v = r.get(value)
+        if not v:
+            continue
+        full = at(lambda sys_: sys_ == r["system"], r.get(length), "full")
+        r["vs_full"] = v / full if full else None
+        if str(r["system"]).startswith("kvpress_c"):
+            peer = at(lambda sys_: sys_.startswith("kvpress "), r.get(length), r.get("press"))
+            r["peer_x"] = peer / v if peer else None
+
+
+def write_results(name: str, meta: dict, rows: list[dict], columns: list[tuple[str, str]], title: str,
+                  ratios: tuple[str, str] | None = None) -> None:
+    """benchmarks/results/<name>.json and .md (a markdown table of `columns`: (key, header)). Rows of
+    earlier runs are merged in; `ratios` = (value key, length key) adds vs_full and peer_x (add_ratios)
+    over the merged rows."""
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, name + ".json")
     # merge with earlier runs (one length per run fits the device's time limit): same point -> replaced
@@ -402,6 +367,8 @@ def write_results(name: str, meta: dict, rows: list[dict], columns: list[tuple[s
         rows = [r for r in old.get("rows", []) if key(r) not in new_keys] + rows
         meta = {**old.get("meta", {}), **{k: v for k, v in meta.items() if v is not None}}
     rows = sorted(rows, key=lambda r: (str(r.get("system")), r.get("tokens", r.get("context")) or 0, str(r.get("press"))))
+    if ratios:
+        add_ratios(rows, *ratios)
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
 

@@ -27,7 +27,7 @@ def run_kvpress_c(args, path, rows):
     for n in args.contexts:
         ids = G.random_ids(n).astype(np.int32)
         for name in args.presses:
-            row = {"system": "kvpress_c", "context": n, "press": name}
+            row = {"system": G.kvc_system_name(), "context": n, "press": name}
             try:
                 _, s = G.kvc_prefill(model, G.kvc_press(name, args.ratio), ids)
                 tok = np.array([1234], np.int32)
@@ -104,9 +104,9 @@ def main(argv=None):
             r["x_floor"] = r["ms_per_token"] / floor_ms
     G.write_results("gpu_decode", meta, rows,
                     [("system", "system"), ("context", "context"), ("press", "press"),
-                     ("ms_per_token", "ms/token"), ("floor_ms", "floor ms"), ("x_floor", "x floor"),
-                     ("kv_rows_per_head", "KV rows/head"), ("error", "note")],
-                    "Decode on the GPU, Llama-3.1-8B shapes, batch 1")
+                     ("ms_per_token", "ms/token"), ("peer_x", "kvpress / ours"), ("floor_ms", "floor ms"),
+                     ("x_floor", "x floor"), ("kv_rows_per_head", "KV rows/head"), ("error", "note")],
+                    "Decode on the GPU, Llama-3.1-8B shapes, batch 1", ratios=("ms_per_token", "context"))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # A GPU session's checks in few device calls (device time is scarce): build for sm_90, the GPU tests,
-# then TTFT and decode against kvpress on the same GPU.
+# then TTFT and decode against kvpress on the same GPU. One step per device call (each ends inside
+# the device's 10 minutes); the build and the 16 GB 8B-shaped model in /tmp are kept between calls
+# on a warm machine.
 #
 #   benchmarks/gpu_session.sh fetch-wheels   # here, once: kvpress 0.5.5 + transformers 5.2 and what they
 #                                            # import that the GPU image lacks, into .whl/ (in .gitignore)
-#   bash benchmarks/gpu_session.sh test      # on the GPU machine (device run, carry [".whl"]): build + tests
-#   bash benchmarks/gpu_session.sh bench     # same machine, next call: benchmarks (the build is kept)
+#   bash benchmarks/gpu_session.sh test      # on the GPU machine (device run, carry [".whl"]): build + the
+#                                            # GPU tests on small models
+#   bash benchmarks/gpu_session.sh test8b    # the 8B-shaped tests: HF logits parity, TAKE at 128k
+#   bash benchmarks/gpu_session.sh bench     # TTFT 8k/32k and decode, kvpress_c (defaults) and kvpress
+#   bash benchmarks/gpu_session.sh bench-opt # the opt-in switches: mma prefill attention, decode graphs
+#   bash benchmarks/gpu_session.sh bench128k # TTFT at 128k, both systems
 #
-# Logs and results go to $OUT (the device tool brings them back), else ./gpu_out. Each step has its
-# own time limit so one call ends inside the device's 10 minutes.
+# Logs and results go to $OUT (the device tool brings them back), else ./gpu_out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -34,6 +39,8 @@ build() {
     $PY -c "import kvpress_c as k; print('cuda_available:', k.cuda_available())" | tee -a "$OUT/build.log"
 }
 
+results() { cp benchmarks/results/gpu_*.json benchmarks/results/gpu_*.md "$OUT/" 2>/dev/null; }
+
 case "${1:-}" in
 fetch-wheels)
     rm -rf .whl && mkdir -p .whl
@@ -46,17 +53,35 @@ test)
     build
     wheels
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    timeout 420 $PY -m pytest -q -rs tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+    timeout 420 $PY -m pytest -q -rs tests/test_cuda.py -k "not llama8b" 2>&1 | tee "$OUT/test_cuda.log"
+    ;;
+test8b)
+    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
+    wheels
+    timeout 560 $PY -m pytest -q -rs -s tests/test_cuda.py -k llama8b 2>&1 | tee "$OUT/test_cuda_8b.log"
     ;;
 bench)
     [ -f kvpress_c/libkvpress_c_cuda.so ] || build
     wheels
     timeout 330 $PY benchmarks/gpu_prefill.py --lengths 8192 32768 2>&1 | tee "$OUT/gpu_prefill.log"
-    timeout 180 $PY benchmarks/gpu_decode.py 2>&1 | tee "$OUT/gpu_decode.log"
-    cp benchmarks/results/gpu_*.json benchmarks/results/gpu_*.md "$OUT/" 2>/dev/null
+    timeout 200 $PY benchmarks/gpu_decode.py 2>&1 | tee "$OUT/gpu_decode.log"
+    results
+    ;;
+bench-opt)
+    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
+    KVC_ATTN_MMA=1 timeout 240 $PY benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768 \
+        2>&1 | tee "$OUT/gpu_prefill_mma.log"
+    KVC_CUDA_GRAPHS=1 timeout 240 $PY benchmarks/gpu_decode.py --systems kvpress_c 2>&1 | tee "$OUT/gpu_decode_graphs.log"
+    results
+    ;;
+bench128k)
+    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
+    wheels
+    timeout 560 $PY benchmarks/gpu_prefill.py --lengths 131072 2>&1 | tee "$OUT/gpu_prefill_128k.log"
+    results
     ;;
 *)
-    echo "usage: $0 fetch-wheels | test | bench"
+    echo "usage: $0 fetch-wheels | test | test8b | bench | bench-opt | bench128k"
     exit 2
     ;;
 esac

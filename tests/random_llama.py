@@ -1,6 +1,6 @@
-"""Small random-weight Llama folders (config.json + model.safetensors, float32) written with NumPy
-alone, for tests that need a model of a given shape (head_dim 64 / 128 for the CUDA kernels)
-without torch."""
+"""Random-weight Llama folders written with NumPy alone (no torch): small float32 models for tests
+that need a model of a given shape (head_dim 64 / 128 for the CUDA kernels), and sharded bf16
+Llama-3.1-8B-shaped models for the GPU benchmarks and large-model tests."""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,85 @@ def write_random_llama(path: str, layers: int = 2, hidden: int = 256, heads: int
            "intermediate_size": ffn, "vocab_size": vocab, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
            "rope_theta": rope_theta, "tie_word_embeddings": False, "torch_dtype": "float32",
            "bos_token_id": 1, "eos_token_id": 2}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+# Llama-3.1-8B: the shapes of the CUDA backend's benchmarks and its large-model tests
+LLAMA31_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, head_dim=128)
+
+
+def write_llama31_bf16(path: str, shapes: dict = LLAMA31_8B, seed: int = 0, shard_bytes: int = 4 << 30) -> str:
+    """A Llama-3.1 folder (llama3 RoPE scaling, theta 500000, untied head) with random bf16 weights:
+    config.json + model-0000i-of-0000n.safetensors shards of ~`shard_bytes`, written tensor by tensor (16 GB
+    for the 8B shapes, without holding it in memory). The weights are rolled tiles of one pool of 2^24
+    N(0, 0.02) draws: fresh numbers for 8B parameters would take minutes and change no speed or memory
+    figure. An existing folder (config.json is written last) is reused as it is."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    s = shapes
+    D, F, hd, V = s["hidden"], s["ffn"], s["head_dim"], s["vocab"]
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02).view(np.uint32) >> 16
+    pool = pool.astype(np.uint16)
+    ones = np.full(1 << 16, 0x3F80, np.uint16)  # bf16 1.0 for the norms
+
+    def tensor(shape):
+        n = int(np.prod(shape))
+        src = ones if len(shape) == 1 else pool
+        reps = -(-n // len(src))
+        off = int(rng.integers(0, len(src)))
+        return np.tile(np.roll(src, off), reps)[:n]
+
+    names = [("model.embed_tokens.weight", (V, D))]
+    for l in range(s["layers"]):
+        p = f"model.layers.{l}."
+        names += [(p + "input_layernorm.weight", (D,)), (p + "post_attention_layernorm.weight", (D,)),
+                  (p + "self_attn.q_proj.weight", (s["heads"] * hd, D)),
+                  (p + "self_attn.k_proj.weight", (s["kv_heads"] * hd, D)),
+                  (p + "self_attn.v_proj.weight", (s["kv_heads"] * hd, D)),
+                  (p + "self_attn.o_proj.weight", (D, s["heads"] * hd)),
+                  (p + "mlp.gate_proj.weight", (F, D)), (p + "mlp.up_proj.weight", (F, D)),
+                  (p + "mlp.down_proj.weight", (D, F))]
+    names += [("model.norm.weight", (D,)), ("lm_head.weight", (V, D))]
+    # one shard per ~shard_bytes, written tensor by tensor (safetensors: u64 header size, JSON header, data)
+    shards, cur, size = [], [], 0
+    for name, shape in names:
+        b = 2 * int(np.prod(shape))
+        if cur and size + b > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += b
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for name, shape in shard:
+            b = 2 * int(np.prod(shape))
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + b]}
+            off += b
+            weight_map[name] = fname
+        hj = json.dumps(header).encode()
+        hj += b" " * (-len(hj) % 8)
+        with open(os.path.join(path, fname + ".tmp"), "wb") as f:
+            f.write(len(hj).to_bytes(8, "little"))
+            f.write(hj)
+            for name, shape in shard:
+                f.write(tensor(shape).tobytes())
+        os.replace(os.path.join(path, fname + ".tmp"), os.path.join(path, fname))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": s["layers"],
+           "hidden_size": D, "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+           "head_dim": hd, "intermediate_size": F, "vocab_size": V, "max_position_embeddings": 131072,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192},
+           "bos_token_id": min(128000, V - 2), "eos_token_id": min(128001, V - 1)}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path

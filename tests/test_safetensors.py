@@ -197,6 +197,27 @@ def test_same_weights_in_other_containers_give_identical_logits(tiny, tmp_path, 
     np.testing.assert_array_equal(logits(src, ids), logits(d, ids))
 
 
+def test_the_8b_shaped_writer_of_the_gpu_tests_loads_like_hf(tmp_path, rng):
+    """random_llama.write_llama31_bf16 (the GPU tests' and benchmarks' Llama-3.1-8B-shaped model, here
+    with tiny shapes in 4 shards): kvpress_c loads it, and its logits are HF transformers' on the same
+    bf16 weights (llama3 RoPE scaling, untied head), so the GPU parity test compares like with like."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from random_llama import write_llama31_bf16
+    shapes = dict(layers=3, hidden=64, heads=4, kv_heads=2, ffn=160, vocab=300, head_dim=16)
+    path = write_llama31_bf16(str(tmp_path / "m"), shapes, seed=int(rng.integers(1 << 30)), shard_bytes=24 << 10)
+    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert len(shards) >= 4 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
+    model = kvpress_c.load_model(path)
+    assert model.config["n_layers"] == 3 and model.config["vocab"] == 300
+    ids = rng.integers(0, 300, size=50)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids[None])).logits[0].numpy()
+    ours = model.logits(ids.astype(np.int32))
+    assert np.max(np.abs(ours - ref)) <= 1e-4 * np.max(np.abs(ref))
+
+
 def test_tied_decision(tiny, tmp_path):
     """Absent tie_word_embeddings: the weights decide; an explicit false needs lm_head.weight."""
     d = edit_cfg(clone(tiny("llama", "float32", True), tmp_path / "a"), tie_word_embeddings=...)
