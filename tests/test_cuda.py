@@ -44,8 +44,9 @@ lib.kvc_cuda_kernel_swiglu.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64]
 lib.kvc_cuda_kernel_attention.argtypes = [F32P, C.c_int64, C.c_int32, C.c_int32, C.c_int32, C.c_void_p, C.c_void_p,
                                           I64P, C.c_float, F32P, C.c_int32]
 lib.kvc_cuda_kernel_topk.argtypes = [F32P, C.c_int32, C.c_int64, I64P, I64P]
-lib.kvc_cuda_press_compute.argtypes = [C.POINTER(PressConfig), C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.c_int32,
-                                       F32P, C.c_int64, F32P, F32P, C.c_int64, F32P, I64P, I64P]
+lib.kvc_cuda_press_compute_ex.argtypes = [C.POINTER(PressConfig), C.c_int32, C.c_int32, C.c_int32, C.c_int32,
+                                          C.c_int32, F32P, C.c_void_p, C.c_int64, F32P, F32P, C.c_int64, C.c_int64, F32P,
+                                          I64P, I64P]
 lib.kvc_cuda_force_builtin_gemm.argtypes = [C.c_int]
 lib.kvc_cuda_set_attention_kernel.argtypes = [C.c_int]
 lib.kvc_kernel_matmul.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_int64]
@@ -93,6 +94,9 @@ def test_without_gpu_cuda_is_unavailable_with_a_clear_error(tmp_path):
     a = np.ones((2, 2), np.float32)
     st = lib.kvc_cuda_kernel_matmul(a, a, np.zeros((2, 2), np.float32), 2, 2, 2)
     assert st == KVC_ERR_DEVICE and b"CUDA backend not available" in lib.kvc_last_error()
+    q, kv = np.ones((20, 4, 16), np.float32), np.ones((2, 20, 16), np.float32)
+    with pytest.raises(CError, match="CUDA backend not available"):
+        cuda_press_compute(press_config(scorer=6, compression_ratio=0.5, window=4), q, kv, kv, attn=q)
     # and the CPU path is untouched
     m = kvpress_c.load_model(path)
     assert m.device == "cpu" and m._core.device == "cpu"
@@ -236,14 +240,17 @@ def test_topk_with_ties_and_nan(rng, n):
             np.testing.assert_array_equal(keep[h, :kk], ref)
 
 
-def cuda_press_compute(cfg, q, k, v, layer=0, n_layers=1):
+def cuda_press_compute(cfg, q, k, v, layer=0, n_layers=1, attn=None):
+    """capi.press_compute with the scores computed on the GPU (kvc_cuda_press_compute_ex)."""
     n, H, d = q.shape
     Hkv, length, _ = k.shape
     scores = np.zeros((Hkv, length), np.float32)
     keep = np.zeros((Hkv, length), np.int64)
     n_keep = np.zeros(Hkv, np.int64)
-    check(lib.kvc_cuda_press_compute(C.byref(cfg), H, Hkv, d, layer, n_layers, np.ascontiguousarray(q), n,
-                                     np.ascontiguousarray(k), np.ascontiguousarray(v), length, scores, keep, n_keep))
+    a = None if attn is None else np.ascontiguousarray(attn, dtype=np.float32)
+    check(lib.kvc_cuda_press_compute_ex(C.byref(cfg), H, Hkv, d, layer, n_layers, np.ascontiguousarray(q),
+                                        None if a is None else a.ctypes.data, n, np.ascontiguousarray(k),
+                                        np.ascontiguousarray(v), length, -1, scores, keep, n_keep))
     return scores, [keep[h, :n_keep[h]].copy() for h in range(Hkv)]
 
 
@@ -262,6 +269,9 @@ PRESSES = {
     "knorm": dict(scorer=1, compression_ratio=0.5, window=0),
     "streaming": dict(scorer=0, compression_ratio=0.5, window=0),
     "random": dict(scorer=2, compression_ratio=0.5, window=0, seed=7),
+    "edie": dict(scorer=6, compression_ratio=0.5, window=16),
+    "edie-wide-window": dict(scorer=6, compression_ratio=0.3, window=120, kernel=5, edie_alpha=0.3),
+    "edie-no-mid-range": dict(scorer=6, compression_ratio=0.5, window=170),  # (w, len - 2w] empty: every past row
 }
 
 
@@ -273,9 +283,11 @@ def test_press_scores_and_kept_rows_match_cpu(rng, name):
     q = bf16(rng.standard_normal((n, H, d)) * 2)
     k = bf16(rng.standard_normal((Hkv, length, d)))
     v = bf16(rng.standard_normal((Hkv, length, d)))
+    # EDIE also reads the queries' attention outputs: any values do for comparing two implementations
+    attn = bf16(rng.standard_normal((n, H, d))) if name.startswith("edie") else None
     cfg = press_config(**PRESSES[name])
-    s_gpu, keep_gpu = cuda_press_compute(cfg, q, k, v, layer=1, n_layers=4)
-    s_cpu, keep_cpu = press_compute(press_config(**PRESSES[name]), q, k, v, layer=1, n_layers=4)
+    s_gpu, keep_gpu = cuda_press_compute(cfg, q, k, v, layer=1, n_layers=4, attn=attn)
+    s_cpu, keep_cpu = press_compute(press_config(**PRESSES[name]), q, k, v, layer=1, n_layers=4, attn=attn)
     assert rel(s_gpu, s_cpu) < 2e-2
     if name == "adakv":  # head budgets follow the scores: compare the layer's whole selection
         flat = lambda keep: np.concatenate([h * length + k for h, k in enumerate(keep)])
@@ -296,6 +308,8 @@ def test_press_unsupported_scorer_is_a_clear_error(rng):
     k = rng.standard_normal((2, 20, 16)).astype(np.float32)
     with pytest.raises(CError, match="no CUDA implementation"):
         cuda_press_compute(press_config(scorer=4, compression_ratio=0.5, window=0), q, k, k)
+    with pytest.raises(CError, match="EDIE needs the attention outputs"):
+        cuda_press_compute(press_config(scorer=6, compression_ratio=0.5, window=4), q, k, k)
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -431,7 +445,7 @@ SESSION_PRESSES = {
     "knorm": dict(scorer=1, compression_ratio=0.5),
     "tova": dict(scorer=3, compression_ratio=0.5),
     "observed-host-fallback": dict(scorer=4, compression_ratio=0.5),
-    "edie-host-fallback": dict(scorer=6, compression_ratio=0.5, window=16),
+    "edie": dict(scorer=6, compression_ratio=0.5, window=16),
 }
 
 
@@ -471,7 +485,7 @@ def test_session_press_kept_rows_match_cpu(model_pair, rng, name):
 def test_shared_prefill_followers_equal_separate_runs(model_pair, rng):
     _, _, gpu = model_pair
     ids = rng.integers(3, gpu.config["vocab"], size=300).astype(np.int32)
-    cfgs = [SESSION_PRESSES["snapkv"], SESSION_PRESSES["knorm"], SESSION_PRESSES["edie-host-fallback"]]
+    cfgs = [SESSION_PRESSES["snapkv"], SESSION_PRESSES["knorm"], SESSION_PRESSES["edie"]]
     leader, followers = gpu.new_session(), [gpu.new_session() for _ in cfgs]
     for f, c in zip(followers, cfgs):
         f.set_press(**c)

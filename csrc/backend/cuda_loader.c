@@ -253,6 +253,13 @@ kvc_status kvc_cuda_kernel_topk(const float *scores, int32_t heads, int64_t n, c
 kvc_status kvc_cuda_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer,
                                   int32_t n_layers, const float *q, int64_t n, const float *k, const float *v,
                                   int64_t len, float *scores, int64_t *keep, int64_t *n_keep) {
+    return kvc_cuda_press_compute_ex(cfg, H, Hkv, d, layer, n_layers, q, NULL, n, k, v, len, -1, scores, keep, n_keep);
+}
+
+kvc_status kvc_cuda_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer,
+                                     int32_t n_layers, const float *q, const float *attn, int64_t n, const float *k,
+                                     const float *v, int64_t len, int64_t layer_total, float *scores, int64_t *keep,
+                                     int64_t *n_keep) {
     CHECK(cfg && q && k && v && scores && keep && n_keep, "press_compute: null argument");
     KVC_TRY(kvc_press_validate(cfg));
     CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && d > 0 && d % 8 == 0 && Hkv <= 64,
@@ -263,7 +270,7 @@ kvc_status kvc_cuda_press_compute(const kvc_press_config *cfg, int32_t H, int32_
     CHECK(w == 0 || n > w, "the prompt (%lld tokens) must be longer than the press window (%d)", (long long)n, w);
     const kvc_cuda_api *api;
     KVC_TRY(kvc_cuda_api_get(&api));
-    KVC_TRY(api->k_score(cfg, H, Hkv, d, layer, q, n, k, v, len, scores));
+    KVC_TRY(api->k_score(cfg, H, Hkv, d, layer, q, attn, n, k, v, len, scores));
     int64_t lens[64];
     const float *sp[64];
     int64_t *kp[64];
@@ -272,5 +279,5 @@ kvc_status kvc_cuda_press_compute(const kvc_press_config *cfg, int32_t H, int32_
         sp[h] = scores + (size_t)h * len;
         kp[h] = keep + (size_t)h * len;
     }
-    return kvc_press_select(cfg, layer, n_layers, Hkv, lens, sp, w, -1, kp, n_keep);
+    return kvc_press_select(cfg, layer, n_layers, Hkv, lens, sp, w, layer_total, kp, n_keep);
 }

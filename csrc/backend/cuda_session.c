@@ -2,8 +2,9 @@
  * s->dev is set, and the press attached to such a session acts through the device press hook below.
  *
  * The hook follows kvc_press_hook (press/press.c) step by step, with the layer's cache on the
- * device: scores on the GPU for the scorers it has (SnapKV, TOVA, Knorm, Streaming, Random), on the
- * host from downloaded K/V and queries for the others (ObservedAttention, EDIE); the scores come to
+ * device: scores on the GPU for the scorers it has (SnapKV, TOVA, Knorm, Streaming, Random, EDIE), on
+ * the host from downloaded K/V and queries for ObservedAttention (it needs every query's attention,
+ * which the flash-style kernel never forms); the scores come to
  * the host (E_internal for TADA, recorded scores); allocation and selection are the CPU's
  * (kvc_press_select: Ada-KV, ChunkKV, layer totals), except uniform and PyramidKV token selection,
  * which picks the top-k on the GPU; then the layer is compacted on the GPU (real eviction).
@@ -117,7 +118,7 @@ static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, 
 
 static int scorer_on_device(int32_t scorer) {
     return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_TOVA || scorer == KVC_SCORE_KNORM ||
-           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM;
+           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_EDIE;
 }
 
 kvc_status kvc_dev_layer_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, const kvc_press_config *cfg,

@@ -343,12 +343,17 @@ KVC_API kvc_status kvc_cuda_kernel_swiglu(const float *gate, const float *up, fl
 KVC_API kvc_status kvc_cuda_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                                              const float *const *k, const float *const *v, const int64_t *past_len,
                                              float scale, float *out, int32_t force_prefill);
-/* kvc_press_compute with the scores computed on the GPU (scorers: SnapKV, TOVA, Knorm, Streaming,
- * Random; KVC_ERR_UNSUPPORTED for the others) and the CPU's allocation and selection. */
+/* kvc_press_compute(_ex) with the scores computed on the GPU (scorers: SnapKV, TOVA, Knorm, Streaming,
+ * Random, EDIE; KVC_ERR_UNSUPPORTED for ObservedAttention, which runs on the host) and the CPU's
+ * allocation and selection. */
 KVC_API kvc_status kvc_cuda_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
                                           int32_t layer, int32_t n_layers, const float *q, int64_t n,
                                           const float *k, const float *v, int64_t len, float *scores,
                                           int64_t *keep, int64_t *n_keep);
+KVC_API kvc_status kvc_cuda_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
+                                             int32_t layer, int32_t n_layers, const float *q, const float *attn,
+                                             int64_t n, const float *k, const float *v, int64_t len,
+                                             int64_t layer_total, float *scores, int64_t *keep, int64_t *n_keep);
 /* Device-only timing for benchmarks: seconds per call (best of reps after a warm-up) of the bf16
  * GEMM (what 0, dims {m, n, k}) or of the causal GQA prefill attention (what 1, dims {n, H, Hkv, d}). */
 KVC_API kvc_status kvc_cuda_bench(int32_t what, const int64_t *dims, int32_t reps, double *seconds);

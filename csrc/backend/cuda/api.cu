@@ -175,16 +175,17 @@ static kvc_status k_attention(const float *q, int64_t n, int32_t H, int32_t Hkv,
 }
 
 static kvc_status k_score(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer, const float *q,
-                          int64_t n, const float *k, const float *v, int64_t len, float *scores) {
+                          const float *attn, int64_t n, const float *k, const float *v, int64_t len, float *scores) {
     DEVICE_LOCK();
     KVC_TRY(ensure_init());
     if (Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "at most %d KV heads", KVC_MAX_KV);
     if (!scorer_on_device(cfg->scorer))
         return fail(KVC_ERR_UNSUPPORTED, "scorer %d has no CUDA implementation", cfg->scorer);
     Temp t;
-    bf16 *Q, *K, *V;
+    bf16 *Q, *K, *V, *A = nullptr;
     float *S;
     KVC_TRY(t.bf16_of(&Q, q, (size_t)n * H * d));
+    if (attn) KVC_TRY(t.bf16_of(&A, attn, (size_t)n * H * d));
     KVC_TRY(t.bf16_of(&K, k, (size_t)Hkv * len * d));
     KVC_TRY(t.bf16_of(&V, v, (size_t)Hkv * len * d));
     KVC_TRY(t.get(&S, (size_t)Hkv * len));
@@ -196,7 +197,7 @@ static kvc_status k_score(const kvc_press_config *cfg, int32_t H, int32_t Hkv, i
         hi.len[h] = hi.n_acc[h] = hi.vlimit[h] = len;
     }
     Buf att, stats;
-    kvc_status st = score_layer(hi, H, Hkv, d, Q, (int64_t)H * d, n, cfg, layer, att, stats, S, len);
+    kvc_status st = score_layer(hi, H, Hkv, d, Q, (int64_t)H * d, A, (int64_t)H * d, n, cfg, layer, att, stats, S, len);
     if (st == KVC_OK &&
         cudaMemcpyAsync(scores, S, sizeof(float) * Hkv * len, cudaMemcpyDeviceToHost, g.stream) != cudaSuccess)
         st = cuda_fail(cudaGetLastError(), "scores download");

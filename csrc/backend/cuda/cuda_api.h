@@ -23,7 +23,7 @@
 extern "C" {
 #endif
 
-#define KVC_CUDA_API_VERSION 2
+#define KVC_CUDA_API_VERSION 3
 
 struct kvc_model;
 
@@ -83,11 +83,13 @@ typedef struct kvc_cuda_api {
     kvc_status (*k_attention)(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
                               const float *const *v, const int64_t *past_len, float scale, float *out,
                               int32_t force_prefill);
-    /* the device scorer on one layer (q [n, H, d]; k, v [Hkv, len, d]; this call's queries are the
-     * last n rows): scores [Hkv, len] as kvc_press_compute's. KVC_ERR_UNSUPPORTED for scorers the
-     * device does not have (the core then scores on the host). */
+    /* the device scorer on one layer (q [n, H, d]; attn [n, H, d] their attention outputs, for EDIE,
+     * else may be NULL; k, v [Hkv, len, d]; this call's queries are the last n rows): scores [Hkv, len]
+     * as kvc_press_compute_ex's. KVC_ERR_UNSUPPORTED for scorers the device does not have (the core
+     * then scores on the host). */
     kvc_status (*k_score)(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer,
-                          const float *q, int64_t n, const float *k, const float *v, int64_t len, float *scores);
+                          const float *q, const float *attn, int64_t n, const float *k, const float *v, int64_t len,
+                          float *scores);
     /* Device-only timing (benchmarks): seconds per call of the GEMM (what 0, dims m, n, k: bf16 in,
      * bf16 out) or of the causal prefill attention (what 1, dims n, H, Hkv, d: one sequence, no past),
      * on device buffers, best of `reps` after a warm-up. */

@@ -101,9 +101,11 @@ HeadInfo head_info(const DSess *s, int32_t l);
 
 /* press.cu */
 /* scores of a layer for a scorer the device has (KVC_ERR_UNSUPPORTED otherwise): q rows (stride ldq)
- * are this call's n queries, the cache rows hi (len), past = len - n */
-kvc_status score_layer(const HeadInfo &hi, int32_t H, int32_t Hkv, int32_t d, const bf16 *q, int64_t ldq, int64_t n,
-                       const kvc_press_config *cfg, int32_t layer, Buf &att_s, Buf &stats, float *scores, int64_t lds);
+ * are this call's n queries, attn rows (stride ld_attn) their attention outputs (EDIE; may be NULL
+ * for the other scorers), the cache rows hi (len), past = len - n */
+kvc_status score_layer(const HeadInfo &hi, int32_t H, int32_t Hkv, int32_t d, const bf16 *q, int64_t ldq,
+                       const bf16 *attn, int64_t ld_attn, int64_t n, const kvc_press_config *cfg, int32_t layer,
+                       Buf &att_s, Buf &stats, float *scores, int64_t lds);
 int scorer_on_device(int32_t scorer);
 
 } // namespace kvc

@@ -13,11 +13,12 @@ namespace kvc {
 
 int scorer_on_device(int32_t scorer) {
     return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_TOVA || scorer == KVC_SCORE_KNORM ||
-           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM;
+           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_EDIE;
 }
 
-kvc_status score_layer(const HeadInfo &hi0, int32_t H, int32_t Hkv, int32_t d, const bf16 *q, int64_t ldq, int64_t n,
-                       const kvc_press_config *cfg, int32_t layer, Buf &att_s, Buf &stats, float *scores, int64_t lds) {
+kvc_status score_layer(const HeadInfo &hi0, int32_t H, int32_t Hkv, int32_t d, const bf16 *q, int64_t ldq,
+                       const bf16 *attn, int64_t ld_attn, int64_t n, const kvc_press_config *cfg, int32_t layer,
+                       Buf &att_s, Buf &stats, float *scores, int64_t lds) {
     HeadInfo hi = hi0;
     const float scale = 1.0f / sqrtf((float)d);
     int64_t maxlen = 1;
@@ -53,6 +54,24 @@ kvc_status score_layer(const HeadInfo &hi0, int32_t H, int32_t Hkv, int32_t d, c
                             cfg->pool_then_reduce, tova, scores, lds));
         return protect_tail(scores, lds, Hkv, hi);
     }
+    case KVC_SCORE_EDIE: {
+        const int64_t w = cfg->window;
+        if (w > n) return fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%lld)",
+                               (long long)n, (long long)w);
+        if (!attn) return fail(KVC_ERR_ARG, "EDIE needs the attention outputs of the window queries");
+        for (int32_t h = 0; h < Hkv; h++) { /* as SnapKV's window; rows < len - w are scored */
+            hi.n_acc[h] = hi.len[h] - w;
+            hi.vstart[h] = hi.len[h] - w;
+            hi.vlimit[h] = hi.len[h];
+        }
+        KVC_TRY(att_s.need(sizeof(float) * (size_t)H * maxlen, "press EDIE scores"));
+        KVC_TRY(stats.need(sizeof(float) * window_stats_floats(H, w, maxlen), "press softmax statistics"));
+        KVC_TRY(edie_attention(q + (n - w) * ldq, ldq, attn + (n - w) * ld_attn, ld_attn, w, H, Hkv, d, hi, scale,
+                               cfg->edie_alpha, att_s.as<float>(), maxlen, stats.as<float>()));
+        /* group sum (edie_attention scaled by the group size), then mean pooling counting padding */
+        KVC_TRY(pool_reduce(att_s.as<float>(), maxlen, H, Hkv, hi, cfg->kernel, 0, 0, 0, 0, scores, lds));
+        return protect_tail(scores, lds, Hkv, hi);
+    }
     default:
         return fail(KVC_ERR_UNSUPPORTED, "scorer %d has no CUDA implementation (it runs on the host)", cfg->scorer);
     }
@@ -73,8 +92,9 @@ kvc_status sess_score(DSess *s, const kvc_dev_ctx *ctx, const kvc_press_config *
     KVC_TRY(s->scores.need(sizeof(float) * (size_t)s->Hkv * ld, "press scores"));
     s->scores_ld = ld;
     const HeadInfo hi = head_info(s, layer);
-    return score_layer(hi, s->m->c.n_heads, s->Hkv, s->d, ctx->c.q, ctx->c.ldq, ctx->c.n, cfg, layer, s->att_s,
-                       s->stats, s->scores.as<float>(), ld);
+    return score_layer(hi, s->m->c.n_heads, s->Hkv, s->d, ctx->c.q, ctx->c.ldq, ctx->c.attn,
+                       (int64_t)s->m->c.n_heads * s->d, ctx->c.n, cfg, layer, s->att_s, s->stats, s->scores.as<float>(),
+                       ld);
 }
 
 kvc_status sess_probe_score(DSess *s, int32_t layer, const float *qa, int64_t p, const int64_t *real, int32_t kernel) {

@@ -8,7 +8,11 @@
  *   pass 2: the same dot products again, p = exp(s - M_j) / L_j, summed over the queries.
  * A thread owns rows of the chunk and computes their dot products with 16 queries at a time (queries
  * in shared memory, read as broadcasts). Then pooling (avg counting padding, or max) and the GQA
- * reduction (mean or max, before or after pooling), and the protected tail (window) at max + 1. */
+ * reduction (mean or max, before or after pooling), and the protected tail (window) at max + 1.
+ *
+ * EDIE (METHODS.md "EDIE scoring") rides on the same two passes: pass 1 also keeps each window query's
+ * largest score over the mid-range rows, so c_j = exp(max - M_j) / L_j comes out of the merge; pass 2
+ * sums c_j * a / (1 + alpha - a) * (|v_r|_1 + |o_j|_1) over the queries instead of the mean of a. */
 #include "common.cuh"
 
 namespace kvc {
@@ -17,25 +21,55 @@ namespace kvc {
 #define WT 128  /* threads per block */
 #define JG 16   /* queries per group */
 #define RPT (CK / WT)
+#define NS 3    /* floats per (query head, query) statistic: max, sum of exp, EDIE's c_j (or mid-range max) */
 
 size_t window_stats_floats(int32_t H, int64_t m, int64_t maxlen) {
     const int64_t nchunks = (maxlen + CK - 1) / CK;
-    return (size_t)H * m * 2 * (nchunks + 1);
+    return (size_t)H * m * NS * (nchunks + 1);
 }
 
-template <int PASS>
+/* EDIE's mid-range rows of a head holding len rows, w of them the window: (w, len - 2w] inside the
+ * scored rows [0, len - w), or every scored row when that is empty */
+__device__ __forceinline__ void edie_mid_range(int64_t len, int64_t w, int64_t *lo, int64_t *hi) {
+    const int64_t n_past = len - w;
+    *lo = w + 1;
+    *hi = len - 2 * w < n_past - 1 ? len - 2 * w : n_past - 1;
+    if (*lo > *hi) {
+        *lo = 0;
+        *hi = n_past - 1;
+    }
+}
+
+/* EDIE = 1: o (attention outputs of the m queries, bf16 rows of stride ldo) and alpha are used, and
+ * att gets the EDIE sum times out_scale; EDIE = 0: att gets the attention summed over the queries
+ * times out_scale (1 / m: the mean). */
+template <int PASS, int EDIE>
 __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict__ q, int q_f32, int64_t ldq, int64_t m,
                                                          int32_t g, int32_t d, const HeadInfo hi, float scale,
                                                          float *__restrict__ part, const float *__restrict__ stats,
-                                                         float *__restrict__ att, int64_t lda, int64_t nchunks) {
+                                                         float *__restrict__ att, int64_t lda, int64_t nchunks,
+                                                         const bf16 *__restrict__ o, int64_t ldo, float alpha,
+                                                         float out_scale) {
     extern __shared__ float qs[]; /* [JG][d] */
     __shared__ float red_m[WT][JG + 1], red_l[WT][JG + 1];
+    __shared__ float red_x[EDIE && PASS == 1 ? WT : 1][JG + 1];
+    __shared__ float onorm[JG];
     const int hq = blockIdx.y, h = hq / g;
     const int64_t chunk = blockIdx.x;
     const int64_t len = hi.len[h];
     const bf16 *K = hi.k[h];
-    float acc[RPT];
-    for (int t = 0; t < RPT; t++) acc[t] = 0.f;
+    int64_t mid_lo = 0, mid_hi = -1;
+    if (EDIE) edie_mid_range(len, m, &mid_lo, &mid_hi);
+    float acc[RPT], vnorm[RPT];
+    for (int t = 0; t < RPT; t++) {
+        acc[t] = 0.f;
+        vnorm[t] = 0.f;
+        const int64_t r = chunk * CK + (int64_t)t * WT + threadIdx.x;
+        if (EDIE && PASS == 2 && r < len) {
+            const bf16 *vr = hi.v[h] + r * d;
+            for (int e = 0; e < d; e++) vnorm[t] += fabsf(__bfloat162float(vr[e]));
+        }
+    }
     for (int64_t j0 = 0; j0 < m; j0 += JG) {
         const int mg = m - j0 < JG ? (int)(m - j0) : JG;
         __syncthreads();
@@ -48,16 +82,26 @@ __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict_
             }
             qs[u] = v * scale;
         }
+        if (EDIE && PASS == 2 && threadIdx.x < JG) {
+            float on = 0.f;
+            if ((int)threadIdx.x < mg) {
+                const bf16 *oj = o + (j0 + threadIdx.x) * ldo + (int64_t)hq * d;
+                for (int e = 0; e < d; e++) on += fabsf(__bfloat162float(oj[e]));
+            }
+            onorm[threadIdx.x] = on;
+        }
         __syncthreads();
-        float M[JG], L[JG];
+        float M[JG], L[JG], X[JG];
         for (int j = 0; j < JG; j++) {
+            X[j] = PASS == 1 ? -INFINITY : 0.f;
             if (PASS == 1) {
                 M[j] = -INFINITY;
                 L[j] = 0.f;
             } else {
                 const int64_t jj = j0 + (j < mg ? j : 0);
-                M[j] = stats[((int64_t)hq * m + jj) * 2];
-                L[j] = stats[((int64_t)hq * m + jj) * 2 + 1];
+                M[j] = stats[((int64_t)hq * m + jj) * NS];
+                L[j] = stats[((int64_t)hq * m + jj) * NS + 1];
+                X[j] = stats[((int64_t)hq * m + jj) * NS + 2]; /* c_j */
             }
         }
 #pragma unroll
@@ -96,8 +140,10 @@ __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict_
                     const float mn = fmaxf(M[j], s[j]);
                     L[j] = L[j] * (M[j] == -INFINITY ? 0.f : __expf(M[j] - mn)) + __expf(s[j] - mn);
                     M[j] = mn;
+                    if (EDIE && r >= mid_lo && r <= mid_hi) X[j] = fmaxf(X[j], s[j]);
                 } else {
-                    acc[t] += __expf(s[j] - M[j]) / L[j];
+                    const float a = __expf(s[j] - M[j]) / L[j];
+                    acc[t] += EDIE ? X[j] * (a / (1.f + alpha - a)) * (vnorm[t] + onorm[j]) : a;
                 }
             }
         }
@@ -105,19 +151,23 @@ __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict_
             for (int j = 0; j < JG; j++) {
                 red_m[threadIdx.x][j] = M[j];
                 red_l[threadIdx.x][j] = L[j];
+                if (EDIE) red_x[threadIdx.x][j] = X[j];
             }
             __syncthreads();
             if (threadIdx.x < mg) {
                 const int j = threadIdx.x;
-                float mm = -INFINITY;
+                float mm = -INFINITY, xx = -INFINITY;
                 for (int t = 0; t < WT; t++) mm = fmaxf(mm, red_m[t][j]);
                 float ll = 0.f;
                 if (mm != -INFINITY)
                     for (int t = 0; t < WT; t++)
                         if (red_m[t][j] != -INFINITY) ll += red_l[t][j] * __expf(red_m[t][j] - mm);
-                float *dst = part + (((int64_t)hq * nchunks + chunk) * m + j0 + j) * 2;
+                if (EDIE)
+                    for (int t = 0; t < WT; t++) xx = fmaxf(xx, red_x[t][j]);
+                float *dst = part + (((int64_t)hq * nchunks + chunk) * m + j0 + j) * NS;
                 dst[0] = mm;
                 dst[1] = ll;
+                dst[2] = xx;
             }
         }
     }
@@ -125,46 +175,69 @@ __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict_
         const int64_t n_acc = hi.n_acc[h];
         for (int t = 0; t < RPT; t++) {
             const int64_t r = chunk * CK + (int64_t)t * WT + threadIdx.x;
-            if (r < n_acc) att[(int64_t)hq * lda + r] = acc[t] / (float)m;
+            if (r < n_acc) att[(int64_t)hq * lda + r] = acc[t] * out_scale;
         }
     }
 }
 
+/* the chunks' statistics of each query merged: M, L, and c_j = exp(X - M) / L from the largest
+ * mid-range score X (0 when no chunk had a mid-range row; unused outside EDIE) */
 __global__ void window_merge_kernel(const float *__restrict__ part, int64_t m, int64_t nchunks, float *__restrict__ stats) {
     const int hq = blockIdx.y;
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= m) return;
-    float M = -INFINITY;
-    for (int64_t c = 0; c < nchunks; c++) M = fmaxf(M, part[(((int64_t)hq * nchunks + c) * m + j) * 2]);
+    float M = -INFINITY, X = -INFINITY;
+    for (int64_t c = 0; c < nchunks; c++) {
+        const float *p = part + (((int64_t)hq * nchunks + c) * m + j) * NS;
+        M = fmaxf(M, p[0]);
+        X = fmaxf(X, p[2]);
+    }
     float L = 0.f;
     for (int64_t c = 0; c < nchunks; c++) {
-        const float *p = part + (((int64_t)hq * nchunks + c) * m + j) * 2;
+        const float *p = part + (((int64_t)hq * nchunks + c) * m + j) * NS;
         if (p[0] != -INFINITY) L += p[1] * __expf(p[0] - M);
     }
-    stats[((int64_t)hq * m + j) * 2] = M;
-    stats[((int64_t)hq * m + j) * 2 + 1] = L > 0.f ? L : 1.f;
+    L = L > 0.f ? L : 1.f;
+    float *st = stats + ((int64_t)hq * m + j) * NS;
+    st[0] = M;
+    st[1] = L;
+    st[2] = X == -INFINITY ? 0.f : __expf(X - M) / L;
 }
 
-kvc_status window_attention(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
-                            const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats) {
+template <int EDIE>
+static kvc_status window_passes(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
+                                const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats, const bf16 *o,
+                                int64_t ldo, float alpha, float out_scale) {
     if (m <= 0) return KVC_OK;
     int64_t maxlen = 1;
     for (int h = 0; h < Hkv; h++) maxlen = hi.len[h] > maxlen ? hi.len[h] : maxlen;
     const int64_t nchunks = (maxlen + CK - 1) / CK;
-    float *part = stats + (size_t)H * m * 2; /* after the final statistics */
+    float *part = stats + (size_t)H * m * NS; /* after the final statistics */
     const int32_t grp = H / Hkv;
     dim3 grid((unsigned)nchunks, (unsigned)H);
     const size_t smem = sizeof(float) * JG * d;
-    window_pass_kernel<1><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att, lda,
-                                                        nchunks);
+    window_pass_kernel<1, EDIE><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att,
+                                                              lda, nchunks, o, ldo, alpha, out_scale);
     LAUNCH_TRY("window attention (pass 1)");
     dim3 mgrid((unsigned)((m + 127) / 128), (unsigned)H);
     window_merge_kernel<<<mgrid, 128, 0, g.stream>>>(part, m, nchunks, stats);
     LAUNCH_TRY("window attention (merge)");
-    window_pass_kernel<2><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att, lda,
-                                                        nchunks);
+    window_pass_kernel<2, EDIE><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att,
+                                                              lda, nchunks, o, ldo, alpha, out_scale);
     LAUNCH_TRY("window attention (pass 2)");
     return KVC_OK;
+}
+
+kvc_status window_attention(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
+                            const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats) {
+    return window_passes<0>(q, q_f32, ldq, m, H, Hkv, d, hi, scale, att, lda, stats, nullptr, 0, 0.f,
+                            m > 0 ? 1.f / (float)m : 0.f);
+}
+
+kvc_status edie_attention(const bf16 *q, int64_t ldq, const bf16 *o, int64_t ldo, int64_t w, int32_t H, int32_t Hkv,
+                          int32_t d, const HeadInfo &hi, float scale, float alpha, float *att, int64_t lda, float *stats) {
+    /* x the group size: pool_reduce's mean over a group is then EDIE's sum */
+    return window_passes<1>(q, 0, ldq, w, H, Hkv, d, hi, scale, att, lda, stats, o, ldo, alpha, (float)(H / Hkv));
 }
 
 /* ---- pooling and GQA reduction ---- */
