@@ -44,7 +44,8 @@ def kvc_press(name: str, ratio: float, take_budget: int = 2048):
             "snapkv": K.SnapKVPress(compression_ratio=ratio),
             "adakv": K.AdaKVPress(K.SnapKVPress(compression_ratio=ratio)),
             "chunkkv": K.ChunkKVPress(K.SnapKVPress(compression_ratio=ratio)),
-            "take": K.TAKEPress(budget=take_budget)}[name]
+            "take": K.TAKEPress(budget=take_budget),
+            "edie_tada": K.TADAPress(K.EDIEPress(compression_ratio=ratio))}[name]
 
 
 def hf_press(name: str, ratio: float):
@@ -53,7 +54,7 @@ def hf_press(name: str, ratio: float):
             "snapkv": P.SnapKVPress(compression_ratio=ratio),
             "adakv": P.AdaKVPress(P.SnapKVPress(compression_ratio=ratio)),
             "chunkkv": P.ChunkKVPress(P.SnapKVPress(compression_ratio=ratio), chunk_length=10),
-            "take": None}[name]
+            "take": None, "edie_tada": None}[name]
 
 
 def kvc_prefill(model, press, ids):

@@ -1,7 +1,7 @@
 """Time to first token on the GPU: kvpress_c (CUDA backend) and kvpress 0.5.x on HF transformers in
 the same run, on a Llama-3.1-8B-shaped model with random bf16 weights.
 
-    python benchmarks/gpu_prefill.py [--lengths 8192 32768 131072] [--presses full snapkv adakv chunkkv take]
+    python benchmarks/gpu_prefill.py [--lengths 8192 32768 131072] [--presses full snapkv adakv chunkkv take edie_tada]
                                      [--ratio 0.5] [--systems kvpress_c hf] [--model-dir DIR]
 
 For each length and press: prefill seconds (TTFT: the forward of the prompt, compression included,
@@ -92,7 +92,7 @@ def run_hf(args, path, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--presses", nargs="+", default=["full", "snapkv", "adakv", "chunkkv", "take"])
+    ap.add_argument("--presses", nargs="+", default=["full", "snapkv", "adakv", "chunkkv", "take", "edie_tada"])
     ap.add_argument("--ratio", type=float, default=0.5, help="compression ratio of the scorer presses")
     ap.add_argument("--take-budget", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2, help="runs per point below 64k tokens (the minimum is kept)")
