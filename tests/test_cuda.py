@@ -272,19 +272,39 @@ PRESSES = {
     "edie": dict(scorer=6, compression_ratio=0.5, window=16),
     "edie-wide-window": dict(scorer=6, compression_ratio=0.3, window=120, kernel=5, edie_alpha=0.3),
     "edie-no-mid-range": dict(scorer=6, compression_ratio=0.5, window=170),  # (w, len - 2w] empty: every past row
+    "edie-long-cache": dict(scorer=6, compression_ratio=0.5, window=32),  # 2,500 rows: the kernel's 1,024-row chunks
 }
+
+
+def edie_inputs(rng, q, k, v, w):
+    """EDIE's attention outputs, and K/V reshaped so that each of its terms shows in the scores: |v_r|_1
+    and |o_j|_1 vary by row and head, and row 0, outside the mid range, draws each group's window
+    queries. Measured with a NumPy EDIE on 10 draws of these shapes: o_j from the wrong row or head,
+    or |k| for |v|, moves the scores by 6 % or more (3x the tolerance), c_j over every past row
+    instead of the mid range by a factor of 6 or more."""
+    n, H, d = q.shape
+    Hkv, g = k.shape[0], H // k.shape[0]
+    attn = rng.standard_normal((n, H, d)) * np.exp(1.5 * rng.standard_normal((n, H, 1)))
+    v = v * np.exp(rng.standard_normal((Hkv, v.shape[1], 1)))
+    k = k.copy()
+    for h in range(Hkv):
+        m = q[n - w:, h * g:(h + 1) * g].mean((0, 1))
+        k[h, 0] = 2.0 * np.sqrt(d) * m / np.linalg.norm(m)
+    return bf16(attn), k, v
 
 
 @needs_gpu
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_press_scores_and_kept_rows_match_cpu(rng, name):
-    n, H, Hkv, d, past = 300, 8, 2, 64, 200
+    n, H, Hkv, d, past = 300, 8, 2, 64, (2200 if name == "edie-long-cache" else 200)
     length = past + n
     q = bf16(rng.standard_normal((n, H, d)) * 2)
-    k = bf16(rng.standard_normal((Hkv, length, d)))
-    v = bf16(rng.standard_normal((Hkv, length, d)))
-    # EDIE also reads the queries' attention outputs: any values do for comparing two implementations
-    attn = bf16(rng.standard_normal((n, H, d))) if name.startswith("edie") else None
+    k = rng.standard_normal((Hkv, length, d))
+    v = rng.standard_normal((Hkv, length, d))
+    attn = None
+    if name.startswith("edie"):  # EDIE also reads the queries' attention outputs
+        attn, k, v = edie_inputs(rng, q, k, v, PRESSES[name]["window"])
+    k, v = bf16(k), bf16(v)
     cfg = press_config(**PRESSES[name])
     s_gpu, keep_gpu = cuda_press_compute(cfg, q, k, v, layer=1, n_layers=4, attn=attn)
     s_cpu, keep_cpu = press_compute(press_config(**PRESSES[name]), q, k, v, layer=1, n_layers=4, attn=attn)
@@ -461,7 +481,7 @@ def test_session_press_kept_rows_match_cpu(model_pair, rng, name):
     lg = sg.forward(ids, logits="last")
     assert rel(lg, lc) < 5e-2
     lens_c, lens_g = sc.cache_lengths(), sg.cache_lengths()
-    if name in ("streaming", "knorm", "tova", "snapkv", "pyramidkv") or name.startswith("chunkkv"):
+    if name in ("streaming", "knorm", "tova", "snapkv", "pyramidkv", "edie") or name.startswith("chunkkv"):
         np.testing.assert_array_equal(lens_g, lens_c)
     else:  # Ada-KV / head budgets may move by a few rows when scores are near ties
         assert abs(int(lens_g.sum()) - int(lens_c.sum())) <= 0.02 * lens_c.sum() + 2

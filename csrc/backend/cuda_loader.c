@@ -262,8 +262,9 @@ kvc_status kvc_cuda_press_compute_ex(const kvc_press_config *cfg, int32_t H, int
                                      int64_t *n_keep) {
     CHECK(cfg && q && k && v && scores && keep && n_keep, "press_compute: null argument");
     KVC_TRY(kvc_press_validate(cfg));
-    CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && d > 0 && d % 8 == 0 && Hkv <= 64,
-          "press_compute: bad head shape H=%d Hkv=%d d=%d", H, Hkv, d);
+    CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && d > 0 && d % 8 == 0 && d <= 256 && Hkv <= 64,
+          "press_compute: bad head shape H=%d Hkv=%d d=%d (the GPU takes head_dim a multiple of 8, at most 256)", H,
+          Hkv, d);
     CHECK(n >= 1 && len >= n, "press_compute: need 1 <= n (%lld) <= len (%lld)", (long long)n, (long long)len);
     CHECK(layer >= 0 && layer < n_layers, "press_compute: layer %d not in [0, %d)", layer, n_layers);
     const int32_t w = kvc_scorer_has_window(cfg->scorer) ? cfg->window : 0;

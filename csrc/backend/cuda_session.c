@@ -74,8 +74,8 @@ kvc_status kvc_dev_truncate(kvc_session *s, const int64_t *new_len, int64_t posi
 
 /* ---- the press on the device --------------------------------------------------------------------- */
 
-/* Scores on the host for a scorer the GPU lacks: the layer's K/V and this call's activations come
- * down, and the CPU scorer runs on them exactly as on a CPU session. */
+/* Scores on the host for a scorer the GPU lacks (observed attention): the layer's K/V and this call's
+ * queries come down, and the CPU scorer runs on them exactly as on a CPU session. */
 static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, const kvc_press_config *cfg,
                               int32_t layer, int64_t n, const int64_t *past, const int64_t *lens, float *const *scores) {
     const kvc_cuda_api *a = api_of();
@@ -84,8 +84,7 @@ static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, 
     const size_t qd = (size_t)c->n_heads * d;
     float *kh[64] = {0}, *vh[64] = {0};
     float *q = kvc_malloc(sizeof(float) * (size_t)n * qd, "press: queries on the host");
-    float *attn = cfg->scorer == KVC_SCORE_EDIE ? kvc_malloc(sizeof(float) * (size_t)n * qd, "press: attention on the host") : NULL;
-    kvc_status st = q && (attn || cfg->scorer != KVC_SCORE_EDIE) ? KVC_OK : KVC_ERR_NOMEM;
+    kvc_status st = q ? KVC_OK : KVC_ERR_NOMEM;
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         kh[h] = kvc_malloc(sizeof(float) * (size_t)(lens[h] > 0 ? lens[h] : 1) * d, "press: keys on the host");
         vh[h] = kvc_malloc(sizeof(float) * (size_t)(lens[h] > 0 ? lens[h] : 1) * d, "press: values on the host");
@@ -93,7 +92,6 @@ static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, 
     }
     if (st == KVC_OK) st = a->download_layer(ds, layer, kh, vh);
     if (st == KVC_OK) st = a->download_ctx(ctx, KVC_DEV_Q, 0, n, q);
-    if (st == KVC_OK && attn) st = a->download_ctx(ctx, KVC_DEV_ATTN, 0, n, attn);
     if (st == KVC_OK) {
         int64_t lens_copy[64];
         memcpy(lens_copy, lens, sizeof(int64_t) * (size_t)Hkv);
@@ -103,7 +101,7 @@ static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, 
         L.cap = lens_copy;
         L.k = kh;
         L.v = vh;
-        kvc_layer_ctx hctx = {layer, n, past, q, attn, NULL, NULL};
+        kvc_layer_ctx hctx = {layer, n, past, q, NULL, NULL, NULL}; /* observed attention: no outputs needed */
         kvc_score_input in = {c, &L, &hctx, cfg};
         st = kvc_press_score(&in, scores);
     }
@@ -112,7 +110,6 @@ static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, 
         kvc_free(vh[h]);
     }
     kvc_free(q);
-    kvc_free(attn);
     return st;
 }
 

@@ -51,8 +51,9 @@ static kvc_status model_upload_impl(const kvc_model *m, DModel *dm, Buf &stage) 
     if (c.n_kv_heads > KVC_MAX_KV)
         return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend supports at most %d KV heads (model has %d)", KVC_MAX_KV,
                     c.n_kv_heads);
-    if (c.head_dim % 8 != 0)
-        return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend needs head_dim to be a multiple of 8 (got %d)", c.head_dim);
+    if (c.head_dim % 8 != 0 || c.head_dim > 256)
+        return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend needs head_dim to be a multiple of 8, at most 256 (got %d)",
+                    c.head_dim);
     dm->c = c;
     void *p;
     KVC_TRY(walloc(dm, &p, sizeof(bf16) * V * D, "token embeddings"));

@@ -40,16 +40,15 @@ __device__ __forceinline__ void edie_mid_range(int64_t len, int64_t w, int64_t *
     }
 }
 
-/* EDIE = 1: o (attention outputs of the m queries, bf16 rows of stride ldo) and alpha are used, and
- * att gets the EDIE sum times out_scale; EDIE = 0: att gets the attention summed over the queries
- * times out_scale (1 / m: the mean). */
+/* EDIE = 0: att gets the mean attention over the m queries. EDIE = 1: o (attention outputs of the m
+ * queries, bf16 rows of stride ldo) and alpha are used, and att gets the EDIE sum times edie_scale. */
 template <int PASS, int EDIE>
 __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict__ q, int q_f32, int64_t ldq, int64_t m,
                                                          int32_t g, int32_t d, const HeadInfo hi, float scale,
                                                          float *__restrict__ part, const float *__restrict__ stats,
                                                          float *__restrict__ att, int64_t lda, int64_t nchunks,
                                                          const bf16 *__restrict__ o, int64_t ldo, float alpha,
-                                                         float out_scale) {
+                                                         float edie_scale) {
     extern __shared__ float qs[]; /* [JG][d] */
     __shared__ float red_m[WT][JG + 1], red_l[WT][JG + 1];
     __shared__ float red_x[EDIE && PASS == 1 ? WT : 1][JG + 1];
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(WT) window_pass_kernel(const void *__restrict_
         const int64_t n_acc = hi.n_acc[h];
         for (int t = 0; t < RPT; t++) {
             const int64_t r = chunk * CK + (int64_t)t * WT + threadIdx.x;
-            if (r < n_acc) att[(int64_t)hq * lda + r] = acc[t] * out_scale;
+            if (r < n_acc) att[(int64_t)hq * lda + r] = EDIE ? acc[t] * edie_scale : acc[t] / (float)m;
         }
     }
 }
@@ -207,7 +206,7 @@ __global__ void window_merge_kernel(const float *__restrict__ part, int64_t m, i
 template <int EDIE>
 static kvc_status window_passes(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
                                 const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats, const bf16 *o,
-                                int64_t ldo, float alpha, float out_scale) {
+                                int64_t ldo, float alpha, float edie_scale) {
     if (m <= 0) return KVC_OK;
     int64_t maxlen = 1;
     for (int h = 0; h < Hkv; h++) maxlen = hi.len[h] > maxlen ? hi.len[h] : maxlen;
@@ -217,21 +216,20 @@ static kvc_status window_passes(const void *q, int q_f32, int64_t ldq, int64_t m
     dim3 grid((unsigned)nchunks, (unsigned)H);
     const size_t smem = sizeof(float) * JG * d;
     window_pass_kernel<1, EDIE><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att,
-                                                              lda, nchunks, o, ldo, alpha, out_scale);
+                                                              lda, nchunks, o, ldo, alpha, edie_scale);
     LAUNCH_TRY("window attention (pass 1)");
     dim3 mgrid((unsigned)((m + 127) / 128), (unsigned)H);
     window_merge_kernel<<<mgrid, 128, 0, g.stream>>>(part, m, nchunks, stats);
     LAUNCH_TRY("window attention (merge)");
     window_pass_kernel<2, EDIE><<<grid, WT, smem, g.stream>>>(q, q_f32, ldq, m, grp, d, hi, scale, part, stats, att,
-                                                              lda, nchunks, o, ldo, alpha, out_scale);
+                                                              lda, nchunks, o, ldo, alpha, edie_scale);
     LAUNCH_TRY("window attention (pass 2)");
     return KVC_OK;
 }
 
 kvc_status window_attention(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
                             const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats) {
-    return window_passes<0>(q, q_f32, ldq, m, H, Hkv, d, hi, scale, att, lda, stats, nullptr, 0, 0.f,
-                            m > 0 ? 1.f / (float)m : 0.f);
+    return window_passes<0>(q, q_f32, ldq, m, H, Hkv, d, hi, scale, att, lda, stats, nullptr, 0, 0.f, 0.f);
 }
 
 kvc_status edie_attention(const bf16 *q, int64_t ldq, const bf16 *o, int64_t ldo, int64_t w, int32_t H, int32_t Hkv,
