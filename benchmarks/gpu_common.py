@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from random_llama import LLAMA31_8B as LLAMA8B, write_llama31_bf16  # noqa: E402
+from random_llama import LLAMA31_8B as LLAMA8B, llama31_8b_dir, write_llama31_bf16  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -30,10 +29,6 @@ def require_gpu() -> None:
     except Exception as e:  # the loader's own message
         reason = str(e)
     sys.exit(f"{os.path.basename(sys.argv[0])}: this benchmark needs the CUDA backend and a GPU: {reason}")
-
-
-def default_model_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "kvpress_c_llama8b_random_bf16")
 
 
 # ---- presses: kvpress_c and kvpress side by side ----
@@ -111,7 +106,7 @@ def load_hf(path: str):
 def add_system_args(ap) -> None:
     """The last two options of both benchmarks: --systems and --model-dir."""
     ap.add_argument("--systems", nargs="+", default=["kvpress_c", "hf"])
-    ap.add_argument("--model-dir", default=default_model_dir())
+    ap.add_argument("--model-dir", default=llama31_8b_dir())
 
 
 def start(ap, argv):

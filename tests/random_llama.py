@@ -48,6 +48,13 @@ def write_random_llama(path: str, layers: int = 2, hidden: int = 256, heads: int
 LLAMA31_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, head_dim=128)
 
 
+def llama31_8b_dir() -> str:
+    """Where the GPU tests and benchmarks keep the 8B-shaped folder: $KVC_LLAMA8B_DIR, else
+    <tmp>/kvpress_c_llama8b_random_bf16 (written once per machine, shared by both)."""
+    import tempfile
+    return os.environ.get("KVC_LLAMA8B_DIR") or os.path.join(tempfile.gettempdir(), "kvpress_c_llama8b_random_bf16")
+
+
 def write_llama31_bf16(path: str, shapes: dict = LLAMA31_8B, seed: int = 0, shard_bytes: int = 4 << 30) -> str:
     """A Llama-3.1 folder (llama3 RoPE scaling, theta 500000, untied head) with random bf16 weights:
     config.json + model-0000i-of-0000n.safetensors shards of ~`shard_bytes`, written tensor by tensor (16 GB

@@ -17,7 +17,7 @@ import pytest
 
 import kvpress_c
 from capi import CError, F32P, I64P, PressConfig, lib, press_compute, press_config
-from random_llama import LLAMA31_8B, write_llama31_bf16, write_random_llama
+from random_llama import LLAMA31_8B, llama31_8b_dir, write_llama31_bf16, write_random_llama
 
 
 
@@ -652,13 +652,10 @@ def test_out_of_memory_is_an_exception_and_the_model_survives(model_pair, rng):
 
 @pytest.fixture(scope="module")
 def llama8b():
-    """(path, model on the GPU): the bf16 8B-shaped folder (16 GB), written once per machine where the
-    GPU benchmarks also look for it ($KVC_LLAMA8B_DIR, else <tmp>/kvpress_c_llama8b_random_bf16)."""
+    """(path, model on the GPU): the bf16 8B-shaped folder (16 GB, random_llama.llama31_8b_dir())."""
     if not HAS_CUDA:
         pytest.skip(_why_no_cuda())
-    import tempfile
-    path = os.environ.get("KVC_LLAMA8B_DIR") or os.path.join(tempfile.gettempdir(), "kvpress_c_llama8b_random_bf16")
-    write_llama31_bf16(path)
+    path = write_llama31_bf16(llama31_8b_dir())
     return path, kvpress_c.load_model(path, device="cuda")
 
 

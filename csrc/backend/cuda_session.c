@@ -113,16 +113,11 @@ static kvc_status host_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, 
     return st;
 }
 
-static int scorer_on_device(int32_t scorer) {
-    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_TOVA || scorer == KVC_SCORE_KNORM ||
-           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_EDIE;
-}
-
 kvc_status kvc_dev_layer_scores(kvc_session *s, void *ds, const kvc_dev_ctx *ctx, const kvc_press_config *cfg,
                                 int32_t layer, int64_t n, const int64_t *past, const int64_t *lens, float *const *scores,
                                 int *on_device) {
     const kvc_cuda_api *a = api_of();
-    *on_device = scorer_on_device(cfg->scorer);
+    *on_device = kvc_scorer_on_device(cfg->scorer);
     if (!*on_device) return host_scores(s, ds, ctx, cfg, layer, n, past, lens, scores);
     KVC_TRY(a->score(ds, ctx, cfg, layer));
     return a->scores_to_host(ds, layer, lens, scores);

@@ -179,7 +179,7 @@ static kvc_status k_score(const kvc_press_config *cfg, int32_t H, int32_t Hkv, i
     DEVICE_LOCK();
     KVC_TRY(ensure_init());
     if (Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "at most %d KV heads", KVC_MAX_KV);
-    if (!scorer_on_device(cfg->scorer))
+    if (!kvc_scorer_on_device(cfg->scorer))
         return fail(KVC_ERR_UNSUPPORTED, "scorer %d has no CUDA implementation", cfg->scorer);
     Temp t;
     bf16 *Q, *K, *V, *A = nullptr;

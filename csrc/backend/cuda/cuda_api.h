@@ -42,6 +42,13 @@ typedef struct kvc_dev_ctx kvc_dev_ctx;
 typedef kvc_status (*kvc_dev_hook)(void *user, void *dsess, const kvc_dev_ctx *ctx, int32_t layer, int64_t n,
                                    const int64_t *past);
 
+/* The scorers the device has (score, k_score); the core scores the others on the host. One list
+ * for both sides of the table. */
+static inline int kvc_scorer_on_device(int32_t scorer) {
+    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_TOVA || scorer == KVC_SCORE_KNORM ||
+           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_EDIE;
+}
+
 /* Which activation of a kvc_dev_ctx to read (download_ctx). */
 enum { KVC_DEV_Q = 0, KVC_DEV_ATTN = 1, KVC_DEV_O = 2, KVC_DEV_RESID = 3 };
 

@@ -106,7 +106,6 @@ HeadInfo head_info(const DSess *s, int32_t l);
 kvc_status score_layer(const HeadInfo &hi, int32_t H, int32_t Hkv, int32_t d, const bf16 *q, int64_t ldq,
                        const bf16 *attn, int64_t ld_attn, int64_t n, const kvc_press_config *cfg, int32_t layer,
                        Buf &att_s, Buf &stats, float *scores, int64_t lds);
-int scorer_on_device(int32_t scorer);
 
 } // namespace kvc
 

@@ -11,9 +11,19 @@
 
 namespace kvc {
 
-int scorer_on_device(int32_t scorer) {
-    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_TOVA || scorer == KVC_SCORE_KNORM ||
-           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_EDIE;
+/* The last w queries of the call score the rows before them: window query j (row len - w + j) sees
+ * rows < len - w + j + 1, rows < len - w are scored; the scratch for the window passes is sized. */
+static kvc_status window_setup(HeadInfo &hi, int32_t H, int32_t Hkv, int64_t w, int64_t n, int64_t maxlen, Buf &att_s,
+                               Buf &stats) {
+    if (w > n) return fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%lld)",
+                           (long long)n, (long long)w);
+    for (int32_t h = 0; h < Hkv; h++) {
+        hi.n_acc[h] = hi.len[h] - w;
+        hi.vstart[h] = hi.len[h] - w;
+        hi.vlimit[h] = hi.len[h];
+    }
+    KVC_TRY(att_s.need(sizeof(float) * (size_t)H * maxlen, "press window attention"));
+    return stats.need(sizeof(float) * window_stats_floats(H, w, maxlen), "press softmax statistics");
 }
 
 kvc_status score_layer(const HeadInfo &hi0, int32_t H, int32_t Hkv, int32_t d, const bf16 *q, int64_t ldq,
@@ -34,20 +44,11 @@ kvc_status score_layer(const HeadInfo &hi0, int32_t H, int32_t Hkv, int32_t d, c
     case KVC_SCORE_TOVA: {
         const int tova = cfg->scorer == KVC_SCORE_TOVA;
         const int64_t w = tova ? 1 : cfg->window;
-        if (w > n) return fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%lld)",
-                               (long long)n, (long long)w);
         if (tova)
             for (int32_t h = 1; h < Hkv; h++)
                 if (hi.len[h] != hi.len[0])
                     return fail(KVC_ERR_ARG, "TOVA needs every head of a layer to hold the same tokens");
-        /* window query j (row len - w + j) sees rows < len - w + j + 1; rows < len - w are scored */
-        for (int32_t h = 0; h < Hkv; h++) {
-            hi.n_acc[h] = hi.len[h] - w;
-            hi.vstart[h] = hi.len[h] - w;
-            hi.vlimit[h] = hi.len[h];
-        }
-        KVC_TRY(att_s.need(sizeof(float) * (size_t)H * maxlen, "press window attention"));
-        KVC_TRY(stats.need(sizeof(float) * window_stats_floats(H, w, maxlen), "press softmax statistics"));
+        KVC_TRY(window_setup(hi, H, Hkv, w, n, maxlen, att_s, stats));
         KVC_TRY(window_attention(q + (n - w) * ldq, 0, ldq, w, H, Hkv, d, hi, scale, att_s.as<float>(), maxlen,
                                  stats.as<float>()));
         KVC_TRY(pool_reduce(att_s.as<float>(), maxlen, H, Hkv, hi, tova ? 1 : cfg->kernel, cfg->pool_max, cfg->gqa_max,
@@ -56,16 +57,8 @@ kvc_status score_layer(const HeadInfo &hi0, int32_t H, int32_t Hkv, int32_t d, c
     }
     case KVC_SCORE_EDIE: {
         const int64_t w = cfg->window;
-        if (w > n) return fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%lld)",
-                               (long long)n, (long long)w);
         if (!attn) return fail(KVC_ERR_ARG, "EDIE needs the attention outputs of the window queries");
-        for (int32_t h = 0; h < Hkv; h++) { /* as SnapKV's window; rows < len - w are scored */
-            hi.n_acc[h] = hi.len[h] - w;
-            hi.vstart[h] = hi.len[h] - w;
-            hi.vlimit[h] = hi.len[h];
-        }
-        KVC_TRY(att_s.need(sizeof(float) * (size_t)H * maxlen, "press EDIE scores"));
-        KVC_TRY(stats.need(sizeof(float) * window_stats_floats(H, w, maxlen), "press softmax statistics"));
+        KVC_TRY(window_setup(hi, H, Hkv, w, n, maxlen, att_s, stats));
         KVC_TRY(edie_attention(q + (n - w) * ldq, ldq, attn + (n - w) * ld_attn, ld_attn, w, H, Hkv, d, hi, scale,
                                cfg->edie_alpha, att_s.as<float>(), maxlen, stats.as<float>()));
         /* group sum (edie_attention scaled by the group size), then mean pooling counting padding */
@@ -86,7 +79,7 @@ static int64_t max_len(const DSess *s, int32_t l) {
 }
 
 kvc_status sess_score(DSess *s, const kvc_dev_ctx *ctx, const kvc_press_config *cfg, int32_t layer) {
-    if (!scorer_on_device(cfg->scorer))
+    if (!kvc_scorer_on_device(cfg->scorer))
         return fail(KVC_ERR_UNSUPPORTED, "scorer %d has no CUDA implementation", cfg->scorer);
     const int64_t ld = max_len(s, layer);
     KVC_TRY(s->scores.need(sizeof(float) * (size_t)s->Hkv * ld, "press scores"));
