@@ -71,7 +71,7 @@ def find_cuda_libdir(nvcc):
 def cuda_headers():
     return sorted(glob.glob(os.path.join("csrc", "backend", "cuda", "*.cuh")) +
                   glob.glob(os.path.join("csrc", "backend", "cuda", "*.h")) +
-                  [os.path.join("csrc", "include", "kvpress_c.h"), os.path.join("csrc", "model", "model.h"),
+                  [os.path.join("csrc", "include", "kvpress_c.h"), os.path.join("csrc", "backend", "backend.h"),
                    os.path.join("csrc", "core", "common.h")])
 
 
@@ -184,8 +184,9 @@ class BuildExt(build_ext):
 
 core = Extension(
     "kvpress_c._core",
-    sources=["python/_core.c"],
-    include_dirs=["csrc/include", numpy.get_include()],
+    sources=sorted(glob.glob(os.path.join("python", "*.c"))),
+    include_dirs=["csrc/include", "python", numpy.get_include()],
+    depends=["python/core.h", "csrc/include/kvpress_c.h"],
     extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION")],
 )

@@ -47,28 +47,52 @@ def set_num_threads(n: int) -> None:
     _core.set_num_threads(int(n))
 
 
+DEVICES = ("cpu", "cuda", "emulated")
+
+
+def device_available(device: str = "cuda") -> bool:
+    """True when `device` can run: 'cpu' and 'emulated' always; 'cuda' when the CUDA backend was built and
+    a usable GPU is visible."""
+    return bool(_core.device_available(device))
+
+
 def cuda_available() -> bool:
     """True when the CUDA backend was built and a GPU is visible."""
-    return bool(getattr(_core, "cuda_available", lambda: False)())
+    return device_available("cuda")
+
+
+def device_info(device: str = "cuda") -> dict:
+    """{'device': name, 'gemm': the GEMM in use} of a device; RuntimeError with the reason when it cannot
+    run here. On CUDA, 'gemm' names cuBLAS, or the built-in fallback (much slower) when cuBLAS was not
+    found, and 'warning' then says so."""
+    info = _core.device_info(device)
+    if device == "cuda" and not info["gemm"].startswith("cublas"):
+        info["warning"] = ("cuBLAS was not found: the built-in GEMM runs, several times slower; install "
+                           "nvidia-cublas or point KVC_CUBLAS at libcublas.so")
+    return info
 
 
 def cuda_info() -> dict:
-    """{'device': name, 'gemm': GEMM in use} of the CUDA backend; RuntimeError with the reason when
-    it cannot run here."""
-    return _core.cuda_init()
+    """device_info('cuda')."""
+    return device_info("cuda")
+
+
+def memory_stats(device: str = "cuda", reset_peak: bool = False) -> dict:
+    """Bytes held by a device's backend: current, peak (since the last reset), weights, cache, cache_peak,
+    activations, activations_peak, device_total. reset_peak=True starts the peaks again after reading."""
+    stats = _core.memory_stats(device)
+    if reset_peak:
+        _core.reset_peak(device)
+    return stats
 
 
 def cuda_memory_stats(reset_peak: bool = False) -> dict:
-    """Device bytes held by the CUDA backend: current, peak (since the last reset), weights, cache,
-    cache_peak, activations, activations_peak, device_total. reset_peak=True starts the peaks again
-    after reading them."""
-    stats = _core.cuda_memory_stats()
-    if reset_peak:
-        _core.cuda_reset_peak()
-    return stats
+    """memory_stats('cuda')."""
+    return memory_stats("cuda", reset_peak)
 
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
            "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress", "default_model_path", "core_library_path", "set_num_threads",
-           "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]
+           "DEVICES", "device_available", "device_info", "memory_stats", "cuda_available", "cuda_info",
+           "cuda_memory_stats", "__version__"]

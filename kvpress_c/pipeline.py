@@ -94,9 +94,10 @@ class Pipeline:
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         stop_ids = set(self.model.tokenizer.stop_ids)
-        if getattr(self.model, "device", "cpu") == "cuda":  # device peaks are per run
+        device = getattr(self.model, "device", "cpu")
+        if device != "cpu":  # device peaks are per run
             from . import _core
-            _core.cuda_reset_peak()
+            _core.reset_peak(device)
         parts = [self.split_prompt(context, q, answer_prefix, chat) for q in questions]
         per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n, shared) per prompt
         prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
@@ -184,10 +185,11 @@ class Pipeline:
             "decode_s": 0.0,
             "new_tokens": 0,
         }
-        if getattr(self.model, "device", "cpu") == "cuda":
+        device = getattr(self.model, "device", "cpu")
+        if device != "cpu":
             # device bytes of the run so far (weights, KV caches, activations; peaks since the run began)
             from . import _core
-            stats["gpu_memory"] = _core.cuda_memory_stats()
+            stats["gpu_memory"] = _core.memory_stats(device)
         return kept, stats, errors
 
     def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record):
@@ -216,9 +218,10 @@ class Pipeline:
                 stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], session.peak_cache_bytes)
                 if not query_aware:
                     session.truncate(*saved[k])
-        if getattr(self.model, "device", "cpu") == "cuda":
+        device = getattr(self.model, "device", "cpu")
+        if device != "cpu":
             from . import _core
-            mem = _core.cuda_memory_stats()
+            mem = _core.memory_stats(device)
             for c in collected:
                 c[1]["gpu_memory"] = mem
         return [PipelineResult(answers[k], c[1], c[0], c[2]) for k, c in enumerate(collected)]

@@ -37,6 +37,12 @@ class CError(Exception):
         self.status = status
 
 
+def check(status):
+    """Raise CError for a failing status of a C call."""
+    if status != 0:
+        raise CError(status)
+
+
 def press_config(**kw) -> PressConfig:
     cfg = PressConfig()
     lib.kvc_press_config_defaults(C.byref(cfg))

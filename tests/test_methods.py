@@ -5,7 +5,7 @@ import pytest
 
 import kvpress_c
 from capi import CError, press_compute, press_config
-from kvpress_c.presses.tada import allocate_layers
+from kvpress_c._core import tada_allocate as allocate_layers
 from method_reference import chunk_select, edie_scores, take_prefill, topk_rows
 
 SNAPKV, EDIE = 5, 6

@@ -396,11 +396,11 @@ def test_prompt_shorter_than_the_window_fails_at_prefill(default_model):
 # -- end to end on the default model -------------------------------------------------------------------
 
 def expected_cache_bytes(lengths, d):
-    """csrc/cache/kv_cache.c: per layer, one arena; each head is three 64-byte aligned slices (K [n, d]
-    float, V [n, d] float, positions [n] int64) and the arena reserves 64 bytes of alignment slack per
-    slice. After a compaction with no spare rows, n = the kept tokens, so a layer holds
-    sum_h (n_h (2 d 4 + 8) + 3 x 64) bytes."""
-    return int(sum(int(n) * (2 * d * 4 + 8) + 3 * 64 for n in np.asarray(lengths).reshape(-1)))
+    """csrc/cache/kv_cache.c over backend/cpu/buffer.c: per layer, one arena in which each head has a K
+    slice and a V slice [n, d] of floats, each rounded up to 64 bytes, plus each row's position (int64,
+    on the host). After a compaction with no spare rows, n = the kept tokens, so a layer holds
+    sum_h (2 ceil64(4 n d) + 8 n) bytes."""
+    return int(sum(2 * ((int(n) * d * 4 + 63) // 64 * 64) + 8 * int(n) for n in np.asarray(lengths).reshape(-1)))
 
 
 PRESSES = {

@@ -1,35 +1,218 @@
-/* The kernel table: every numeric kernel the engine and the presses call, as function pointers.
- * The CPU backend (backend/cpu) is the readable reference; the CUDA backend implements the same
- * table and is tested against it. Arrays are row-major fp32; no kernel allocates more than O(tile). */
+/* The backend interface: the one engine (engine/, cache/, press/) drives every device through this
+ * table, as ggml's graph engine drives its backends (docs/ARCHITECTURE.md, "Backends").
+ *
+ * A backend owns buffers (opaque to the engine: reached through upload, download and the kernels,
+ * never dereferenced), one K/V store per cached layer (kvc_kv: ragged heads, lengths resident where
+ * the kernels read them), and the kernels the decoder layer and the presses need. Three implement it:
+ *   cpu       backend/cpu: fp32 everywhere, the readable reference;
+ *   emulated  backend/emulated: the device contract on the CPU (separate allocations, bf16 storage
+ *             rounded where the CUDA backend rounds, the CPU kernels underneath), so CI runs the
+ *             device path's host code;
+ *   cuda      backend/cuda: a separate library opened at run time (backend/cuda_loader.c).
+ * Every entry returns a status and records a message (kvc_fail) on failure; none aborts.
+ * KVC_BACKEND_VERSION changes whenever an entry or a struct here changes: the CUDA library is built
+ * separately and the loader refuses a table of another version.
+ *
+ * Plain C: included by C (core) and C++ (nvcc) translation units. */
 #ifndef KVC_BACKEND_H
 #define KVC_BACKEND_H
 
+#include <stddef.h>
 #include <stdint.h>
 
+#include "../include/kvpress_c.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVC_BACKEND_VERSION 1
+
+/* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
+#define KVC_MAX_KV_HEADS 64
+
+typedef enum kvc_dtype { KVC_F32 = 0, KVC_BF16 = 1, KVC_I32 = 2, KVC_I64 = 3 } kvc_dtype;
+
+static inline size_t kvc_dtype_size(int32_t t) { return t == KVC_BF16 ? 2 : t == KVC_I64 ? 8 : 4; }
+
+/* What an allocation holds, for the memory report (memory_stats). */
+enum { KVC_MEM_WEIGHTS = 0, KVC_MEM_CACHE = 1, KVC_MEM_ACT = 2 };
+
+/* Counters of memory_stats, bytes (peaks since reset_peak). */
+enum {
+    KVC_STAT_CURRENT = 0,
+    KVC_STAT_PEAK = 1,
+    KVC_STAT_WEIGHTS = 2,
+    KVC_STAT_CACHE = 3,
+    KVC_STAT_CACHE_PEAK = 4,
+    KVC_STAT_ACT = 5,
+    KVC_STAT_ACT_PEAK = 6,
+    KVC_STAT_DEVICE_TOTAL = 7,
+    KVC_STAT_N = 8
+};
+
+typedef struct kvc_buf kvc_buf;     /* one allocation of elements of one dtype */
+typedef struct kvc_kv kvc_kv;       /* one layer's K/V: Hkv heads, each [cap, d] rows, its own length */
+typedef struct kvc_graph kvc_graph; /* captured work, replayed (graph_*) */
+
+/* A matrix inside a buffer: row r starts at element off + r * ld. Sizes travel with the calls. */
+typedef struct kvc_view {
+    kvc_buf *buf;
+    int64_t off;
+    int64_t ld;
+} kvc_view;
+
+static inline kvc_view kvc_view_of(kvc_buf *b, int64_t off, int64_t ld) {
+    kvc_view v;
+    v.buf = b;
+    v.off = off;
+    v.ld = ld;
+    return v;
+}
+/* rows [r0, ...) and columns [c0, ...) of v */
+static inline kvc_view kvc_view_at(kvc_view v, int64_t r0, int64_t c0) {
+    v.off += r0 * v.ld + c0;
+    return v;
+}
+
+/* Scorers a backend computes (press/score.c calls them; METHODS.md, "Baseline scorers"). Besides the
+ * public kvc_scorer codes: TAKE's probes, which see every row given and nothing causal. */
+#define KVC_SCORE_PROBE 100
+
+/* One layer's scoring: scores[h][r] for r < len[h] (protected rows at max + 1, as on the CPU). */
+typedef struct kvc_score_args {
+    int32_t scorer;        /* kvc_scorer or KVC_SCORE_PROBE */
+    int32_t layer;         /* RandomPress's seed stream */
+    int32_t H, Hkv, d;
+    kvc_kv *kv;            /* the layer's rows */
+    const int64_t *len;    /* [Hkv] rows to score per head (for probes: the rows they see) */
+    kvc_view q;            /* [n, H*d] this call's queries; the last `window` are the scoring window. PROBE: [n, H*d] f32 */
+    int64_t n;
+    kvc_view attn;         /* [n, H*d] their attention outputs (EDIE; buf NULL otherwise) */
+    int32_t window;        /* w (SnapKV, EDIE); TOVA uses 1; 0 for the others */
+    int32_t kernel, pool_max, gqa_max, pool_then_reduce; /* pooling and GQA reduction (SnapKV family, probes) */
+    int32_t n_sink;        /* StreamingLLM */
+    uint64_t seed;         /* RandomPress */
+    float edie_alpha;
+    kvc_view scores;       /* f32 [Hkv, ld] out */
+} kvc_score_args;
+
+/* Attention flags. */
+#define KVC_ATTN_FORCE_PREFILL 1 /* one query through the prefill kernel (tests) */
+
 typedef struct kvc_backend {
-    const char *name;
-    /* C[m,n] = A[m,k] * B[n,k]^T */
-    void (*matmul)(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
-    /* y[r,:] = x[r,:] * rsqrt(mean(x[r,:]^2) + eps) * w   (y may alias x) */
-    void (*rmsnorm)(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
-    /* in place on x[n, heads, d], positions pos[n] */
-    void (*rope)(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
-                 const float *inv_freq, int32_t pairing);
-    /* out = silu(gate) * up, elementwise over rows*dim (out may alias gate) */
-    void (*swiglu)(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
-    /* y[r,:] += b[:] over rows */
-    void (*add_bias)(float *y, const float *b, int64_t rows, int64_t dim);
-    /* y += x, n elements */
-    void (*add)(float *y, const float *x, int64_t n);
-    /* causal GQA attention over a ragged cache; see kvc_kernel_attention in kvpress_c.h */
-    void (*attention)(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                      const float *const *k, const float *const *v, const int64_t *past_len,
-                      float scale, float *out);
+    int32_t version;   /* KVC_BACKEND_VERSION */
+    const char *name;  /* "cpu", "emulated", "cuda" */
+    int32_t device;    /* kvc_device */
+    int32_t act_dtype; /* activations and K/V: KVC_F32 or KVC_BF16 (the residual stream and logits are f32) */
+    int32_t weight_dtype; /* matrices (norm weights, biases and RoPE frequencies are f32) */
+    int64_t mlp_rows;  /* rows per MLP block: gate|up scratch stays O(block x ffn) */
+    int32_t serialize; /* calls from several threads take turns (one stream, shared scratch) */
+
+    /* ---- the device ---- */
+    const char *(*device_name)(void);
+    const char *(*gemm_name)(void); /* the GEMM in use; a device without its vendor GEMM says so here */
+    void (*memory_stats)(int64_t *out); /* [KVC_STAT_N] */
+    void (*reset_peak)(void);
+    /* Named settings (tests and benchmarks): "builtin_gemm" 0/1, "attention_kernel" 0 (default) / 1.
+     * KVC_ERR_ARG for a name or value the backend does not know. */
+    kvc_status (*set_option)(const char *name, int value);
+    /* KVC_ERR_UNSUPPORTED with the reason for a model shape the kernels do not take (NULL: any) */
+    kvc_status (*check_model)(const kvc_config *c);
+
+    /* ---- buffers: n elements of dtype; contents undefined until written ---- */
+    kvc_status (*alloc)(int32_t dtype, int64_t n, int32_t category, const char *what, kvc_buf **out);
+    void (*free)(kvc_buf *b);
+    /* rows x cols of src (contiguous, src_dtype: KVC_F32 into float buffers of any dtype, converted and
+     * rounded as the device stores them; KVC_I32 / KVC_I64 into buffers of that dtype) into view dst */
+    kvc_status (*upload)(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype);
+    /* rows x cols of view src into dst (contiguous, KVC_F32 for float buffers, else the buffer's dtype) */
+    kvc_status (*download)(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype);
+    /* The buffer's elements when they are f32 in this process's memory (the CPU backend), else NULL:
+     * how host algorithms (Judge Q's backward) read a CPU model's weights without a copy. */
+    const float *(*host_f32)(const kvc_buf *b);
+
+    /* ---- K/V of one layer (the ragged cache; cache/kv_cache.c keeps lengths, capacities and positions
+     * on the host and mirrors the lengths here with kv_set_lens) ---- */
+    kvc_status (*kv_new)(int32_t Hkv, int32_t d, kvc_kv **out);
+    void (*kv_free)(kvc_kv *kv);
+    /* Storage bytes of an arena of cap[h] rows per head. */
+    size_t (*kv_arena_bytes)(int32_t Hkv, int32_t d, const int64_t *cap);
+    /* A new arena of cap[h] rows per head holding rows [0, rows[h]) of src (kv itself when NULL), lengths
+     * rows[h]; the old arena is freed. */
+    kvc_status (*kv_resize)(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
+    /* A new arena of cap[h] rows per head holding rows keep[h][0 .. n_keep[h]) (increasing), lengths
+     * n_keep[h] (compaction: the old arena is freed, memory really drops). */
+    kvc_status (*kv_gather)(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
+    kvc_status (*kv_set_lens)(kvc_kv *kv, const int64_t *len);
+    /* rows [row0, row0 + rows) of head h from / to host f32 (either of k, v may be NULL) */
+    kvc_status (*kv_write)(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
+    kvc_status (*kv_read)(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+
+    /* ---- the decoder layer's kernels ---- */
+    /* x[i, :] = table[ids[i], :] (x f32, ids i32) */
+    kvc_status (*embed)(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x);
+    /* with add: x += add first (x f32 is updated); then y = x / rms(x) * w */
+    kvc_status (*rmsnorm)(kvc_view x, const kvc_view *add, kvc_view w, kvc_view y, int64_t rows, int64_t D, float eps);
+    /* C[m, n] (+)= A[m, k] W[n, k]^T, fp32 accumulation; accumulate: C += (C f32) */
+    kvc_status (*matmul)(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate);
+    /* y[r, :] += b over rows */
+    kvc_status (*add_bias)(kvc_view y, kvc_view b, int64_t rows, int64_t dim);
+    /* in place on `heads` heads of d values from column col0 of each of n rows, at positions pos (i64) */
+    kvc_status (*rope)(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
+                       int32_t pairing);
+    /* rows len[h] .. len[h] + n - 1 of every head receive K (columns kcol + h d) and V (vcol + h d) of the
+     * n rows of src; then len += n (on the device: graph-safe) */
+    kvc_status (*kv_append)(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+    /* causal GQA attention of this call's n queries (q rows, head hq at column hq d) over kv, whose
+     * lengths already include their n rows: query i of head h sees rows < len[h] - n + i + 1 */
+    kvc_status (*attention)(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags);
+    /* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] */
+    kvc_status (*swiglu)(kvc_view gu, int64_t rows, int64_t F);
+
+    /* ---- the presses' kernels ---- */
+    /* KVC_ERR_UNSUPPORTED for a scorer the backend lacks (press/score.c decides what runs where) */
+    kvc_status (*score)(const kvc_score_args *a);
+    /* keep[h][0 .. k[h]) = the top k[h] <= len[h] of score row h (f32 [heads, ld]): higher score first,
+     * then lower row (NaN lowest); returned sorted by row */
+    kvc_status (*topk)(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep);
+    /* *out = sum over the rows of cos(R, R + O) (R f32 resid, O the attention block output) */
+    kvc_status (*cos_sum)(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out);
+
+    /* Device-only timing for benchmarks (NULL: none): seconds per call (best of reps after a warm-up) of the
+     * GEMM (what 0, dims {m, n, k}) or of the causal prefill attention (what 1, dims {n, H, Hkv, d}). */
+    kvc_status (*bench)(int32_t what, const int64_t *dims, int32_t reps, double *seconds);
+
+    /* ---- graphs (NULL where the backend has none: the engine then runs eagerly) ----
+     * graph_capture records the work run(user) enqueues (it must read every input that changes between
+     * replays from buffers, never from host values) into *g, replacing it; graph_launch replays it, or
+     * returns KVC_ERR_UNSUPPORTED when the backend's own scratch moved since (capture again). */
+    kvc_status (*graph_capture)(kvc_graph **g, kvc_status (*run)(void *user), void *user);
+    kvc_status (*graph_launch)(kvc_graph *g);
+    void (*graph_free)(kvc_graph *g);
 } kvc_backend;
 
-const kvc_backend *kvc_cpu_backend(void);
+/* A backend built as a separate library (the CUDA one) exports two symbols: its KVC_BACKEND_VERSION, read
+ * before anything else, and an open function that finds the device and returns the table, or a status
+ * with the reason. The core lends it kvc_fail, so its messages reach kvc_last_error(). */
+typedef struct kvc_host_services {
+    kvc_status (*fail)(kvc_status st, const char *fmt, ...);
+} kvc_host_services;
+typedef int32_t (*kvc_backend_version_fn)(void);
+typedef kvc_status (*kvc_backend_open_fn)(const kvc_host_services *host, const kvc_backend **out);
+#define KVC_CUDA_VERSION_SYMBOL "kvc_cuda_backend_version"
+#define KVC_CUDA_OPEN_SYMBOL "kvc_cuda_backend_open"
 
-/* GEMM selection (backend/cpu/gemm.c) */
-void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+/* The registry (backend/registry.c): the table of a device, loading it on first use. KVC_ERR_DEVICE with
+ * the reason when it is not available ("CUDA backend not available: ..."). */
+kvc_status kvc_backend_get(int32_t device, const kvc_backend **out);
+/* The CPU backend (always available). */
+const kvc_backend *kvc_backend_cpu(void);
+/* Serialise a backend for the duration of one public call (no-op unless be->serialize); recursive. */
+void kvc_backend_lock(const kvc_backend *be);
+void kvc_backend_unlock(const kvc_backend *be);
 
+#ifdef __cplusplus
+}
+#endif
 #endif

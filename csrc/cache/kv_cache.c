@@ -1,10 +1,11 @@
-/* Ragged KV cache: allocation, append, compaction. See kv_cache.h. */
+/* Ragged KV cache: the host bookkeeping of kv_cache.h over the backend's K/V stores. */
 #include <string.h>
 
 #include "kv_cache.h"
 
-kvc_status kvc_cache_init(kvc_cache *c, int32_t n_layers, int32_t n_kv, int32_t d) {
+kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d) {
     memset(c, 0, sizeof *c);
+    c->be = be;
     c->n_layers = n_layers;
     c->n_kv = n_kv;
     c->d = d;
@@ -14,187 +15,201 @@ kvc_status kvc_cache_init(kvc_cache *c, int32_t n_layers, int32_t n_kv, int32_t 
         kvc_layer_cache *L = &c->layers[l];
         L->len = calloc((size_t)n_kv, sizeof *L->len);
         L->cap = calloc((size_t)n_kv, sizeof *L->cap);
-        L->k = calloc((size_t)n_kv, sizeof *L->k);
-        L->v = calloc((size_t)n_kv, sizeof *L->v);
         L->pos = calloc((size_t)n_kv, sizeof *L->pos);
-        if (!L->len || !L->cap || !L->k || !L->v || !L->pos) {
+        if (!L->len || !L->cap || !L->pos) {
             kvc_cache_free(c);
             return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache head table");
         }
+        kvc_status st = be->kv_new(n_kv, d, &L->kv);
+        if (st != KVC_OK) {
+            kvc_cache_free(c);
+            return st;
+        }
     }
     return KVC_OK;
-}
-
-static void layer_release(kvc_cache *c, kvc_layer_cache *L) {
-    kvc_free(L->arena);
-    c->bytes -= L->arena_bytes;
-    L->arena = NULL;
-    L->arena_bytes = 0;
 }
 
 void kvc_cache_free(kvc_cache *c) {
     if (!c->layers) return;
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_layer_cache *L = &c->layers[l];
-        kvc_free(L->arena);
+        if (L->kv) c->be->kv_free(L->kv);
+        if (L->pos) kvc_free(L->pos[0]);
         free(L->len);
         free(L->cap);
-        free(L->k);
-        free(L->v);
         free(L->pos);
     }
     free(c->layers);
     memset(c, 0, sizeof *c);
 }
 
-void kvc_cache_clear(kvc_cache *c) {
-    for (int32_t l = 0; l < c->n_layers; l++) {
-        kvc_layer_cache *L = &c->layers[l];
-        layer_release(c, L);
-        for (int32_t h = 0; h < c->n_kv; h++) {
-            L->len[h] = L->cap[h] = 0;
-            L->k[h] = L->v[h] = NULL;
-            L->pos[h] = NULL;
-        }
+/* Bytes of a layer with cap[h] rows per head: the backend's arena and the positions. */
+static size_t layer_bytes(const kvc_cache *c, const int64_t *cap) {
+    size_t b = c->be->kv_arena_bytes(c->n_kv, c->d, cap);
+    for (int32_t h = 0; h < c->n_kv; h++) b += (size_t)cap[h] * sizeof(int64_t);
+    return b;
+}
+
+/* One positions allocation for the heads' capacities; heads point into it. */
+static int64_t *positions_new(const kvc_cache *c, const int64_t *cap, int64_t **heads) {
+    size_t rows = 0;
+    for (int32_t h = 0; h < c->n_kv; h++) rows += (size_t)cap[h];
+    int64_t *p = kvc_malloc(sizeof(int64_t) * (rows ? rows : 1), "KV cache positions");
+    if (!p) return NULL;
+    size_t o = 0;
+    for (int32_t h = 0; h < c->n_kv; h++) {
+        heads[h] = p + o;
+        o += (size_t)cap[h];
+    }
+    return p;
+}
+
+/* The layer's new arena is allocated while the old one still exists: count both for the peak. */
+static void account(kvc_cache *c, kvc_layer_cache *L, size_t new_bytes) {
+    if (c->bytes + new_bytes > c->peak_bytes) c->peak_bytes = c->bytes + new_bytes;
+    c->bytes = c->bytes - L->bytes + new_bytes;
+    L->bytes = new_bytes;
+}
+
+/* Swap in new positions and capacities (the backend arena has been replaced already). */
+static void adopt(kvc_cache *c, kvc_layer_cache *L, int64_t **npos, const int64_t *cap, const int64_t *len) {
+    kvc_free(L->pos[0]); /* head 0 starts the one positions allocation */
+    for (int32_t h = 0; h < c->n_kv; h++) {
+        L->pos[h] = npos[h];
+        L->cap[h] = cap[h];
+        L->len[h] = len[h];
     }
 }
 
-/* Bytes of one row of one head: K and V rows plus the position. */
-static size_t row_bytes(const kvc_cache *c) { return 2 * (size_t)c->d * sizeof(float) + sizeof(int64_t); }
-
-/* Allocate a new arena with capacity new_cap[h] per head, copy rows sel (or the first len rows when
- * sel is NULL) from the old arena, or from `from` (another cache's layer) when given, and swap it
- * in. Heads are laid out K | V | pos per head, each slice 64-byte aligned (d is a multiple of 16
- * floats in every supported model; positions follow). */
-static kvc_status layer_repack(kvc_cache *c, int32_t layer, const int64_t *new_cap,
-                               const int64_t *const *sel, const int64_t *n_sel, const kvc_layer_cache *from) {
-    kvc_layer_cache *L = &c->layers[layer];
-    const kvc_layer_cache *F = from ? from : L;
-    const size_t d = (size_t)c->d;
-    size_t total = 0;
-    for (int32_t h = 0; h < c->n_kv; h++) {
-        size_t b;
-        if (kvc_mul_ok((size_t)new_cap[h], row_bytes(c), &b) || kvc_add_ok(total, b + 64 * 3, &total))
-            return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache of %lld rows per head", (long long)new_cap[h]);
-    }
-    char *arena = kvc_malloc(total, "KV cache");
-    if (!arena) return KVC_ERR_NOMEM;
-    c->bytes += total;
-    if (c->bytes > c->peak_bytes) c->peak_bytes = c->bytes;
-    char *p = arena;
-    for (int32_t h = 0; h < c->n_kv; h++) {
-        const size_t cap = (size_t)new_cap[h];
-        float *k = (float *)p;
-        p += (cap * d * sizeof(float) + 63) & ~(size_t)63;
-        float *v = (float *)p;
-        p += (cap * d * sizeof(float) + 63) & ~(size_t)63;
-        int64_t *pos = (int64_t *)p;
-        p += (cap * sizeof(int64_t) + 63) & ~(size_t)63;
-        const int64_t n = sel ? n_sel[h] : F->len[h];
-        if (sel) {
-            for (int64_t i = 0; i < n; i++) {
-                const int64_t r = sel[h][i];
-                memcpy(k + i * d, F->k[h] + r * d, d * sizeof(float));
-                memcpy(v + i * d, F->v[h] + r * d, d * sizeof(float));
-                pos[i] = F->pos[h][r];
-            }
-        } else if (n > 0) {
-            memcpy(k, F->k[h], (size_t)n * d * sizeof(float));
-            memcpy(v, F->v[h], (size_t)n * d * sizeof(float));
-            memcpy(pos, F->pos[h], (size_t)n * sizeof(int64_t));
+kvc_status kvc_cache_clear(kvc_cache *c) {
+    kvc_status st = KVC_OK;
+    int64_t *zero = calloc((size_t)(c->n_kv > 0 ? c->n_kv : 1), sizeof *zero);
+    if (!zero) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
+    for (int32_t l = 0; l < c->n_layers && st == KVC_OK; l++) {
+        kvc_layer_cache *L = &c->layers[l];
+        if (L->bytes == 0) continue;
+        st = c->be->kv_resize(L->kv, zero, zero, NULL);
+        if (st != KVC_OK) break;
+        kvc_free(L->pos[0]);
+        for (int32_t h = 0; h < c->n_kv; h++) {
+            L->pos[h] = NULL;
+            L->len[h] = L->cap[h] = 0;
         }
-        L->k[h] = k;
-        L->v[h] = v;
-        L->pos[h] = pos;
-        L->len[h] = n;
-        L->cap[h] = (int64_t)cap;
+        c->bytes -= L->bytes;
+        L->bytes = 0;
     }
-    void *old = L->arena;
-    const size_t old_bytes = L->arena_bytes;
-    L->arena = arena;
-    L->arena_bytes = total;
-    kvc_free(old);
-    c->bytes -= old_bytes;
+    free(zero);
+    return st;
+}
+
+/* Re-pack layer l into cap[h] rows per head keeping rows [0, rows[h]) of layer l of src (c itself when
+ * NULL): growth and copies. */
+static kvc_status layer_resize(kvc_cache *c, int32_t l, const int64_t *cap, const int64_t *rows, const kvc_cache *src) {
+    kvc_layer_cache *L = &c->layers[l];
+    const kvc_layer_cache *F = src ? &src->layers[l] : L;
+    int64_t **npos = calloc((size_t)c->n_kv, sizeof *npos);
+    if (!npos) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
+    if (!positions_new(c, cap, npos)) {
+        free(npos);
+        return KVC_ERR_NOMEM;
+    }
+    const size_t nb = layer_bytes(c, cap);
+    kvc_status st = c->be->kv_resize(L->kv, cap, rows, src ? F->kv : NULL);
+    if (st != KVC_OK) {
+        kvc_free(npos[0]);
+        free(npos);
+        return st;
+    }
+    for (int32_t h = 0; h < c->n_kv; h++)
+        if (rows[h] > 0) memcpy(npos[h], F->pos[h], sizeof(int64_t) * (size_t)rows[h]);
+    account(c, L, nb);
+    adopt(c, L, npos, cap, rows);
+    free(npos);
     return KVC_OK;
 }
 
 kvc_status kvc_cache_reserve(kvc_cache *c, int32_t layer, int64_t extra) {
     kvc_layer_cache *L = &c->layers[layer];
     int grow = 0;
-    for (int32_t h = 0; h < c->n_kv; h++)
-        if (L->len[h] + extra > L->cap[h]) grow = 1;
-    if (!grow) return KVC_OK;
-    int64_t stack_caps[64];
-    int64_t *caps = c->n_kv <= 64 ? stack_caps : malloc(sizeof(int64_t) * c->n_kv);
-    if (!caps) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
+    int64_t *nc = malloc(sizeof(int64_t) * (size_t)c->n_kv);
+    if (!nc) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
     for (int32_t h = 0; h < c->n_kv; h++) {
-        int64_t need = L->len[h] + extra;
-        int64_t cap = L->cap[h];
-        if (need > cap) {
-            /* geometric growth (x1.5, at least 16 rows) so per-token appends are amortised O(1) */
-            int64_t grown = cap + cap / 2;
-            cap = need > grown ? need : grown;
-            if (cap < 16) cap = 16;
+        const int64_t need = L->len[h] + extra;
+        nc[h] = L->cap[h];
+        if (need > L->cap[h]) {
+            /* geometric growth: amortised O(1) copies per appended row */
+            const int64_t g = L->cap[h] + L->cap[h] / 2;
+            nc[h] = g > need ? g : need;
+            if (nc[h] < 16) nc[h] = 16;
+            grow = 1;
         }
-        caps[h] = cap;
     }
-    kvc_status st = layer_repack(c, layer, caps, NULL, NULL, NULL);
-    if (caps != stack_caps) free(caps);
+    kvc_status st = grow ? layer_resize(c, layer, nc, L->len, NULL) : KVC_OK;
+    free(nc);
     return st;
 }
 
-void kvc_cache_append(kvc_cache *c, int32_t layer, const float *k, const float *v, const int64_t *pos, int64_t n) {
+void kvc_cache_note_append(kvc_cache *c, int32_t layer, const int64_t *pos, int64_t n) {
     kvc_layer_cache *L = &c->layers[layer];
-    const size_t d = (size_t)c->d, stride = (size_t)c->n_kv * d;
     for (int32_t h = 0; h < c->n_kv; h++) {
-        float *kd = L->k[h] + (size_t)L->len[h] * d;
-        float *vd = L->v[h] + (size_t)L->len[h] * d;
-        int64_t *pd = L->pos[h] + L->len[h];
-        for (int64_t i = 0; i < n; i++) {
-            memcpy(kd + i * d, k + i * stride + h * d, d * sizeof(float));
-            memcpy(vd + i * d, v + i * stride + h * d, d * sizeof(float));
-            pd[i] = pos[i];
-        }
+        memcpy(L->pos[h] + L->len[h], pos, sizeof(int64_t) * (size_t)n);
         L->len[h] += n;
     }
+}
+
+kvc_status kvc_cache_append(kvc_cache *c, int32_t layer, kvc_view src, int64_t kcol, int64_t vcol, const int64_t *pos,
+                            int64_t n) {
+    KVC_TRY(c->be->kv_append(c->layers[layer].kv, src, kcol, vcol, n));
+    kvc_cache_note_append(c, layer, pos, n);
+    return KVC_OK;
 }
 
 kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *keep, const int64_t *n_keep,
                              int64_t reserve) {
     kvc_layer_cache *L = &c->layers[layer];
-    if (reserve < 0) return kvc_fail(KVC_ERR_ARG, "negative reserve");
-    int64_t stack_caps[64];
-    int64_t *caps = c->n_kv <= 64 ? stack_caps : malloc(sizeof(int64_t) * c->n_kv);
-    if (!caps) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
-    kvc_status st = KVC_OK;
-    for (int32_t h = 0; h < c->n_kv && st == KVC_OK; h++) {
-        if (n_keep[h] < 0 || n_keep[h] > L->len[h]) {
-            st = kvc_fail(KVC_ERR_ARG, "layer %d head %d: keeping %lld of %lld tokens", layer, h,
-                          (long long)n_keep[h], (long long)L->len[h]);
-            break;
-        }
-        for (int64_t i = 0; i < n_keep[h]; i++) {
-            if (keep[h][i] < 0 || keep[h][i] >= L->len[h] || (i > 0 && keep[h][i] <= keep[h][i - 1])) {
-                st = kvc_fail(KVC_ERR_ARG, "layer %d head %d: kept rows must be increasing and in range", layer, h);
-                break;
-            }
-        }
-        caps[h] = n_keep[h] + reserve;
+    const int32_t Hkv = c->n_kv;
+    for (int32_t h = 0; h < Hkv; h++) {
+        if (n_keep[h] < 0 || n_keep[h] > L->len[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "compact: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
+                            (long long)L->len[h]);
+        for (int64_t i = 0; i < n_keep[h]; i++)
+            if (keep[h][i] < 0 || keep[h][i] >= L->len[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
+                return kvc_fail(KVC_ERR_INTERNAL, "compact: head %d row list is not strictly increasing inside [0, %lld)",
+                                h, (long long)L->len[h]);
     }
-    if (st == KVC_OK) st = layer_repack(c, layer, caps, keep, n_keep, NULL);
-    if (caps != stack_caps) free(caps);
+    const size_t nh = (size_t)(Hkv > 0 ? Hkv : 1);
+    int64_t *cap = malloc(sizeof(int64_t) * nh);
+    int64_t **npos = calloc(nh, sizeof *npos);
+    kvc_status st = (!cap || !npos) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache compaction") : KVC_OK;
+    if (st == KVC_OK) {
+        for (int32_t h = 0; h < Hkv; h++) cap[h] = n_keep[h] + (reserve > 0 ? reserve : 0);
+        if (!positions_new(c, cap, npos)) st = KVC_ERR_NOMEM;
+    }
+    if (st == KVC_OK) {
+        const size_t nb = layer_bytes(c, cap);
+        st = c->be->kv_gather(L->kv, keep, n_keep, cap);
+        if (st != KVC_OK) {
+            kvc_free(npos[0]);
+        } else {
+            for (int32_t h = 0; h < Hkv; h++)
+                for (int64_t i = 0; i < n_keep[h]; i++) npos[h][i] = L->pos[h][keep[h][i]];
+            account(c, L, nb);
+            adopt(c, L, npos, cap, n_keep);
+            c->compactions++;
+        }
+    }
+    free(cap);
+    free(npos);
     return st;
 }
 
 kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src) {
-    if (dst->n_layers != src->n_layers || dst->n_kv != src->n_kv || dst->d != src->d)
-        return kvc_fail(KVC_ERR_ARG, "copying a KV cache between caches of different shapes");
-    kvc_cache_clear(dst);
-    kvc_status st = KVC_OK;
-    for (int32_t l = 0; l < src->n_layers && st == KVC_OK; l++) {
+    kvc_status st = kvc_cache_clear(dst);
+    for (int32_t l = 0; l < dst->n_layers && st == KVC_OK; l++) {
+        const int64_t *len = src->layers[l].len;
         int64_t rows = 0;
-        for (int32_t h = 0; h < src->n_kv; h++) rows += src->layers[l].len[h];
-        if (rows > 0) st = layer_repack(dst, l, src->layers[l].len, NULL, NULL, &src->layers[l]);
+        for (int32_t h = 0; h < src->n_kv; h++) rows += len[h];
+        if (rows > 0) st = layer_resize(dst, l, len, len, src);
     }
     if (st != KVC_OK) kvc_cache_clear(dst);
     return st;
@@ -204,8 +219,18 @@ kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_le
     kvc_layer_cache *L = &c->layers[layer];
     for (int32_t h = 0; h < c->n_kv; h++)
         if (new_len[h] < 0 || new_len[h] > L->len[h])
-            return kvc_fail(KVC_ERR_ARG, "cannot truncate layer %d head %d from %lld to %lld tokens", layer, h,
-                            (long long)L->len[h], (long long)new_len[h]);
+            return kvc_fail(KVC_ERR_ARG, "truncate: head %d holds %lld rows, cannot keep %lld", h, (long long)L->len[h],
+                            (long long)new_len[h]);
+    KVC_TRY(c->be->kv_set_lens(L->kv, new_len));
     for (int32_t h = 0; h < c->n_kv; h++) L->len[h] = new_len[h];
     return KVC_OK;
+}
+
+void kvc_cache_drop_from(kvc_cache *c, int32_t last, int64_t pos0) {
+    for (int32_t l = 0; l <= last && l < c->n_layers; l++) {
+        kvc_layer_cache *L = &c->layers[l];
+        for (int32_t h = 0; h < c->n_kv; h++)
+            while (L->len[h] > 0 && L->pos[h][L->len[h] - 1] >= pos0) L->len[h]--;
+        c->be->kv_set_lens(L->kv, L->len); /* the host lengths are the truth; the device follows */
+    }
 }

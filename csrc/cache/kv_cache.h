@@ -1,47 +1,54 @@
-/* Ragged KV cache: every (layer, KV head) has its own length and capacity. A layer's K, V and
- * original positions live in one arena; heads are contiguous [cap, d] slices of it, so attention
- * reads each head without padding to the longest. Appends grow a layer geometrically (amortised O(1)
- * per token); compaction after eviction re-packs the layer into an arena sized for what is kept, so
- * the memory really drops. */
+/* Ragged KV cache: every (layer, KV head) has its own length and capacity. The rows live in the
+ * backend (one kvc_kv per layer: heads are [cap, d] slices of one arena, so attention reads each head
+ * without padding to the longest); this file keeps the bookkeeping on the host, the same for every
+ * device: lengths (mirrored to the backend), capacities, the original position of every row, bytes.
+ * Appends grow a layer geometrically (amortised O(1) per token); compaction after eviction re-packs the
+ * layer into an arena sized for what is kept, so the memory really drops. */
 #ifndef KVC_KV_CACHE_H
 #define KVC_KV_CACHE_H
 
+#include "../backend/backend.h"
 #include "../core/common.h"
 
 typedef struct kvc_layer_cache {
-    void *arena;       /* one allocation: K, V (float) and positions (int64) for every head */
-    size_t arena_bytes;
-    int64_t *len;      /* [Hkv] tokens held */
-    int64_t *cap;      /* [Hkv] rows available */
-    float **k;         /* [Hkv] -> [cap, d] */
-    float **v;         /* [Hkv] -> [cap, d] */
-    int64_t **pos;     /* [Hkv] -> [cap] original token positions of the rows */
+    kvc_kv *kv;     /* the backend's rows of this layer */
+    int64_t *len;   /* [Hkv] rows held */
+    int64_t *cap;   /* [Hkv] rows of room */
+    int64_t **pos;  /* [Hkv] -> [cap] original token positions of the rows (one host allocation) */
+    size_t bytes;   /* the arena plus the positions */
 } kvc_layer_cache;
 
 typedef struct kvc_cache {
+    const kvc_backend *be;
     int32_t n_layers, n_kv, d;
     kvc_layer_cache *layers;
-    size_t bytes;      /* arenas allocated now */
-    size_t peak_bytes; /* most ever allocated at once (transient copies included) */
+    size_t bytes;      /* held now */
+    size_t peak_bytes; /* most ever held at once (an old arena and its replacement together included) */
+    uint64_t compactions; /* evictions so far: a call that fails after one cannot give the rows back */
 } kvc_cache;
 
-kvc_status kvc_cache_init(kvc_cache *c, int32_t n_layers, int32_t n_kv, int32_t d);
+kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d);
 void kvc_cache_free(kvc_cache *c);
-/* Drop every token of every layer (arenas freed). */
-void kvc_cache_clear(kvc_cache *c);
+/* Drop every row of every layer (arenas freed). */
+kvc_status kvc_cache_clear(kvc_cache *c);
 /* Make room for `extra` more rows in every head of `layer` (geometric growth, one copy). */
 kvc_status kvc_cache_reserve(kvc_cache *c, int32_t layer, int64_t extra);
-/* Append n tokens: k and v are [n, n_kv * d] (projection output layout), positions pos[n].
- * Room must have been reserved. */
-void kvc_cache_append(kvc_cache *c, int32_t layer, const float *k, const float *v, const int64_t *pos, int64_t n);
-/* Keep, for each head h, rows keep[h][0 .. n_keep[h]) (strictly increasing row indices), and re-pack
- * the layer into an arena with `reserve` spare rows per head. */
+/* Append n rows to every head of `layer`: K at columns kcol + h d and V at vcol + h d of the rows of
+ * src (the q|k|v activations), at positions pos[n]. Room must have been reserved. */
+kvc_status kvc_cache_append(kvc_cache *c, int32_t layer, kvc_view src, int64_t kcol, int64_t vcol, const int64_t *pos,
+                            int64_t n);
+/* The host side of an append the backend already did (a replayed graph): lengths and positions. */
+void kvc_cache_note_append(kvc_cache *c, int32_t layer, const int64_t *pos, int64_t n);
+/* Keep, for each head h, rows keep[h][0 .. n_keep[h]) (strictly increasing), re-packed into an arena
+ * with `reserve` spare rows per head. */
 kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *keep, const int64_t *n_keep,
                              int64_t reserve);
-/* Make dst (same shape) an exact copy of src, every arena sized to what src holds; on failure dst is
- * left empty. */
+/* Make dst (same shape and backend) an exact copy of src, every arena sized to what src holds; on failure
+ * dst is left empty. */
 kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src);
-/* Cut every head of `layer` back to len[h] = new_len[h] (<= current length); no reallocation. */
+/* Cut every head of `layer` back to new_len[h] (<= current) rows; no reallocation. */
 kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_len);
+/* Drop the rows at positions >= pos0 from layers [0, last] (a failed call loses nothing it appended). */
+void kvc_cache_drop_from(kvc_cache *c, int32_t last, int64_t pos0);
 
 #endif

@@ -1,125 +1,80 @@
-/* The decoder forward pass: embeddings, N x (RMSNorm, attention over the ragged cache, SwiGLU MLP),
- * final norm, logits. Prefill is batched (all new tokens at once through every GEMM); the MLP runs in
- * row blocks so activations stay O(block x ffn) whatever the prompt length. */
+/* The decoder forward pass, written once for every backend: embeddings, N x (RMSNorm, attention over
+ * the ragged cache, SwiGLU MLP), final norm, logits. Prefill is batched (all new tokens at once through
+ * every GEMM); the MLP runs in row blocks so gate|up stays O(block x ffn) whatever the prompt length.
+ *
+ * One layer, on the backend's kernels (backend/backend.h):
+ *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); RoPE on q and k; K/V appended to the cache; attention;
+ *   o = att Wo^T; [hook: a press may compact the layer]; x += o and xn = rmsnorm(x) (one kernel);
+ *   per row block: gu = xn Wgu^T; gu = silu(gate) * up; x += gu Wdown^T.
+ * The same layer serves the prefill and the decode step of one session, a shared prefill (followers
+ * take each layer's K/V rows), a batched decode (one token of each of B sessions: the weight GEMMs run
+ * once on B rows, attention per session over its own cache) and the decode step replayed as a graph. */
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
-#include "../backend/cuda_loader.h"
 #include "session.h"
 
-#define MLP_ROWS 256
+#define LOGIT_ROWS 64 /* rows of logits per chunk: a bounded buffer whatever the rows asked for */
 
-/* on_device: a session of a model placed on the GPU runs there (cuda_session.c) */
-static kvc_status session_create(kvc_model *model, int64_t capacity_hint, int on_device, kvc_session **out) {
-    if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: out is NULL");
-    *out = NULL;
-    if (!model) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: model is NULL");
-    if (capacity_hint < 0) return kvc_fail(KVC_ERR_ARG, "capacity_hint must be >= 0");
-    kvc_session *s = calloc(1, sizeof *s);
-    if (!s) return kvc_fail(KVC_ERR_NOMEM, "out of memory: session");
-    s->model = model;
-    s->be = kvc_cpu_backend();
-    s->capacity_hint = capacity_hint;
-    kvc_status st = kvc_cache_init(&s->cache, model->cfg.n_layers, model->cfg.n_kv_heads, model->cfg.head_dim);
-    if (st != KVC_OK) {
-        free(s);
-        return st;
+/* ---- activations ------------------------------------------------------------------------------------ */
+
+static void act_release(kvc_session *s) {
+    kvc_act *a = &s->act;
+    kvc_buf **bufs[] = {&a->x, &a->xn, &a->qkv, &a->att, &a->o, &a->gu, &a->logits, &a->ids, &a->pos};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
+        if (*bufs[i]) s->be->free(*bufs[i]);
+        *bufs[i] = NULL;
     }
-    if (on_device && model->cuda) {
-        st = kvc_dev_session_new(s, capacity_hint);
-        if (st != KVC_OK) {
-            kvc_cache_free(&s->cache);
-            free(s);
-            return st;
-        }
-    }
-    *out = s;
-    return KVC_OK;
+    a->rows = a->logit_rows = 0;
+    a->generation++;
 }
 
-kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
-    return session_create(model, capacity_hint, 1, out);
+void kvc_act_free(kvc_session *s) { act_release(s); }
+
+static kvc_status grow(kvc_session *s, kvc_buf **b, int32_t dtype, int64_t n, const char *what) {
+    if (*b) s->be->free(*b);
+    *b = NULL;
+    return s->be->alloc(dtype, n, KVC_MEM_ACT, what, b);
 }
 
-kvc_status kvc_session_new_cpu(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
-    return session_create(model, capacity_hint, 0, out);
-}
-
-void kvc_session_free(kvc_session *s) {
-    if (!s) return;
-    if (s->hook_free) s->hook_free(s->hook_user);
-    if (s->dev) kvc_dev_session_free(s);
-    kvc_cache_free(&s->cache);
-    kvc_free(s->buf);
-    free(s->positions);
-    free(s);
-}
-
-void kvc_session_reset(kvc_session *s) {
-    if (!s) return;
-    if (s->dev) kvc_dev_session_reset(s);
-    kvc_cache_clear(&s->cache);
-    s->press_seconds = 0.0;
-    s->pos = 0;
-    s->needs_reset = 0;
-}
-
-int64_t kvc_session_position(const kvc_session *s) { return s ? s->pos : 0; }
-
-kvc_status kvc_session_set_position(kvc_session *s, int64_t position) {
-    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
-    if (position < 0) return kvc_fail(KVC_ERR_ARG, "position must be >= 0, got %lld", (long long)position);
-    s->pos = position;
-    return KVC_OK;
-}
-
-int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32_t h) {
-    if (!s || layer < 0 || layer >= s->cache.n_layers || h < 0 || h >= s->cache.n_kv) return -1;
-    if (s->dev) return kvc_dev_cache_len(s, layer, h);
-    return s->cache.layers[layer].len[h];
-}
-
-double kvc_session_press_seconds(const kvc_session *s) { return s ? s->press_seconds : 0.0; }
-
-size_t kvc_session_cache_bytes(const kvc_session *s) {
-    return s ? (s->dev ? kvc_dev_cache_bytes(s) : s->cache.bytes) : 0;
-}
-size_t kvc_session_peak_cache_bytes(const kvc_session *s) {
-    return s ? (s->dev ? kvc_dev_peak_cache_bytes(s) : s->cache.peak_bytes) : 0;
-}
-
-/* Scratch layout for n tokens (floats). */
-typedef struct scratch {
-    float *x, *xn, *q, *k, *v, *att, *o, *resid, *gate, *up;
-} scratch;
-
-static kvc_status scratch_get(kvc_session *s, int64_t n, scratch *sc) {
+kvc_status kvc_act_reserve(kvc_session *s, int64_t n, int64_t logit_rows) {
+    kvc_act *a = &s->act;
+    if (n <= a->rows && logit_rows <= a->logit_rows) return KVC_OK;
     const kvc_config *c = &s->model->cfg;
-    const size_t D = c->hidden, qd = (size_t)c->n_heads * c->head_dim, kd = (size_t)c->n_kv_heads * c->head_dim;
-    const size_t blk = (size_t)(n < MLP_ROWS ? n : MLP_ROWS);
-    const size_t sizes[10] = {n * D, n * D, n * qd, n * kd, n * kd, n * qd, n * D, n * D,
-                              blk * c->ffn, blk * c->ffn};
-    size_t total = 0;
-    for (int i = 0; i < 10; i++) total += (sizes[i] + 15) & ~(size_t)15;
-    if (total > s->buf_floats) {
-        kvc_free(s->buf);
-        s->buf = kvc_malloc(total * sizeof(float), "activations");
-        s->buf_floats = s->buf ? total : 0;
-        if (!s->buf) return KVC_ERR_NOMEM;
+    const int64_t D = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    const int32_t t = s->be->act_dtype;
+    kvc_status st = KVC_OK;
+    a->generation++;
+    if (n > a->rows) {
+        const int64_t blk = n < s->be->mlp_rows ? n : s->be->mlp_rows;
+        a->rows = 0;
+        if (st == KVC_OK) st = grow(s, &a->x, KVC_F32, n * D, "activations (residual)");
+        if (st == KVC_OK) st = grow(s, &a->xn, t, n * D, "activations (norm)");
+        if (st == KVC_OK) st = grow(s, &a->qkv, t, n * (qd + 2 * kd), "activations (q|k|v)");
+        if (st == KVC_OK) st = grow(s, &a->att, t, n * qd, "activations (attention)");
+        if (st == KVC_OK) st = grow(s, &a->o, t, n * D, "activations (o)");
+        if (st == KVC_OK) st = grow(s, &a->gu, t, blk * 2 * c->ffn, "activations (gate|up)");
+        if (st == KVC_OK) st = grow(s, &a->ids, KVC_I32, n, "token ids");
+        if (st == KVC_OK) st = grow(s, &a->pos, KVC_I64, n, "positions");
+        if (st == KVC_OK) a->rows = n;
     }
-    float **slots[10] = {&sc->x, &sc->xn, &sc->q, &sc->k, &sc->v, &sc->att, &sc->o, &sc->resid, &sc->gate, &sc->up};
-    float *p = s->buf;
-    for (int i = 0; i < 10; i++) {
-        *slots[i] = p;
-        p += (sizes[i] + 15) & ~(size_t)15;
+    if (st == KVC_OK && logit_rows > a->logit_rows) {
+        a->logit_rows = 0;
+        st = grow(s, &a->logits, KVC_F32, logit_rows * c->vocab, "logits");
+        if (st == KVC_OK) a->logit_rows = logit_rows;
     }
-    if ((size_t)n > s->positions_cap) {
-        int64_t *np = realloc(s->positions, sizeof(int64_t) * n);
-        if (!np) return kvc_fail(KVC_ERR_NOMEM, "out of memory: positions");
-        s->positions = np;
-        s->positions_cap = n;
-    }
+    if (st != KVC_OK) act_release(s); /* a call too long for the device: give back what it grabbed */
+    return st;
+}
+
+kvc_status kvc_positions_reserve(kvc_session *s, int64_t n) {
+    if ((size_t)n <= s->positions_cap) return KVC_OK;
+    int64_t *p = realloc(s->positions, sizeof(int64_t) * (size_t)n);
+    if (!p) return kvc_fail(KVC_ERR_NOMEM, "out of memory: positions");
+    s->positions = p;
+    s->positions_cap = (size_t)n;
     return KVC_OK;
 }
 
@@ -129,7 +84,7 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The press hook, timed: a press's own cost, apart from the forward it rides on (benchmarks). */
+/* The hook, timed: a press's own cost, apart from the forward it rides on (benchmarks). */
 static kvc_status run_hook(kvc_session *s, const kvc_layer_ctx *ctx) {
     const double t0 = now_seconds();
     kvc_status st = s->hook(s->hook_user, s, ctx);
@@ -137,98 +92,240 @@ static kvc_status run_hook(kvc_session *s, const kvc_layer_ctx *ctx) {
     return st;
 }
 
-/* x += MLP(rmsnorm(x)) for n rows, in row blocks of MLP_ROWS (bounded gate/up scratch). */
-static void mlp_block(const kvc_backend *be, const kvc_layer_weights *W, const kvc_config *c, const scratch *sc,
-                      int64_t n) {
-    const int64_t D = c->hidden, F = c->ffn;
-    be->rmsnorm(sc->x, W->ffn_norm, sc->xn, n, D, c->rms_eps);
-    for (int64_t r0 = 0; r0 < n; r0 += MLP_ROWS) {
-        const int64_t rows = n - r0 < MLP_ROWS ? n - r0 : MLP_ROWS;
-        be->matmul(sc->xn + r0 * D, W->w_gate, sc->gate, rows, F, D);
-        be->matmul(sc->xn + r0 * D, W->w_up, sc->up, rows, F, D);
-        be->swiglu(sc->gate, sc->up, sc->gate, rows, F);
-        be->matmul(sc->gate, W->w_down, sc->o + r0 * D, rows, D, F);
-    }
-    be->add(sc->x, sc->o, n * D);
-}
+/* ---- the layer --------------------------------------------------------------------------------------- */
 
-/* A follower of a shared forward (kvc_forward_shared) takes this layer's new K/V rows into its own
- * cache and lets its own press act, as if it had computed the layer itself: a press acts after the
- * layer's attention, so the hidden states of the leader and of every follower are the same. */
-static kvc_status follower_layer(kvc_session *f, int32_t l, int64_t n, const int64_t *positions, const scratch *sc) {
-    const int32_t Hkv = f->cache.n_kv;
-    KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
-    int64_t past[64];
-    for (int32_t h = 0; h < Hkv; h++) past[h] = f->cache.layers[l].len[h];
-    kvc_cache_append(&f->cache, l, sc->k, sc->v, positions, n);
-    if (!f->hook) return KVC_OK;
-    kvc_layer_ctx ctx = {l, n, past, sc->q, sc->att, sc->o, sc->resid};
-    return run_hook(f, &ctx);
-}
-
-/* One layer on n tokens; x [n, D] is updated in place. */
-static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n, scratch *sc) {
-    const kvc_model *m = s->model;
+/* The attention block up to the hook point for B sessions of n rows each (consecutive rows of the lead
+ * session's activations): norm, q|k|v, RoPE, each session's K/V append and attention over its own
+ * cache, o projection. body: the replayable decode body of a graph (no host bookkeeping; the caller
+ * reserved the room). past (B == 1): receives the lengths before the append. */
+static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int32_t B, int32_t l, int64_t n, int body,
+                                  int64_t *past) {
+    const kvc_model *m = lead->model;
     const kvc_config *c = &m->cfg;
-    const kvc_backend *be = s->be;
+    const kvc_backend *be = lead->be;
     const kvc_layer_weights *W = &m->layers[l];
     const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
-    const int64_t qd = H * d, kd = Hkv * d;
-
-    /* attention block */
-    memcpy(sc->resid, sc->x, sizeof(float) * n * D);
-    be->rmsnorm(sc->x, W->attn_norm, sc->xn, n, D, c->rms_eps);
-    be->matmul(sc->xn, W->wq, sc->q, n, qd, D);
-    be->matmul(sc->xn, W->wk, sc->k, n, kd, D);
-    be->matmul(sc->xn, W->wv, sc->v, n, kd, D);
-    if (W->bq) {
-        be->add_bias(sc->q, W->bq, n, qd);
-        be->add_bias(sc->k, W->bk, n, kd);
-        be->add_bias(sc->v, W->bv, n, kd);
+    const int64_t qd = H * d, kd = Hkv * d, ldq = qd + 2 * kd, rows = B * n;
+    const kvc_view x = kvc_view_of(lead->act.x, 0, D), xn = kvc_view_of(lead->act.xn, 0, D);
+    const kvc_view qkv = kvc_view_of(lead->act.qkv, 0, ldq), att = kvc_view_of(lead->act.att, 0, qd);
+    const kvc_view pos = kvc_view_of(lead->act.pos, 0, 1);
+    KVC_TRY(be->rmsnorm(x, NULL, W->attn_norm, xn, rows, D, c->rms_eps));
+    KVC_TRY(be->matmul(xn, W->wqkv, qkv, rows, ldq, D, 0));
+    if (W->bqkv.buf) KVC_TRY(be->add_bias(qkv, W->bqkv, rows, ldq));
+    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
+    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
+    for (int32_t i = 0; i < B; i++) {
+        kvc_session *si = ss[i];
+        kvc_layer_cache *L = &si->cache.layers[l];
+        const kvc_view mine = kvc_view_at(qkv, i * n, 0);
+        if (body) {
+            KVC_TRY(be->kv_append(L->kv, mine, qd, qd + kd, n));
+        } else {
+            KVC_TRY(kvc_cache_reserve(&si->cache, l, n));
+            if (past) memcpy(past, L->len, sizeof(int64_t) * (size_t)Hkv);
+            KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
+        }
+        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, 1.0f / sqrtf((float)d), kvc_view_at(att, i * n, 0), 0));
     }
-    be->rope(sc->q, s->positions, n, (int32_t)H, (int32_t)d, m->rope_inv_freq, c->rope_pairing);
-    be->rope(sc->k, s->positions, n, (int32_t)Hkv, (int32_t)d, m->rope_inv_freq, c->rope_pairing);
+    return be->matmul(att, W->wo, kvc_view_of(lead->act.o, 0, D), rows, D, qd, 0);
+}
 
-    KVC_TRY(kvc_cache_reserve(&s->cache, l, n));
-    kvc_layer_cache *L = &s->cache.layers[l];
-    int64_t past_stack[64];
-    int64_t *past = Hkv <= 64 ? past_stack : malloc(sizeof(int64_t) * Hkv);
-    if (!past) return kvc_fail(KVC_ERR_NOMEM, "out of memory");
-    for (int64_t h = 0; h < Hkv; h++) past[h] = L->len[h];
-    kvc_cache_append(&s->cache, l, sc->k, sc->v, s->positions, n);
-    be->attention(sc->q, n, (int32_t)H, (int32_t)Hkv, (int32_t)d, (const float *const *)L->k,
-                  (const float *const *)L->v, past, 1.0f / sqrtf((float)d), sc->att);
-    be->matmul(sc->att, W->wo, sc->o, n, D, qd);
-
-    kvc_status st = KVC_OK;
-    if (s->hook) {
-        kvc_layer_ctx ctx = {l, n, past, sc->q, sc->att, sc->o, sc->resid};
-        st = run_hook(s, &ctx);
+/* x += o, fused into the MLP norm; then the MLP in row blocks, the down projection added into x. */
+static kvc_status mlp_block(kvc_session *s, int32_t l, int64_t rows) {
+    const kvc_config *c = &s->model->cfg;
+    const kvc_backend *be = s->be;
+    const kvc_layer_weights *W = &s->model->layers[l];
+    const int64_t D = c->hidden, F = c->ffn;
+    const kvc_view x = kvc_view_of(s->act.x, 0, D), xn = kvc_view_of(s->act.xn, 0, D), o = kvc_view_of(s->act.o, 0, D);
+    const kvc_view gu = kvc_view_of(s->act.gu, 0, 2 * F);
+    KVC_TRY(be->rmsnorm(x, &o, W->ffn_norm, xn, rows, D, c->rms_eps));
+    for (int64_t r0 = 0; r0 < rows; r0 += be->mlp_rows) {
+        const int64_t nr = rows - r0 < be->mlp_rows ? rows - r0 : be->mlp_rows;
+        KVC_TRY(be->matmul(kvc_view_at(xn, r0, 0), W->wgu, gu, nr, 2 * F, D, 0));
+        KVC_TRY(be->swiglu(gu, nr, F));
+        KVC_TRY(be->matmul(gu, W->wdown, kvc_view_at(x, r0, 0), nr, D, F, 1));
     }
-    for (int32_t i = 0; st == KVC_OK && i < s->n_followers; i++) st = follower_layer(s->followers[i], l, n, s->positions, sc);
-    if (past != past_stack) free(past);
-    if (st != KVC_OK) return st;
-    be->add(sc->x, sc->o, n * D);
-
-    /* MLP block, in row blocks */
-    mlp_block(be, W, c, sc, n);
     return KVC_OK;
 }
 
-/* A failed call must lose nothing: drop the rows this call appended to layers 0..failed. A layer a
- * press compacted during the call cannot be restored; then the session is marked and must be reset. */
-static void rollback(kvc_session *s, int32_t failed, int64_t n) {
-    const int32_t Hkv = s->cache.n_kv;
-    for (int32_t l = 0; l <= failed && l < s->cache.n_layers; l++) {
-        kvc_layer_cache *L = &s->cache.layers[l];
-        for (int32_t h = 0; h < Hkv; h++) {
-            /* appended rows carry positions >= s->pos */
-            int64_t keep = L->len[h];
-            while (keep > 0 && L->pos[h][keep - 1] >= s->pos) keep--;
-            if (s->hook && keep != L->len[h] - n && L->len[h] > 0 && l < failed) s->needs_reset = 1;
-            L->len[h] = keep;
+static kvc_layer_ctx layer_ctx(const kvc_session *s, int32_t l, int64_t n, const int64_t *past) {
+    const kvc_config *c = &s->model->cfg;
+    const int64_t qd = (int64_t)c->n_heads * c->head_dim, ldq = qd + 2 * (int64_t)c->n_kv_heads * c->head_dim;
+    kvc_layer_ctx ctx = {l, n, past, kvc_view_of(s->act.qkv, 0, ldq), kvc_view_of(s->act.att, 0, qd),
+                         kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden)};
+    return ctx;
+}
+
+/* A follower of a shared forward (kvc_forward_shared) takes this layer's new K/V rows into its own
+ * cache and lets its own hook act, as if it had computed the layer itself: a press acts after the
+ * layer's attention, so the hidden states of the leader and of every follower are the same. */
+static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_t l, int64_t n) {
+    const kvc_config *c = &lead->model->cfg;
+    const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    int64_t past[KVC_MAX_KV_HEADS];
+    KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
+    memcpy(past, f->cache.layers[l].len, sizeof(int64_t) * (size_t)c->n_kv_heads);
+    KVC_TRY(kvc_cache_append(&f->cache, l, kvc_view_of(lead->act.qkv, 0, qd + 2 * kd), qd, qd + kd, lead->positions, n));
+    if (!f->hook || n <= 1) return KVC_OK;
+    const kvc_layer_ctx ctx = layer_ctx(lead, l, n, past);
+    return run_hook(f, &ctx);
+}
+
+/* One layer of one session's call on n rows: the attention block, the hooks, the MLP. */
+static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n) {
+    int64_t past[KVC_MAX_KV_HEADS];
+    KVC_TRY(attention_block(s, &s, 1, l, n, 0, past));
+    if (s->hook && n > 1) {
+        const kvc_layer_ctx ctx = layer_ctx(s, l, n, past);
+        KVC_TRY(run_hook(s, &ctx));
+    }
+    for (int32_t i = 0; i < s->n_followers; i++) KVC_TRY(follower_layer(s->followers[i], s, l, n));
+    return mlp_block(s, l, n);
+}
+
+/* ---- logits ------------------------------------------------------------------------------------------ */
+
+static kvc_status logits_kernels(kvc_session *s, int64_t first, int64_t rows) {
+    const kvc_model *m = s->model;
+    const int64_t D = m->cfg.hidden;
+    KVC_TRY(s->be->rmsnorm(kvc_view_of(s->act.x, first * D, D), NULL, m->out_norm, kvc_view_of(s->act.xn, 0, D), rows, D,
+                           m->cfg.rms_eps));
+    return s->be->matmul(kvc_view_of(s->act.xn, 0, D), m->lm_head, kvc_view_of(s->act.logits, 0, m->cfg.vocab), rows,
+                         m->cfg.vocab, D, 0);
+}
+
+/* Logits of rows [first, first + rows) of the residual stream into dst [rows, vocab], a chunk at a time. */
+static kvc_status logits_out(kvc_session *s, int64_t first, int64_t rows, float *dst) {
+    const int64_t V = s->model->cfg.vocab;
+    for (int64_t r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
+        const int64_t nr = rows - r0 < LOGIT_ROWS ? rows - r0 : LOGIT_ROWS;
+        KVC_TRY(logits_kernels(s, first + r0, nr));
+        KVC_TRY(s->be->download(kvc_view_of(s->act.logits, 0, V), nr, V, dst + r0 * V, KVC_F32));
+    }
+    return KVC_OK;
+}
+
+/* ---- inputs ------------------------------------------------------------------------------------------- */
+
+/* Positions pos0.. of n rows and their inputs (n_ids token ids, then embedding rows) into the activations. */
+static kvc_status inputs(kvc_session *s, const int32_t *ids, int64_t n_ids, const float *emb, int64_t n_emb) {
+    const int64_t n = n_ids + n_emb, D = s->model->cfg.hidden;
+    for (int64_t i = 0; i < n; i++) s->positions[i] = s->pos + i;
+    KVC_TRY(s->be->upload(kvc_view_of(s->act.pos, 0, n), 1, n, s->positions, KVC_I64));
+    if (n_ids > 0) {
+        KVC_TRY(s->be->upload(kvc_view_of(s->act.ids, 0, n_ids), 1, n_ids, ids, KVC_I32));
+        KVC_TRY(s->be->embed(s->model->tok_embd, kvc_view_of(s->act.ids, 0, 1), n_ids, D, kvc_view_of(s->act.x, 0, D)));
+    }
+    if (n_emb > 0) KVC_TRY(s->be->upload(kvc_view_of(s->act.x, n_ids * D, D), n_emb, D, emb, KVC_F32));
+    return KVC_OK;
+}
+
+/* ---- the decode step as a graph ------------------------------------------------------------------------
+ * One token, no follower: everything after the host's bookkeeping (room in every layer, the token id
+ * and position uploaded) is device work that reads its inputs from buffers, so one captured graph
+ * replays every step. The first step after a capture is needed runs eagerly (first launches load
+ * kernels and libraries outside the capture); a graph is captured again when the activations it holds
+ * were replaced, or when the backend says its own scratch moved. */
+
+static kvc_status decode_body(void *user) {
+    kvc_session *s = user;
+    const int64_t D = s->model->cfg.hidden;
+    KVC_TRY(s->be->embed(s->model->tok_embd, kvc_view_of(s->act.ids, 0, 1), 1, D, kvc_view_of(s->act.x, 0, D)));
+    for (int32_t l = 0; l < s->model->cfg.n_layers; l++) {
+        KVC_TRY(attention_block(s, &s, 1, l, 1, 1, NULL));
+        KVC_TRY(mlp_block(s, l, 1));
+    }
+    return logits_kernels(s, 0, 1);
+}
+
+static void graph_failed(kvc_session *s, const char *what) {
+    snprintf(s->graph_error, sizeof s->graph_error, "%s: %s", what, kvc_last_error());
+    s->graphs = 0; /* eager from now on; graph_error says why (kvc_session_graph_info) */
+}
+
+/* 1: the step ran as a graph (*st its status); 0: run it eagerly. */
+static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, float *logits, kvc_status *st) {
+    const kvc_backend *be = s->be;
+    const kvc_config *c = &s->model->cfg;
+    const int stale = !s->graph || s->graph_generation != s->act.generation;
+    if (stale && s->decodes_since_capture == 0) {
+        s->decodes_since_capture = 1; /* the warm-up step */
+        return 0;
+    }
+    if ((*st = kvc_act_reserve(s, 1, 1)) != KVC_OK || (*st = kvc_positions_reserve(s, 1)) != KVC_OK) return 1;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        if ((*st = kvc_cache_reserve(&s->cache, l, 1)) != KVC_OK) return 1;
+    if ((*st = inputs(s, id, 1, NULL, 0)) != KVC_OK) return 1;
+    if (stale || s->graph_generation != s->act.generation) {
+        if (be->graph_capture(&s->graph, decode_body, s) != KVC_OK) {
+            graph_failed(s, "decode graph capture");
+            return 0;
+        }
+        s->graph_generation = s->act.generation;
+    }
+    kvc_status g = be->graph_launch(s->graph);
+    if (g == KVC_ERR_UNSUPPORTED) { /* the backend's scratch moved: capture again */
+        if (be->graph_capture(&s->graph, decode_body, s) != KVC_OK) {
+            graph_failed(s, "decode graph capture");
+            return 0;
+        }
+        g = be->graph_launch(s->graph);
+    }
+    if (g != KVC_OK) {
+        /* lose nothing: the device lengths follow the host's again */
+        for (int32_t l = 0; l < c->n_layers; l++) be->kv_set_lens(s->cache.layers[l].kv, s->cache.layers[l].len);
+        *st = g;
+        return 1;
+    }
+    if (logits_row != KVC_ROW_NONE &&
+        (*st = be->download(kvc_view_of(s->act.logits, 0, c->vocab), 1, c->vocab, logits, KVC_F32)) != KVC_OK) {
+        for (int32_t l = 0; l < c->n_layers; l++) be->kv_set_lens(s->cache.layers[l].kv, s->cache.layers[l].len);
+        return 1;
+    }
+    for (int32_t l = 0; l < c->n_layers; l++) kvc_cache_note_append(&s->cache, l, s->positions, 1);
+    s->pos += 1;
+    s->graph_steps++;
+    *st = KVC_OK;
+    return 1;
+}
+
+/* ---- the forward call ------------------------------------------------------------------------------------ */
+
+static uint64_t compactions(kvc_session *s) {
+    uint64_t n = s->cache.compactions;
+    for (int32_t i = 0; i < s->n_followers; i++) n += s->followers[i]->cache.compactions;
+    return n;
+}
+
+static kvc_status forward_locked(kvc_session *s, const int32_t *ids, int64_t n_ids, const float *emb, int64_t n_emb,
+                                 int64_t logits_row, float *logits) {
+    const kvc_config *c = &s->model->cfg;
+    const int64_t n = n_ids + n_emb;
+    if (s->pos == 0 && s->capacity_hint > 0) /* preallocate every layer once for the expected sequence length */
+        for (int32_t l = 0; l < c->n_layers; l++) KVC_TRY(kvc_cache_reserve(&s->cache, l, s->capacity_hint));
+    if (s->graphs && s->be->graph_capture && n_ids == 1 && n_emb == 0 && s->n_followers == 0) {
+        kvc_status st;
+        if (decode_graph(s, ids, logits_row, logits, &st)) return st;
+    }
+    const int64_t lrows = logits_row == KVC_ROW_NONE ? 0 : logits_row == KVC_ROW_ALL ? n : 1;
+    KVC_TRY(kvc_act_reserve(s, n, lrows < LOGIT_ROWS ? lrows : LOGIT_ROWS));
+    KVC_TRY(kvc_positions_reserve(s, n));
+    KVC_TRY(inputs(s, ids, n_ids, emb, n_emb));
+    const uint64_t before = compactions(s);
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        kvc_status st = layer_forward(s, l, n);
+        if (st != KVC_OK) {
+            /* a failed call loses nothing: the rows it appended go; rows a press evicted cannot come back */
+            kvc_cache_drop_from(&s->cache, l, s->pos);
+            for (int32_t i = 0; i < s->n_followers; i++) kvc_cache_drop_from(&s->followers[i]->cache, l, s->pos);
+            if (compactions(s) != before) s->needs_reset = 1;
+            return st;
         }
     }
+    s->pos += n;
+    if (n == 1) s->decodes_since_capture++;
+    if (logits_row == KVC_ROW_NONE) return KVC_OK;
+    return logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits);
 }
 
 kvc_status kvc_forward(kvc_session *s, const int32_t *ids, int64_t n, int32_t logits_mode, float *logits) {
@@ -251,68 +348,31 @@ kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, con
     if (logits_row != KVC_ROW_NONE && !logits) return kvc_fail(KVC_ERR_ARG, "kvc_forward: logits buffer is NULL");
     if (s->needs_reset)
         return kvc_fail(KVC_ERR_ARG, "this session failed in the middle of a compressed prefill: call reset() first");
-    const kvc_model *m = s->model;
-    const kvc_config *c = &m->cfg;
+    const kvc_config *c = &s->model->cfg;
     for (int64_t i = 0; i < n_ids; i++)
         if (ids[i] < 0 || ids[i] >= c->vocab)
             return kvc_fail(KVC_ERR_ARG, "token id %d at index %lld is outside the vocabulary [0, %d)", ids[i],
                             (long long)i, c->vocab);
-    if (s->dev) return kvc_dev_forward(s, ids, n_ids, embeddings, n_emb, logits_row, logits);
-    if (s->pos == 0 && s->capacity_hint > 0) {
-        /* preallocate every layer once for the expected sequence length */
-        for (int32_t l = 0; l < c->n_layers; l++) KVC_TRY(kvc_cache_reserve(&s->cache, l, s->capacity_hint));
-    }
-    scratch sc;
-    KVC_TRY(scratch_get(s, n, &sc));
-    const int64_t D = c->hidden;
-    for (int64_t i = 0; i < n; i++) {
-        s->positions[i] = s->pos + i;
-        const float *src = i < n_ids ? m->tok_embd + (size_t)ids[i] * D : embeddings + (size_t)(i - n_ids) * D;
-        memcpy(sc.x + i * D, src, sizeof(float) * D);
-    }
-    for (int32_t l = 0; l < c->n_layers; l++) {
-        kvc_status st = layer_forward(s, l, n, &sc);
-        if (st != KVC_OK) {
-            rollback(s, l, n);
-            return st;
-        }
-    }
-    s->pos += n;
-    if (logits_row == KVC_ROW_NONE) return KVC_OK;
-    const int64_t first = logits_row == KVC_ROW_ALL ? 0 : logits_row, rows = logits_row == KVC_ROW_ALL ? n : 1;
-    s->be->rmsnorm(sc.x + first * D, m->out_norm, sc.xn, rows, D, c->rms_eps);
-    s->be->matmul(sc.xn, m->lm_head, logits, rows, c->vocab, D);
-    return KVC_OK;
+    kvc_backend_lock(s->be);
+    kvc_status st = forward_locked(s, ids, n_ids, embeddings, n_emb, logits_row, logits);
+    kvc_backend_unlock(s->be);
+    return st;
 }
 
 static int cache_is_empty(const kvc_session *s) {
     for (int32_t l = 0; l < s->cache.n_layers; l++)
         for (int32_t h = 0; h < s->cache.n_kv; h++)
-            if (kvc_session_cache_len(s, l, h) != 0) return 0;
+            if (s->cache.layers[l].len[h] != 0) return 0;
     return 1;
 }
 
-kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
-    if (!dst || !src) return kvc_fail(KVC_ERR_ARG, "kvc_session_copy_cache: session is NULL");
-    if (dst == src) return kvc_fail(KVC_ERR_ARG, "copying a session's cache onto itself");
-    if (dst->model != src->model) return kvc_fail(KVC_ERR_ARG, "the two sessions belong to different models");
-    if (!dst->dev != !src->dev) return kvc_fail(KVC_ERR_ARG, "one session is on the GPU and the other on the CPU");
-    if (src->needs_reset) return kvc_fail(KVC_ERR_ARG, "the source session failed a call: reset() it first");
-    if (dst->needs_reset || dst->pos != 0 || !cache_is_empty(dst))
-        return kvc_fail(KVC_ERR_ARG, "the destination session is not empty: call reset() on it first");
-    KVC_TRY(dst->dev ? kvc_dev_copy_cache(dst, src) : kvc_cache_copy(&dst->cache, &src->cache));
-    dst->pos = src->pos;
-    return KVC_OK;
-}
-
-kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers,
-                              const int32_t *ids, int64_t n, int64_t logits_row, float *logits) {
+kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers, const int32_t *ids,
+                              int64_t n, int64_t logits_row, float *logits) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: session is NULL");
     if (n_followers < 0 || (n_followers > 0 && !followers))
         return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: bad follower list");
     if (!cache_is_empty(s) || s->pos != 0)
         return kvc_fail(KVC_ERR_ARG, "a shared prefill starts from an empty session: call reset() on the leader first");
-    if (s->cache.n_kv > 64) return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared supports at most 64 KV heads");
     for (int32_t i = 0; i < n_followers; i++) {
         kvc_session *f = followers[i];
         if (!f || f == s) return kvc_fail(KVC_ERR_ARG, "follower %d is NULL or the leader itself", i);
@@ -328,54 +388,34 @@ kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int
     s->followers = NULL;
     s->n_followers = 0;
     for (int32_t i = 0; i < n_followers; i++) {
-        if (st == KVC_OK) {
-            followers[i]->pos = s->pos;
-        } else {
-            /* a follower may hold a partial prefill: empty it, the caller starts again */
-            kvc_session_reset(followers[i]);
-        }
+        if (st == KVC_OK) followers[i]->pos = s->pos;
+        else kvc_session_reset(followers[i]); /* a follower may hold a partial prefill: the caller starts again */
     }
     return st;
 }
 
-/* ---- batched decode: one new token for each of B sessions ------------------------------------------
- * The weight GEMMs run once on B rows (decode is bound by reading the weights, so B sessions cost
- * little more than one); attention runs per session over its own ragged cache. Sessions may hold
- * different caches (one per press, say) and sit at different positions. */
-static kvc_status batch_layer(kvc_session *const *ss, int32_t B, int32_t l, scratch *sc, const int64_t *positions) {
-    kvc_session *s0 = ss[0];
-    const kvc_model *m = s0->model;
-    const kvc_config *c = &m->cfg;
-    const kvc_backend *be = s0->be;
-    const kvc_layer_weights *W = &m->layers[l];
-    const int64_t D = c->hidden, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
-    const int64_t qd = H * d, kd = Hkv * d;
+/* ---- batched decode: one new token for each of B sessions ---------------------------------------------- */
 
-    be->rmsnorm(sc->x, W->attn_norm, sc->xn, B, D, c->rms_eps);
-    be->matmul(sc->xn, W->wq, sc->q, B, qd, D);
-    be->matmul(sc->xn, W->wk, sc->k, B, kd, D);
-    be->matmul(sc->xn, W->wv, sc->v, B, kd, D);
-    if (W->bq) {
-        be->add_bias(sc->q, W->bq, B, qd);
-        be->add_bias(sc->k, W->bk, B, kd);
-        be->add_bias(sc->v, W->bv, B, kd);
+static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t *ids, float *logits) {
+    kvc_session *s0 = ss[0];
+    const kvc_config *c = &s0->model->cfg;
+    KVC_TRY(kvc_act_reserve(s0, B, B < LOGIT_ROWS ? B : LOGIT_ROWS));
+    KVC_TRY(kvc_positions_reserve(s0, B));
+    for (int32_t i = 0; i < B; i++) s0->positions[i] = ss[i]->pos;
+    KVC_TRY(s0->be->upload(kvc_view_of(s0->act.pos, 0, B), 1, B, s0->positions, KVC_I64));
+    KVC_TRY(s0->be->upload(kvc_view_of(s0->act.ids, 0, B), 1, B, ids, KVC_I32));
+    KVC_TRY(s0->be->embed(s0->model->tok_embd, kvc_view_of(s0->act.ids, 0, 1), B, c->hidden,
+                          kvc_view_of(s0->act.x, 0, c->hidden)));
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        kvc_status st = attention_block(s0, ss, B, l, 1, 0, NULL);
+        if (st == KVC_OK) st = mlp_block(s0, l, B);
+        if (st != KVC_OK) {
+            for (int32_t i = 0; i < B; i++) kvc_cache_drop_from(&ss[i]->cache, l, ss[i]->pos);
+            return st;
+        }
     }
-    be->rope(sc->q, positions, B, (int32_t)H, (int32_t)d, m->rope_inv_freq, c->rope_pairing);
-    be->rope(sc->k, positions, B, (int32_t)Hkv, (int32_t)d, m->rope_inv_freq, c->rope_pairing);
-    for (int32_t i = 0; i < B; i++) {
-        kvc_session *s = ss[i];
-        KVC_TRY(kvc_cache_reserve(&s->cache, l, 1));
-        kvc_layer_cache *L = &s->cache.layers[l];
-        int64_t past[64];
-        for (int64_t h = 0; h < Hkv; h++) past[h] = L->len[h];
-        kvc_cache_append(&s->cache, l, sc->k + i * kd, sc->v + i * kd, positions + i, 1);
-        be->attention(sc->q + i * qd, 1, (int32_t)H, (int32_t)Hkv, (int32_t)d, (const float *const *)L->k,
-                      (const float *const *)L->v, past, 1.0f / sqrtf((float)d), sc->att + i * qd);
-    }
-    be->matmul(sc->att, W->wo, sc->o, B, D, qd);
-    be->add(sc->x, sc->o, B * D);
-    mlp_block(be, W, c, sc, B);
-    return KVC_OK;
+    for (int32_t i = 0; i < B; i++) ss[i]->pos += 1;
+    return logits_out(s0, 0, B, logits);
 }
 
 kvc_status kvc_forward_batch(kvc_session *const *ss, int32_t B, const int32_t *ids, float *logits) {
@@ -384,43 +424,20 @@ kvc_status kvc_forward_batch(kvc_session *const *ss, int32_t B, const int32_t *i
     kvc_session *s0 = ss[0];
     if (!s0) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch: session 0 is NULL");
     const kvc_config *c = &s0->model->cfg;
-    if (c->n_kv_heads > 64) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch supports at most 64 KV heads");
     for (int32_t i = 0; i < B; i++) {
         const kvc_session *s = ss[i];
         if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_forward_batch: session %d is NULL", i);
         if (s->model != s0->model) return kvc_fail(KVC_ERR_ARG, "session %d belongs to another model", i);
         if (s->needs_reset)
             return kvc_fail(KVC_ERR_ARG, "session %d failed in the middle of a compressed prefill: reset it", i);
-        if (s->hook) return kvc_fail(KVC_ERR_ARG, "session %d has a press attached: detach it before batched decoding", i);
+        if (s->press) return kvc_fail(KVC_ERR_ARG, "session %d has a press attached: detach it before batched decoding", i);
         if (ids[i] < 0 || ids[i] >= c->vocab)
             return kvc_fail(KVC_ERR_ARG, "token id %d for session %d is outside the vocabulary [0, %d)", ids[i], i, c->vocab);
         for (int32_t j = 0; j < i; j++)
             if (ss[j] == s) return kvc_fail(KVC_ERR_ARG, "session %d is listed twice", i);
     }
-    if (s0->dev) return kvc_dev_forward_batch(ss, B, ids, logits);
-    scratch sc;
-    KVC_TRY(scratch_get(s0, B, &sc));
-    int64_t *positions = s0->positions; /* sized for B by scratch_get */
-    const int64_t D = c->hidden;
-    for (int32_t i = 0; i < B; i++) {
-        positions[i] = ss[i]->pos;
-        memcpy(sc.x + i * D, s0->model->tok_embd + (size_t)ids[i] * D, sizeof(float) * D);
-    }
-    for (int32_t l = 0; l < c->n_layers; l++) {
-        kvc_status st = batch_layer(ss, B, l, &sc, positions);
-        if (st != KVC_OK) {
-            /* lose nothing: drop the row this call appended to layers 0..l of every session */
-            for (int32_t i = 0; i < B; i++)
-                for (int32_t k = 0; k <= l; k++) {
-                    kvc_layer_cache *L = &ss[i]->cache.layers[k];
-                    for (int32_t h = 0; h < ss[i]->cache.n_kv; h++)
-                        if (L->len[h] > 0 && L->pos[h][L->len[h] - 1] == positions[i]) L->len[h]--;
-                }
-            return st;
-        }
-    }
-    for (int32_t i = 0; i < B; i++) ss[i]->pos += 1;
-    s0->be->rmsnorm(sc.x, s0->model->out_norm, sc.xn, B, D, c->rms_eps);
-    s0->be->matmul(sc.xn, s0->model->lm_head, logits, B, c->vocab, D);
-    return KVC_OK;
+    kvc_backend_lock(s0->be);
+    kvc_status st = batch_locked(ss, B, ids, logits);
+    kvc_backend_unlock(s0->be);
+    return st;
 }

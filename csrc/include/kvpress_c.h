@@ -88,8 +88,8 @@ typedef struct kvc_config {
 
 typedef struct kvc_model kvc_model;
 
-/* Load a GGUF file or a Hugging Face folder (config.json + *.safetensors). Files are memory-mapped
- * while loading; weights are converted to the backend's format (fp32 on the CPU). */
+/* Load a GGUF file or a Hugging Face folder (config.json + *.safetensors) onto the CPU. Files are
+ * memory-mapped while loading; weights are converted to fp32. (kvc_model_load_device: other devices.) */
 KVC_API kvc_status kvc_model_load(const char *path, kvc_model **out);
 KVC_API void kvc_model_free(kvc_model *model);
 KVC_API kvc_status kvc_model_get_config(const kvc_model *model, kvc_config *out);
@@ -219,6 +219,16 @@ typedef struct kvc_press_config {
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
 KVC_API void kvc_press_config_defaults(kvc_press_config *cfg);
+/* The one validation of a press config (kvc_session_set_press and every press API call it; the Python
+ * presses too): KVC_ERR_ARG with the message. Giving both compression_ratio and budget is refused. */
+KVC_API kvc_status kvc_press_config_check(const kvc_press_config *cfg);
+/* Tokens a head of `n` rows keeps at `layer` of `n_layers` (uniform: min(n, budget) or kvpress's
+ * max(1, int(n (1 - ratio))); PyramidKV: the layer's share of its schedule). */
+KVC_API kvc_status kvc_press_kept(const kvc_press_config *cfg, int32_t layer, int32_t n_layers, int64_t n, int64_t *out);
+/* TADA's layer capacities: integer budgets proportional to weights[L] (negative or non-finite count as 0),
+ * each in [lo, hi], summing to total clamped to [L lo, L hi] (bisection on the scale, then largest
+ * remainders). */
+KVC_API kvc_status kvc_tada_allocate(const double *weights, int32_t L, int64_t total, int64_t lo, int64_t hi, int64_t *out);
 /* Attach a press: the next multi-token kvc_forward compresses every layer right after its
  * attention (kvpress schedule). NULL detaches. The config is validated here. */
 KVC_API kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg);
@@ -302,65 +312,73 @@ KVC_API kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, in
 KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, size_t src_bytes, float *dst, int64_t n);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* CUDA backend: a separate library (libkvpress_c_cuda.so, next to libkvpress_c.so) opened at run    */
-/* time, so this library never depends on CUDA. bf16 weights and activations, fp32 accumulation.    */
+/* Devices. Every device runs the same engine through its backend (docs/ARCHITECTURE.md):            */
+/*   cpu       fp32 weights, activations and cache: the reference;                                  */
+/*   cuda      a separate library (libkvpress_c_cuda.so, next to libkvpress_c.so) opened at run time,  */
+/*             so this library never depends on CUDA: bf16 weights, activations and cache, fp32       */
+/*             accumulation and residual stream;                                                     */
+/*   emulated  the CUDA device's contract on the CPU (separate buffers, bf16 storage rounded where the */
+/*             CUDA backend rounds, graphs recorded and replayed), so CI runs the device path.        */
 
-typedef enum kvc_device { KVC_DEVICE_CPU = 0, KVC_DEVICE_CUDA = 1 } kvc_device;
+typedef enum kvc_device { KVC_DEVICE_CPU = 0, KVC_DEVICE_CUDA = 1, KVC_DEVICE_EMULATED = 2 } kvc_device;
 
-/* 1 when libkvpress_c_cuda.so is present and a usable GPU is visible (never fails, never aborts). */
-KVC_API int kvc_cuda_available(void);
+/* 1 when the device can be used (for CUDA: the library was built and a usable GPU is visible). Never fails. */
+KVC_API int kvc_device_available(int32_t device);
 /* KVC_OK, or KVC_ERR_DEVICE with the reason in kvc_last_error() ("CUDA backend not available: ..."). */
-KVC_API kvc_status kvc_cuda_init(void);
-/* "" when not initialised. */
-KVC_API const char *kvc_cuda_device_name(void);
-KVC_API const char *kvc_cuda_gemm_name(void);
-/* Device bytes, out[8]: current, peak, weights, cache, cache peak, activations, activations peak,
- * device total (peaks since kvc_cuda_reset_peak). */
-KVC_API kvc_status kvc_cuda_memory_stats(int64_t *out);
-KVC_API kvc_status kvc_cuda_reset_peak(void);
-/* Tests: use the built-in WMMA GEMM even when cuBLAS was found (1) or not (0). */
-KVC_API kvc_status kvc_cuda_force_builtin_gemm(int on);
-/* Prefill attention kernel: 0 the WMMA kernel (default), 1 the register-tile mma.sync kernel (also
- * chosen by KVC_ATTN_MMA=1 in the environment). */
-KVC_API kvc_status kvc_cuda_set_attention_kernel(int kind);
+KVC_API kvc_status kvc_device_init(int32_t device);
+/* "" when the device is not available. kvc_device_gemm_name says which GEMM runs (on CUDA, "cublas (...)",
+ * or the built-in fallback, named as such when cuBLAS was not found). */
+KVC_API const char *kvc_device_name(int32_t device);
+KVC_API const char *kvc_device_gemm_name(int32_t device);
+/* Bytes the device's backend holds, out[8]: current, peak, weights, cache, cache peak, activations,
+ * activations peak, device total (0 on the host) (peaks since kvc_device_reset_peak). */
+KVC_API kvc_status kvc_device_memory_stats(int32_t device, int64_t *out);
+KVC_API kvc_status kvc_device_reset_peak(int32_t device);
+/* Named settings of a device: CUDA and emulated take "builtin_gemm" (1: the built-in GEMM even where
+ * cuBLAS was found) and "attention_kernel" (prefill attention: 0 the WMMA kernel, 1 the register-tile
+ * mma.sync kernel). KVC_ERR_ARG for others. */
+KVC_API kvc_status kvc_device_set_option(int32_t device, const char *name, int32_t value);
+/* Device-only timing (benchmarks; KVC_ERR_UNSUPPORTED without device timers): seconds per call, best of
+ * reps after a warm-up, of the GEMM (what 0, dims {m, n, k}) or of the causal GQA prefill attention
+ * (what 1, dims {n, H, Hkv, d}). */
+KVC_API kvc_status kvc_device_bench(int32_t device, int32_t what, const int64_t *dims, int32_t reps, double *seconds);
 
-/* Load a model and place it on `device` (kvc_device). With KVC_DEVICE_CUDA the weights are copied to
- * the GPU as bf16 and every session of the model runs there (the host copy stays for the tokenizer
- * and Judge Q training). */
+/* Load a model onto a device: tensors go from the file's type to the device's, one bounded chunk at a
+ * time (no host copy of the weights). Every session of the model runs there. */
 KVC_API kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **out);
 KVC_API int32_t kvc_model_device(const kvc_model *model);
 
-/* The CUDA kernels on host arrays, with the contracts of the kvc_kernel_* functions above (inputs
- * rounded to bf16 on the device, fp32 accumulation, outputs back as fp32), for tests. */
-KVC_API kvc_status kvc_cuda_kernel_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+/* The kernels of a device on host arrays, with the contracts of the kvc_kernel_* functions above (inputs
+ * stored as the device stores them, e.g. rounded to bf16; fp32 out), for tests against the CPU. */
+KVC_API kvc_status kvc_device_kernel_matmul(int32_t device, const float *a, const float *b, float *c, int64_t m,
+                                            int64_t n, int64_t k);
 /* y = rmsnorm(x + r) * w; with r (may be NULL) x_out (may be NULL) receives x + r */
-KVC_API kvc_status kvc_cuda_kernel_rmsnorm(const float *x, const float *r, const float *w, float *y, float *x_out,
-                                           int64_t rows, int64_t dim, float eps);
-KVC_API kvc_status kvc_cuda_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
-                                        const float *inv_freq, int32_t pairing);
-KVC_API kvc_status kvc_cuda_kernel_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
-/* n == 1 runs the split-K decode kernel unless force_prefill */
-KVC_API kvc_status kvc_cuda_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                             const float *const *k, const float *const *v, const int64_t *past_len,
-                                             float scale, float *out, int32_t force_prefill);
-/* kvc_press_compute(_ex) with the scores computed on the GPU (scorers: SnapKV, TOVA, Knorm, Streaming,
- * Random, EDIE; KVC_ERR_UNSUPPORTED for ObservedAttention, which runs on the host) and the CPU's
- * allocation and selection. */
-KVC_API kvc_status kvc_cuda_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
-                                          int32_t layer, int32_t n_layers, const float *q, int64_t n,
-                                          const float *k, const float *v, int64_t len, float *scores,
-                                          int64_t *keep, int64_t *n_keep);
-KVC_API kvc_status kvc_cuda_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
-                                             int32_t layer, int32_t n_layers, const float *q, const float *attn,
-                                             int64_t n, const float *k, const float *v, int64_t len,
-                                             int64_t layer_total, float *scores, int64_t *keep, int64_t *n_keep);
-/* Device-only timing for benchmarks: seconds per call (best of reps after a warm-up) of the bf16
- * GEMM (what 0, dims {m, n, k}) or of the causal GQA prefill attention (what 1, dims {n, H, Hkv, d}). */
-KVC_API kvc_status kvc_cuda_bench(int32_t what, const int64_t *dims, int32_t reps, double *seconds);
-/* Device top-k of each of `heads` score rows [heads, n]: keep[h * n + i], i < min(k[h], n), sorted
- * rows (higher score first, ties to the lower row: the CPU rule). */
-KVC_API kvc_status kvc_cuda_kernel_topk(const float *scores, int32_t heads, int64_t n, const int64_t *k,
-                                        int64_t *keep);
+KVC_API kvc_status kvc_device_kernel_rmsnorm(int32_t device, const float *x, const float *r, const float *w, float *y,
+                                             float *x_out, int64_t rows, int64_t dim, float eps);
+KVC_API kvc_status kvc_device_kernel_rope(int32_t device, float *x, const int64_t *pos, int64_t n, int32_t heads,
+                                          int32_t d, const float *inv_freq, int32_t pairing);
+KVC_API kvc_status kvc_device_kernel_swiglu(int32_t device, const float *gate, const float *up, float *out, int64_t rows,
+                                            int64_t dim);
+/* force_prefill: a single query through the prefill kernel (the CUDA backend has a split-K decode kernel) */
+KVC_API kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv,
+                                               int32_t d, const float *const *k, const float *const *v,
+                                               const int64_t *past_len, float scale, float *out, int32_t force_prefill);
+/* Top-k of each of `heads` score rows [heads, n]: keep[h * n + i], i < min(k[h], n), sorted rows (higher
+ * score first, ties to the lower row, NaN lowest). */
+KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,
+                                          int64_t *keep);
+/* kvc_press_compute_ex on a device: the same scoring and selection as a session of that device. */
+KVC_API kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg, int32_t H, int32_t Hkv,
+                                            int32_t d, int32_t layer, int32_t n_layers, const float *q, const float *attn,
+                                            int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
+                                            float *scores, int64_t *keep, int64_t *n_keep);
+
+/* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
+ * The first decode step after a capture is needed runs eagerly; a failed capture turns graphs off for the
+ * session and says why in kvc_session_graph_info. KVC_ERR_UNSUPPORTED on a device without graphs. */
+KVC_API kvc_status kvc_session_set_decode_graphs(kvc_session *s, int32_t on);
+/* on: graphs enabled; graph_steps: decode steps that ran as a graph; error: why graphs were turned off ("" if not). */
+KVC_API kvc_status kvc_session_graph_info(const kvc_session *s, int32_t *on, int64_t *graph_steps, const char **error);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Judge Q training (JudgeQ-trainable-queries.txt Eq. 3-5, METHODS.md "Judge Q")                   */
@@ -372,9 +390,10 @@ KVC_API kvc_status kvc_cuda_kernel_topk(const float *scores, int32_t heads, int6
  * rows of a forward of prompt + soft (soft rows at positions n_prompt .. n_prompt + n_soft - 1, as
  * JudgeQPress runs them). loss = mean over (l, h, j) of (A_soft - A_resp)^2.
  * grad [n_soft, hidden] receives dL/dsoft (NULL: loss only). soft_maps and response_maps, each
- * [n_layers, n_heads, n_prompt], receive A_soft and A_resp (either may be NULL). Runs on the CPU
- * backend; reentrant (each call uses its own session). The backward runs over the soft rows only:
- * memory is the prompt's K/V cache plus O(n_soft) activations per layer. */
+ * [n_layers, n_heads, n_prompt], receive A_soft and A_resp (either may be NULL). Runs on the host in
+ * fp32 (a device model loads a CPU copy of its file the first time, 4 bytes per parameter of host memory,
+ * kept until the model is freed); reentrant. The backward runs over the soft rows only: memory is the
+ * prompt's K/V plus O(n_soft) activations per layer. */
 KVC_API kvc_status kvc_judgeq_loss_grad(kvc_model *model, const int32_t *prompt_ids, int64_t n_prompt,
                                         const int32_t *response_ids, int64_t n_response, const float *soft,
                                         int64_t n_soft, double *loss, float *grad, float *soft_maps,
@@ -382,8 +401,8 @@ KVC_API kvc_status kvc_judgeq_loss_grad(kvc_model *model, const int32_t *prompt_
 
 /* The same, split for training loops that see a pair many times (epochs): kvc_judgeq_pair_new runs
  * the prompt + response forward once and keeps the prompt's K/V (room for max_soft soft rows) and
- * the target A_resp; kvc_judgeq_pair_loss_grad then costs only the soft rows' forward and backward.
- * A pair holds n_layers * n_kv_heads * (n_prompt + max(n_response, max_soft)) * head_dim * 2 floats
+ * the target A_resp; kvc_judgeq_pair_loss_grad then costs only the soft rows' forward and backward (more
+ * than max_soft rows grow the pair). A pair holds n_layers * n_kv_heads * (n_prompt + max_soft) * head_dim * 2 floats
  * (kvc_judgeq_pair_bytes); one call at a time per pair (a concurrent call fails with KVC_ERR_ARG). */
 typedef struct kvc_judgeq_pair kvc_judgeq_pair;
 KVC_API kvc_status kvc_judgeq_pair_new(kvc_model *model, const int32_t *prompt_ids, int64_t n_prompt,

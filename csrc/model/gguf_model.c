@@ -1,5 +1,5 @@
 /* Build a kvc_model from a GGUF file: config from the `{arch}.*` metadata, tensors by llama.cpp's
- * names, every shape checked against the config, weights dequantised to fp32. ggml shapes list the
+ * names, every shape checked against the config, each tensor streamed to the backend (kvc_model_put). ggml shapes list the
  * contiguous (input) dimension first: a [out, in] matrix has ne = [in, out]. */
 #include <math.h>
 #include <stdint.h>
@@ -157,9 +157,20 @@ static void shape_str(const gguf_tensor *t, char *buf, size_t cap) {
     if (n > 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, "]");
 }
 
-/* Dequantise tensor `name` of logical shape [rows, cols] (ggml ne = [cols, rows]; a vector when
- * rows == 0) into dst after checking its shape and type. */
-static kvc_status load_tensor(const gguf_file *f, const char *name, int64_t rows, int64_t cols, float *dst) {
+static kvc_status decode_rows(const kvc_src *s, int64_t r0, int64_t nr, float *dst) {
+    kvc_status st = ggml_dequantize(s->type, (const char *)s->data + (size_t)r0 * s->row_bytes, (size_t)nr * s->row_bytes,
+                                    dst, nr * s->cols);
+    if (st != KVC_OK) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", kvc_last_error());
+        return kvc_fail(st, "GGUF: tensor '%s': %s", s->name, msg);
+    }
+    return KVC_OK;
+}
+
+/* Check tensor `name` against the logical shape [rows, cols] (ggml ne = [cols, rows]; a vector when
+ * rows == 0) and its type, and describe it as a source of rows. */
+static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int64_t cols, kvc_src *out) {
     const gguf_tensor *t = gguf_find_tensor(f, name);
     if (!t)
         return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' is missing; the file may be corrupt, or from another architecture", name);
@@ -180,44 +191,58 @@ static kvc_status load_tensor(const gguf_file *f, const char *name, int64_t rows
                             "Q2_K..Q6_K): use a file with one of those types", name, ggml_type_name(t->type));
         return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' has ggml type id %d, unknown to this version of kvpress_c", name, t->type);
     }
-    kvc_status st = ggml_dequantize(t->type, t->data, t->nbytes, dst, t->n_elements);
-    if (st != KVC_OK) {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", kvc_last_error());
-        return kvc_fail(st, "GGUF: tensor '%s': %s", name, msg);
-    }
+    const int64_t r = rows == 0 ? 1 : rows;
+    size_t row_bytes = 0;
+    kvc_status st = ggml_nbytes(t->type, cols, &row_bytes); /* rows are whole blocks (cols a multiple of the block) */
+    if (st != KVC_OK || row_bytes * (size_t)r != t->nbytes)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' (%s) does not split into %lld rows of %lld values" HINT, name,
+                        ggml_type_name(t->type), (long long)r, (long long)cols);
+    memset(out, 0, sizeof *out);
+    out->name = t->name;
+    out->rows = r;
+    out->cols = cols;
+    out->decode = decode_rows;
+    out->data = t->data;
+    out->row_bytes = row_bytes;
+    out->type = t->type;
     return KVC_OK;
+}
+
+static kvc_status put(const gguf_file *f, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
+                      int64_t cols) {
+    kvc_src src;
+    KVC_TRY(source(f, name, rows, cols, &src));
+    return kvc_model_put(m, role, layer, &src);
 }
 
 static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_scale) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
     KVC_TRY(refuse_extra_tensors(f));
-    KVC_TRY(load_tensor(f, "token_embd.weight", c->vocab, D, m->tok_embd));
-    KVC_TRY(load_tensor(f, "output_norm.weight", 0, D, m->out_norm));
-    if (!c->tied_embeddings) KVC_TRY(load_tensor(f, "output.weight", c->vocab, D, m->lm_head));
+    KVC_TRY(put(f, m, KVC_W_TOK, 0, "token_embd.weight", c->vocab, D));
+    KVC_TRY(put(f, m, KVC_W_OUT_NORM, 0, "output_norm.weight", 0, D));
+    if (!c->tied_embeddings) KVC_TRY(put(f, m, KVC_W_LM_HEAD, 0, "output.weight", c->vocab, D));
     char name[64];
     for (int32_t l = 0; l < c->n_layers; l++) {
-        kvc_layer_weights *L = &m->layers[l];
-#define LOAD(suffix, rows, cols, dst)                                \
+#define LOAD(role, suffix, rows, cols)                               \
     do {                                                             \
         snprintf(name, sizeof name, "blk.%d.%s", (int)l, suffix);    \
-        KVC_TRY(load_tensor(f, name, rows, cols, dst));              \
+        KVC_TRY(put(f, m, role, l, name, rows, cols));               \
     } while (0)
-        LOAD("attn_norm.weight", 0, D, L->attn_norm);
-        LOAD("attn_q.weight", qd, D, L->wq);
-        LOAD("attn_k.weight", kd, D, L->wk);
-        LOAD("attn_v.weight", kd, D, L->wv);
-        LOAD("attn_output.weight", D, qd, L->wo);
+        LOAD(KVC_W_ATTN_NORM, "attn_norm.weight", 0, D);
+        LOAD(KVC_W_Q, "attn_q.weight", qd, D);
+        LOAD(KVC_W_K, "attn_k.weight", kd, D);
+        LOAD(KVC_W_V, "attn_v.weight", kd, D);
+        LOAD(KVC_W_O, "attn_output.weight", D, qd);
         if (c->qkv_bias) {
-            LOAD("attn_q.bias", 0, qd, L->bq);
-            LOAD("attn_k.bias", 0, kd, L->bk);
-            LOAD("attn_v.bias", 0, kd, L->bv);
+            LOAD(KVC_W_BQ, "attn_q.bias", 0, qd);
+            LOAD(KVC_W_BK, "attn_k.bias", 0, kd);
+            LOAD(KVC_W_BV, "attn_v.bias", 0, kd);
         }
-        LOAD("ffn_norm.weight", 0, D, L->ffn_norm);
-        LOAD("ffn_gate.weight", F, D, L->w_gate);
-        LOAD("ffn_up.weight", F, D, L->w_up);
-        LOAD("ffn_down.weight", D, F, L->w_down);
+        LOAD(KVC_W_FFN_NORM, "ffn_norm.weight", 0, D);
+        LOAD(KVC_W_GATE, "ffn_gate.weight", F, D);
+        LOAD(KVC_W_UP, "ffn_up.weight", F, D);
+        LOAD(KVC_W_DOWN, "ffn_down.weight", D, F);
 #undef LOAD
     }
     const int32_t half = c->head_dim / 2;
@@ -225,16 +250,21 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
     if (has_freqs || linear_scale != 1.0f) {
         /* per-frequency divisors, applied by kvc_model_finish: Llama-3.1's rope_freqs, times a
          * linear scaling factor */
-        m->rope_factors = kvc_model_alloc_floats(m, (size_t)half, "rope factors");
-        if (!m->rope_factors) return KVC_ERR_NOMEM;
-        if (has_freqs) KVC_TRY(load_tensor(f, "rope_freqs.weight", 0, half, m->rope_factors));
-        else for (int32_t i = 0; i < half; i++) m->rope_factors[i] = 1.0f;
-        for (int32_t i = 0; i < half; i++) m->rope_factors[i] *= linear_scale;
+        float *factors = kvc_model_rope_factors(m);
+        if (!factors) return KVC_ERR_NOMEM;
+        if (has_freqs) {
+            kvc_src src;
+            KVC_TRY(source(f, "rope_freqs.weight", 0, half, &src));
+            KVC_TRY(src.decode(&src, 0, 1, factors));
+        } else {
+            for (int32_t i = 0; i < half; i++) factors[i] = 1.0f;
+        }
+        for (int32_t i = 0; i < half; i++) factors[i] *= linear_scale;
     }
     return KVC_OK;
 }
 
-kvc_status kvc_load_gguf(const char *path, kvc_model **out) {
+kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_gguf: out is NULL");
     *out = NULL;
     gguf_file *f = NULL;
@@ -243,7 +273,7 @@ kvc_status kvc_load_gguf(const char *path, kvc_model **out) {
     kvc_model *m = NULL;
     float linear_scale = 1.0f;
     kvc_status st = read_config(f, &cfg, &linear_scale);
-    if (st == KVC_OK) st = kvc_model_alloc(&cfg, "gguf", &m);
+    if (st == KVC_OK) st = kvc_model_create(&cfg, "gguf", path, be, &m);
     if (st == KVC_OK) st = load_weights(f, m, linear_scale);
     if (st == KVC_OK) st = kvc_model_finish(m);
     if (st != KVC_OK) {

@@ -2,8 +2,8 @@
  *   1. model.safetensors, else
  *   2. model.safetensors.index.json ("weight_map": tensor name -> shard file), else
  *   3. every *.safetensors in the folder (sorted by name; the first file holding a name wins).
- * This is the order transformers itself looks for weights in. Every shard is opened (mapped) once,
- * converted to fp32 into the buffers of kvc_model_alloc, and closed before returning. */
+ * This is the order transformers itself looks for weights in. Every shard is opened (mapped) once, each
+ * tensor streamed to the backend (kvc_model_put) and its pages released, and closed before returning. */
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
@@ -435,8 +435,13 @@ static void shape_str(const int64_t *shape, int n, char *buf, size_t size) {
     if (k < size) snprintf(buf + k, size - k, "]");
 }
 
-/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) converted into dst. */
-static kvc_status load(const weights *w, const char *name, int64_t rows, int64_t cols, float *dst) {
+static kvc_status decode_rows(const kvc_src *s, int64_t r0, int64_t nr, float *dst) {
+    return st_range_to_f32((const st_tensor *)s->ctx, r0 * s->cols, nr * s->cols, dst);
+}
+
+/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) streamed into the weight of `role`. */
+static kvc_status put(const weights *w, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
+                      int64_t cols) {
     kvc_status st;
     const st_tensor *t = find(w, name, &st);
     if (st != KVC_OK) return st;
@@ -453,45 +458,56 @@ static kvc_status load(const weights *w, const char *name, int64_t rows, int64_t
         shape_str(t->shape, t->n_dims, f, sizeof f);
         return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' has shape %s, but config.json implies %s", name, f, e);
     }
-    return st_to_f32(t, dst);
+    if (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "tensor '%s' has dtype %s; only F32, F16 and BF16 weights are supported",
+                        t->name, t->dtype_name);
+    kvc_src src;
+    memset(&src, 0, sizeof src);
+    src.name = t->name;
+    src.rows = rows ? rows : 1;
+    src.cols = cols;
+    src.decode = decode_rows;
+    src.data = t->data;
+    src.row_bytes = t->nbytes / (size_t)src.rows;
+    src.ctx = t;
+    return kvc_model_put(m, role, layer, &src);
 }
 
 static kvc_status load_weights(const weights *w, kvc_model *m) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, F = c->ffn, V = c->vocab;
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
-    KVC_TRY(load(w, "model.embed_tokens.weight", V, D, m->tok_embd));
-    KVC_TRY(load(w, "model.norm.weight", 0, D, m->out_norm));
+    KVC_TRY(put(w, m, KVC_W_TOK, 0, "model.embed_tokens.weight", V, D));
+    KVC_TRY(put(w, m, KVC_W_OUT_NORM, 0, "model.norm.weight", 0, D));
     if (!c->tied_embeddings) {
         kvc_status st;
         if (!find(w, "lm_head.weight", &st) && st == KVC_OK)
             return kvc_fail(KVC_ERR_FORMAT, "tensor 'lm_head.weight' is missing although config.json sets "
                             "tie_word_embeddings = false");
         KVC_TRY(st);
-        KVC_TRY(load(w, "lm_head.weight", V, D, m->lm_head));
+        KVC_TRY(put(w, m, KVC_W_LM_HEAD, 0, "lm_head.weight", V, D));
     }
     char name[96];
     for (int32_t l = 0; l < c->n_layers; l++) {
-        kvc_layer_weights *L = &m->layers[l];
-#define LOAD(suffix, rows, cols, dst)                                 \
+#define LOAD(role, suffix, rows, cols)                                \
     do {                                                              \
         snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix); \
-        KVC_TRY(load(w, name, rows, cols, dst));                      \
+        KVC_TRY(put(w, m, role, l, name, rows, cols));                \
     } while (0)
-        LOAD("input_layernorm.weight", 0, D, L->attn_norm);
-        LOAD("self_attn.q_proj.weight", qd, D, L->wq);
-        LOAD("self_attn.k_proj.weight", kd, D, L->wk);
-        LOAD("self_attn.v_proj.weight", kd, D, L->wv);
-        LOAD("self_attn.o_proj.weight", D, qd, L->wo);
+        LOAD(KVC_W_ATTN_NORM, "input_layernorm.weight", 0, D);
+        LOAD(KVC_W_Q, "self_attn.q_proj.weight", qd, D);
+        LOAD(KVC_W_K, "self_attn.k_proj.weight", kd, D);
+        LOAD(KVC_W_V, "self_attn.v_proj.weight", kd, D);
+        LOAD(KVC_W_O, "self_attn.o_proj.weight", D, qd);
         if (c->qkv_bias) {
-            LOAD("self_attn.q_proj.bias", 0, qd, L->bq);
-            LOAD("self_attn.k_proj.bias", 0, kd, L->bk);
-            LOAD("self_attn.v_proj.bias", 0, kd, L->bv);
+            LOAD(KVC_W_BQ, "self_attn.q_proj.bias", 0, qd);
+            LOAD(KVC_W_BK, "self_attn.k_proj.bias", 0, kd);
+            LOAD(KVC_W_BV, "self_attn.v_proj.bias", 0, kd);
         }
-        LOAD("post_attention_layernorm.weight", 0, D, L->ffn_norm);
-        LOAD("mlp.gate_proj.weight", F, D, L->w_gate);
-        LOAD("mlp.up_proj.weight", F, D, L->w_up);
-        LOAD("mlp.down_proj.weight", D, F, L->w_down);
+        LOAD(KVC_W_FFN_NORM, "post_attention_layernorm.weight", 0, D);
+        LOAD(KVC_W_GATE, "mlp.gate_proj.weight", F, D);
+        LOAD(KVC_W_UP, "mlp.up_proj.weight", F, D);
+        LOAD(KVC_W_DOWN, "mlp.down_proj.weight", D, F);
 #undef LOAD
     }
     return KVC_OK;
@@ -499,7 +515,7 @@ static kvc_status load_weights(const weights *w, kvc_model *m) {
 
 /* ---------------------------------------------------------------------------------------------- */
 
-kvc_status kvc_load_hf(const char *dir, kvc_model **out) {
+kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: out is NULL");
     *out = NULL;
     if (!dir || !*dir) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: empty folder name");
@@ -532,7 +548,7 @@ kvc_status kvc_load_hf(const char *dir, kvc_model **out) {
         const st_tensor *head = find(&w, "lm_head.weight", &st);
         cfg.tied_embeddings = head == NULL;
     }
-    if (st == KVC_OK) st = kvc_model_alloc(&cfg, "safetensors", &m);
+    if (st == KVC_OK) st = kvc_model_create(&cfg, "safetensors", dir, be, &m);
     if (st == KVC_OK) st = load_weights(&w, m);
     if (st == KVC_OK) st = kvc_model_finish(m);
     weights_close(&w);

@@ -1,12 +1,16 @@
-/* kvc_model: allocation of the weight buffers for a config, RoPE frequencies, format dispatch. */
+/* kvc_model: the config check, the weight buffers on the backend, streaming tensors into them, RoPE
+ * frequencies, host fp32 weights on demand, format dispatch. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
-#include "../backend/cuda_loader.h"
 #include "gguf.h"
 #include "model.h"
+
+#define CHUNK_FLOATS (1 << 22) /* rows decoded per upload: 16 MB of fp32 at most (one row if longer) */
 
 void kvc_config_defaults(kvc_config *c) {
     memset(c, 0, sizeof *c);
@@ -16,33 +20,6 @@ void kvc_config_defaults(kvc_config *c) {
     c->rope_theta = 10000.0f;
     c->bos_id = -1;
     c->eos_id = -1;
-}
-
-static void *own(kvc_model *m, size_t bytes, const char *what) {
-    if (m->n_owned == m->cap_owned) {
-        size_t cap = m->cap_owned ? m->cap_owned * 2 : 64;
-        void **p = realloc(m->owned, cap * sizeof *p);
-        if (!p) {
-            kvc_fail(KVC_ERR_NOMEM, "out of memory: model buffer list");
-            return NULL;
-        }
-        m->owned = p;
-        m->cap_owned = cap;
-    }
-    void *p = kvc_malloc(bytes, what);
-    if (p) m->owned[m->n_owned++] = p;
-    return p;
-}
-
-float *kvc_model_alloc_floats(kvc_model *m, size_t n, const char *what) {
-    size_t bytes;
-    if (kvc_mul_ok(n, sizeof(float), &bytes) != 0) {
-        kvc_fail(KVC_ERR_NOMEM, "out of memory: %s (%zu floats)", what, n);
-        return NULL;
-    }
-    float *p = own(m, bytes, what);
-    if (p) m->weight_bytes += bytes;
-    return p;
 }
 
 static kvc_status check_config(const kvc_config *c) {
@@ -69,54 +46,149 @@ static kvc_status check_config(const kvc_config *c) {
     }
     REQUIRE(c->bos_id < c->vocab && c->eos_id < c->vocab, "bos/eos token id outside the vocabulary");
 #undef REQUIRE
+    /* the one limit the kernels' parameter blocks set (KV heads per layer), checked here for every device */
+    if (c->n_kv_heads > KVC_MAX_KV_HEADS)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "models with more than %d KV heads are not supported (this one has %d)",
+                        KVC_MAX_KV_HEADS, c->n_kv_heads);
     return KVC_OK;
 }
 
-kvc_status kvc_model_alloc(const kvc_config *cfg, const char *format, kvc_model **out) {
+/* A weight buffer of the backend, owned by the model; *view covers it from element 0 with row length ld. */
+static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const char *what, kvc_view *view) {
+    if (m->n_bufs == m->cap_bufs) {
+        const size_t cap = m->cap_bufs ? 2 * m->cap_bufs : 64;
+        kvc_buf **p = realloc(m->bufs, cap * sizeof *p);
+        if (!p) return kvc_fail(KVC_ERR_NOMEM, "out of memory: model buffer list");
+        m->bufs = p;
+        m->cap_bufs = cap;
+    }
+    kvc_buf *b = NULL;
+    KVC_TRY(m->be->alloc(dtype, n, KVC_MEM_WEIGHTS, what, &b));
+    m->bufs[m->n_bufs++] = b;
+    m->weight_bytes += (size_t)n * kvc_dtype_size(dtype);
+    *view = kvc_view_of(b, 0, ld);
+    return KVC_OK;
+}
+
+kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
+                            kvc_model **out) {
     *out = NULL;
     KVC_TRY(check_config(cfg));
     kvc_model *m = calloc(1, sizeof *m);
     if (!m) return kvc_fail(KVC_ERR_NOMEM, "out of memory: model");
+    pthread_mutex_init(&m->host_lock, NULL);
     m->cfg = *cfg;
+    m->be = be;
     snprintf(m->format, sizeof m->format, "%s", format);
-    const size_t D = cfg->hidden, F = cfg->ffn, V = cfg->vocab;
-    const size_t qd = (size_t)cfg->n_heads * cfg->head_dim, kd = (size_t)cfg->n_kv_heads * cfg->head_dim;
-    m->layers = own(m, sizeof(kvc_layer_weights) * cfg->n_layers, "layer table");
-    if (!m->layers) goto fail;
-    memset(m->layers, 0, sizeof(kvc_layer_weights) * cfg->n_layers);
-#define ALLOC(dst, n, what) \
-    if (!((dst) = kvc_model_alloc_floats(m, (n), (what)))) goto fail
-    ALLOC(m->tok_embd, V * D, "token embedding");
-    ALLOC(m->out_norm, D, "output norm");
-    if (cfg->tied_embeddings) {
-        m->lm_head = m->tok_embd;
-    } else {
-        ALLOC(m->lm_head, V * D, "lm_head");
+    kvc_status st = KVC_OK;
+    if (be->check_model) st = be->check_model(cfg);
+    if (st == KVC_OK && !(m->path = strdup(path ? path : ""))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: model path");
+    const int64_t D = cfg->hidden, F = cfg->ffn, V = cfg->vocab, half = cfg->head_dim / 2;
+    const int64_t qkv = (int64_t)(cfg->n_heads + 2 * cfg->n_kv_heads) * cfg->head_dim, qd = (int64_t)cfg->n_heads * cfg->head_dim;
+    const int32_t wt = be->weight_dtype;
+    if (st == KVC_OK && !(m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers)))
+        st = kvc_fail(KVC_ERR_NOMEM, "out of memory: layer table");
+    if (st == KVC_OK && !(m->rope_inv_freq = calloc((size_t)half, sizeof(float))))
+        st = kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
+    if (st == KVC_OK) st = own(m, wt, V * D, D, "token embedding", &m->tok_embd);
+    if (st == KVC_OK) st = own(m, KVC_F32, D, D, "output norm", &m->out_norm);
+    if (st == KVC_OK) st = own(m, KVC_F32, half, half, "RoPE frequencies", &m->inv_freq);
+    if (st == KVC_OK) {
+        if (cfg->tied_embeddings) m->lm_head = m->tok_embd;
+        else st = own(m, wt, V * D, D, "lm_head", &m->lm_head);
     }
-    ALLOC(m->rope_inv_freq, cfg->head_dim / 2, "rope frequencies");
-    for (int l = 0; l < cfg->n_layers; l++) {
+    for (int32_t l = 0; l < cfg->n_layers && st == KVC_OK; l++) {
         kvc_layer_weights *L = &m->layers[l];
-        ALLOC(L->attn_norm, D, "attn_norm");
-        ALLOC(L->wq, qd * D, "q_proj");
-        ALLOC(L->wk, kd * D, "k_proj");
-        ALLOC(L->wv, kd * D, "v_proj");
-        ALLOC(L->wo, D * qd, "o_proj");
-        if (cfg->qkv_bias) {
-            ALLOC(L->bq, qd, "q bias");
-            ALLOC(L->bk, kd, "k bias");
-            ALLOC(L->bv, kd, "v bias");
-        }
-        ALLOC(L->ffn_norm, D, "ffn_norm");
-        ALLOC(L->w_gate, F * D, "gate_proj");
-        ALLOC(L->w_up, F * D, "up_proj");
-        ALLOC(L->w_down, D * F, "down_proj");
+        st = own(m, KVC_F32, D, D, "attention norm", &L->attn_norm);
+        if (st == KVC_OK) st = own(m, wt, qkv * D, D, "q|k|v weights", &L->wqkv);
+        if (st == KVC_OK && cfg->qkv_bias) st = own(m, KVC_F32, qkv, qkv, "q|k|v bias", &L->bqkv);
+        if (st == KVC_OK) st = own(m, wt, D * qd, qd, "o weights", &L->wo);
+        if (st == KVC_OK) st = own(m, KVC_F32, D, D, "MLP norm", &L->ffn_norm);
+        if (st == KVC_OK) st = own(m, wt, 2 * F * D, D, "gate|up weights", &L->wgu);
+        if (st == KVC_OK) st = own(m, wt, D * F, F, "down weights", &L->wdown);
     }
-#undef ALLOC
+    if (st != KVC_OK) {
+        kvc_model_free(m);
+        return st;
+    }
     *out = m;
     return KVC_OK;
-fail:
-    kvc_model_free(m);
-    return KVC_ERR_NOMEM;
+}
+
+float *kvc_model_rope_factors(kvc_model *m) {
+    if (!m->rope_factors) m->rope_factors = kvc_calloc((size_t)m->cfg.head_dim / 2, sizeof(float), "rope factors");
+    return m->rope_factors;
+}
+
+/* The view and the row range a role's tensor fills, and the shape it must have. */
+static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
+    const kvc_config *c = &m->cfg;
+    const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    if (role >= KVC_W_ATTN_NORM && (layer < 0 || layer >= c->n_layers))
+        return kvc_fail(KVC_ERR_INTERNAL, "weight of layer %d outside [0, %d)", layer, c->n_layers);
+    const kvc_layer_weights *L = role >= KVC_W_ATTN_NORM ? &m->layers[layer] : NULL;
+    switch (role) {
+    case KVC_W_TOK: *v = m->tok_embd; *rows = c->vocab; *cols = D; break;
+    case KVC_W_OUT_NORM: *v = m->out_norm; *rows = 1; *cols = D; break;
+    case KVC_W_LM_HEAD: *v = m->lm_head; *rows = c->vocab; *cols = D; break;
+    case KVC_W_ATTN_NORM: *v = L->attn_norm; *rows = 1; *cols = D; break;
+    case KVC_W_Q: *v = L->wqkv; *rows = qd; *cols = D; break;
+    case KVC_W_K: *v = kvc_view_at(L->wqkv, qd, 0); *rows = kd; *cols = D; break;
+    case KVC_W_V: *v = kvc_view_at(L->wqkv, qd + kd, 0); *rows = kd; *cols = D; break;
+    case KVC_W_O: *v = L->wo; *rows = D; *cols = qd; break;
+    case KVC_W_BQ: *v = L->bqkv; *rows = 1; *cols = qd; break;
+    case KVC_W_BK: *v = kvc_view_at(L->bqkv, 0, qd); *rows = 1; *cols = kd; break;
+    case KVC_W_BV: *v = kvc_view_at(L->bqkv, 0, qd + kd); *rows = 1; *cols = kd; break;
+    case KVC_W_FFN_NORM: *v = L->ffn_norm; *rows = 1; *cols = D; break;
+    case KVC_W_GATE: *v = L->wgu; *rows = F; *cols = D; break;
+    case KVC_W_UP: *v = kvc_view_at(L->wgu, F, 0); *rows = F; *cols = D; break;
+    case KVC_W_DOWN: *v = L->wdown; *rows = D; *cols = F; break;
+    default: return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
+    }
+    if (!v->buf) return kvc_fail(KVC_ERR_INTERNAL, "weight role %d has no buffer in this model", (int)role);
+    return KVC_OK;
+}
+
+/* Give the file pages of a converted tensor back to the kernel: a large model streamed through the
+ * mapping must not stay resident (they are clean file pages; a later read maps them again). */
+static void release_pages(const void *data, size_t bytes) {
+    const long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0 || bytes < (size_t)page) return;
+    const uintptr_t lo = ((uintptr_t)data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
+    const uintptr_t hi = ((uintptr_t)data + bytes) & ~((uintptr_t)page - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src) {
+    kvc_view v = {0};
+    int64_t rows = 0, cols = 0;
+    KVC_TRY(target(m, role, layer, &v, &rows, &cols));
+    if (src->rows != rows || src->cols != cols)
+        return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is [%lld, %lld], the config implies [%lld, %lld]", src->name,
+                        (long long)src->rows, (long long)src->cols, (long long)rows, (long long)cols);
+    int64_t step = CHUNK_FLOATS / cols;
+    if (step < 1) step = 1;
+    if (step > rows) step = rows;
+    float *chunk = kvc_malloc(sizeof(float) * (size_t)(step * cols), "weight conversion chunk");
+    if (!chunk) return KVC_ERR_NOMEM;
+    kvc_status st = KVC_OK;
+    for (int64_t r0 = 0; r0 < rows && st == KVC_OK; r0 += step) {
+        const int64_t nr = rows - r0 < step ? rows - r0 : step;
+        st = src->decode(src, r0, nr, chunk);
+        if (st == KVC_OK) {
+            for (int64_t i = 0; i < nr * cols; i++)
+                if (!isfinite(chunk[i])) {
+                    st = kvc_fail(KVC_ERR_FORMAT, "tensor '%s' holds a non-finite value at row %lld: the file is corrupt",
+                                  src->name, (long long)(r0 + i / cols));
+                    break;
+                }
+        }
+        /* a vector's one row is the whole [1, cols] range of its view */
+        if (st == KVC_OK) st = m->be->upload(kvc_view_at(v, r0, 0), nr, cols, chunk, KVC_F32);
+        if (st == KVC_OK && src->data) release_pages((const char *)src->data + (size_t)r0 * src->row_bytes, (size_t)nr * src->row_bytes);
+    }
+    kvc_free(chunk);
+    return st;
 }
 
 kvc_status kvc_kernel_rope_freqs(const kvc_config *c, float *inv_freq) {
@@ -153,28 +225,106 @@ kvc_status kvc_model_finish(kvc_model *m) {
             m->rope_inv_freq[i] /= m->rope_factors[i];
         }
     }
-    return KVC_OK;
+    return m->be->upload(m->inv_freq, 1, m->cfg.head_dim / 2, m->rope_inv_freq, KVC_F32);
+}
+
+static void host_weights_free(kvc_host_weights *h) {
+    if (!h) return;
+    free(h->layers);
+    free(h);
 }
 
 void kvc_model_free(kvc_model *m) {
     if (!m) return;
-    kvc_cuda_model_release(m);
-    for (size_t i = 0; i < m->n_owned; i++) kvc_free(m->owned[i]);
-    free(m->owned);
+    for (size_t i = 0; i < m->n_bufs; i++) m->be->free(m->bufs[i]);
+    free(m->bufs);
+    free(m->layers);
+    kvc_free(m->rope_factors);
+    free(m->rope_inv_freq);
+    free(m->path);
+    host_weights_free(m->host);
+    kvc_model_free(m->host_twin);
     if (m->meta) gguf_close(m->meta);
+    pthread_mutex_destroy(&m->host_lock);
     free(m);
 }
 
-kvc_status kvc_model_load(const char *path, kvc_model **out) {
+static const float *host_at(const kvc_backend *be, kvc_view v) {
+    const float *p = v.buf ? be->host_f32(v.buf) : NULL;
+    return p ? p + v.off : NULL;
+}
+
+/* Pointers into the model's own buffers when the backend keeps them as host f32 (the CPU), else NULL. */
+static kvc_host_weights *host_view(const kvc_model *m) {
+    const kvc_backend *be = m->be;
+    const kvc_config *c = &m->cfg;
+    const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+#define HOST(view) host_at(be, (view))
+    if (!HOST(m->tok_embd)) return NULL;
+    kvc_host_weights *h = calloc(1, sizeof *h);
+    if (h) h->layers = calloc((size_t)c->n_layers, sizeof *h->layers);
+    if (!h || !h->layers) {
+        host_weights_free(h);
+        return NULL;
+    }
+    h->tok_embd = HOST(m->tok_embd);
+    h->out_norm = HOST(m->out_norm);
+    h->lm_head = HOST(m->lm_head);
+    h->rope_inv_freq = m->rope_inv_freq;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        const kvc_layer_weights *W = &m->layers[l];
+        kvc_host_layer *H = &h->layers[l];
+        H->attn_norm = HOST(W->attn_norm);
+        H->wq = HOST(W->wqkv);
+        H->wk = H->wq + qd * D;
+        H->wv = H->wk + kd * D;
+        H->wo = HOST(W->wo);
+        if (W->bqkv.buf) {
+            H->bq = HOST(W->bqkv);
+            H->bk = H->bq + qd;
+            H->bv = H->bk + kd;
+        }
+        H->ffn_norm = HOST(W->ffn_norm);
+        H->w_gate = HOST(W->wgu);
+        H->w_up = H->w_gate + F * D;
+        H->w_down = HOST(W->wdown);
+    }
+#undef HOST
+    return h;
+}
+
+kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
+    *out = NULL;
+    pthread_mutex_lock(&m->host_lock);
+    kvc_status st = KVC_OK;
+    if (!m->host && !(m->host = host_view(m))) {
+        /* a device model: a CPU copy of the file, once (4 bytes per parameter of host memory) */
+        if (!m->host_twin) st = kvc_model_load(m->path, &m->host_twin);
+        if (st == KVC_OK && !(m->host = host_view(m->host_twin)))
+            st = kvc_fail(KVC_ERR_NOMEM, "out of memory: host weights");
+    }
+    pthread_mutex_unlock(&m->host_lock);
+    if (st == KVC_OK) *out = m->host;
+    return st;
+}
+
+kvc_model *kvc_model_host_model(kvc_model *m) { return m->host_twin ? m->host_twin : m; }
+
+kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_model_load: out is NULL");
     *out = NULL;
     if (!path || !*path) return kvc_fail(KVC_ERR_ARG, "model path is empty");
+    const kvc_backend *be = NULL;
+    KVC_TRY(kvc_backend_get(device, &be)); /* fail before reading the file */
     struct stat st;
     if (stat(path, &st) != 0)
         return kvc_fail(KVC_ERR_IO, "model path '%s' does not exist: give a .gguf file or a Hugging Face folder", path);
-    if (S_ISDIR(st.st_mode)) return kvc_load_hf(path, out);
-    return kvc_load_gguf(path, out);
+    return S_ISDIR(st.st_mode) ? kvc_load_hf(path, be, out) : kvc_load_gguf(path, be, out);
 }
+
+kvc_status kvc_model_load(const char *path, kvc_model **out) { return kvc_model_load_device(path, KVC_DEVICE_CPU, out); }
+
+int32_t kvc_model_device(const kvc_model *m) { return m ? m->be->device : KVC_DEVICE_CPU; }
 
 kvc_status kvc_model_get_config(const kvc_model *m, kvc_config *out) {
     if (!m || !out) return kvc_fail(KVC_ERR_ARG, "kvc_model_get_config: null argument");
@@ -184,6 +334,23 @@ kvc_status kvc_model_get_config(const kvc_model *m, kvc_config *out) {
 
 size_t kvc_model_weight_bytes(const kvc_model *m) { return m ? m->weight_bytes : 0; }
 const char *kvc_model_format(const kvc_model *m) { return m ? m->format : ""; }
+
+kvc_status kvc_model_token_embeddings(const kvc_model *model, const int32_t *ids, int64_t n, float *out) {
+    if (!model || !out || (n > 0 && !ids))
+        return kvc_fail(KVC_ERR_ARG, "kvc_model_token_embeddings: model, ids and out must not be NULL");
+    if (n < 0) return kvc_fail(KVC_ERR_ARG, "kvc_model_token_embeddings: negative count %lld", (long long)n);
+    const int64_t D = model->cfg.hidden;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= model->cfg.vocab)
+            return kvc_fail(KVC_ERR_ARG, "token id %d at index %lld is outside the vocabulary [0, %d)", ids[i],
+                            (long long)i, model->cfg.vocab);
+    kvc_backend_lock(model->be);
+    kvc_status st = KVC_OK;
+    for (int64_t i = 0; i < n && st == KVC_OK; i++)
+        st = model->be->download(kvc_view_at(model->tok_embd, ids[i], 0), 1, D, out + i * D, KVC_F32);
+    kvc_backend_unlock(model->be);
+    return st;
+}
 
 int64_t kvc_model_meta_count(const kvc_model *m) { return (m && m->meta) ? gguf_n_kv(m->meta) : 0; }
 

@@ -1,55 +1,102 @@
-/* The in-memory model: config plus fp32 weights (CPU backend layout), independent of the file
- * format it came from. Loaders fill it through kvc_model_alloc / kvc_model_finish. */
+/* The in-memory model: its config and its weights as views of buffers of the backend it runs on,
+ * independent of the file format it came from. Loaders (gguf_model.c, hf_model.c) read the config,
+ * create the model (every weight buffer allocated on the backend) and stream each tensor of the file
+ * into place (kvc_model_put): converted from the file's type to the backend's, a bounded chunk of rows
+ * at a time, so a device load never holds a host copy of the weights. */
 #ifndef KVC_MODEL_H
 #define KVC_MODEL_H
 
+#include <pthread.h>
+
+#include "../backend/backend.h"
 #include "../core/common.h"
 
 struct gguf_file;
 
-/* Linear weights are stored [out, in] row-major (y = x W^T), as in both GGUF and safetensors. */
+/* Linear weights are [out, in] row-major (y = x W^T), as in both GGUF and safetensors; q|k|v and
+ * gate|up are stored fused (one GEMM each). Norm weights and biases are f32. */
 typedef struct kvc_layer_weights {
-    float *attn_norm; /* [D] */
-    float *wq;        /* [H*d, D] */
-    float *wk;        /* [Hkv*d, D] */
-    float *wv;        /* [Hkv*d, D] */
-    float *wo;        /* [D, H*d] */
-    float *bq, *bk, *bv; /* [H*d], [Hkv*d], [Hkv*d]; NULL unless cfg.qkv_bias */
-    float *ffn_norm;  /* [D] */
-    float *w_gate;    /* [F, D] */
-    float *w_up;      /* [F, D] */
-    float *w_down;    /* [D, F] */
+    kvc_view attn_norm; /* [D] */
+    kvc_view wqkv;      /* [qd + 2 kd, D]: q rows, then k, then v */
+    kvc_view bqkv;      /* [qd + 2 kd], buf NULL unless cfg.qkv_bias */
+    kvc_view wo;        /* [D, qd] */
+    kvc_view ffn_norm;  /* [D] */
+    kvc_view wgu;       /* [2F, D]: gate rows, then up */
+    kvc_view wdown;     /* [D, F] */
 } kvc_layer_weights;
+
+/* fp32 host pointers to the weights, for algorithms that run on the host (Judge Q's backward). */
+typedef struct kvc_host_layer {
+    const float *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *ffn_norm, *w_gate, *w_up, *w_down;
+} kvc_host_layer;
+typedef struct kvc_host_weights {
+    const float *tok_embd, *out_norm, *lm_head, *rope_inv_freq;
+    kvc_host_layer *layers;
+} kvc_host_weights;
 
 struct kvc_model {
     kvc_config cfg;
-    char format[16];            /* "gguf" or "safetensors" */
-    float *tok_embd;            /* [V, D] */
-    float *out_norm;            /* [D] */
-    float *lm_head;             /* [V, D]; == tok_embd when tied */
-    kvc_layer_weights *layers;  /* [n_layers] */
-    float *rope_factors;        /* [d/2] GGUF rope_freqs.weight (Llama-3.1), or NULL */
-    float *rope_inv_freq;       /* [d/2], computed by kvc_model_finish */
+    char format[16];          /* "gguf" or "safetensors" */
+    char *path;               /* the file or folder it was loaded from */
+    const kvc_backend *be;
+    kvc_view tok_embd;        /* [V, D] */
+    kvc_view out_norm;        /* [D] */
+    kvc_view lm_head;         /* [V, D]; the token embedding when tied */
+    kvc_view inv_freq;        /* [d/2] f32 RoPE frequencies */
+    kvc_layer_weights *layers;
+    float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, or NULL */
+    float *rope_inv_freq;     /* host [d/2] */
     size_t weight_bytes;
-    struct gguf_file *meta;     /* GGUF metadata kept for the tokenizer; NULL for HF folders */
-    void *cuda;                 /* bf16 copy on the GPU (backend/cuda_loader.c), or NULL: CPU only */
-    /* every buffer the model owns, freed by kvc_model_free */
-    void **owned;
-    size_t n_owned, cap_owned;
+    kvc_buf **bufs;           /* the backend buffers the model owns */
+    size_t n_bufs, cap_bufs;
+    struct gguf_file *meta;   /* GGUF metadata kept for the tokenizer; NULL for HF folders */
+    /* host fp32 weights on demand (kvc_model_host_weights): a CPU model's own buffers, or a CPU copy of
+     * the file for a device model, loaded the first time a host algorithm asks */
+    pthread_mutex_t host_lock;
+    kvc_host_weights *host;
+    struct kvc_model *host_twin;
 };
 
-/* Validate `cfg` (positive sizes, H % Hkv == 0, D == H * d unless the arch allows otherwise, ...)
- * and allocate every weight buffer (uninitialised) for it. */
-kvc_status kvc_model_alloc(const kvc_config *cfg, const char *format, kvc_model **out);
-/* Allocate an extra owned buffer of n floats (e.g. rope_factors). */
-float *kvc_model_alloc_floats(kvc_model *m, size_t n, const char *what);
-/* After all weights are filled: tie lm_head if needed, compute RoPE frequencies. */
+/* Where a tensor of the file goes. */
+typedef enum kvc_weight_role {
+    KVC_W_TOK, KVC_W_OUT_NORM, KVC_W_LM_HEAD,
+    KVC_W_ATTN_NORM, KVC_W_Q, KVC_W_K, KVC_W_V, KVC_W_O, KVC_W_BQ, KVC_W_BK, KVC_W_BV,
+    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN
+} kvc_weight_role;
+
+/* A tensor of a model file as a loader hands it over: logical shape [rows, cols] (a vector: rows 1)
+ * and how to decode a range of its rows to fp32. */
+typedef struct kvc_src {
+    const char *name;
+    int64_t rows, cols;
+    kvc_status (*decode)(const struct kvc_src *s, int64_t r0, int64_t nr, float *dst);
+    const void *data;  /* the file's bytes of the tensor (mapped): released row range by row range once converted */
+    size_t row_bytes;  /* bytes of one row in the file */
+    int32_t type;      /* the loader's own type code */
+    const void *ctx;   /* the loader's own description of the tensor */
+} kvc_src;
+
+/* Validate `cfg` (positive sizes, H % Hkv == 0, at most KVC_MAX_KV_HEADS KV heads, the backend's own
+ * limits, ...) and create a model on `be` with every weight buffer allocated (uninitialised). */
+kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
+                            kvc_model **out);
+/* Stream tensor src into the weight of role `role` (layer: for per-layer roles). */
+kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src);
+/* The model's host array of d/2 RoPE factors (GGUF rope_freqs.weight, linear scaling), allocated on first
+ * call (NULL when out of memory); kvc_model_finish divides the frequencies by them. */
+float *kvc_model_rope_factors(kvc_model *m);
+/* After every tensor is in: RoPE frequencies (with the rope factors), uploaded. */
 kvc_status kvc_model_finish(kvc_model *m);
 /* A config with every field at a neutral default (no scaling, no bias, bos/eos -1). */
 void kvc_config_defaults(kvc_config *cfg);
+/* fp32 host weights (see struct kvc_model); the pointers live as long as the model. */
+kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out);
+/* The model whose buffers those weights are: m itself on the CPU, else its host copy (after
+ * kvc_model_host_weights). */
+kvc_model *kvc_model_host_model(kvc_model *m);
 
-/* Format-specific loaders (model/gguf_model.c, model/hf_model.c). */
-kvc_status kvc_load_gguf(const char *path, kvc_model **out);
-kvc_status kvc_load_hf(const char *dir, kvc_model **out);
+/* Format-specific loaders onto a backend (model/gguf_model.c, model/hf_model.c). */
+kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, kvc_model **out);
+kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, kvc_model **out);
 
 #endif

@@ -242,15 +242,19 @@ const st_tensor *st_find(const st_file *f, const char *name) {
     return NULL;
 }
 
-kvc_status st_to_f32(const st_tensor *t, float *dst) {
-    if (!t || (!dst && t->n_elements)) return kvc_fail(KVC_ERR_ARG, "st_to_f32: null argument");
-    const uint8_t *s = t->data;
-    const int64_t n = t->n_elements;
+kvc_status st_to_f32(const st_tensor *t, float *dst) { return st_range_to_f32(t, 0, t ? t->n_elements : 0, dst); }
+
+kvc_status st_range_to_f32(const st_tensor *t, int64_t first, int64_t n, float *dst) {
+    if (!t || (!dst && n)) return kvc_fail(KVC_ERR_ARG, "st_to_f32: null argument");
+    if (first < 0 || n < 0 || first + n > t->n_elements)
+        return kvc_fail(KVC_ERR_ARG, "st_to_f32: elements [%lld, %lld) outside tensor '%s'", (long long)first,
+                        (long long)(first + n), t->name);
     switch (t->dtype) {
     case ST_F32:
-        if (n) memcpy(dst, s, (size_t)n * 4); /* data may be unaligned: memcpy, not a cast */
+        if (n) memcpy(dst, (const uint8_t *)t->data + 4 * first, (size_t)n * 4); /* data may be unaligned: memcpy */
         return KVC_OK;
-    case ST_F16:
+    case ST_F16: {
+        const uint8_t *s = (const uint8_t *)t->data + 2 * first;
 #pragma omp parallel for schedule(static) if (n > 65536)
         for (int64_t i = 0; i < n; i++) {
             uint16_t h;
@@ -258,7 +262,9 @@ kvc_status st_to_f32(const st_tensor *t, float *dst) {
             dst[i] = kvc_f16_to_f32(h);
         }
         return KVC_OK;
-    case ST_BF16:
+    }
+    case ST_BF16: {
+        const uint8_t *s = (const uint8_t *)t->data + 2 * first;
 #pragma omp parallel for schedule(static) if (n > 65536)
         for (int64_t i = 0; i < n; i++) {
             uint16_t h;
@@ -266,6 +272,7 @@ kvc_status st_to_f32(const st_tensor *t, float *dst) {
             dst[i] = kvc_bf16_to_f32(h);
         }
         return KVC_OK;
+    }
     default:
         return kvc_fail(KVC_ERR_UNSUPPORTED, "tensor '%s' has dtype %s; only F32, F16 and BF16 weights are supported",
                         t->name, t->dtype_name);

@@ -27,5 +27,7 @@ const st_tensor *st_tensor_at(const st_file *f, int64_t i);
 const st_tensor *st_find(const st_file *f, const char *name);
 /* Convert a tensor to fp32 into dst (n_elements floats); KVC_ERR_UNSUPPORTED for other dtypes. */
 kvc_status st_to_f32(const st_tensor *t, float *dst);
+/* The same for elements [first, first + n). */
+kvc_status st_range_to_f32(const st_tensor *t, int64_t first, int64_t n, float *dst);
 
 #endif

@@ -1,5 +1,12 @@
-/* The press engine: scorer x allocation x selection, applied by the schedule (here: right after
- * each layer's attention during a prefill, as kvpress does). Internal API between its files. */
+/* The presses: scorer x allocation x selection x schedule (docs/METHODS.md), written once over the
+ * backend interface. Internal API between the files of this folder and engine/session.c:
+ *   config.c      defaults, the one validation of a press config, budget arithmetic
+ *   score.c       a layer's scores: the backend's scorers, or the host algorithms (observed.c)
+ *   observed.c    host algorithms: ObservedAttention's scores, Ada-KV's eviction loss
+ *   allocation.c  how many rows each head keeps and which: uniform, PyramidKV, Ada-KV, layer totals
+ *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
+ *   schedule.c    the post-prefill schedule (kvpress's): each layer compressed after its attention
+ *   take.c        TAKE's chunked prefill with probes and delayed eviction */
 #ifndef KVC_PRESS_H
 #define KVC_PRESS_H
 
@@ -9,9 +16,9 @@
 typedef struct kvc_press {
     kvc_press_config cfg;
     int32_t n_layers, n_kv;
-    float **scores;      /* [L * Hkv] recorded scores (record_scores), or NULL */
-    int64_t *score_len;  /* [L * Hkv] */
-    double *error;       /* [L] eviction loss, NAN when not computed */
+    float **scores;        /* [L * Hkv] recorded scores (record_scores), or NULL */
+    int64_t *score_len;    /* [L * Hkv] */
+    double *error;         /* [L] eviction loss, NAN when not computed */
     /* layer-wise index reuse (ChunkKV): the rows the group's first layer kept */
     int64_t *reuse_rows;   /* [Hkv * reuse_len] */
     int64_t *reuse_n;      /* [Hkv] */
@@ -20,61 +27,70 @@ typedef struct kvc_press {
     int64_t *layer_totals; /* [L] KVC_ALLOC_LAYER budgets (tokens over the layer's heads); -1 unset */
     double *e_internal;    /* [L] TADA: sum of the scores over heads and past rows */
     double *dissim;        /* [L] TADA: 1 - cos(R, R + O) averaged over the window tokens */
+    const kvc_backend *be;
+    kvc_buf *dev_scores;   /* the backend's score buffer, f32 [Hkv, dev_ld] */
+    int64_t dev_ld;
 } kvc_press;
 
-/* What the scorers see: the layer's cache and this call's queries. */
-typedef struct kvc_score_input {
-    const kvc_config *cfg;
-    const kvc_layer_cache *cache;
-    const kvc_layer_ctx *ctx;
-    const kvc_press_config *press;
-} kvc_score_input;
-
-/* scores[h] has cache->len[h] entries (caller-allocated). Protected rows (window, sinks) get
- * max + 1 so they sort first without +inf arithmetic. */
-kvc_status kvc_press_score(const kvc_score_input *in, float *const *scores);
-
-/* Mean over the window queries of each query head's softmax attention on rows [0, len_h - w):
- * out[hq] has len_h - w entries. Causal inside the window. */
-void kvc_window_attention(const kvc_score_input *in, int32_t w, float *const *out);
-
-/* Tokens to keep per head for this layer, from the press config (uniform, pyramid) or from the
- * scores (Ada-KV, which also fills keep rows itself). Returns rows to keep, sorted, per head. */
-kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_layers, int32_t n_kv,
-                            const int64_t *len, const float *const *scores, int32_t window, int64_t layer_total,
-                            int64_t **keep, int64_t *n_keep);
-/* EDIE scorer (edie.c) */
-kvc_status kvc_score_edie(const kvc_score_input *in, float *const *scores);
-/* Attention probabilities of m queries against one head's rows, with one GEMM: q_rows [m, d]
- * contiguous, k [len, d]; query i sees rows [0, visible[i]); probs [m, len] (zeros past visible). */
-void kvc_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
-                    const int64_t *visible, float *probs);
-
-/* Gather the query rows [first, first + m) of query head hq from ctx->q into dst [m, d]. */
-void kvc_gather_queries(const kvc_layer_ctx *ctx, int32_t H, int32_t d, int32_t hq, int64_t first, int64_t m, float *dst);
-
+/* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
 static inline int kvc_scorer_has_window(int32_t scorer) {
     return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE;
 }
-
-/* Budget helpers shared with the tests' references (kvpress semantics). */
+/* kvpress's int(n (1 - ratio)), at least 1; tokens a head of n rows keeps at a layer (kvc_press_kept). */
 int64_t kvc_n_kept_ratio(int64_t n, double compression_ratio);
 int64_t kvc_layer_budget(const kvc_press_config *p, int32_t layer, int32_t n_layers, int64_t n);
+/* The protected window of a config (0 for scorers without one). */
+static inline int32_t kvc_press_window(const kvc_press_config *p) { return kvc_scorer_has_window(p->scorer) ? p->window : 0; }
 
-/* ChunkKV: one selection of whole chunks shared by every head (scores summed over heads).
- * keep_rows receives sorted rows; returns the count through *n_keep. */
-kvc_status kvc_chunk_select(const kvc_press_config *p, int32_t layer, int32_t n_layers, int32_t n_kv, int64_t len,
-                            const float *const *scores, int32_t window, int64_t *keep_rows, int64_t *n_keep);
-
-/* Top-k rows of one score vector: higher score first, then lower row; result sorted by row. */
-void kvc_topk_rows(const float *scores, int64_t n, int64_t k, int64_t *out);
-
-/* Check a press config (the messages kvc_session_set_press gives). */
-kvc_status kvc_press_validate(const kvc_press_config *c);
-
-/* The layer hook installed by kvc_session_set_press. */
-kvc_status kvc_press_hook(void *user, struct kvc_session *s, const kvc_layer_ctx *ctx);
+/* ---- schedule.c ---- */
+kvc_status kvc_press_new(const kvc_press_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_press **out);
 void kvc_press_free(kvc_press *p);
+/* The layer hook kvc_session_set_press installs. */
+kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx);
+kvc_status kvc_press_recorded_scores(const kvc_press *p, int32_t layer, int32_t h, float *out, int64_t *n);
+kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32_t n_layers);
+
+/* ---- score.c ---- */
+/* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */
+typedef struct kvc_layer_rows {
+    const kvc_backend *be;
+    const kvc_config *mc;
+    kvc_kv *kv;
+} kvc_layer_rows;
+
+/* A layer's scores for every head's first len[h] rows: the window is the last `window` queries of ctx
+ * (kvc_score_args). Computed by the backend into *buf (grown as needed; f32 [Hkv, *ld]) and copied to
+ * host[h] (len[h] each); ObservedAttention is computed on the host (observed.c) and uploaded. */
+kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                           int32_t window, const int64_t *len, kvc_buf **buf, int64_t *ld, float *const *host);
+/* The score buffer of a backend for Hkv rows of maxlen. */
+kvc_status kvc_score_buffer(const kvc_backend *be, int32_t Hkv, kvc_buf **buf, int64_t *ld, int64_t maxlen);
+/* Scores and the rows each head keeps for one layer of len[h] rows (no reuse, no statistics): what the
+ * schedule and kvc_press_compute both do. */
+kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, int64_t layer_total, kvc_buf **buf, int64_t *ld,
+                                  float *const *scores, int64_t *const *keep, int64_t *n_keep);
+
+/* ---- observed.c: on the host, from the layer's rows and queries brought there ---- */
+kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len,
+                               float *const *scores);
+/* Ada-KV's eviction loss: the window queries' attention output with all rows vs with the kept rows (L1,
+ * mean over queries and heads). */
+kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
+                              const int64_t *const *keep, const int64_t *n_keep, double *out);
+
+/* ---- allocation.c ---- */
+/* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):
+ * keep[h] receives them sorted, n_keep[h] their count. len[h]: rows per head; window: the protected
+ * rows at the end of every head; layer_total: KVC_ALLOC_LAYER's budget. */
+kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_layers, int32_t n_kv,
+                            const int64_t *len, const float *const *scores, int32_t window, int64_t layer_total,
+                            int64_t *const *keep, int64_t *n_keep);
+/* Whether a config selects each head's own top k (the backend's top-k kernel can do it). */
+int kvc_press_per_head_topk(const kvc_press_config *p);
+
+/* ---- take.c ---- */
+kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg, float *logits);
 
 #endif

@@ -7,17 +7,21 @@
  * chunk attends only to the pruned past and the cache per layer never exceeds Z + p + k rows.
  * Delayed eviction: layers 0..W-2 are not scored; the rows layer W-1 keeps prune all of 0..W-1. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "../backend/cuda_loader.h"
 #include "press.h"
 
 typedef struct take_state {
     const kvc_take_config *cfg;
     int32_t L, H, Hkv, d;
-    float *qa;          /* [L, p, H, d] accumulated probe queries */
+    float *qa;          /* [L, p, H, d] accumulated probe queries (host) */
+    float *qp;          /* [p, H, d] this chunk's probe queries (host scratch) */
     char *has_qa;       /* [L] */
     int last_chunk;
+    kvc_buf *qbuf;      /* f32 [p, H*d] on the backend: a layer's accumulated probes, scored there */
+    kvc_buf *scores;    /* the backend's score buffer, f32 [Hkv, ld] */
+    int64_t ld;
 } take_state;
 
 void kvc_take_config_defaults(kvc_take_config *c) {
@@ -30,112 +34,85 @@ void kvc_take_config_defaults(kvc_take_config *c) {
     kvc_press_config_defaults(&c->inner);
 }
 
-/* Probe scores of one KV head over its first `real` rows: softmax of each accumulated probe query
- * over those rows, mean over probes and the group's heads (GQA mean after pooling), avg pooling. */
-static kvc_status probe_scores(const take_state *t, const float *qa, const kvc_layer_cache *L, int32_t h,
-                               int64_t real, float *out) {
-    const int64_t p = t->cfg->n_probe;
-    const int32_t g = t->H / t->Hkv, d = t->d, k = t->cfg->kernel, half = k / 2;
-    const float scale = 1.0f / sqrtf((float)d);
-    float *probs = malloc(sizeof(float) * (size_t)p * (size_t)(real > 0 ? real : 1));
-    float *qrows = malloc(sizeof(float) * (size_t)p * d);
-    int64_t *vis = malloc(sizeof(int64_t) * (size_t)p);
-    double *acc = calloc((size_t)(real > 0 ? real : 1), sizeof(double));
-    double *mean = calloc((size_t)(real > 0 ? real : 1), sizeof(double));
-    if (!probs || !qrows || !vis || !acc || !mean) {
-        free(probs); free(qrows); free(vis); free(acc); free(mean);
-        return kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE probe scores");
-    }
-    for (int64_t j = 0; j < p; j++) vis[j] = real; /* the probes see the whole (real) cache */
-    for (int32_t t2 = 0; t2 < g; t2++) {
-        const int32_t hq = h * g + t2;
-        for (int64_t j = 0; j < p; j++) memcpy(qrows + j * d, qa + (j * t->H + hq) * d, sizeof(float) * d);
-        kvc_probs_rows(qrows, p, L->k[h], real, d, scale, vis, probs);
-        for (int64_t r = 0; r < real; r++) {
-            double s = 0;
-            for (int64_t j = 0; j < p; j++) s += probs[(size_t)j * real + r];
-            acc[r] = s;
-        }
-        for (int64_t r = 0; r < real; r++) { /* mean over probes, pooled, then GQA mean */
-            double s = 0;
-            for (int64_t u = r - half; u <= r + half; u++)
-                if (u >= 0 && u < real) s += acc[u];
-            mean[r] += s / p / k / g;
-        }
-    }
-    for (int64_t r = 0; r < real; r++) out[r] = (float)mean[r];
-    free(probs); free(qrows); free(vis); free(acc); free(mean);
-    return KVC_OK;
+/* The probes' accumulated queries score the first real[h] rows of each head on the backend (softmax over
+ * those rows, mean over the probes, average pooling, GQA mean), and the top kk[h] are kept. */
+static kvc_status probe_select(take_state *t, kvc_session *s, int32_t l, const float *qa, const int64_t *real,
+                               const int64_t *kk, int64_t *const *keep) {
+    const int64_t p = t->cfg->n_probe, qd = (int64_t)t->H * t->d;
+    int64_t maxlen = 1;
+    for (int32_t h = 0; h < t->Hkv; h++) maxlen = real[h] > maxlen ? real[h] : maxlen;
+    KVC_TRY(kvc_score_buffer(s->be, t->Hkv, &t->scores, &t->ld, maxlen));
+    if (!t->qbuf) KVC_TRY(s->be->alloc(KVC_F32, p * qd, KVC_MEM_ACT, "TAKE probe queries", &t->qbuf));
+    KVC_TRY(s->be->upload(kvc_view_of(t->qbuf, 0, qd), p, qd, qa, KVC_F32));
+    kvc_score_args a;
+    memset(&a, 0, sizeof a);
+    a.scorer = KVC_SCORE_PROBE;
+    a.layer = l;
+    a.H = t->H;
+    a.Hkv = t->Hkv;
+    a.d = t->d;
+    a.kv = s->cache.layers[l].kv;
+    a.len = real;
+    a.q = kvc_view_of(t->qbuf, 0, qd);
+    a.n = p;
+    a.kernel = t->cfg->kernel;
+    a.pool_then_reduce = 1;
+    a.scores = kvc_view_of(t->scores, 0, t->ld);
+    KVC_TRY(s->be->score(&a));
+    return s->be->topk(a.scores, t->Hkv, real, kk, keep);
 }
 
 static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
     take_state *t = user;
     const kvc_take_config *cfg = t->cfg;
-    const int32_t l = ctx->layer, Hkv = t->Hkv, H = t->H, d = t->d;
-    const int64_t p = cfg->n_probe;
-    const int32_t W = cfg->warmup_layers;
-    kvc_layer_cache *L = &s->cache.layers[l];
+    const int32_t l = ctx->layer, Hkv = t->Hkv, W = cfg->warmup_layers;
+    const int64_t p = cfg->n_probe, qn = p * t->H * t->d;
+    const int64_t *len = s->cache.layers[l].len;
 
-    /* EMA of the probe queries at this layer */
-    float *qa = t->qa + (size_t)l * p * H * d;
-    const float *qp = ctx->q + (ctx->n - p) * H * d;
+    /* EMA of the probe queries at this layer (the call's last p rows) */
+    float *qa = t->qa + (size_t)l * qn;
+    KVC_TRY(s->be->download(kvc_view_at(ctx->q, ctx->n - p, 0), p, (int64_t)t->H * t->d, t->qp, KVC_F32));
     if (!t->has_qa[l]) {
-        memcpy(qa, qp, sizeof(float) * (size_t)p * H * d);
+        memcpy(qa, t->qp, sizeof(float) * (size_t)qn);
         t->has_qa[l] = 1;
     } else {
-        for (size_t i = 0; i < (size_t)p * H * d; i++) qa[i] = cfg->alpha * qa[i] + (1 - cfg->alpha) * qp[i];
+        for (int64_t i = 0; i < qn; i++) qa[i] = cfg->alpha * qa[i] + (1 - cfg->alpha) * t->qp[i];
     }
     const int64_t k = (!t->last_chunk && l < W) ? cfg->warmup_budget : cfg->budget;
     const int defer = cfg->delayed && l < W - 1; /* chosen later by layer W-1 */
 
+    int64_t real[KVC_MAX_KV_HEADS], kk[KVC_MAX_KV_HEADS], n_keep[KVC_MAX_KV_HEADS] = {0};
+    int64_t *keep[KVC_MAX_KV_HEADS] = {0};
+    float *sc[KVC_MAX_KV_HEADS] = {0};
     kvc_status st = KVC_OK;
-    int64_t **keep = calloc((size_t)Hkv, sizeof *keep), *n_keep = calloc((size_t)Hkv, sizeof *n_keep);
-    float *scores = NULL;
-    if (!keep || !n_keep) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
-    int64_t maxlen = 0;
-    for (int32_t h = 0; h < Hkv; h++) maxlen = L->len[h] > maxlen ? L->len[h] : maxlen;
-    if (st == KVC_OK && !(scores = malloc(sizeof(float) * (size_t)(maxlen > 0 ? maxlen : 1))))
-        st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(L->len[h] > 0 ? L->len[h] : 1))))
+    int score = 0;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        real[h] = len[h] - p;
+        score |= !defer && real[h] > k;
+        kk[h] = (defer || real[h] <= k) ? real[h] : k;
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(len[h] > 0 ? len[h] : 1))))
             st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
-
+    }
     if (st == KVC_OK && cfg->use_inner && !defer) {
-        /* any scorer: its window is the probes; select among the real rows, drop the probes */
-        float **sc = calloc((size_t)Hkv, sizeof *sc);
-        if (!sc) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
+        /* any scorer: its window is the probes; select among the real rows, the probes go */
+        kvc_press_config inner = cfg->inner;
+        inner.window = (int32_t)p;
+        inner.compression_ratio = 0;
+        inner.budget = k;
+        inner.allocation = KVC_ALLOC_UNIFORM;
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-            if (!(sc[h] = malloc(sizeof(float) * (size_t)(L->len[h] > 0 ? L->len[h] : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory");
-        if (st == KVC_OK) {
-            kvc_press_config inner = cfg->inner;
-            inner.window = (int32_t)p;
-            inner.compression_ratio = 0;
-            inner.budget = k;
-            inner.allocation = KVC_ALLOC_UNIFORM;
-            kvc_config mc = s->model->cfg;
-            kvc_score_input in = {&mc, L, ctx, &inner};
-            st = kvc_press_score(&in, sc);
-            int64_t lens[64];
-            for (int32_t h = 0; h < Hkv; h++) lens[h] = L->len[h] - p;
-            if (st == KVC_OK)
-                st = kvc_press_select(&inner, l, t->L, Hkv, lens, (const float *const *)sc, 0, -1, keep, n_keep);
-        }
-        if (sc)
-            for (int32_t h = 0; h < Hkv; h++) free(sc[h]);
-        free(sc);
-    } else if (st == KVC_OK) {
-        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-            const int64_t real = L->len[h] - p;
-            if (defer || real <= k) { /* keep every real row, drop the probes */
-                for (int64_t r = 0; r < real; r++) keep[h][r] = r;
-                n_keep[h] = real;
-                continue;
-            }
-            st = probe_scores(t, qa, L, h, real, scores);
-            if (st == KVC_OK) {
-                kvc_topk_rows(scores, real, k, keep[h]);
-                n_keep[h] = k;
-            }
+            if (!(sc[h] = malloc(sizeof(float) * (size_t)(len[h] > 0 ? len[h] : 1))))
+                st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
+        const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[l].kv};
+        if (st == KVC_OK) st = kvc_score_layer(&lr, ctx, &inner, (int32_t)p, len, &t->scores, &t->ld, sc);
+        if (st == KVC_OK) st = kvc_press_select(&inner, l, t->L, Hkv, real, (const float *const *)sc, 0, -1, keep, n_keep);
+    } else if (st == KVC_OK && score) {
+        st = probe_select(t, s, l, qa, real, kk, keep);
+        for (int32_t h = 0; h < Hkv; h++) n_keep[h] = kk[h];
+    } else if (st == KVC_OK) { /* keep every real row, drop the probes */
+        for (int32_t h = 0; h < Hkv; h++) {
+            for (int64_t r = 0; r < real[h]; r++) keep[h][r] = r;
+            n_keep[h] = real[h];
         }
     }
     if (st == KVC_OK) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
@@ -144,79 +121,6 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
         for (int32_t m = 0; m < W - 1 && st == KVC_OK; m++)
             st = kvc_cache_compact(&s->cache, m, (const int64_t *const *)keep, n_keep, 0);
     }
-    if (keep)
-        for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
-    free(keep);
-    free(n_keep);
-    free(scores);
-    return st;
-}
-
-/* The same step on a GPU session (the chunk loop below is shared): the probe queries come to the
- * host for the EMA (p x H x d floats), the probe scores, top-k and compaction run on the device. */
-static kvc_status take_dev_hook(void *user, void *ds, const kvc_dev_ctx *ctx, int32_t l, int64_t n,
-                                const int64_t *past) {
-    kvc_session *s = user;
-    take_state *t = s->hook_user;
-    const kvc_take_config *cfg = t->cfg;
-    const int32_t Hkv = t->Hkv, H = t->H, d = t->d, W = cfg->warmup_layers;
-    const int64_t p = cfg->n_probe;
-    const size_t qn = (size_t)p * H * d;
-    const kvc_cuda_api *a;
-    KVC_TRY(kvc_cuda_api_get(&a));
-    float *qa = t->qa + (size_t)l * qn;
-    if (!t->has_qa[l]) {
-        KVC_TRY(a->download_ctx(ctx, KVC_DEV_Q, n - p, p, qa));
-        t->has_qa[l] = 1;
-    } else {
-        float *qp = kvc_malloc(sizeof(float) * qn, "TAKE probe queries");
-        if (!qp) return KVC_ERR_NOMEM;
-        kvc_status st = a->download_ctx(ctx, KVC_DEV_Q, n - p, p, qp);
-        for (size_t i = 0; st == KVC_OK && i < qn; i++) qa[i] = cfg->alpha * qa[i] + (1 - cfg->alpha) * qp[i];
-        kvc_free(qp);
-        KVC_TRY(st);
-    }
-    const int64_t k = (!t->last_chunk && l < W) ? cfg->warmup_budget : cfg->budget;
-    const int defer = cfg->delayed && l < W - 1;
-    int64_t lens[64], real[64], kk[64], n_keep[64] = {0};
-    int64_t *keep[64] = {0};
-    float *sc[64] = {0};
-    kvc_status st = KVC_OK;
-    int score = 0;
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        lens[h] = a->cache_len(ds, l, h);
-        real[h] = lens[h] - p;
-        score |= !defer && real[h] > k;
-        kk[h] = (defer || real[h] <= k) ? real[h] : k;
-        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(lens[h] > 0 ? lens[h] : 1))))
-            st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
-    }
-    if (st == KVC_OK && cfg->use_inner && !defer) {
-        kvc_press_config inner = cfg->inner;
-        inner.window = (int32_t)p;
-        inner.compression_ratio = 0;
-        inner.budget = k;
-        inner.allocation = KVC_ALLOC_UNIFORM;
-        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-            if (!(sc[h] = malloc(sizeof(float) * (size_t)(lens[h] > 0 ? lens[h] : 1))))
-                st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
-        int on_device = 0;
-        if (st == KVC_OK) st = kvc_dev_layer_scores(s, ds, ctx, &inner, l, n, past, lens, sc, &on_device);
-        if (st == KVC_OK)
-            st = kvc_press_select(&inner, l, t->L, Hkv, real, (const float *const *)sc, 0, -1, keep, n_keep);
-    } else if (st == KVC_OK && score) {
-        st = a->probe_score(ds, l, qa, p, real, cfg->kernel);
-        if (st == KVC_OK) st = a->select_topk(ds, l, real, kk, keep, n_keep);
-    } else if (st == KVC_OK) { /* keep every real row, drop the probes */
-        for (int32_t h = 0; h < Hkv; h++) {
-            for (int64_t r = 0; r < real[h]; r++) keep[h][r] = r;
-            n_keep[h] = real[h];
-        }
-    }
-    if (st == KVC_OK) st = a->compact(ds, l, (const int64_t *const *)keep, n_keep, 0);
-    if (st == KVC_OK && cfg->delayed && l == W - 1)
-        for (int32_t m = 0; m < W - 1 && st == KVC_OK; m++)
-            st = a->compact(ds, m, (const int64_t *const *)keep, n_keep, 0);
     for (int32_t h = 0; h < Hkv; h++) {
         free(keep[h]);
         free(sc[h]);
@@ -224,11 +128,7 @@ static kvc_status take_dev_hook(void *user, void *ds, const kvc_dev_ctx *ctx, in
     return st;
 }
 
-kvc_dev_hook kvc_take_dev_hook_for(const kvc_session *s) { return s->hook == take_hook ? take_dev_hook : NULL; }
-
-kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg_in,
-                                    float *logits) {
-    if (!s || !ids || !cfg_in) return kvc_fail(KVC_ERR_ARG, "prefill_take: null argument");
+kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg_in, float *logits) {
     kvc_take_config cfg = *cfg_in;
     const kvc_config *mc = &s->model->cfg;
     if (n < 1) return kvc_fail(KVC_ERR_ARG, "prefill_take: empty prompt");
@@ -240,11 +140,17 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
     if (cfg.warmup_layers < 0) cfg.warmup_layers = mc->n_layers / 2;
     if (cfg.warmup_layers > mc->n_layers) return kvc_fail(KVC_ERR_ARG, "warmup_layers exceeds the %d layers", mc->n_layers);
     if (cfg.warmup_budget < cfg.budget) cfg.warmup_budget = cfg.budget;
-    if (mc->n_kv_heads > 64) return kvc_fail(KVC_ERR_UNSUPPORTED, "TAKE supports at most 64 KV heads");
     for (int64_t i = 0; i < cfg.n_probe; i++)
         if (cfg.probe_ids[i] < 0 || cfg.probe_ids[i] >= mc->vocab) return kvc_fail(KVC_ERR_ARG, "probe token %d outside the vocabulary", cfg.probe_ids[i]);
     if (cfg.use_inner && cfg.inner.allocation != KVC_ALLOC_UNIFORM)
         return kvc_fail(KVC_ERR_ARG, "inside TAKE the layer budgets come from TAKE: use a plain scorer press");
+    if (cfg.use_inner) { /* the inner scorer's own settings; TAKE sets its window (the probes) and budgets */
+        kvc_press_config inner = cfg.inner;
+        inner.window = (int32_t)(cfg.n_probe < INT32_MAX ? cfg.n_probe : INT32_MAX);
+        inner.compression_ratio = 0;
+        inner.budget = 0;
+        KVC_TRY(kvc_press_config_check(&inner));
+    }
     if (cfg.prompt_cached) {
         /* one chunk whose forward already ran (shared prefill): its K/V do not depend on the probes,
          * which come after it, so running only the probes now gives the cache of the one-call chunk */
@@ -264,21 +170,26 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
                             "tokens and nothing else", (long long)n);
     }
 
-    take_state t = {&cfg, mc->n_layers, mc->n_heads, mc->n_kv_heads, mc->head_dim, NULL, NULL, 0};
-    const size_t qa_floats = (size_t)t.L * cfg.n_probe * t.H * t.d;
-    t.qa = kvc_malloc(sizeof(float) * qa_floats, "TAKE probe queries");
+    take_state t;
+    memset(&t, 0, sizeof t);
+    t.cfg = &cfg;
+    t.L = mc->n_layers;
+    t.H = mc->n_heads;
+    t.Hkv = mc->n_kv_heads;
+    t.d = mc->head_dim;
+    const size_t qn = (size_t)cfg.n_probe * t.H * t.d;
+    t.qa = kvc_malloc(sizeof(float) * qn * (size_t)t.L, "TAKE probe queries");
+    t.qp = kvc_malloc(sizeof(float) * qn, "TAKE probe queries");
     t.has_qa = calloc((size_t)t.L, 1);
     int32_t *buf = cfg.prompt_cached ? NULL : malloc(sizeof(int32_t) * (size_t)(cfg.chunk_size + cfg.n_probe));
-    kvc_status st = (!t.qa || !t.has_qa || (!buf && !cfg.prompt_cached)) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE")
-                                                                          : KVC_OK;
+    kvc_status st = (!t.qa || !t.qp || !t.has_qa || (!buf && !cfg.prompt_cached)) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE")
+                                                                                  : KVC_OK;
 
-    /* our hook replaces any attached press for the duration */
+    /* TAKE's hook replaces the attached press's for the duration */
     kvc_layer_hook saved_hook = s->hook;
     void *saved_user = s->hook_user;
-    void (*saved_free)(void *) = s->hook_free;
     s->hook = take_hook;
     s->hook_user = &t;
-    s->hook_free = NULL;
     if (st == KVC_OK && cfg.prompt_cached) {
         const int64_t pos0 = s->pos;
         t.last_chunk = 1;
@@ -297,8 +208,12 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
     if (st != KVC_OK) s->needs_reset = 1;
     s->hook = saved_hook;
     s->hook_user = saved_user;
-    s->hook_free = saved_free;
+    kvc_backend_lock(s->be);
+    if (t.qbuf) s->be->free(t.qbuf);
+    if (t.scores) s->be->free(t.scores);
+    kvc_backend_unlock(s->be);
     kvc_free(t.qa);
+    kvc_free(t.qp);
     free(t.has_qa);
     free(buf);
     return st;

@@ -29,43 +29,16 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "../backend/cpu/cpu.h"
+#include "../core/hostmath.h"
 #include "../engine/session.h"
-#include "../press/press.h"
 #include "judgeq_grad.h"
 
-#define KC_NN 128 /* rows of B per pass of the microkernel in kvc_gemm_nn (KC x NR floats: 16 KB, L1) */
-
 static int64_t imin64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-void kvc_gemm_nn(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int64_t m,
-                 int64_t n, int64_t k, int accumulate) {
-    if (m <= 0 || n <= 0) return;
-    if (k <= 0) {
-        if (!accumulate)
-            for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, sizeof(float) * (size_t)n);
-        return;
-    }
-    const int64_t npan = (n + KVC_NR - 1) / KVC_NR;
-    const int par = (double)m * n * k >= 65536.0 && !omp_in_parallel();
-#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
-    for (int64_t jp = 0; jp < npan; jp++) {
-        const int nr = (int)imin64(KVC_NR, n - jp * KVC_NR);
-        for (int64_t p0 = 0; p0 < k; p0 += KC_NN) {
-            const int64_t kc = imin64(KC_NN, k - p0);
-            for (int64_t i = 0; i < m; i += KVC_MR) {
-                const int mr = (int)imin64(KVC_MR, m - i);
-                kvc_cpu_ukr(mr, nr, kc, a + i * lda + p0, lda, b + p0 * ldb + jp * KVC_NR, ldb,
-                            c + i * ldc + jp * KVC_NR, ldc, accumulate || p0 > 0);
-            }
-        }
-    }
-}
 
 void kvc_rmsnorm_backward(const float *x, const float *w, const float *dy, float *dx, int64_t rows, int64_t dim,
                           float eps, int accumulate) {
     const int par = rows > 1 && rows * dim >= 32768 && !omp_in_parallel();
-#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+#pragma omp parallel for schedule(static) num_threads(kvc_host_threads()) if (par)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim, *dyr = dy + r * dim;
         float *dxr = dx + r * dim;
@@ -88,7 +61,7 @@ void kvc_rmsnorm_backward(const float *x, const float *w, const float *dy, float
 
 void kvc_swiglu_backward(const float *gate, const float *up, const float *dout, float *dgate, float *dup, int64_t n) {
     const int par = n >= 65536 && !omp_in_parallel();
-#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+#pragma omp parallel for schedule(static) num_threads(kvc_host_threads()) if (par)
     for (int64_t i = 0; i < n; i++) {
         const float g = gate[i], sg = 1.0f / (1.0f + expf(-g)), silu = g * sg;
         dup[i] = dout[i] * silu;
@@ -106,7 +79,7 @@ static void probs_rows(const float *q, int64_t m, const float *k, int64_t len, i
     for (int64_t i0 = 0; i0 < m; i0 += BLOCK) {
         const int64_t mb = imin64(BLOCK, m - i0);
         for (int64_t i = 0; i < mb; i++) visible[i] = past + i0 + i + 1;
-        kvc_probs_rows(q + i0 * d, mb, k, len, d, scale, visible, p + i0 * len);
+        kvc_host_probs_rows(q + i0 * d, mb, k, len, d, scale, visible, p + i0 * len);
     }
 }
 
@@ -122,6 +95,8 @@ typedef struct resp_ctx {
     const kvc_config *c;
     int64_t P, nr;
     float *maps;  /* [n_layers, H, P] */
+    float *qresp; /* [nr, H * d] the response rows' queries */
+    float *kbuf;  /* [Hkv, P + nr, d] the layer's keys */
     float *qbuf;  /* [H, nr, d] */
     float *pbuf;  /* [H, nr, P + nr] */
 } resp_ctx;
@@ -129,19 +104,21 @@ typedef struct resp_ctx {
 static kvc_status resp_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
     resp_ctx *r = user;
     const kvc_config *c = r->c;
-    const int32_t H = c->n_heads, g = c->n_heads / c->n_kv_heads, d = c->head_dim;
-    const int64_t P = r->P, nr = r->nr, len = P + nr;
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
+    const int64_t P = r->P, nr = r->nr, len = P + nr, qd = (int64_t)H * d;
     const kvc_layer_cache *L = &s->cache.layers[ctx->layer];
-    for (int32_t h = 0; h < c->n_kv_heads; h++)
+    for (int32_t h = 0; h < Hkv; h++)
         if (L->len[h] != len || ctx->past_len[h] != 0)
             return kvc_fail(KVC_ERR_INTERNAL, "judgeq: unexpected cache length %lld at layer %d (want %lld)",
                             (long long)L->len[h], ctx->layer, (long long)len);
+    KVC_TRY(s->be->download(kvc_view_at(ctx->q, P, 0), nr, qd, r->qresp, KVC_F32));
+    for (int32_t h = 0; h < Hkv; h++) KVC_TRY(s->be->kv_read(L->kv, h, 0, len, r->kbuf + (size_t)h * len * d, NULL));
     const float scale = 1.0f / sqrtf((float)d);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_host_threads())
     for (int32_t hq = 0; hq < H; hq++) {
         float *qh = r->qbuf + (size_t)hq * nr * d, *pr = r->pbuf + (size_t)hq * nr * len;
-        gather_head(ctx->q, H, d, hq, P, nr, qh);
-        probs_rows(qh, nr, L->k[hq / g], len, d, scale, P, pr);
+        gather_head(r->qresp, H, d, hq, 0, nr, qh);
+        probs_rows(qh, nr, r->kbuf + (size_t)(hq / g) * len * d, len, d, scale, P, pr);
         float *out = r->maps + ((size_t)ctx->layer * H + hq) * P;
         for (int64_t j = 0; j < P; j++) {
             double acc = 0.0;
@@ -237,11 +214,25 @@ static kvc_status work_alloc(work *w, const kvc_config *c, int64_t P, int64_t m,
 /* ---------------------------------------------------------------------------------------------- */
 /* Soft rows: forward (storing what the backward needs) and backward                               */
 
-static kvc_status soft_forward(kvc_session *s, work *w, const float *soft, int64_t P, int64_t m, double *loss_out,
-                               int with_grad) {
-    const kvc_model *M = s->model;
-    const kvc_config *c = &M->cfg;
-    const kvc_backend *be = kvc_cpu_backend();
+/* The pair's own copy of the prompt's K/V, with room for the soft rows after it: K and V of (layer l,
+ * KV head h) are [cap, d] at kv + ((l * Hkv + h) * 2 + {0, 1}) * cap * d. */
+typedef struct pair_kv {
+    float *kv;
+    int64_t cap;
+    int32_t Hkv, d;
+} pair_kv;
+
+static float *pk(const pair_kv *c, int32_t l, int32_t h, int v) {
+    return c->kv + (((size_t)l * c->Hkv + h) * 2 + (size_t)v) * (size_t)c->cap * c->d;
+}
+
+/* C[m,n] = A[m,k] B[n,k]^T on contiguous host arrays */
+static void mm(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    kvc_host_gemm_nt(a, k, b, c, n, m, n, k, 0);
+}
+
+static kvc_status soft_forward(const kvc_config *c, const kvc_host_weights *M, const pair_kv *cache, work *w,
+                               const float *soft, int64_t P, int64_t m, double *loss_out, int with_grad) {
     const int32_t Ly = c->n_layers, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, g = H / Hkv;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)H * d, kd = (int64_t)Hkv * d, len = P + m;
     const float scale = 1.0f / sqrtf((float)d);
@@ -249,34 +240,37 @@ static kvc_status soft_forward(kvc_session *s, work *w, const float *soft, int64
     double loss = 0.0;
     memcpy(w->X, soft, sizeof(float) * (size_t)(m * D));
     for (int32_t l = 0; l < Ly; l++) {
-        const kvc_layer_weights *W = &M->layers[l];
+        const kvc_host_layer *W = &M->layers[l];
         float *x = w->X + (size_t)l * m * D, *xm = w->XM + (size_t)l * m * D, *q = w->Q + (size_t)l * m * qd;
-        be->rmsnorm(x, W->attn_norm, w->xn, m, D, c->rms_eps);
-        be->matmul(w->xn, W->wq, q, m, qd, D);
-        be->matmul(w->xn, W->wk, w->kb, m, kd, D);
-        be->matmul(w->xn, W->wv, w->vb, m, kd, D);
+        kvc_host_rmsnorm(x, W->attn_norm, w->xn, m, D, c->rms_eps);
+        mm(w->xn, W->wq, q, m, qd, D);
+        mm(w->xn, W->wk, w->kb, m, kd, D);
+        mm(w->xn, W->wv, w->vb, m, kd, D);
         if (W->bq) {
-            be->add_bias(q, W->bq, m, qd);
-            be->add_bias(w->kb, W->bk, m, kd);
-            be->add_bias(w->vb, W->bv, m, kd);
+            kvc_host_add_bias(q, W->bq, m, qd);
+            kvc_host_add_bias(w->kb, W->bk, m, kd);
+            kvc_host_add_bias(w->vb, W->bv, m, kd);
         }
-        be->rope(q, w->pos, m, H, d, M->rope_inv_freq, c->rope_pairing);
-        be->rope(w->kb, w->pos, m, Hkv, d, M->rope_inv_freq, c->rope_pairing);
-        KVC_TRY(kvc_cache_reserve(&s->cache, l, m));
-        kvc_cache_append(&s->cache, l, w->kb, w->vb, w->pos, m);
-        const kvc_layer_cache *L = &s->cache.layers[l];
+        kvc_host_rope(q, w->pos, m, H, d, M->rope_inv_freq, c->rope_pairing);
+        kvc_host_rope(w->kb, w->pos, m, Hkv, d, M->rope_inv_freq, c->rope_pairing);
+        /* the soft rows' own K/V after the prompt's */
+        for (int32_t h = 0; h < Hkv; h++)
+            for (int64_t i = 0; i < m; i++) {
+                memcpy(pk(cache, l, h, 0) + (P + i) * d, w->kb + i * kd + (int64_t)h * d, sizeof(float) * d);
+                memcpy(pk(cache, l, h, 1) + (P + i) * d, w->vb + i * kd + (int64_t)h * d, sizeof(float) * d);
+            }
         /* per-head partial sums added in head order: the loss is bitwise the same for any thread count
          * (an OpenMP reduction combines in an unspecified order; resumed training must match) */
         double head_loss[256];
         if (H > 256) return kvc_fail(KVC_ERR_UNSUPPORTED, "judgeq: more than 256 query heads");
-#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_host_threads())
         for (int32_t hq = 0; hq < H; hq++) {
             double layer_loss = 0.0;
             const int32_t h = hq / g;
             float *qh = w->qh + (size_t)hq * m * d, *pr = w->pr + (size_t)hq * m * len;
             gather_head(q, H, d, hq, 0, m, qh);
-            probs_rows(qh, m, L->k[h], len, d, scale, P, pr);
-            kvc_gemm_nn(pr, len, L->v[h], d, w->attn + (size_t)hq * d, qd, m, d, len, 0);
+            probs_rows(qh, m, pk(cache, l, h, 0), len, d, scale, P, pr);
+            kvc_host_gemm_nn(pr, len, pk(cache, l, h, 1), d, w->attn + (size_t)hq * d, qd, m, d, len, 0);
             const size_t off = ((size_t)l * H + hq) * P;
             float *as = w->a_soft + off;
             const float *ar = w->a_resp + off;
@@ -291,15 +285,15 @@ static kvc_status soft_forward(kvc_session *s, work *w, const float *soft, int64
             head_loss[hq] = layer_loss;
         }
         for (int32_t hq = 0; hq < H; hq++) loss += head_loss[hq];
-        be->matmul(w->attn, W->wo, w->tmp, m, D, qd);
+        mm(w->attn, W->wo, w->tmp, m, D, qd);
         for (int64_t i = 0; i < m * D; i++) xm[i] = x[i] + w->tmp[i];
         if (l + 1 == Ly) break; /* the last MLP feeds no loss term */
         float *gt = w->GT + (size_t)l * m * F, *up = w->UP + (size_t)l * m * F;
-        be->rmsnorm(xm, W->ffn_norm, w->xn, m, D, c->rms_eps);
-        be->matmul(w->xn, W->w_gate, gt, m, F, D);
-        be->matmul(w->xn, W->w_up, up, m, F, D);
-        be->swiglu(gt, up, w->act, m, F);
-        be->matmul(w->act, W->w_down, w->tmp, m, D, F);
+        kvc_host_rmsnorm(xm, W->ffn_norm, w->xn, m, D, c->rms_eps);
+        mm(w->xn, W->w_gate, gt, m, F, D);
+        mm(w->xn, W->w_up, up, m, F, D);
+        kvc_host_swiglu(gt, up, w->act, m, F);
+        mm(w->act, W->w_down, w->tmp, m, D, F);
         float *xnext = w->X + (size_t)(l + 1) * m * D;
         for (int64_t i = 0; i < m * D; i++) xnext[i] = xm[i] + w->tmp[i];
     }
@@ -307,36 +301,33 @@ static kvc_status soft_forward(kvc_session *s, work *w, const float *soft, int64
     return KVC_OK;
 }
 
-static void soft_backward(kvc_session *s, work *w, int64_t P, int64_t m, float *grad) {
-    const kvc_model *M = s->model;
-    const kvc_config *c = &M->cfg;
-    const kvc_backend *be = kvc_cpu_backend();
+static void soft_backward(const kvc_config *c, const kvc_host_weights *M, const pair_kv *cache, work *w, int64_t P,
+                          int64_t m, float *grad) {
     const int32_t Ly = c->n_layers, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, g = H / Hkv;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)H * d, kd = (int64_t)Hkv * d, len = P + m;
     const float scale = 1.0f / sqrtf((float)d), inv_m = 1.0f / (float)m;
     memset(w->dx, 0, sizeof(float) * (size_t)(m * D));
     for (int32_t l = Ly - 1; l >= 0; l--) {
-        const kvc_layer_weights *W = &M->layers[l];
+        const kvc_host_layer *W = &M->layers[l];
         const int top = l == Ly - 1; /* its output feeds nothing: dx = 0 */
         const float *x = w->X + (size_t)l * m * D, *xm = w->XM + (size_t)l * m * D, *q = w->Q + (size_t)l * m * qd;
         if (!top) {
             const float *gt = w->GT + (size_t)l * m * F, *up = w->UP + (size_t)l * m * F;
-            kvc_gemm_nn(w->dx, D, W->w_down, F, w->da, F, m, F, D, 0);
+            kvc_host_gemm_nn(w->dx, D, W->w_down, F, w->da, F, m, F, D, 0);
             kvc_swiglu_backward(gt, up, w->da, w->dg, w->du, m * F);
-            kvc_gemm_nn(w->dg, F, W->w_gate, D, w->dxn, D, m, D, F, 0);
-            kvc_gemm_nn(w->du, F, W->w_up, D, w->dxn, D, m, D, F, 1);
+            kvc_host_gemm_nn(w->dg, F, W->w_gate, D, w->dxn, D, m, D, F, 0);
+            kvc_host_gemm_nn(w->du, F, W->w_up, D, w->dxn, D, m, D, F, 1);
             memcpy(w->dxm, w->dx, sizeof(float) * (size_t)(m * D));
             kvc_rmsnorm_backward(xm, W->ffn_norm, w->dxn, w->dxm, m, D, c->rms_eps, 1);
-            kvc_gemm_nn(w->dxm, D, W->wo, qd, w->dattn, qd, m, qd, D, 0);
+            kvc_host_gemm_nn(w->dxm, D, W->wo, qd, w->dattn, qd, m, qd, D, 0);
         } else {
             memset(w->dxm, 0, sizeof(float) * (size_t)(m * D));
             memset(w->dattn, 0, sizeof(float) * (size_t)(m * qd));
         }
-        const kvc_layer_cache *L = &s->cache.layers[l];
-#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_host_threads())
         for (int32_t hq = 0; hq < H; hq++) {
             const int32_t h = hq / g;
-            const float *K = L->k[h], *V = L->v[h], *gm = w->gmap + ((size_t)l * H + hq) * P;
+            const float *K = pk(cache, l, h, 0), *V = pk(cache, l, h, 1), *gm = w->gmap + ((size_t)l * H + hq) * P;
             float *qh = w->qh + (size_t)hq * m * d, *pr = w->pr + (size_t)hq * m * len;
             float *dp = w->dp + (size_t)hq * m * len, *dah = w->dah + (size_t)hq * m * d;
             float *dkp = w->dkp + (size_t)hq * m * d, *dvp = w->dvp + (size_t)hq * m * d;
@@ -346,7 +337,7 @@ static void soft_backward(kvc_session *s, work *w, int64_t P, int64_t m, float *
             if (top)
                 memset(dp, 0, sizeof(float) * (size_t)(m * len));
             else
-                kvc_cpu_matmul(dah, V, dp, m, len, d);
+                kvc_host_gemm_nt(dah, d, V, dp, len, m, len, d, 0);
             for (int64_t i = 0; i < m; i++) {
                 float *dpr = dp + i * len;
                 const float *prr = pr + i * len;
@@ -359,7 +350,7 @@ static void soft_backward(kvc_session *s, work *w, int64_t P, int64_t m, float *
                 for (int64_t j = vis; j < len; j++) dpr[j] = 0.f;
             }
             /* dq = scale * ds K, written straight into this head's columns of dq */
-            kvc_gemm_nn(dp, len, K, d, w->dq + (size_t)hq * d, qd, m, d, len, 0);
+            kvc_host_gemm_nn(dp, len, K, d, w->dq + (size_t)hq * d, qd, m, d, len, 0);
             for (int64_t i = 0; i < m; i++)
                 for (int32_t e = 0; e < d; e++) w->dq[i * qd + (size_t)hq * d + e] *= scale;
             /* the soft rows' own keys and values: dk[j'] = scale sum_i ds[i, P + j'] q_i,
@@ -394,11 +385,11 @@ static void soft_backward(kvc_session *s, work *w, int64_t P, int64_t m, float *
                 }
             }
         /* RoPE is a rotation: its transpose rotates by the opposite angle */
-        be->rope(w->dq, w->negpos, m, H, d, M->rope_inv_freq, c->rope_pairing);
-        be->rope(w->dk, w->negpos, m, Hkv, d, M->rope_inv_freq, c->rope_pairing);
-        kvc_gemm_nn(w->dq, qd, W->wq, D, w->dxn, D, m, D, qd, 0);
-        kvc_gemm_nn(w->dk, kd, W->wk, D, w->dxn, D, m, D, kd, 1);
-        kvc_gemm_nn(w->dv, kd, W->wv, D, w->dxn, D, m, D, kd, 1);
+        kvc_host_rope(w->dq, w->negpos, m, H, d, M->rope_inv_freq, c->rope_pairing);
+        kvc_host_rope(w->dk, w->negpos, m, Hkv, d, M->rope_inv_freq, c->rope_pairing);
+        kvc_host_gemm_nn(w->dq, qd, W->wq, D, w->dxn, D, m, D, qd, 0);
+        kvc_host_gemm_nn(w->dk, kd, W->wk, D, w->dxn, D, m, D, kd, 1);
+        kvc_host_gemm_nn(w->dv, kd, W->wv, D, w->dxn, D, m, D, kd, 1);
         memcpy(w->dx, w->dxm, sizeof(float) * (size_t)(m * D));
         kvc_rmsnorm_backward(x, W->attn_norm, w->dxn, w->dx, m, D, c->rms_eps, 1);
     }
@@ -413,9 +404,11 @@ static void soft_backward(kvc_session *s, work *w, int64_t P, int64_t m, float *
 
 struct kvc_judgeq_pair {
     kvc_model *model;
-    kvc_session *s;    /* holds the prompt's K/V (n_prompt rows per head, room for max_soft more) */
-    int64_t P, nr;
-    float *a_resp;     /* [n_layers, H, P] */
+    const kvc_config *c;
+    const kvc_host_weights *hw; /* the model's fp32 host weights (kvc_model_host_weights) */
+    pair_kv cache;              /* the prompt's K/V, room for max_soft soft rows after it */
+    int64_t P, nr, max_soft;
+    float *a_resp;              /* [n_layers, H, P] */
     atomic_int busy;
 };
 
@@ -427,15 +420,33 @@ static kvc_status check_ids(const int32_t *ids, int64_t n, int32_t vocab, const 
     return KVC_OK;
 }
 
-static kvc_status cut_cache(kvc_session *s, int64_t P) {
-    int64_t keep[64];
-    const int32_t Hkv = s->cache.n_kv;
-    int64_t *kp = Hkv <= 64 ? keep : kvc_malloc(sizeof(int64_t) * Hkv, "judgeq");
-    if (!kp) return KVC_ERR_NOMEM;
-    for (int32_t h = 0; h < Hkv; h++) kp[h] = P;
-    kvc_status st = KVC_OK;
-    for (int32_t l = 0; l < s->cache.n_layers && st == KVC_OK; l++) st = kvc_cache_truncate(&s->cache, l, kp);
-    if (kp != keep) kvc_free(kp);
+/* The forward of prompt + response on the host model: the target maps (resp_hook) and the prompt's K/V. */
+static kvc_status target_and_prompt(kvc_judgeq_pair *pair, kvc_model *host, const int32_t *ids) {
+    const kvc_config *c = pair->c;
+    const int64_t P = pair->P, nr = pair->nr, lenr = P + nr;
+    const int32_t Hkv = c->n_kv_heads, d = c->head_dim;
+    const size_t nq = nfl(nr, c->n_heads, c->head_dim), nk = nfl(Hkv, lenr, d), np_ = nfl(c->n_heads, nr, lenr);
+    if (!nq || !nk || !np_) return kvc_fail(KVC_ERR_NOMEM, "out of memory: judgeq pair size overflows");
+    resp_ctx rc = {c, P, nr, pair->a_resp, kvc_malloc(nq * sizeof(float), "judgeq response queries"),
+                   kvc_malloc(nk * sizeof(float), "judgeq keys"), kvc_malloc(nq * sizeof(float), "judgeq response queries"),
+                   kvc_malloc(np_ * sizeof(float), "judgeq response attention")};
+    kvc_session *s = NULL;
+    kvc_status st = (!rc.qresp || !rc.kbuf || !rc.qbuf || !rc.pbuf) ? KVC_ERR_NOMEM : kvc_session_new(host, lenr, &s);
+    if (st == KVC_OK) {
+        s->hook = resp_hook;
+        s->hook_user = &rc;
+        st = kvc_forward_ex(s, ids, lenr, NULL, 0, KVC_ROW_NONE, NULL);
+        s->hook = NULL;
+        s->hook_user = NULL;
+    }
+    for (int32_t l = 0; l < c->n_layers && st == KVC_OK; l++)
+        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+            st = s->be->kv_read(s->cache.layers[l].kv, h, 0, P, pk(&pair->cache, l, h, 0), pk(&pair->cache, l, h, 1));
+    kvc_session_free(s);
+    kvc_free(rc.qresp);
+    kvc_free(rc.kbuf);
+    kvc_free(rc.qbuf);
+    kvc_free(rc.pbuf);
     return st;
 }
 
@@ -458,52 +469,43 @@ kvc_status kvc_judgeq_pair_new(kvc_model *model, const int32_t *prompt_ids, int6
     const kvc_config *c = &model->cfg;
     KVC_TRY(check_ids(prompt_ids, n_prompt, c->vocab, "prompt"));
     KVC_TRY(check_ids(response_ids, n_response, c->vocab, "response"));
+    /* the gradient runs on the host in fp32: the model's own weights on the CPU, a host copy of a device
+     * model's file otherwise (loaded once, on the first pair) */
+    const kvc_host_weights *hw = NULL;
+    KVC_TRY(kvc_model_host_weights(model, &hw));
+    kvc_model *host = kvc_model_host_model(model);
     const int64_t P = n_prompt, nr = n_response, lenr = P + nr;
-    const size_t nmap = nfl(c->n_layers, c->n_heads, P), nq = nfl(c->n_heads, nr, c->head_dim),
-                 np_ = nfl(c->n_heads, nr, lenr);
-    if (!nmap || !nq || !np_) return kvc_fail(KVC_ERR_NOMEM, "out of memory: judgeq pair size overflows");
+    const int64_t cap = P + (max_soft > 0 ? max_soft : 1);
+    const size_t nmap = nfl(c->n_layers, c->n_heads, P), nkv = nfl((size_t)c->n_layers * c->n_kv_heads, 2 * cap, c->head_dim);
+    if (!nmap || !nkv) return kvc_fail(KVC_ERR_NOMEM, "out of memory: judgeq pair size overflows");
     kvc_judgeq_pair *pair = calloc(1, sizeof *pair);
-    float *rq = kvc_malloc(nq * sizeof(float), "judgeq response queries");
-    float *rp = kvc_malloc(np_ * sizeof(float), "judgeq response attention");
     int32_t *ids = kvc_malloc(sizeof(int32_t) * (size_t)lenr, "judgeq ids");
     kvc_status st = KVC_OK;
-    if (!pair || !rq || !rp || !ids) {
+    if (!pair || !ids) {
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: judgeq pair");
         goto fail;
     }
     pair->model = model;
+    pair->c = c;
+    pair->hw = hw;
     pair->P = P;
     pair->nr = nr;
+    pair->max_soft = max_soft;
+    pair->cache = (pair_kv){kvc_malloc(nkv * sizeof(float), "judgeq prompt K/V"), cap, c->n_kv_heads, c->head_dim};
+    pair->a_resp = kvc_malloc(nmap * sizeof(float), "judgeq target maps");
     atomic_init(&pair->busy, 0);
-    if (!(pair->a_resp = kvc_malloc(nmap * sizeof(float), "judgeq target maps"))) {
+    if (!pair->cache.kv || !pair->a_resp) {
         st = KVC_ERR_NOMEM;
         goto fail;
     }
-    /* room for the response now and for the soft rows later: never reallocated */
-    st = kvc_session_new_cpu(model, P + (nr > max_soft ? nr : max_soft), &pair->s);
-    if (st != KVC_OK) goto fail;
     memcpy(ids, prompt_ids, sizeof(int32_t) * (size_t)P);
     memcpy(ids + P, response_ids, sizeof(int32_t) * (size_t)nr);
-    resp_ctx rc = {c, P, nr, pair->a_resp, rq, rp};
-    pair->s->hook = resp_hook;
-    pair->s->hook_user = &rc;
-    st = kvc_forward_ex(pair->s, ids, lenr, NULL, 0, KVC_ROW_NONE, NULL);
-    pair->s->hook = NULL;
-    pair->s->hook_user = NULL;
+    st = target_and_prompt(pair, host, ids);
     if (st != KVC_OK) goto fail;
-    if ((st = cut_cache(pair->s, P)) != KVC_OK) goto fail;
-    /* the prefill's activations are not needed any more: keep only the cache */
-    kvc_free(pair->s->buf);
-    pair->s->buf = NULL;
-    pair->s->buf_floats = 0;
-    kvc_free(rq);
-    kvc_free(rp);
     kvc_free(ids);
     *out = pair;
     return KVC_OK;
 fail:
-    kvc_free(rq);
-    kvc_free(rp);
     kvc_free(ids);
     kvc_judgeq_pair_free(pair);
     return st;
@@ -511,18 +513,36 @@ fail:
 
 void kvc_judgeq_pair_free(kvc_judgeq_pair *pair) {
     if (!pair) return;
-    kvc_session_free(pair->s);
+    kvc_free(pair->cache.kv);
     kvc_free(pair->a_resp);
     free(pair);
 }
 
 size_t kvc_judgeq_pair_bytes(const kvc_judgeq_pair *pair) {
     if (!pair) return 0;
-    const kvc_config *c = &pair->model->cfg;
-    return sizeof *pair + pair->s->cache.bytes + (size_t)c->n_layers * c->n_heads * (size_t)pair->P * sizeof(float);
+    const kvc_config *c = pair->c;
+    return sizeof *pair + (size_t)c->n_layers * c->n_kv_heads * 2 * (size_t)pair->cache.cap * c->head_dim * sizeof(float) +
+           (size_t)c->n_layers * c->n_heads * (size_t)pair->P * sizeof(float);
 }
 
 int64_t kvc_judgeq_pair_prompt_len(const kvc_judgeq_pair *pair) { return pair ? pair->P : 0; }
+
+/* More soft rows than max_soft: the pair's K/V grows (the prompt's rows copied), and stays grown. */
+static kvc_status room_for(kvc_judgeq_pair *pair, int64_t m) {
+    pair_kv *c = &pair->cache;
+    if (pair->P + m <= c->cap) return KVC_OK;
+    const kvc_config *mc = pair->c;
+    const size_t n = nfl((size_t)mc->n_layers * c->Hkv, 2 * (pair->P + m), c->d);
+    if (!n) return kvc_fail(KVC_ERR_NOMEM, "out of memory: judgeq pair size overflows");
+    pair_kv grown = {kvc_malloc(n * sizeof(float), "judgeq prompt K/V"), pair->P + m, c->Hkv, c->d};
+    if (!grown.kv) return KVC_ERR_NOMEM;
+    for (int32_t l = 0; l < mc->n_layers; l++)
+        for (int32_t h = 0; h < c->Hkv; h++)
+            for (int v = 0; v < 2; v++) memcpy(pk(&grown, l, h, v), pk(c, l, h, v), sizeof(float) * (size_t)pair->P * c->d);
+    kvc_free(c->kv);
+    *c = grown;
+    return KVC_OK;
+}
 
 kvc_status kvc_judgeq_pair_loss_grad(kvc_judgeq_pair *pair, const float *soft, int64_t n_soft, double *loss,
                                      float *grad, float *soft_maps, float *response_maps) {
@@ -531,7 +551,7 @@ kvc_status kvc_judgeq_pair_loss_grad(kvc_judgeq_pair *pair, const float *soft, i
     if (n_soft < 1 || n_soft > MAX_ROWS)
         return kvc_fail(KVC_ERR_ARG, "judgeq: need 1 to %lld soft tokens, got %lld", MAX_ROWS, (long long)n_soft);
     if (!soft) return kvc_fail(KVC_ERR_ARG, "kvc_judgeq_pair_loss_grad: soft is NULL");
-    const kvc_config *c = &pair->model->cfg;
+    const kvc_config *c = pair->c;
     for (int64_t i = 0; i < n_soft * c->hidden; i++)
         if (!isfinite(soft[i]))
             return kvc_fail(KVC_ERR_ARG, "judgeq: soft embedding value at row %lld, column %lld is not finite",
@@ -542,13 +562,14 @@ kvc_status kvc_judgeq_pair_loss_grad(kvc_judgeq_pair *pair, const float *soft, i
     const int64_t P = pair->P, m = n_soft;
     const int with_grad = grad != NULL;
     work w;
-    kvc_status st = work_alloc(&w, c, P, m, with_grad);
+    kvc_status st = room_for(pair, m);
+    if (st == KVC_OK) st = work_alloc(&w, c, P, m, with_grad);
     if (st == KVC_OK) {
         w.a_resp = pair->a_resp;
         double L = 0.0;
-        st = soft_forward(pair->s, &w, soft, P, m, &L, with_grad);
+        st = soft_forward(c, pair->hw, &pair->cache, &w, soft, P, m, &L, with_grad);
         if (st == KVC_OK) {
-            if (with_grad) soft_backward(pair->s, &w, P, m, grad);
+            if (with_grad) soft_backward(c, pair->hw, &pair->cache, &w, P, m, grad);
             *loss = L;
             const size_t nmap = (size_t)c->n_layers * c->n_heads * (size_t)P;
             if (soft_maps) memcpy(soft_maps, w.a_soft, sizeof(float) * nmap);
@@ -556,9 +577,6 @@ kvc_status kvc_judgeq_pair_loss_grad(kvc_judgeq_pair *pair, const float *soft, i
         }
         work_free(&w);
     }
-    /* drop the soft rows again: the pair is ready for the next call */
-    kvc_status cut = cut_cache(pair->s, P);
-    if (st == KVC_OK) st = cut;
     atomic_store(&pair->busy, 0);
     return st;
 }
@@ -575,17 +593,4 @@ kvc_status kvc_judgeq_loss_grad(kvc_model *model, const int32_t *prompt_ids, int
     kvc_status st = kvc_judgeq_pair_loss_grad(pair, soft, n_soft, loss, grad, soft_maps, response_maps);
     kvc_judgeq_pair_free(pair);
     return st;
-}
-
-kvc_status kvc_model_token_embeddings(const kvc_model *model, const int32_t *ids, int64_t n, float *out) {
-    if (!model || !out || (n > 0 && !ids))
-        return kvc_fail(KVC_ERR_ARG, "kvc_model_token_embeddings: model, ids and out must not be NULL");
-    if (n < 0) return kvc_fail(KVC_ERR_ARG, "kvc_model_token_embeddings: negative count %lld", (long long)n);
-    const int64_t D = model->cfg.hidden;
-    for (int64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= model->cfg.vocab)
-            return kvc_fail(KVC_ERR_ARG, "token id %d at index %lld is outside the vocabulary [0, %d)", ids[i],
-                            (long long)i, model->cfg.vocab);
-    for (int64_t i = 0; i < n; i++) memcpy(out + i * D, model->tok_embd + (size_t)ids[i] * D, sizeof(float) * D);
-    return KVC_OK;
 }

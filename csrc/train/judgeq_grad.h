@@ -6,13 +6,6 @@
 
 #include "../core/common.h"
 
-/* C[i * ldc + j] (+)= sum_p A[i * lda + p] * B[p * ldb + j]  for i < m, j < n, p < k.
- * B is row-major [k, n] as it stands (a weight [out, in] used as y = x W, i.e. the backward of
- * y = x W^T, or a K / V block of the cache). Overwrites C unless accumulate. OpenMP over column
- * panels when large and not already inside a parallel region. */
-void kvc_gemm_nn(const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc, int64_t m,
-                 int64_t n, int64_t k, int accumulate);
-
 /* Backward of y = x * rsqrt(mean(x^2) + eps) * w over rows: dx (+)= J^T dy, with
  * dx_i = r w_i dy_i - x_i r^3 / dim * sum_j dy_j w_j x_j,  r = rsqrt(mean(x^2) + eps). */
 void kvc_rmsnorm_backward(const float *x, const float *w, const float *dy, float *dx, int64_t rows, int64_t dim,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ALLOCATIONS, SAFEGUARDS, BasePress, ScorerPress
+from .base import ALLOCATIONS, SAFEGUARDS, BasePress, ScorerPress, c_check, check_number
 
 
 @dataclass
@@ -23,10 +23,10 @@ class AdaKVPress(BasePress):
             raise ValueError("AdaKVPress wraps a scorer press, e.g. AdaKVPress(SnapKVPress(compression_ratio=0.5))")
         if getattr(self.press, "beta", None) is not None:
             raise ValueError("AdaKVPress allocates budgets itself: wrap SnapKVPress, not PyramidKVPress")
-        if not isinstance(self.alpha_safeguard, (int, float)) or not 0 <= self.alpha_safeguard <= 1:
-            raise ValueError(f"alpha_safeguard must be in [0, 1], got {self.alpha_safeguard!r}")
+        check_number("alpha_safeguard", self.alpha_safeguard)
         if self.safeguard not in SAFEGUARDS:
             raise ValueError(f"safeguard must be 'protect' (kvpress) or 'floor' (Ada-KV code), got {self.safeguard!r}")
+        c_check(self.c_config())
 
     @property
     def compression_ratio(self) -> float:

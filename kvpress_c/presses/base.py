@@ -1,23 +1,49 @@
-"""Base classes of the presses: a press is a dataclass that turns into a C press config."""
+"""Base classes of the presses: a press is a dataclass that turns into a C press config.
+
+One source of truth for the settings: the dataclasses check types (and the choices named by strings);
+the values are checked by the C core (kvc_press_config_check, through _core.press_config_check), with
+the messages every other caller gets; the enum codes come from the C header and the budget arithmetic
+from C (_core.press_kept)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-# Codes of the C enums (csrc/include/kvpress_c.h)
-SCORERS = {"streaming": 0, "knorm": 1, "random": 2, "tova": 3, "observed": 4, "snapkv": 5, "edie": 6}
-ALLOCATIONS = {"uniform": 0, "pyramid": 1, "adakv": 2, "layer": 3}
-SAFEGUARDS = {"floor": 0, "protect": 1}
+from .. import _core
+
+# Codes of the C enums (csrc/include/kvpress_c.h), read from the module
+SCORERS = dict(_core.SCORERS)
+ALLOCATIONS = dict(_core.ALLOCATIONS)
+SAFEGUARDS = dict(_core.SAFEGUARDS)
+
+
+def check_int(name: str, value, minimum: Optional[int] = None) -> None:
+    """A Python int (not a bool); values are the C core's to judge, except where Python maps them."""
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise ValueError(f"{name} must be an integer{'' if minimum is None else f' >= {minimum}'}, got {value!r}")
+
+
+def check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
 
 
 def check_budget(compression_ratio: float, budget: Optional[int]) -> None:
-    if not isinstance(compression_ratio, (int, float)) or not (0 <= compression_ratio < 1):
+    """The types of the budget fields; None means "no budget" (0 in C), so a budget given is >= 1."""
+    if isinstance(compression_ratio, bool) or not isinstance(compression_ratio, (int, float)):
         raise ValueError(f"compression_ratio must be in [0, 1) (fraction of tokens removed), got {compression_ratio!r}")
-    if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be a positive integer (tokens kept per KV head per layer), got {budget!r}")
-        if compression_ratio != 0:
-            raise ValueError("give either compression_ratio or budget, not both")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"budget must be a positive integer (tokens kept per KV head per layer), got {budget!r}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def c_check(config: dict) -> None:
+    """The C core's validation of a press config (ValueError with its message)."""
+    _core.press_config_check(**config)
 
 
 @dataclass
@@ -74,6 +100,11 @@ class ScorerPress(BasePress):
     scorer = "snapkv"
 
     def __post_init__(self):
+        self.check_types()
+        c_check(self.c_config())
+
+    def check_types(self) -> None:
+        """Type checks of this press's fields (subclasses add theirs); values are checked in C."""
         check_budget(self.compression_ratio, self.budget)
 
     def c_config(self) -> dict:
@@ -82,8 +113,7 @@ class ScorerPress(BasePress):
                 "window": 0, "kernel": 1}
 
 
-def kept_per_head(n: int, compression_ratio: float, budget: Optional[int]) -> int:
-    """Tokens kept per KV head: min(n, budget), or kvpress's max(1, int(n * (1 - ratio)))."""
-    if budget:
-        return min(n, int(budget))
-    return max(1, int(n * (1.0 - compression_ratio)))
+def kept_per_head(n: int, config: dict, layer: int = 0, n_layers: int = 1) -> int:
+    """Tokens a KV head of n rows keeps under a press config (c_config()): min(n, budget), or kvpress's
+    max(1, int(n * (1 - ratio))), or a PyramidKV layer's share (the C rule, kvc_press_kept)."""
+    return int(_core.press_kept(int(n), int(layer), int(n_layers), **config))

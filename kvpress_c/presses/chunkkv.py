@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import BasePress, ScorerPress
+from .base import BasePress, ScorerPress, c_check, check_int
 
 
 @dataclass
@@ -27,10 +27,9 @@ class ChunkKVPress(BasePress):
                              "a layer's heads while Ada-KV gives each head its own budget. Use ChunkKVPress(SnapKVPress(...)).")
         if not isinstance(self.press, ScorerPress):
             raise ValueError("ChunkKVPress wraps a scorer press, e.g. ChunkKVPress(SnapKVPress(compression_ratio=0.5))")
-        for name in ("chunk_length", "reuse_layers"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        check_int("chunk_length", self.chunk_length, minimum=1)  # 0 would mean "no chunks" in C
+        check_int("reuse_layers", self.reuse_layers, minimum=1)
+        c_check(self.c_config())
 
     @property
     def compression_ratio(self) -> float:

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .base import SCORERS, BasePress, check_budget
+from .base import SCORERS, BasePress, c_check, check_budget, check_choice, check_int
 
 
 def load_soft_embeddings(source) -> np.ndarray:
@@ -50,11 +50,10 @@ class _QueryRowsPress(BasePress):
 
     def _validate(self):
         check_budget(self.compression_ratio, self.budget)
-        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size!r}")
-        if self.pooling not in ("avg", "max") or self.gqa_reduce not in ("mean", "max"):
-            raise ValueError("pooling must be 'avg' or 'max' and gqa_reduce 'mean' or 'max'")
+        check_int("kernel_size", self.kernel_size)
+        check_choice("pooling", self.pooling, ("avg", "max"))
+        check_choice("gqa_reduce", self.gqa_reduce, ("mean", "max"))
+        c_check({**self.c_config(), "window": 1})  # the window is the extra rows, known at prefill
 
     def c_config(self) -> dict:
         return {"scorer": SCORERS["snapkv"], "compression_ratio": float(self.compression_ratio),

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import ALLOCATIONS
+from .base import ALLOCATIONS, check_int
 from .snapkv import SnapKVPress
 
 
@@ -18,10 +18,9 @@ class PyramidKVPress(SnapKVPress):
     kernel_size: int = 5
     beta: int = 20
 
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
-            raise ValueError(f"beta must be an integer >= 1, got {self.beta!r}")
+    def check_types(self) -> None:
+        super().check_types()
+        check_int("beta", self.beta)
 
     def c_config(self) -> dict:
         cfg = super().c_config()

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import ScorerPress
+from .base import ScorerPress, check_int
 
 
 @dataclass
@@ -15,10 +15,9 @@ class RandomPress(ScorerPress):
 
     scorer = "random"
 
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+    def check_types(self) -> None:
+        super().check_types()
+        check_int("seed", self.seed, minimum=0)  # a C uint64
 
     def c_config(self) -> dict:
         cfg = super().c_config()

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import ALLOCATIONS, SCORERS, ScorerPress
+from .base import ALLOCATIONS, SCORERS, ScorerPress, check_choice, check_int
 
 
 @dataclass
@@ -26,20 +26,12 @@ class SnapKVPress(ScorerPress):
 
     scorer = "snapkv"
 
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.window_size, bool) or not isinstance(self.window_size, int) or self.window_size < 1:
-            raise ValueError(f"window_size must be a positive integer, got {self.window_size!r}")
-        if isinstance(self.kernel_size, bool) or not isinstance(self.kernel_size, int) or self.kernel_size < 1 \
-                or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be an odd integer >= 1, got {self.kernel_size!r}")
-        if self.pooling not in ("avg", "max"):
-            raise ValueError(f"pooling must be 'avg' or 'max', got {self.pooling!r}")
-        if self.gqa_reduce not in ("mean", "max"):
-            raise ValueError(f"gqa_reduce must be 'mean' or 'max', got {self.gqa_reduce!r}")
-        if self.budget is not None and self.budget < self.window_size:
-            raise ValueError(f"budget ({self.budget}) must be at least window_size ({self.window_size}): "
-                             "the window is kept inside the budget")
+    def check_types(self) -> None:
+        super().check_types()
+        check_int("window_size", self.window_size)
+        check_int("kernel_size", self.kernel_size)
+        check_choice("pooling", self.pooling, ("avg", "max"))
+        check_choice("gqa_reduce", self.gqa_reduce, ("mean", "max"))
 
     def c_config(self) -> dict:
         return {"scorer": SCORERS["snapkv"], "allocation": ALLOCATIONS["uniform"],

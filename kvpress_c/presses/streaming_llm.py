@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import SCORERS, ScorerPress
+from .base import SCORERS, ScorerPress, check_int
 
 
 @dataclass
@@ -16,10 +16,9 @@ class StreamingLLMPress(ScorerPress):
 
     scorer = "streaming"
 
-    def __post_init__(self):
-        super().__post_init__()
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
+    def check_types(self) -> None:
+        super().check_types()
+        check_int("n_sink", self.n_sink)
 
     def c_config(self) -> dict:
         cfg = super().c_config()

@@ -4,7 +4,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .base import ALLOCATIONS, BasePress, ScorerPress, kept_per_head
+from .. import _core
+from .base import ALLOCATIONS, BasePress, ScorerPress, c_check, kept_per_head
 from .edie import EDIEPress
 
 
@@ -14,7 +15,8 @@ class TADAPress(BasePress):
     E_layer = (1 - cos(R, R + O)) * E_internal, with E_internal the inner scorer's scores summed over
     heads and past tokens (EDIE's error bound when the inner press is EDIEPress). Running means over
     the contexts this press has seen give layer capacities N_l = Ebar_l / sum(Ebar) * L * Hkv * B,
-    clamped to [Hkv * w, Hkv * n] and renormalised to the same total; the first context is uniform.
+    clamped to [Hkv * w, Hkv * n] and renormalised to the same total (kvc_tada_allocate in C); the first
+    context is uniform.
     Inside a layer the top N_l tokens are chosen across heads (window kept). `reset()` forgets.
     """
     press: ScorerPress = field(default_factory=EDIEPress)
@@ -24,6 +26,7 @@ class TADAPress(BasePress):
     def __post_init__(self):
         if not isinstance(self.press, ScorerPress):
             raise ValueError("TADAPress wraps a scorer press, e.g. TADAPress(EDIEPress(budget=128))")
+        c_check(self.c_config())
 
     @property
     def compression_ratio(self) -> float:
@@ -49,11 +52,11 @@ class TADAPress(BasePress):
     def layer_budgets(self, n: int, n_layers: int, n_kv: int) -> np.ndarray:
         """Tokens kept per layer (summed over KV heads) for a prompt of n tokens."""
         w = getattr(self.press, "window_size", 0)
-        B = kept_per_head(n, self.press.compression_ratio, self.press.budget)
+        B = kept_per_head(n, self.press.c_config())
         total = n_layers * n_kv * B
         if self._count == 0 or self._sum is None or not np.all(np.isfinite(self._sum)) or self._sum.sum() <= 0:
             return np.full(n_layers, n_kv * B, dtype=np.int64)
-        return allocate_layers(self._sum / self._count, total, lo=n_kv * w, hi=n_kv * n)
+        return _core.tada_allocate(self._sum / self._count, total, n_kv * w, n_kv * n)
 
     def before_prefill(self, session, n: int, config: dict) -> None:
         session.set_layer_budgets(self.layer_budgets(n, config["n_layers"], config["n_kv_heads"]))
@@ -64,46 +67,3 @@ class TADAPress(BasePress):
             return  # a layer did not compress (prompt within budget): no statistics from this context
         self._sum = e if self._sum is None else self._sum + e
         self._count += 1
-
-
-def allocate_layers(weights: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
-    """Integer budgets proportional to `weights`, each in [lo, hi], summing to `total`: the budgets
-    clip(lam * w, lo, hi) with lam found by bisection (the sum is monotone in lam), then rounded by
-    largest remainders within the bounds."""
-    L = len(weights)
-    total = int(min(max(total, L * lo), L * hi))
-    w = np.maximum(np.asarray(weights, dtype=np.float64), 0)
-    if w.sum() <= 0:
-        w = np.ones(L)
-    w = w / w.sum()
-    a, b = 0.0, 1.0
-    while np.clip(b * w, lo, hi).sum() < total:
-        b *= 2
-        if b > 1e300:
-            break
-    for _ in range(200):
-        mid = (a + b) / 2
-        if np.clip(mid * w, lo, hi).sum() < total:
-            a = mid
-        else:
-            b = mid
-    share = np.clip(b * w, lo, hi)
-    base = np.floor(share).astype(np.int64)
-    rest = int(total - base.sum())
-    order = np.argsort(-(share - base), kind="stable")
-    while rest > 0:
-        moved = False
-        for i in order:
-            if rest <= 0:
-                break
-            if base[i] < hi:
-                base[i] += 1
-                rest -= 1
-                moved = True
-        if not moved:
-            break
-    while rest < 0:  # share summed slightly above total: take back from the largest
-        i = int(np.argmax(np.where(base > lo, base, -1)))
-        base[i] -= 1
-        rest += 1
-    return base

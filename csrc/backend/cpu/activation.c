@@ -41,17 +41,24 @@ void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows
     }
 }
 
+/* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] for each row of stride ld (the fused gate|up GEMM output) */
+void kvc_cpu_swiglu_rows(float *gu, int64_t ld, int64_t rows, int64_t F) {
+    const int par = rows > 1 && rows * F >= PAR_MIN && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t r = 0; r < rows; r++) swiglu_span(gu + r * ld, gu + r * ld + F, gu + r * ld, F);
+}
+
 void kvc_cpu_add(float *y, const float *x, int64_t n) {
     const int par = n >= PAR_MIN && !omp_in_parallel();
 #pragma omp parallel for simd schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t i = 0; i < n; i++) y[i] += x[i];
 }
 
-void kvc_cpu_add_bias(float *y, const float *b, int64_t rows, int64_t dim) {
+void kvc_cpu_add_bias(float *y, int64_t ld, const float *b, int64_t rows, int64_t dim) {
     const int par = rows > 1 && rows * dim >= PAR_MIN && !omp_in_parallel();
 #pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t r = 0; r < rows; r++) {
-        float *yr = y + r * dim;
+        float *yr = y + r * ld;
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) yr[i] += b[i];
     }

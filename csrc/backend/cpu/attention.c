@@ -1,6 +1,7 @@
 /* Causal GQA attention over a ragged KV cache, flash style.
  *
- * Query i (of the n in this call) of query head hq reads KV head h = hq / (H / Hkv), whose keys
+ * Query i (of the n in this call; row i of q, stride ldq, head hq at column hq d) of query head hq
+ * reads KV head h = hq / (H / Hkv), whose keys
  * k[h] and values v[h] are [past_len[h] + n, d]; it sees the first past_len[h] + i + 1 rows:
  *   out[i, hq] = softmax_j(scale * q[i, hq] . k[h][j]) v[h][j]   over the visible j.
  * Keys are visited in tiles with an online softmax (running max m and sum l per query row; when the
@@ -167,10 +168,10 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
 }
 
 /* Copy `rows` query rows (row r = query i0 + r / gc, head hq0 + r % gc) scaled into Q. */
-static void gather_q(const float *q, int32_t H, int32_t d, int32_t hq0, int32_t gc, int64_t i0, int rows,
+static void gather_q(const float *q, int64_t ldq, int32_t d, int32_t hq0, int32_t gc, int64_t i0, int rows,
                      float scale, float *Q) {
     for (int r = 0; r < rows; r++) {
-        const float *src = q + ((i0 + r / gc) * H + hq0 + r % gc) * d;
+        const float *src = q + (i0 + r / gc) * ldq + (int64_t)(hq0 + r % gc) * d;
         for (int e = 0; e < d; e++) Q[r * d + e] = src[e] * scale;
     }
 }
@@ -178,8 +179,9 @@ static void gather_q(const float *q, int32_t H, int32_t d, int32_t hq0, int32_t 
 /* ---------------------------------------------------------------------------------------------- */
 /* Prefill: task = (KV head h, query heads [h*g + g0, +gc), queries [i0, i0 + mq)).               */
 
-static void attention_prefill(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
-                              const float *const *v, const int64_t *past_len, float scale, float *out) {
+static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                              const float *const *k, const float *const *v, const int64_t *past_len, float scale,
+                              float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rmax = QBUF / d < ROWS_MAX ? QBUF / d : ROWS_MAX;
     const int32_t gc = g < rmax ? g : rmax; /* query heads per task */
@@ -197,12 +199,12 @@ static void attention_prefill(const float *q, int64_t n, int32_t H, int32_t Hkv,
         const int32_t gn = g - g0 < gc ? g - g0 : gc;
         const int64_t i0 = qt * tq, mq = n - i0 < tq ? n - i0 : tq;
         const int rows = (int)(mq * gn);
-        gather_q(q, H, d, h * g + g0, gn, i0, rows, scale, Q);
+        gather_q(q, ldq, d, h * g + g0, gn, i0, rows, scale, Q);
         memset(O, 0, sizeof(float) * rows * d);
         for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
         attend(Q, rows, gn, i0, d, k[h], v[h], past_len[h], 0, past_len[h] + i0 + mq, 0, O, m, l);
         for (int r = 0; r < rows; r++) {
-            float *dst = out + ((i0 + r / gn) * H + (int64_t)h * g + g0 + r % gn) * d;
+            float *dst = out + (i0 + r / gn) * ldo + ((int64_t)h * g + g0 + r % gn) * d;
             const float inv = 1.f / l[r]; /* l >= 1: the row's own max contributes exp(0) */
             for (int e = 0; e < d; e++) dst[e] = O[r * d + e] * inv;
         }
@@ -214,8 +216,9 @@ static void attention_prefill(const float *q, int64_t n, int32_t H, int32_t Hkv,
 /* partial result (unnormalised O, m, l per row) goes to `part`, then the chunks of each head are  */
 /* merged. Returns 0 (nothing done) when the rows do not fit the buffers or memory is short.       */
 
-static int attention_decode(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
-                            const float *const *v, const int64_t *past_len, float scale, float *out) {
+static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                            const float *const *k, const float *const *v, const int64_t *past_len, float scale,
+                            float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
     if (rows > ROWS_MAX || rows * d > QBUF) return 0;
@@ -246,7 +249,7 @@ static int attention_decode(const float *q, int64_t n, int32_t H, int32_t Hkv, i
             const int64_t ke = kb + ch < len ? kb + ch : len;
             float Q[QBUF];
             float *O = part + t * stride, *m = O + rows * d, *l = m + rows;
-            gather_q(q, H, d, h * g, g, 0, rows, scale, Q);
+            gather_q(q, ldq, d, h * g, g, 0, rows, scale, Q);
             memset(O, 0, sizeof(float) * rows * d);
             for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
             attend(Q, rows, g, 0, d, k[h], v[h], past_len[h], kb, ke, 1, O, m, l);
@@ -261,7 +264,7 @@ static int attention_decode(const float *q, int64_t n, int32_t H, int32_t Hkv, i
                 const float mt = part[t * stride + rows * d + r];
                 mx = mt > mx ? mt : mx;
             }
-            float *dst = out + ((int64_t)(r / g) * H + (int64_t)h * g + r % g) * d;
+            float *dst = out + (int64_t)(r / g) * ldo + ((int64_t)h * g + r % g) * d;
             memset(dst, 0, sizeof(float) * d);
             for (int64_t t = first[h]; t < first[h + 1]; t++) {
                 const float *O = part + t * stride;
@@ -280,8 +283,9 @@ static int attention_decode(const float *q, int64_t n, int32_t H, int32_t Hkv, i
     return 1;
 }
 
-void kvc_cpu_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
-                       const float *const *v, const int64_t *past_len, float scale, float *out) {
-    if (n <= DECODE_N && attention_decode(q, n, H, Hkv, d, k, v, past_len, scale, out)) return;
-    attention_prefill(q, n, H, Hkv, d, k, v, past_len, scale, out);
+void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                       const float *const *k, const float *const *v, const int64_t *past_len, float scale, float *out,
+                       int64_t ldo) {
+    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, k, v, past_len, scale, out, ldo)) return;
+    attention_prefill(q, ldq, n, H, Hkv, d, k, v, past_len, scale, out, ldo);
 }

@@ -1,5 +1,5 @@
 /* Runtime settings of the CPU backend (threads, external BLAS) and kvc_cpu_matmul, which picks the
- * built-in GEMM (gemm.c) or an external CBLAS sgemm for each call.
+ * built-in GEMM (gemm.c) or an external CBLAS sgemm for each call (kvc_cpu_gemm).
  *
  * The external library is loaded with dlopen at run time (kvc_set_blas, or KVC_BLAS=path at first
  * use), so the core links against no BLAS. It is made single-threaded and our own OpenMP threads
@@ -18,7 +18,6 @@
 #include <string.h>
 
 #include "../../core/common.h"
-#include "../backend.h"
 #include "cpu.h"
 
 typedef void (*cblas_sgemm_fn)(int order, int transa, int transb, int m, int n, int k, float alpha,
@@ -138,10 +137,13 @@ const char *kvc_blas_name(void) {
     return g_name;
 }
 
-int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+int kvc_cpu_gemm_blas(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                      int accumulate) {
     pthread_once(&g_env_once, init_from_env);
     const cblas_sgemm_fn f = atomic_load(&g_sgemm);
-    if (!f || m <= 0 || n <= 0 || k <= 0 || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) return 0;
+    if (!f || m <= 0 || n <= 0 || k <= 0 || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX ||
+        ldc > INT32_MAX)
+        return 0;
     const int nt = omp_in_parallel() ? 1 : kvc_cpu_threads();
     /* column slices, a multiple of 16 wide, one per thread */
     const int64_t slice = ((n + nt - 1) / nt + 15) / 16 * 16;
@@ -150,14 +152,21 @@ int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64
         const int64_t j0 = (int64_t)t * slice;
         if (j0 < n) {
             const int64_t nj = n - j0 < slice ? n - j0 : slice;
-            f(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, (int)m, (int)nj, (int)k, 1.0f, a, (int)k, b + j0 * k,
-              (int)k, 0.0f, c + j0, (int)n);
+            f(CBLAS_ROW_MAJOR, CBLAS_NO_TRANS, CBLAS_TRANS, (int)m, (int)nj, (int)k, 1.0f, a, (int)lda, b + j0 * k,
+              (int)k, accumulate ? 1.0f : 0.0f, c + j0, (int)ldc);
         }
     }
     return 1;
 }
 
+void kvc_cpu_gemm(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                  int accumulate) {
+    if (m >= atomic_load_explicit(&g_blas_min_m, memory_order_relaxed) &&
+        kvc_cpu_gemm_blas(a, lda, b, c, ldc, m, n, k, accumulate))
+        return;
+    kvc_cpu_gemm_builtin(a, lda, b, c, ldc, m, n, k, accumulate);
+}
+
 void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
-    if (m >= atomic_load_explicit(&g_blas_min_m, memory_order_relaxed) && kvc_cpu_gemm_blas(a, b, c, m, n, k)) return;
-    kvc_cpu_gemm_builtin(a, b, c, m, n, k);
+    kvc_cpu_gemm(a, k, b, c, n, m, n, k, 0);
 }

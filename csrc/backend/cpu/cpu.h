@@ -10,21 +10,33 @@
 #include <immintrin.h>
 #endif
 
-/* ---- kernels of the table (see backend.h for the contracts) ---- */
-void kvc_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
-void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
+/* ---- kernels on host fp32 arrays (the table in cpu_backend.c resolves views to these) ---- */
+void kvc_cpu_rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t dim,
+                     float eps);
+void kvc_cpu_rope(float *x, int64_t ld, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
                   int32_t pairing);
 void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
+void kvc_cpu_swiglu_rows(float *gu, int64_t ld, int64_t rows, int64_t F);
 void kvc_cpu_add(float *y, const float *x, int64_t n);
-void kvc_cpu_add_bias(float *y, const float *b, int64_t rows, int64_t dim);
-void kvc_cpu_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
-                       const float *const *v, const int64_t *past_len, float scale, float *out);
+void kvc_cpu_add_bias(float *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
+/* causal GQA attention over a ragged cache: query i of head hq (row i of q, stride ldq) reads KV head
+ * hq / (H / Hkv), whose rows k[h], v[h] are [past_len[h] + n, d], and sees the first past_len[h] + i + 1 */
+void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                       const float *const *k, const float *const *v, const int64_t *past_len, float scale, float *out,
+                       int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
-/* The built-in GEMM alone (no external BLAS), C[m,n] = A[m,k] B[n,k]^T. */
-void kvc_cpu_gemm_builtin(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+/* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is
+ * loaded and the shape suits it, else the built-in kernel. */
+void kvc_cpu_gemm(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                  int accumulate);
+void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k); /* contiguous, C = */
+/* The built-in GEMM alone (no external BLAS). */
+void kvc_cpu_gemm_builtin(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
+                          int64_t k, int accumulate);
 /* The external CBLAS sgemm if one is loaded (returns 0 and does nothing otherwise). */
-int kvc_cpu_gemm_blas(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k);
+int kvc_cpu_gemm_blas(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                      int accumulate);
 
 /* Register tile of the microkernel: KVC_MR rows of A (broadcast) x KVC_NR columns (vector lanes). */
 #if defined(__AVX512F__)

@@ -1,16 +1,196 @@
-/* The CPU backend's kernel table: the readable reference the CUDA backend is tested against. */
-#include "../backend.h"
-#include "cpu.h"
+/* The CPU backend's table: views resolved to host arrays and handed to the kernels of this folder.
+ * The entries work on f32 storage in place and on bf16 storage through converted copies, so the
+ * emulated device (backend/emulated) reuses them with bf16 buffers. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
-static const kvc_backend cpu_backend = {
+#include "../../core/hostmath.h"
+#include "cpu.h"
+#include "host.h"
+
+kvc_status kvc_host_embed(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x) {
+    if (x.buf->dtype != KVC_F32 || ids.buf->dtype != KVC_I32)
+        return kvc_fail(KVC_ERR_INTERNAL, "embed: x must be f32 and ids i32");
+    const int32_t *id = (const int32_t *)kvc_hbuf_at(ids, 0, 0);
+    for (int64_t i = 0; i < n; i++) {
+        float *dst = (float *)kvc_hbuf_at(x, i, 0);
+        KVC_TRY(kvc_hbuf_download(kvc_view_at(table, id[i], 0), 1, D, dst, KVC_F32));
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_host_rmsnorm_v(kvc_view x, const kvc_view *add, kvc_view w, kvc_view y, int64_t rows, int64_t D, float eps) {
+    if (x.buf->dtype != KVC_F32 || w.buf->dtype != KVC_F32)
+        return kvc_fail(KVC_ERR_INTERNAL, "rmsnorm: the residual stream and the norm weights must be f32");
+    float *xp = (float *)kvc_hbuf_at(x, 0, 0);
+    if (add) {
+        kvc_frows a;
+        KVC_TRY(kvc_frows_get(*add, rows, D, 1, &a));
+        for (int64_t r = 0; r < rows; r++) kvc_cpu_add(xp + r * x.ld, a.p + r * a.ld, D);
+        kvc_frows_drop(&a);
+    }
+    kvc_frows yo;
+    KVC_TRY(kvc_frows_get(y, rows, D, 0, &yo));
+    kvc_cpu_rmsnorm(xp, x.ld, (const float *)kvc_hbuf_at(w, 0, 0), yo.p, yo.ld, rows, D, eps);
+    kvc_frows_put(y, rows, D, &yo);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_matmul_v(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate) {
+    kvc_frows A, W, C = {0};
+    KVC_TRY(kvc_frows_get(a, m, k, 1, &A));
+    kvc_status st = kvc_frows_get(w, n, k, 1, &W);
+    if (st == KVC_OK && W.ld != k) st = kvc_fail(KVC_ERR_INTERNAL, "matmul: weight rows must be contiguous");
+    if (st == KVC_OK) st = kvc_frows_get(c, m, n, accumulate, &C);
+    if (st == KVC_OK) {
+        kvc_cpu_gemm(A.p, A.ld, W.p, C.p, C.ld, m, n, k, accumulate);
+        kvc_frows_put(c, m, n, &C);
+    }
+    kvc_frows_drop(&A);
+    kvc_frows_drop(&W);
+    kvc_frows_drop(&C);
+    return st;
+}
+
+kvc_status kvc_host_add_bias_v(kvc_view y, kvc_view b, int64_t rows, int64_t dim) {
+    if (b.buf->dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "add_bias: the bias must be f32");
+    kvc_frows Y;
+    KVC_TRY(kvc_frows_get(y, rows, dim, 1, &Y));
+    kvc_cpu_add_bias(Y.p, Y.ld, (const float *)kvc_hbuf_at(b, 0, 0), rows, dim);
+    kvc_frows_put(y, rows, dim, &Y);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
+                           int32_t pairing) {
+    if (pos.buf->dtype != KVC_I64 || inv_freq.buf->dtype != KVC_F32)
+        return kvc_fail(KVC_ERR_INTERNAL, "rope: positions must be i64 and frequencies f32");
+    kvc_view xv = kvc_view_at(x, 0, col0);
+    kvc_frows X;
+    KVC_TRY(kvc_frows_get(xv, n, (int64_t)heads * d, 1, &X));
+    kvc_cpu_rope(X.p, X.ld, (const int64_t *)kvc_hbuf_at(pos, 0, 0), n, heads, d, (const float *)kvc_hbuf_at(inv_freq, 0, 0),
+                 pairing);
+    kvc_frows_put(xv, n, (int64_t)heads * d, &X);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags) {
+    (void)flags; /* one CPU kernel picks its own decode / prefill path */
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    int64_t *past = malloc(sizeof(int64_t) * (size_t)Hkv);
+    if (!past) return kvc_fail(KVC_ERR_NOMEM, "out of memory: attention");
+    for (int32_t h = 0; h < Hkv; h++) past[h] = kv->len[h] - n;
+    kvc_kv_f32 kf;
+    kvc_frows Q = {0}, O = {0};
+    kvc_status st = kvc_kv_f32_get(kv, 1, &kf);
+    if (st == KVC_OK) st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
+    if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);
+    if (st == KVC_OK) {
+        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, scale, O.p, O.ld);
+        kvc_frows_put(out, n, (int64_t)H * d, &O);
+    }
+    kvc_frows_drop(&Q);
+    kvc_frows_drop(&O);
+    kvc_kv_f32_drop(kv, &kf);
+    free(past);
+    return st;
+}
+
+kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F) {
+    kvc_frows G;
+    KVC_TRY(kvc_frows_get(gu, rows, 2 * F, 1, &G));
+    kvc_cpu_swiglu_rows(G.p, G.ld, rows, F);
+    kvc_frows_put(gu, rows, 2 * F, &G);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_topk_v(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep) {
+    if (scores.buf->dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "topk: scores must be f32");
+    for (int32_t h = 0; h < heads; h++)
+        KVC_TRY(kvc_host_topk_rows((const float *)kvc_hbuf_at(scores, h, 0), len[h], k[h], keep[h]));
+    return KVC_OK;
+}
+
+kvc_status kvc_host_cos_sum_v(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out) {
+    if (resid.buf->dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "cos_sum: the residual stream must be f32");
+    kvc_frows O;
+    KVC_TRY(kvc_frows_get(o, rows, D, 1, &O));
+    double sum = 0;
+    for (int64_t j = 0; j < rows; j++) {
+        const float *R = (const float *)kvc_hbuf_at(resid, j, 0), *Oj = O.p + j * O.ld;
+        double rr = 0, ss = 0, rs = 0;
+        for (int64_t t = 0; t < D; t++) {
+            const double a = R[t], b = (double)R[t] + Oj[t];
+            rr += a * a;
+            ss += b * b;
+            rs += a * b;
+        }
+        sum += rs / (sqrt(rr * ss) + 1e-30);
+    }
+    kvc_frows_drop(&O);
+    *out = sum;
+    return KVC_OK;
+}
+
+/* ---- the CPU table ---- */
+
+static kvc_host_stats g_cpu_stats;
+
+static const char *cpu_name(void) { return "cpu"; }
+static const char *cpu_gemm(void) { return kvc_blas_name(); }
+static void cpu_memory(int64_t *out) { kvc_host_stats_read(&g_cpu_stats, out); }
+static void cpu_reset_peak(void) { kvc_host_stats_reset_peak(&g_cpu_stats); }
+static kvc_status cpu_option(const char *name, int value) {
+    return kvc_fail(KVC_ERR_ARG, "the CPU backend has no setting '%s' (%d)", name, value);
+}
+static kvc_status cpu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
+    return kvc_hbuf_alloc(&g_cpu_stats, dtype, n, cat, what, out);
+}
+static const float *cpu_host_f32(const kvc_buf *b) { return b && b->dtype == KVC_F32 ? (const float *)b->p : NULL; }
+static kvc_status cpu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_cpu_stats, KVC_F32, Hkv, d, out); }
+static size_t cpu_kv_bytes(int32_t Hkv, int32_t d, const int64_t *cap) { return kvc_hkv_arena_bytes(KVC_F32, Hkv, d, cap); }
+
+static const kvc_backend g_cpu = {
+    .version = KVC_BACKEND_VERSION,
     .name = "cpu",
-    .matmul = kvc_cpu_matmul,
-    .rmsnorm = kvc_cpu_rmsnorm,
-    .rope = kvc_cpu_rope,
-    .swiglu = kvc_cpu_swiglu,
-    .add_bias = kvc_cpu_add_bias,
-    .add = kvc_cpu_add,
-    .attention = kvc_cpu_attention,
+    .device = KVC_DEVICE_CPU,
+    .act_dtype = KVC_F32,
+    .weight_dtype = KVC_F32,
+    .mlp_rows = 256,
+    .serialize = 0,
+    .device_name = cpu_name,
+    .gemm_name = cpu_gemm,
+    .memory_stats = cpu_memory,
+    .reset_peak = cpu_reset_peak,
+    .set_option = cpu_option,
+    .alloc = cpu_alloc,
+    .free = kvc_hbuf_free,
+    .upload = kvc_hbuf_upload,
+    .download = kvc_hbuf_download,
+    .host_f32 = cpu_host_f32,
+    .kv_new = cpu_kv_new,
+    .kv_free = kvc_hkv_free,
+    .kv_arena_bytes = cpu_kv_bytes,
+    .kv_resize = kvc_hkv_resize,
+    .kv_gather = kvc_hkv_gather,
+    .kv_set_lens = kvc_hkv_set_lens,
+    .kv_write = kvc_hkv_write,
+    .kv_read = kvc_hkv_read,
+    .embed = kvc_host_embed,
+    .rmsnorm = kvc_host_rmsnorm_v,
+    .matmul = kvc_host_matmul_v,
+    .add_bias = kvc_host_add_bias_v,
+    .rope = kvc_host_rope_v,
+    .kv_append = kvc_hkv_append,
+    .attention = kvc_host_attention_v,
+    .swiglu = kvc_host_swiglu_v,
+    .score = kvc_host_score_v,
+    .topk = kvc_host_topk_v,
+    .cos_sum = kvc_host_cos_sum_v,
+    .graph_capture = NULL,
+    .graph_launch = NULL,
+    .graph_free = NULL,
 };
 
-const kvc_backend *kvc_cpu_backend(void) { return &cpu_backend; }
+const kvc_backend *kvc_backend_cpu(void) { return &g_cpu; }

@@ -1,4 +1,5 @@
-/* GEMM of the CPU backend: C[m,n] = A[m,k] * B[n,k]^T, fp32, row-major (B is a weight [out, in]).
+/* GEMM of the CPU backend: C[m,n] (+)= A[m,k] * B[n,k]^T, fp32, row-major (B is a weight [out, in]; A
+ * and C rows have their own strides, so a GEMM reads and writes column slices of fused activations).
  *
  * Built-in kernel, two shapes of work:
  *  - skinny (m <= SKINNY_M: decode steps, small chunks): each output is a dot product of two
@@ -68,7 +69,7 @@ static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
     const vf y0 = LOAD(b + p), y1 = LOAD(b + k + p), y2 = LOAD(b + 2 * k + p), y3 = LOAD(b + 3 * k + p);
 #define DOT_STEP(IM, i, LOAD)                                                                          \
     if (IM > i) {                                                                                      \
-        const vf x = LOAD(a + i * k + p);                                                              \
+        const vf x = LOAD(a + i * lda + p);                                                              \
         s##i##0 = V_FMA(x, y0, s##i##0);                                                               \
         s##i##1 = V_FMA(x, y1, s##i##1);                                                               \
         s##i##2 = V_FMA(x, y2, s##i##2);                                                               \
@@ -76,14 +77,16 @@ static int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
     }
 #define DOT_OUT(IM, i)                                                                                 \
     if (IM > i) {                                                                                      \
-        c[i * ldc + 0] = V_HSUM(s##i##0);                                                              \
-        c[i * ldc + 1] = V_HSUM(s##i##1);                                                              \
-        c[i * ldc + 2] = V_HSUM(s##i##2);                                                              \
-        c[i * ldc + 3] = V_HSUM(s##i##3);                                                              \
+        float *ci = c + i * ldc;                                                                       \
+        ci[0] = acc * ci[0] + V_HSUM(s##i##0);                                                         \
+        ci[1] = acc * ci[1] + V_HSUM(s##i##1);                                                         \
+        ci[2] = acc * ci[2] + V_HSUM(s##i##2);                                                         \
+        ci[3] = acc * ci[3] + V_HSUM(s##i##3);                                                         \
     }
 #define TAIL_LOAD(ptr) V_LOADM(ptr, tail)
 #define DOT_TILE(IM)                                                                                   \
-    static void dot_tile##IM(const float *a, const float *b, float *c, int64_t k, int64_t ldc) {       \
+    static void dot_tile##IM(const float *a, int64_t lda, const float *b, float *c, int64_t k, int64_t ldc, \
+                              float acc) {                                                     \
         DOT_DECL(0) DOT_DECL(1) DOT_DECL(2) DOT_DECL(3)                                                \
         int64_t p = 0;                                                                                 \
         for (; p + VL <= k; p += VL) {                                                                 \
@@ -103,18 +106,18 @@ DOT_TILE(2)
 DOT_TILE(3)
 DOT_TILE(4)
 
-/* im (<= 4) rows of A against 4 rows of B */
-static void dot_tile(int im, const float *a, const float *b, float *c, int64_t k, int64_t ldc) {
+/* im (<= 4) rows of A against 4 rows of B; acc 1 adds to C, 0 overwrites it */
+static void dot_tile(int im, const float *a, int64_t lda, const float *b, float *c, int64_t k, int64_t ldc, float acc) {
     switch (im) {
-        case 1: dot_tile1(a, b, c, k, ldc); break;
-        case 2: dot_tile2(a, b, c, k, ldc); break;
-        case 3: dot_tile3(a, b, c, k, ldc); break;
-        default: dot_tile4(a, b, c, k, ldc); break;
+        case 1: dot_tile1(a, lda, b, c, k, ldc, acc); break;
+        case 2: dot_tile2(a, lda, b, c, k, ldc, acc); break;
+        case 3: dot_tile3(a, lda, b, c, k, ldc, acc); break;
+        default: dot_tile4(a, lda, b, c, k, ldc, acc); break;
     }
 }
 
 /* one row of A against 8 rows of B (decode GEMV: 8 independent streams of B in flight) */
-static void dot_1x8(const float *a, const float *b, float *c, int64_t k) {
+static void dot_1x8(const float *a, const float *b, float *c, int64_t k, float acc) {
     vf s0 = V_ZERO(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
     for (int64_t p = 0; p < k; p += VL) {
         const vmask mk = V_MASK((int)(k - p < VL ? k - p : VL));
@@ -128,18 +131,19 @@ static void dot_1x8(const float *a, const float *b, float *c, int64_t k) {
         s6 = V_FMA(x, V_LOADM(b + 6 * k + p, mk), s6);
         s7 = V_FMA(x, V_LOADM(b + 7 * k + p, mk), s7);
     }
-    c[0] = V_HSUM(s0), c[1] = V_HSUM(s1), c[2] = V_HSUM(s2), c[3] = V_HSUM(s3);
-    c[4] = V_HSUM(s4), c[5] = V_HSUM(s5), c[6] = V_HSUM(s6), c[7] = V_HSUM(s7);
+    c[0] = acc * c[0] + V_HSUM(s0), c[1] = acc * c[1] + V_HSUM(s1), c[2] = acc * c[2] + V_HSUM(s2);
+    c[3] = acc * c[3] + V_HSUM(s3), c[4] = acc * c[4] + V_HSUM(s4), c[5] = acc * c[5] + V_HSUM(s5);
+    c[6] = acc * c[6] + V_HSUM(s6), c[7] = acc * c[7] + V_HSUM(s7);
 }
 #else
-static void dot_tile(int im, const float *a, const float *b, float *c, int64_t k, int64_t ldc) {
+static void dot_tile(int im, const float *a, int64_t lda, const float *b, float *c, int64_t k, int64_t ldc, float acc) {
     for (int i = 0; i < im; i++)
         for (int j = 0; j < 4; j++) {
-            const float *x = a + i * k, *y = b + j * k;
+            const float *x = a + i * lda, *y = b + j * k;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t p = 0; p < k; p++) s += x[p] * y[p];
-            c[i * ldc + j] = s;
+            c[i * ldc + j] = acc * c[i * ldc + j] + s;
         }
 }
 #endif
@@ -152,17 +156,25 @@ static float dot1(const float *x, const float *y, int64_t k) {
     return s;
 }
 
-static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+static void gemm_skinny(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
+                        int64_t k, int accumulate) {
     const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
+    const float acc = accumulate ? 1.f : 0.f; /* 0 * c would turn an uninitialised NaN into NaN: select */
 #if defined(KVC_SIMD)
     if (m == 1) { /* GEMV: 8 rows of B per step, the last n % 8 one by one */
         const int64_t nb = n / 8;
 #pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
         for (int64_t jb = 0; jb <= nb; jb++) {
-            if (jb < nb)
-                dot_1x8(a, b + jb * 8 * k, c + jb * 8, k);
-            else
-                for (int64_t j = jb * 8; j < n; j++) c[j] = dot1(a, b + j * k, k);
+            if (jb < nb) {
+                if (accumulate) dot_1x8(a, b + jb * 8 * k, c + jb * 8, k, acc);
+                else {
+                    float t[8] = {0};
+                    dot_1x8(a, b + jb * 8 * k, t, k, 0.f);
+                    memcpy(c + jb * 8, t, sizeof t);
+                }
+            } else {
+                for (int64_t j = jb * 8; j < n; j++) c[j] = (accumulate ? c[j] : 0.f) + dot1(a, b + j * k, k);
+            }
         }
         return;
     }
@@ -172,11 +184,20 @@ static void gemm_skinny(const float *a, const float *b, float *c, int64_t m, int
     for (int64_t jb = 0; jb <= nb; jb++) {
         const int64_t j0 = jb * 4;
         if (jb < nb) {
-            for (int64_t i0 = 0; i0 < m; i0 += 4)
-                dot_tile((int)imin(4, m - i0), a + i0 * k, b + j0 * k, c + i0 * n + j0, k, n);
+            for (int64_t i0 = 0; i0 < m; i0 += 4) {
+                const int im = (int)imin(4, m - i0);
+                if (accumulate) {
+                    dot_tile(im, a + i0 * lda, lda, b + j0 * k, c + i0 * ldc + j0, k, ldc, acc);
+                } else {
+                    float t[16] = {0};
+                    dot_tile(im, a + i0 * lda, lda, b + j0 * k, t, k, 4, 0.f);
+                    for (int i = 0; i < im; i++) memcpy(c + (i0 + i) * ldc + j0, t + i * 4, sizeof(float) * 4);
+                }
+            }
         } else {
             for (int64_t j = j0; j < n; j++)
-                for (int64_t i = 0; i < m; i++) c[i * n + j] = dot1(a + i * k, b + j * k, k);
+                for (int64_t i = 0; i < m; i++)
+                    c[i * ldc + j] = (accumulate ? c[i * ldc + j] : 0.f) + dot1(a + i * lda, b + j * k, k);
         }
     }
 }
@@ -260,7 +281,8 @@ void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols
 /* panel of the row block passes under it. Threads split the panels of each row block; they write  */
 /* disjoint columns of C, so no barrier is needed between blocks.                                  */
 
-static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+static void gemm_blocked(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
+                         int64_t k, int accumulate) {
     const int64_t kc_max = ceil_div(k, ceil_div(k, KC_MAX)); /* equal chunks, no thin leftover */
     const int64_t npan = ceil_div(n, KVC_NR);
     const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
@@ -278,8 +300,8 @@ static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, in
                     kvc_cpu_transpose(b + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
                     for (int64_t ip = 0; ip < mpan; ip++) {
                         const int64_t i = i0 + ip * KVC_MR;
-                        kvc_cpu_ukr((int)imin(KVC_MR, i0 + mc - i), nr, kc, a + i * k + p0, k, bp, KVC_NR,
-                                    c + i * n + jp * KVC_NR, n, p0 > 0);
+                        kvc_cpu_ukr((int)imin(KVC_MR, i0 + mc - i), nr, kc, a + i * lda + p0, lda, bp, KVC_NR,
+                                    c + i * ldc + jp * KVC_NR, ldc, accumulate || p0 > 0);
                     }
                 }
             }
@@ -287,14 +309,16 @@ static void gemm_blocked(const float *a, const float *b, float *c, int64_t m, in
     }
 }
 
-void kvc_cpu_gemm_builtin(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+void kvc_cpu_gemm_builtin(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
+                          int64_t k, int accumulate) {
     if (m <= 0 || n <= 0) return;
     if (k <= 0) { /* an empty sum */
-        memset(c, 0, sizeof(float) * (size_t)(m * n));
+        if (!accumulate)
+            for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, sizeof(float) * (size_t)n);
         return;
     }
     if (m <= SKINNY_M)
-        gemm_skinny(a, b, c, m, n, k);
+        gemm_skinny(a, lda, b, c, ldc, m, n, k, accumulate);
     else
-        gemm_blocked(a, b, c, m, n, k);
+        gemm_blocked(a, lda, b, c, ldc, m, n, k, accumulate);
 }

@@ -1,9 +1,10 @@
-/* The exported kvc_kernel_* entry points: argument checks with clear messages, then the CPU kernel.
+/* The exported kvc_kernel_* entry points of the CPU backend, called in place on the caller's arrays (the
+ * GEMM benchmark times them without copies): argument checks with clear messages, then the CPU kernel.
+ * kvc_device_kernel_* (engine/device.c) runs the same contracts through any device's table.
  * (kvc_kernel_rope_freqs and kvc_kernel_dequantize live with the model code.) */
 #include <math.h>
 
 #include "../../core/common.h"
-#include "../backend.h"
 #include "cpu.h"
 
 #define CHECK(cond, ...)                                   \
@@ -24,7 +25,7 @@ kvc_status kvc_kernel_rmsnorm(const float *x, const float *w, float *y, int64_t 
     CHECK(rows > 0 && dim > 0, "rmsnorm: sizes must be positive (rows=%lld dim=%lld)", (long long)rows,
           (long long)dim);
     CHECK(eps > 0 && isfinite(eps), "rmsnorm: eps must be finite and > 0 (got %g)", (double)eps);
-    kvc_cpu_rmsnorm(x, w, y, rows, dim, eps);
+    kvc_cpu_rmsnorm(x, dim, w, y, dim, rows, dim, eps);
     return KVC_OK;
 }
 
@@ -37,7 +38,7 @@ kvc_status kvc_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t head
           "rope: pairing must be KVC_ROPE_HALF (0) or KVC_ROPE_ADJACENT (1), got %d", pairing);
     for (int64_t i = 0; i < n; i++)
         CHECK(pos[i] >= 0, "rope: position %lld is negative (%lld)", (long long)i, (long long)pos[i]);
-    kvc_cpu_rope(x, pos, n, heads, d, inv_freq, pairing);
+    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing);
     return KVC_OK;
 }
 
@@ -61,6 +62,6 @@ kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hk
         CHECK(k[h] && v[h], "attention: k[%d] or v[%d] is NULL", h, h);
         CHECK(past_len[h] >= 0, "attention: past_len[%d] is negative (%lld)", h, (long long)past_len[h]);
     }
-    kvc_cpu_attention(q, n, H, Hkv, d, k, v, past_len, scale, out);
+    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, k, v, past_len, scale, out, (int64_t)H * d);
     return KVC_OK;
 }

@@ -1,15 +1,16 @@
-/* RMSNorm: y[r,:] = x[r,:] / sqrt(mean(x[r,:]^2) + eps) * w (y may alias x). The sum of squares is
+/* RMSNorm: y[r,:] = x[r,:] / sqrt(mean(x[r,:]^2) + eps) * w (y may alias x; rows have their strides). The sum of squares is
  * accumulated in double: rows are short (the hidden size) and this keeps it exact to fp32 output. */
 #include <omp.h>
 
 #include "cpu.h"
 
-void kvc_cpu_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps) {
+void kvc_cpu_rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t dim,
+                     float eps) {
     const int par = rows > 1 && rows * dim >= 32768 && !omp_in_parallel();
 #pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * dim;
-        float *yr = y + r * dim;
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
         double ss = 0.0;
 #pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < dim; i++) ss += (double)xr[i] * xr[i];

@@ -1,4 +1,4 @@
-/* Rotary position embedding, in place on x[n, heads, d]. For each pair (a, b) of dimensions and
+/* Rotary position embedding, in place on the n rows of x (stride ld), `heads` heads of d values each. For each pair (a, b) of dimensions and
  * i < d/2, with angle = pos * inv_freq[i]:  a' = a cos - b sin,  b' = a sin + b cos.
  * KVC_ROPE_HALF pairs (i, i + d/2) (Hugging Face layout, Qwen2); KVC_ROPE_ADJACENT pairs (2i, 2i+1)
  * (GGUF llama weights, whose q/k rows the converter interleaved). Angles, cos and sin are computed
@@ -10,7 +10,7 @@
 
 #define HALF_MAX 512 /* d <= 1024 (checked by kvc_kernel_rope) */
 
-void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
+void kvc_cpu_rope(float *x, int64_t ld, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
                   int32_t pairing) {
     const int32_t half = d / 2;
     const int par = n > 1 && n * heads * d >= 16384 && !omp_in_parallel();
@@ -23,7 +23,7 @@ void kvc_cpu_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_
             sn[i] = (float)sin(ang);
         }
         for (int32_t h = 0; h < heads; h++) {
-            float *v = x + (t * heads + h) * d;
+            float *v = x + t * ld + (int64_t)h * d;
             if (pairing == KVC_ROPE_ADJACENT) {
                 for (int32_t i = 0; i < half; i++) {
                     const float a = v[2 * i], b = v[2 * i + 1];

@@ -77,15 +77,5 @@ kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t d
     return KVC_OK;
 }
 
-__global__ void iota64_kernel(int64_t *d, int64_t start, int64_t n) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        d[i] = start + i;
-}
-kvc_status iota64(int64_t *dst, int64_t start, int64_t n) {
-    if (n <= 0) return KVC_OK;
-    iota64_kernel<<<blocks_for(n, 256), 256, 0, g.stream>>>(dst, start, n);
-    LAUNCH_TRY("iota64");
-    return KVC_OK;
-}
 
 } // namespace kvc

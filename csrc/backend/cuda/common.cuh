@@ -1,5 +1,6 @@
-/* Internal header of the CUDA backend: errors, the device context, tracked allocation, the kernel
- * entry points each .cu file provides (one kernel family per file). */
+/* Internal header of the CUDA backend: errors, the device context, tracked allocation, the buffers and
+ * K/V stores of the kernel table (backend/backend.h), the kernel entry points each .cu file provides
+ * (one kernel family per file). Nothing here knows the core's model or session: the table is all. */
 #ifndef KVC_CUDA_COMMON_CUH
 #define KVC_CUDA_COMMON_CUH
 
@@ -8,17 +9,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "cuda_api.h"
-
-extern "C" {
-#include "../../model/model.h"
-}
+#include "../backend.h"
 
 typedef __nv_bfloat16 bf16;
 
 namespace kvc {
 
-#define KVC_MAX_KV 64 /* KV heads a kernel parameter block holds */
+#define KVC_MAX_KV KVC_MAX_KV_HEADS /* KV heads a kernel parameter block holds (checked at model load) */
+#define DECODE_SPLITS 64 /* split-K partitions of the decode attention */
+#define MLP_ROWS 8192    /* rows per MLP block: gate|up activations stay O(block x ffn) */
 
 /* ---- errors (context.cu) ---- */
 kvc_status fail(kvc_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -27,6 +26,11 @@ kvc_status cuda_fail(cudaError_t e, const char *what);
 /* The last launch error, if any, as a status. */
 kvc_status check_launch(const char *what);
 
+#define KVC_TRY(expr)                            \
+    do {                                         \
+        kvc_status kvc_st__ = (expr);            \
+        if (kvc_st__ != KVC_OK) return kvc_st__; \
+    } while (0)
 #define CU_TRY(call, what)                                          \
     do {                                                            \
         cudaError_t e__ = (call);                                   \
@@ -50,12 +54,13 @@ struct Context {
 extern Context g;
 /* Initialise once (thread-safe); KVC_OK or the reason it cannot run. */
 kvc_status ensure_init(void);
+kvc_status init_with_host(const kvc_host_services *host);
 
 /* ---- tracked device memory: every byte this library allocates, by category ---- */
 enum { MEM_WEIGHTS = 0, MEM_CACHE = 1, MEM_ACT = 2 };
 kvc_status dalloc(void **p, size_t bytes, int cat, const char *what);
 void dfree(void *p, size_t bytes, int cat);
-void memory_stats(int64_t *out);
+void memory_stats(int64_t *out); /* [KVC_STAT_N] */
 void reset_peak(void);
 
 /* A device buffer that grows on demand (activations, scratch). */
@@ -82,6 +87,56 @@ struct Buf {
     template <class T> T *as() const { return (T *)p; }
 };
 
+/* ---- the table's objects (buffer.cu, kv.cu) ---- */
+} // namespace kvc
+
+struct kvc_buf {
+    void *p;
+    int64_t n;
+    int32_t dtype;
+    int32_t cat;
+    size_t bytes;
+};
+
+/* One layer's K/V: one arena, per head K [cap, d] then V [cap, d]; the device tables the kernels read
+ * (head pointers, lengths) stay at fixed addresses for the object's life, so a captured graph stays valid
+ * when the arena is replaced. */
+struct kvc_kv {
+    int32_t Hkv, d;
+    void *arena;
+    size_t bytes;
+    bf16 *kh[KVC_MAX_KV], *vh[KVC_MAX_KV]; /* head slices (device pointers, host copy) */
+    int64_t cap[KVC_MAX_KV];               /* rows of room per head (the core keeps the lengths) */
+    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], lend [Hkv], pastd [Hkv] */
+    size_t tables_bytes;
+    bf16 **kd, **vd;
+    int32_t *lend;  /* device lengths: the kernels read them; kv_append moves them on the device */
+    int32_t *pastd; /* lend - n of a prefill call (scratch) */
+};
+
+namespace kvc {
+
+/* buffer.cu */
+kvc_status buf_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out);
+void buf_free(kvc_buf *b);
+kvc_status buf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype);
+kvc_status buf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype);
+/* the view's first element as a typed device pointer */
+template <class T> T *at(kvc_view v) { return (T *)((char *)v.buf->p + (size_t)v.off * kvc_dtype_size(v.buf->dtype)); }
+/* A backend-wide scratch buffer grown on demand (calls are serialised by the core's device lock). */
+kvc_status scratch(Buf &b, size_t bytes, const char *what);
+
+/* kv.cu */
+kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out);
+void kv_free(kvc_kv *kv);
+size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap);
+kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
+kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
+kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len);
+kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
+kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+
 /* ---- gemm.cu ---- */
 /* C[m,n] (= or +=, beta 0 or 1) A[m,k] B[n,k]^T: A and B bf16 row-major with leading dimensions
  * lda, ldb; C fp32 (c_f32) or bf16 with ldc. fp32 accumulation. */
@@ -101,7 +156,6 @@ kvc_status embed(const bf16 *table, const int32_t *ids, int64_t n, int64_t D, fl
 kvc_status swiglu(bf16 *gu, int64_t rows, int64_t F);
 /* y[r, :] += b over rows (bf16 y with row stride ld, fp32 b) */
 kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
-kvc_status iota64(int64_t *dst, int64_t start, int64_t n);
 
 /* ---- norm.cu ---- */
 /* if o: x[r] += o[r] (o bf16, row stride ldo); then y[r] = x[r] / rms(x[r]) * w  (bf16 y) */
@@ -145,7 +199,7 @@ kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, co
                             const bf16 *const *vp, const int32_t *len, float scale, bf16 *out, float *partial,
                             int32_t splits);
 
-/* ---- score.cu ---- */
+/* ---- score.cu, press.cu ---- */
 struct HeadInfo {
     const bf16 *k[KVC_MAX_KV];
     const bf16 *v[KVC_MAX_KV];
@@ -191,6 +245,11 @@ struct GatherInfo {
     int64_t off[KVC_MAX_KV + 1]; /* prefix sums of the kept counts */
 };
 kvc_status gather_rows(const GatherInfo &gi, int32_t Hkv, int32_t d, const int32_t *rows);
+
+/* press.cu: the table's scoring entries */
+kvc_status score(const kvc_score_args *a);
+kvc_status topk(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep);
+kvc_status cos_sum(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out);
 
 } // namespace kvc
 

@@ -11,7 +11,7 @@
 namespace kvc {
 
 Context g;
-static const kvc_cuda_host *g_host;
+static const kvc_host_services *g_host;
 static char g_local_error[1024]; /* used only before init hands us the core's error service */
 
 kvc_status fail(kvc_status st, const char *fmt, ...) {
@@ -117,7 +117,7 @@ kvc_status ensure_init(void) {
     return KVC_OK;
 }
 
-kvc_status init_with_host(const kvc_cuda_host *host) {
+kvc_status init_with_host(const kvc_host_services *host) {
     g_host = host;
     return ensure_init();
 }
@@ -158,14 +158,14 @@ void dfree(void *p, size_t bytes, int cat) {
 
 void memory_stats(int64_t *out) {
     std::lock_guard<std::mutex> lk(g_mem_lock);
-    out[KVC_MEM_CURRENT] = g_cur;
-    out[KVC_MEM_PEAK] = g_peak;
-    out[KVC_MEM_WEIGHTS] = g_cat[MEM_WEIGHTS];
-    out[KVC_MEM_CACHE] = g_cat[MEM_CACHE];
-    out[KVC_MEM_CACHE_PEAK] = g_cat_peak[MEM_CACHE];
-    out[KVC_MEM_ACT] = g_cat[MEM_ACT];
-    out[KVC_MEM_ACT_PEAK] = g_cat_peak[MEM_ACT];
-    out[KVC_MEM_DEVICE_TOTAL] = (int64_t)g.total_mem;
+    out[KVC_STAT_CURRENT] = g_cur;
+    out[KVC_STAT_PEAK] = g_peak;
+    out[KVC_STAT_WEIGHTS] = g_cat[MEM_WEIGHTS];
+    out[KVC_STAT_CACHE] = g_cat[MEM_CACHE];
+    out[KVC_STAT_CACHE_PEAK] = g_cat_peak[MEM_CACHE];
+    out[KVC_STAT_ACT] = g_cat[MEM_ACT];
+    out[KVC_STAT_ACT_PEAK] = g_cat_peak[MEM_ACT];
+    out[KVC_STAT_DEVICE_TOTAL] = (int64_t)g.total_mem;
 }
 
 void reset_peak(void) {

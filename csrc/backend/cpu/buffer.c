@@ -1,0 +1,381 @@
+/* Host buffers and K/V stores (host.h): the memory of the CPU backend and of the emulated device.
+ * Every allocation is counted by category, so both report memory as the CUDA backend does. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "host.h"
+
+/* ---- counters -------------------------------------------------------------------------------- */
+
+void kvc_host_stats_add(kvc_host_stats *s, int32_t cat, int64_t bytes) {
+    if (!s) return;
+    const int64_t c = atomic_fetch_add(&s->cur[cat], bytes) + bytes;
+    const int64_t t = atomic_fetch_add(&s->total, bytes) + bytes;
+    int64_t p = atomic_load(&s->peak_cat[cat]);
+    while (c > p && !atomic_compare_exchange_weak(&s->peak_cat[cat], &p, c)) {}
+    p = atomic_load(&s->peak);
+    while (t > p && !atomic_compare_exchange_weak(&s->peak, &p, t)) {}
+}
+
+void kvc_host_stats_read(const kvc_host_stats *s, int64_t *out) {
+    out[KVC_STAT_CURRENT] = atomic_load(&s->total);
+    out[KVC_STAT_PEAK] = atomic_load(&s->peak);
+    out[KVC_STAT_WEIGHTS] = atomic_load(&s->cur[KVC_MEM_WEIGHTS]);
+    out[KVC_STAT_CACHE] = atomic_load(&s->cur[KVC_MEM_CACHE]);
+    out[KVC_STAT_CACHE_PEAK] = atomic_load(&s->peak_cat[KVC_MEM_CACHE]);
+    out[KVC_STAT_ACT] = atomic_load(&s->cur[KVC_MEM_ACT]);
+    out[KVC_STAT_ACT_PEAK] = atomic_load(&s->peak_cat[KVC_MEM_ACT]);
+    out[KVC_STAT_DEVICE_TOTAL] = 0;
+}
+
+void kvc_host_stats_reset_peak(kvc_host_stats *s) {
+    atomic_store(&s->peak, atomic_load(&s->total));
+    for (int c = 0; c < 3; c++) atomic_store(&s->peak_cat[c], atomic_load(&s->cur[c]));
+}
+
+/* ---- buffers ----------------------------------------------------------------------------------- */
+
+kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
+    *out = NULL;
+    size_t bytes;
+    if (n < 0 || kvc_mul_ok((size_t)n, kvc_dtype_size(dtype), &bytes) != 0)
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: %s (%lld elements)", what, (long long)n);
+    kvc_buf *b = calloc(1, sizeof *b);
+    if (!b) return kvc_fail(KVC_ERR_NOMEM, "out of memory: %s", what);
+    b->p = kvc_malloc(bytes, what);
+    if (!b->p) {
+        free(b);
+        return KVC_ERR_NOMEM;
+    }
+    b->n = n;
+    b->dtype = dtype;
+    b->cat = cat;
+    b->bytes = bytes;
+    b->stats = st;
+    kvc_host_stats_add(st, cat, (int64_t)bytes);
+    *out = b;
+    return KVC_OK;
+}
+
+void kvc_hbuf_free(kvc_buf *b) {
+    if (!b) return;
+    if (b->stats) {
+        kvc_host_stats_add(b->stats, b->cat, -(int64_t)b->bytes);
+        kvc_free(b->p);
+    }
+    free(b);
+}
+
+static int float_dtype(int32_t t) { return t == KVC_F32 || t == KVC_BF16; }
+
+kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype) {
+    const int32_t t = dst.buf->dtype;
+    if (float_dtype(t) ? src_dtype != KVC_F32 : src_dtype != t)
+        return kvc_fail(KVC_ERR_INTERNAL, "upload: %d elements into a buffer of dtype %d", src_dtype, t);
+    for (int64_t r = 0; r < rows; r++) {
+        char *d = kvc_hbuf_at(dst, r, 0);
+        if (t == KVC_BF16) {
+            const float *s = (const float *)src + r * cols;
+            uint16_t *o = (uint16_t *)d;
+            for (int64_t c = 0; c < cols; c++) o[c] = kvc_f32_to_bf16(s[c]);
+        } else {
+            memcpy(d, (const char *)src + (size_t)(r * cols) * kvc_dtype_size(t), (size_t)cols * kvc_dtype_size(t));
+        }
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_hbuf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype) {
+    const int32_t t = src.buf->dtype;
+    if (float_dtype(t) ? dst_dtype != KVC_F32 : dst_dtype != t)
+        return kvc_fail(KVC_ERR_INTERNAL, "download: dtype %d from a buffer of dtype %d", dst_dtype, t);
+    for (int64_t r = 0; r < rows; r++) {
+        const char *s = kvc_hbuf_at(src, r, 0);
+        if (t == KVC_BF16) {
+            const uint16_t *i = (const uint16_t *)s;
+            float *o = (float *)dst + r * cols;
+            for (int64_t c = 0; c < cols; c++) o[c] = kvc_bf16_to_f32v(i[c]);
+        } else {
+            memcpy((char *)dst + (size_t)(r * cols) * kvc_dtype_size(t), s, (size_t)cols * kvc_dtype_size(t));
+        }
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_frows_get(kvc_view v, int64_t rows, int64_t cols, int load, kvc_frows *out) {
+    memset(out, 0, sizeof *out);
+    if (v.buf->dtype == KVC_F32) {
+        out->p = (float *)kvc_hbuf_at(v, 0, 0);
+        out->ld = v.ld;
+        return KVC_OK;
+    }
+    if (v.buf->dtype != KVC_BF16) return kvc_fail(KVC_ERR_INTERNAL, "a float view of a dtype %d buffer", v.buf->dtype);
+    size_t n;
+    if (kvc_mul_ok((size_t)(rows > 0 ? rows : 1), (size_t)(cols > 0 ? cols : 1), &n))
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: f32 view");
+    out->tmp = kvc_malloc(n * sizeof(float), "f32 copy of a bf16 view");
+    if (!out->tmp) return KVC_ERR_NOMEM;
+    out->p = out->tmp;
+    out->ld = cols;
+    if (load) kvc_hbuf_download(v, rows, cols, out->tmp, KVC_F32);
+    return KVC_OK;
+}
+
+void kvc_frows_put(kvc_view v, int64_t rows, int64_t cols, kvc_frows *f) {
+    if (f->tmp) kvc_hbuf_upload(v, rows, cols, f->tmp, KVC_F32);
+    kvc_frows_drop(f);
+}
+
+void kvc_frows_drop(kvc_frows *f) {
+    kvc_free(f->tmp);
+    f->tmp = NULL;
+}
+
+/* ---- K/V stores ---------------------------------------------------------------------------------
+ * One arena per layer: each head's K [cap, d] then V [cap, d], 64-byte aligned slices. */
+
+static size_t slice_bytes(int32_t dtype, int32_t d, int64_t cap) {
+    return ((size_t)cap * (size_t)d * kvc_dtype_size(dtype) + 63) & ~(size_t)63;
+}
+
+size_t kvc_hkv_arena_bytes(int32_t dtype, int32_t Hkv, int32_t d, const int64_t *cap) {
+    size_t b = 0;
+    for (int32_t h = 0; h < Hkv; h++) b += 2 * slice_bytes(dtype, d, cap[h]);
+    return b;
+}
+
+kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d, kvc_kv **out) {
+    *out = NULL;
+    kvc_kv *kv = calloc(1, sizeof *kv);
+    if (!kv) return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store");
+    kv->Hkv = Hkv;
+    kv->d = d;
+    kv->dtype = dtype;
+    kv->stats = st;
+    kv->k = calloc((size_t)Hkv, sizeof *kv->k);
+    kv->v = calloc((size_t)Hkv, sizeof *kv->v);
+    kv->len = calloc((size_t)Hkv, sizeof *kv->len);
+    kv->cap = calloc((size_t)Hkv, sizeof *kv->cap);
+    if (!kv->k || !kv->v || !kv->len || !kv->cap) {
+        kvc_hkv_free(kv);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store");
+    }
+    *out = kv;
+    return KVC_OK;
+}
+
+static void arena_release(kvc_kv *kv) {
+    if (kv->arena) {
+        kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, -(int64_t)kv->bytes);
+        kvc_free(kv->arena);
+    }
+    kv->arena = NULL;
+    kv->bytes = 0;
+}
+
+void kvc_hkv_free(kvc_kv *kv) {
+    if (!kv) return;
+    arena_release(kv);
+    free(kv->k);
+    free(kv->v);
+    free(kv->len);
+    free(kv->cap);
+    free(kv);
+}
+
+/* A new arena with cap[h] rows per head; slices into k, v (caller-provided arrays). */
+static kvc_status arena_new(const kvc_kv *kv, const int64_t *cap, void **arena, size_t *bytes, void **k, void **v) {
+    *bytes = kvc_hkv_arena_bytes(kv->dtype, kv->Hkv, kv->d, cap);
+    *arena = NULL;
+    if (*bytes == 0) {
+        for (int32_t h = 0; h < kv->Hkv; h++) k[h] = v[h] = NULL;
+        return KVC_OK;
+    }
+    *arena = kvc_malloc(*bytes, "KV cache");
+    if (!*arena) return KVC_ERR_NOMEM;
+    char *p = *arena;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        const size_t s = slice_bytes(kv->dtype, kv->d, cap[h]);
+        k[h] = p;
+        v[h] = p + s;
+        p += 2 * s;
+    }
+    return KVC_OK;
+}
+
+static void arena_adopt(kvc_kv *kv, void *arena, size_t bytes, void **k, void **v, const int64_t *cap,
+                        const int64_t *len) {
+    kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, (int64_t)bytes); /* before the old one goes: the peak sees both */
+    arena_release(kv);
+    kv->arena = arena;
+    kv->bytes = bytes;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        kv->k[h] = k[h];
+        kv->v[h] = v[h];
+        kv->cap[h] = cap[h];
+        kv->len[h] = len[h];
+    }
+}
+
+kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
+    const kvc_kv *from = src ? src : kv;
+    const int32_t Hkv = kv->Hkv;
+    for (int32_t h = 0; h < Hkv; h++)
+        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->len[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld rows of %lld into %lld", h,
+                            (long long)rows[h], (long long)from->len[h], (long long)cap[h]);
+    void **k = calloc((size_t)Hkv, sizeof *k), **v = calloc((size_t)Hkv, sizeof *v);
+    void *arena = NULL;
+    size_t bytes = 0;
+    kvc_status st = (!k || !v) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store") : arena_new(kv, cap, &arena, &bytes, k, v);
+    if (st == KVC_OK) {
+        const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
+        for (int32_t h = 0; h < Hkv; h++) {
+            if (rows[h] == 0) continue;
+            memcpy(k[h], from->k[h], (size_t)rows[h] * es);
+            memcpy(v[h], from->v[h], (size_t)rows[h] * es);
+        }
+        arena_adopt(kv, arena, bytes, k, v, cap, rows);
+    }
+    free(k);
+    free(v);
+    return st;
+}
+
+kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
+    const int32_t Hkv = kv->Hkv;
+    for (int32_t h = 0; h < Hkv; h++) {
+        if (n_keep[h] < 0 || n_keep[h] > kv->len[h] || n_keep[h] > cap[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
+                            (long long)kv->len[h]);
+        for (int64_t i = 0; i < n_keep[h]; i++)
+            if (keep[h][i] < 0 || keep[h][i] >= kv->len[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
+                return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
+                                (long long)kv->len[h]);
+    }
+    void **k = calloc((size_t)Hkv, sizeof *k), **v = calloc((size_t)Hkv, sizeof *v);
+    void *arena = NULL;
+    size_t bytes = 0;
+    kvc_status st = (!k || !v) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store") : arena_new(kv, cap, &arena, &bytes, k, v);
+    if (st == KVC_OK) {
+        const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
+        for (int32_t h = 0; h < Hkv; h++)
+            for (int64_t i = 0; i < n_keep[h]; i++) {
+                memcpy((char *)k[h] + (size_t)i * es, (const char *)kv->k[h] + (size_t)keep[h][i] * es, es);
+                memcpy((char *)v[h] + (size_t)i * es, (const char *)kv->v[h] + (size_t)keep[h][i] * es, es);
+            }
+        arena_adopt(kv, arena, bytes, k, v, cap, n_keep);
+    }
+    free(k);
+    free(v);
+    return st;
+}
+
+kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        if (len[h] < 0 || len[h] > kv->cap[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V lengths: head %d gets %lld rows of %lld", h, (long long)len[h],
+                            (long long)kv->cap[h]);
+        kv->len[h] = len[h];
+    }
+    return KVC_OK;
+}
+
+static void put_row(int32_t dtype, void *dst, const float *src, int32_t d) {
+    if (dtype == KVC_BF16)
+        for (int32_t e = 0; e < d; e++) ((uint16_t *)dst)[e] = kvc_f32_to_bf16(src[e]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+}
+
+static void get_row(int32_t dtype, const void *src, float *dst, int32_t d) {
+    if (dtype == KVC_BF16)
+        for (int32_t e = 0; e < d; e++) dst[e] = kvc_bf16_to_f32v(((const uint16_t *)src)[e]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+}
+
+kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
+    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
+        return kvc_fail(KVC_ERR_INTERNAL, "K/V write outside head %d's %lld rows", h, (long long)kv->cap[h]);
+    const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
+    for (int64_t r = 0; r < rows; r++) {
+        if (k) put_row(kv->dtype, (char *)kv->k[h] + (size_t)(row0 + r) * es, k + r * kv->d, kv->d);
+        if (v) put_row(kv->dtype, (char *)kv->v[h] + (size_t)(row0 + r) * es, v + r * kv->d, kv->d);
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
+    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->len[h])
+        return kvc_fail(KVC_ERR_INTERNAL, "K/V read outside head %d's %lld rows", h, (long long)kv->len[h]);
+    const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
+    for (int64_t r = 0; r < rows; r++) {
+        if (k) get_row(kv->dtype, (const char *)kv->k[h] + (size_t)(row0 + r) * es, k + r * kv->d, kv->d);
+        if (v) get_row(kv->dtype, (const char *)kv->v[h] + (size_t)(row0 + r) * es, v + r * kv->d, kv->d);
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    for (int32_t h = 0; h < Hkv; h++)
+        if (kv->len[h] + n > kv->cap[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V append: head %d has room for %lld rows, not %lld more", h,
+                            (long long)(kv->cap[h] - kv->len[h]), (long long)n);
+    if (src.buf->dtype != kv->dtype)
+        return kvc_fail(KVC_ERR_INTERNAL, "K/V append: rows of dtype %d into a store of dtype %d", src.buf->dtype, kv->dtype);
+    const size_t es = kvc_dtype_size(kv->dtype);
+    for (int32_t h = 0; h < Hkv; h++)
+        for (int64_t i = 0; i < n; i++) {
+            const size_t row = (size_t)(kv->len[h] + i) * d * es;
+            memcpy((char *)kv->k[h] + row, kvc_hbuf_at(src, i, kcol + (int64_t)h * d), (size_t)d * es);
+            memcpy((char *)kv->v[h] + row, kvc_hbuf_at(src, i, vcol + (int64_t)h * d), (size_t)d * es);
+        }
+    for (int32_t h = 0; h < Hkv; h++) kv->len[h] += n;
+    return KVC_OK;
+}
+
+kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, kvc_kv_f32 *out) {
+    memset(out, 0, sizeof *out);
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    out->k = calloc((size_t)Hkv, sizeof *out->k);
+    out->v = calloc((size_t)Hkv, sizeof *out->v);
+    if (!out->k || !out->v) {
+        kvc_kv_f32_drop(kv, out);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V view");
+    }
+    if (kv->dtype == KVC_F32) {
+        for (int32_t h = 0; h < Hkv; h++) {
+            out->k[h] = kv->k[h];
+            out->v[h] = kv->v[h];
+        }
+        return KVC_OK;
+    }
+    size_t rows = 0;
+    for (int32_t h = 0; h < Hkv; h++) rows += (size_t)kv->len[h];
+    out->copy = kvc_malloc(sizeof(float) * (rows ? rows : 1) * (size_t)d * (want_v ? 2 : 1), "f32 copy of a K/V store");
+    if (!out->copy) {
+        kvc_kv_f32_drop(kv, out);
+        return KVC_ERR_NOMEM;
+    }
+    float *p = out->copy;
+    for (int32_t h = 0; h < Hkv; h++) {
+        out->k[h] = p;
+        p += (size_t)kv->len[h] * d;
+        if (want_v) {
+            out->v[h] = p;
+            p += (size_t)kv->len[h] * d;
+        }
+        kvc_hkv_read(kv, h, 0, kv->len[h], (float *)out->k[h], want_v ? (float *)out->v[h] : NULL);
+    }
+    return KVC_OK;
+}
+
+void kvc_kv_f32_drop(const kvc_kv *kv, kvc_kv_f32 *f) {
+    (void)kv;
+    free(f->k);
+    free(f->v);
+    kvc_free(f->copy);
+    memset(f, 0, sizeof *f);
+}

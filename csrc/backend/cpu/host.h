@@ -1,0 +1,108 @@
+/* Host memory behind a backend table: the buffers and K/V stores of the CPU backend (fp32) and of the
+ * emulated device (bf16 storage), their memory counters, and f32 access to views of either dtype for
+ * the kernels (a f32 view is used in place; a bf16 view is converted into a scratch copy and rounded
+ * back on store, as a device stores it). Internal to backend/cpu and backend/emulated. */
+#ifndef KVC_CPU_HOST_H
+#define KVC_CPU_HOST_H
+
+#include <stdatomic.h>
+#include <string.h>
+
+#include "../../core/common.h"
+#include "../backend.h"
+
+/* Bytes allocated per category now and at most (KVC_STAT_* of memory_stats). */
+typedef struct kvc_host_stats {
+    _Atomic int64_t cur[3], peak_cat[3], total, peak;
+} kvc_host_stats;
+
+struct kvc_buf {
+    void *p;
+    int64_t n;
+    int32_t dtype;
+    int32_t cat;
+    size_t bytes;
+    kvc_host_stats *stats; /* NULL: wrapped memory the buffer does not own */
+};
+
+struct kvc_kv {
+    int32_t Hkv, d, dtype;
+    void *arena;
+    size_t bytes;
+    kvc_host_stats *stats;
+    void **k, **v;   /* [Hkv] head slices [cap, d] of the arena (dtype elements) */
+    int64_t *len;    /* [Hkv] */
+    int64_t *cap;    /* [Hkv] */
+};
+
+void kvc_host_stats_add(kvc_host_stats *s, int32_t cat, int64_t bytes);
+void kvc_host_stats_read(const kvc_host_stats *s, int64_t *out);
+void kvc_host_stats_reset_peak(kvc_host_stats *s);
+
+kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out);
+void kvc_hbuf_free(kvc_buf *b);
+kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype);
+kvc_status kvc_hbuf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype);
+static inline char *kvc_hbuf_at(kvc_view v, int64_t r, int64_t c) {
+    return (char *)v.buf->p + (size_t)(v.off + r * v.ld + c) * kvc_dtype_size(v.buf->dtype);
+}
+
+kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d, kvc_kv **out);
+void kvc_hkv_free(kvc_kv *kv);
+size_t kvc_hkv_arena_bytes(int32_t dtype, int32_t Hkv, int32_t d, const int64_t *cap);
+kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
+kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
+kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len);
+kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
+kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+
+/* bf16 with round to nearest even (NaN stays a quiet NaN), as the device converts */
+static inline uint16_t kvc_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float kvc_bf16_to_f32v(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* f32 access to rows x cols of a float view: in place for f32, a converted copy for bf16. */
+typedef struct kvc_frows {
+    float *p;
+    int64_t ld;
+    float *tmp; /* the copy, or NULL */
+} kvc_frows;
+kvc_status kvc_frows_get(kvc_view v, int64_t rows, int64_t cols, int load, kvc_frows *out);
+/* store a copy back (rounded to the view's dtype) and release it */
+void kvc_frows_put(kvc_view v, int64_t rows, int64_t cols, kvc_frows *f);
+void kvc_frows_drop(kvc_frows *f);
+
+/* f32 pointers to the first len[h] rows of every head of kv (in place for f32, converted copies for
+ * bf16); kvc_kv_f32_drop releases the copies. */
+typedef struct kvc_kv_f32 {
+    const float **k, **v;
+    float *copy;
+} kvc_kv_f32;
+kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, kvc_kv_f32 *out);
+void kvc_kv_f32_drop(const kvc_kv *kv, kvc_kv_f32 *f);
+
+/* The table entries of a host backend: they work on f32 and bf16 storage alike (cpu_backend.c). */
+kvc_status kvc_host_embed(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x);
+kvc_status kvc_host_rmsnorm_v(kvc_view x, const kvc_view *add, kvc_view w, kvc_view y, int64_t rows, int64_t D, float eps);
+kvc_status kvc_host_matmul_v(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate);
+kvc_status kvc_host_add_bias_v(kvc_view y, kvc_view b, int64_t rows, int64_t dim);
+kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
+                           int32_t pairing);
+kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags);
+kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F);
+kvc_status kvc_host_score_v(const kvc_score_args *a);
+kvc_status kvc_host_topk_v(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep);
+kvc_status kvc_host_cos_sum_v(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out);
+
+#endif

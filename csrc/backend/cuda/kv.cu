@@ -1,0 +1,223 @@
+/* K/V stores of the CUDA backend (struct kvc_kv in common.cuh): one arena per layer, bf16 heads
+ * [cap, d], device tables of head pointers and lengths at fixed addresses. The core (cache/kv_cache.c)
+ * decides sizes and keeps positions; this file moves rows. */
+#include <string.h>
+
+#include "common.cuh"
+
+namespace kvc {
+
+static Buf g_rows_d, g_stage; /* gather rows (device int32), row conversions */
+
+kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
+    *out = nullptr;
+    if (Hkv < 1 || Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend holds 1 to %d KV heads, not %d", KVC_MAX_KV, Hkv);
+    KVC_TRY(ensure_init());
+    kvc_kv *kv = (kvc_kv *)calloc(1, sizeof *kv);
+    if (!kv) return fail(KVC_ERR_NOMEM, "out of memory: K/V store");
+    kv->Hkv = Hkv;
+    kv->d = d;
+    kv->tables_bytes = (size_t)Hkv * (2 * sizeof(bf16 *) + 2 * sizeof(int32_t));
+    kvc_status st = dalloc(&kv->tables, kv->tables_bytes, MEM_CACHE, "K/V tables");
+    if (st != KVC_OK) {
+        free(kv);
+        return st;
+    }
+    kv->kd = (bf16 **)kv->tables;
+    kv->vd = kv->kd + Hkv;
+    kv->lend = (int32_t *)(kv->vd + Hkv);
+    kv->pastd = kv->lend + Hkv;
+    if (cudaMemsetAsync(kv->tables, 0, kv->tables_bytes, g.stream) != cudaSuccess) {
+        st = cuda_fail(cudaGetLastError(), "K/V tables");
+        kv_free(kv);
+        return st;
+    }
+    *out = kv;
+    return KVC_OK;
+}
+
+void kv_free(kvc_kv *kv) {
+    if (!kv) return;
+    cudaStreamSynchronize(g.stream);
+    if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
+    if (kv->tables) dfree(kv->tables, kv->tables_bytes, MEM_CACHE);
+    free(kv);
+}
+
+static size_t slice(int32_t d, int64_t cap) { return ((size_t)cap * d * sizeof(bf16) + 255) & ~(size_t)255; }
+
+size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap) {
+    size_t b = 0;
+    for (int32_t h = 0; h < Hkv; h++) b += 2 * slice(d, cap[h]);
+    return b;
+}
+
+/* the head pointers and the lengths len[h] to the device tables */
+static kvc_status upload_tables(kvc_kv *kv, const int64_t *len) {
+    int32_t len32[KVC_MAX_KV];
+    for (int32_t h = 0; h < kv->Hkv; h++) len32[h] = (int32_t)len[h];
+    CU_TRY(cudaMemcpyAsync(kv->kd, kv->kh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
+    CU_TRY(cudaMemcpyAsync(kv->vd, kv->vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
+    CU_TRY(cudaMemcpyAsync(kv->lend, len32, sizeof(int32_t) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V lengths");
+    CU_TRY(cudaStreamSynchronize(g.stream), "K/V tables"); /* len32 lives on this stack frame */
+    return KVC_OK;
+}
+
+/* A new arena for cap[h] rows; on success the slices go to nk, nv. */
+static kvc_status arena_new(const kvc_kv *kv, const int64_t *cap, void **arena, size_t *bytes, bf16 **nk, bf16 **nv) {
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        if (cap[h] < 0 || cap[h] >= 2147483647) return fail(KVC_ERR_ARG, "K/V store: %lld rows per head are out of range", (long long)cap[h]);
+    *bytes = kv_arena_bytes(kv->Hkv, kv->d, cap);
+    *arena = nullptr;
+    if (*bytes) KVC_TRY(dalloc(arena, *bytes, MEM_CACHE, "KV cache"));
+    size_t off = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        nk[h] = *bytes ? (bf16 *)((char *)*arena + off) : nullptr;
+        nv[h] = *bytes ? (bf16 *)((char *)*arena + off + slice(kv->d, cap[h])) : nullptr;
+        off += 2 * slice(kv->d, cap[h]);
+    }
+    return KVC_OK;
+}
+
+/* the new arena replaces the old one (freed after the copies into it are done) */
+static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 **nv, const int64_t *cap, const int64_t *len) {
+    const cudaError_t e = cudaStreamSynchronize(g.stream);
+    if (e != cudaSuccess) {
+        if (arena) dfree(arena, bytes, MEM_CACHE);
+        return cuda_fail(e, "K/V copy");
+    }
+    if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
+    kv->arena = arena;
+    kv->bytes = bytes;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        kv->kh[h] = nk[h];
+        kv->vh[h] = nv[h];
+        kv->cap[h] = cap[h];
+    }
+    return upload_tables(kv, len);
+}
+
+/* The core keeps the lengths (a replayed graph moves the device's without telling anyone here), so
+ * rows are checked against the capacities. */
+kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
+    const kvc_kv *from = src ? src : kv;
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->cap[h])
+            return fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld of %lld rows into %lld", h, (long long)rows[h],
+                        (long long)from->cap[h], (long long)cap[h]);
+    void *arena;
+    size_t bytes;
+    bf16 *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
+    KVC_TRY(arena_new(kv, cap, &arena, &bytes, nk, nv));
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        const size_t n = sizeof(bf16) * (size_t)rows[h] * kv->d;
+        if (n == 0) continue;
+        if (cudaMemcpyAsync(nk[h], from->kh[h], n, cudaMemcpyDeviceToDevice, g.stream) != cudaSuccess ||
+            cudaMemcpyAsync(nv[h], from->vh[h], n, cudaMemcpyDeviceToDevice, g.stream) != cudaSuccess) {
+            const kvc_status st = cuda_fail(cudaGetLastError(), "K/V copy");
+            cudaStreamSynchronize(g.stream);
+            if (arena) dfree(arena, bytes, MEM_CACHE);
+            return st;
+        }
+    }
+    return adopt(kv, arena, bytes, nk, nv, cap, rows);
+}
+
+kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
+    int64_t total = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        if (n_keep[h] < 0 || n_keep[h] > kv->cap[h] || n_keep[h] > cap[h])
+            return fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
+                        (long long)kv->cap[h]);
+        for (int64_t i = 0; i < n_keep[h]; i++)
+            if (keep[h][i] < 0 || keep[h][i] >= kv->cap[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
+                return fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
+                            (long long)kv->cap[h]);
+        total += n_keep[h];
+    }
+    int32_t *rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
+    if (!rows) return fail(KVC_ERR_NOMEM, "out of memory: compaction rows");
+    GatherInfo gi;
+    memset(&gi, 0, sizeof gi);
+    int64_t off = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        gi.off[h] = off;
+        for (int64_t i = 0; i < n_keep[h]; i++) rows[off++] = (int32_t)keep[h][i];
+    }
+    gi.off[kv->Hkv] = off;
+    void *arena = nullptr;
+    size_t bytes = 0;
+    bf16 *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
+    kvc_status st = scratch(g_rows_d, sizeof(int32_t) * (size_t)(total > 0 ? total : 1), "compaction rows");
+    if (st == KVC_OK && total > 0 &&
+        cudaMemcpyAsync(g_rows_d.p, rows, sizeof(int32_t) * total, cudaMemcpyHostToDevice, g.stream) != cudaSuccess)
+        st = cuda_fail(cudaGetLastError(), "compaction rows");
+    if (st == KVC_OK) st = arena_new(kv, cap, &arena, &bytes, nk, nv);
+    if (st == KVC_OK) {
+        for (int32_t h = 0; h < kv->Hkv; h++) {
+            gi.ok[h] = kv->kh[h];
+            gi.ov[h] = kv->vh[h];
+            gi.nk[h] = nk[h];
+            gi.nv[h] = nv[h];
+        }
+        if (total > 0) st = gather_rows(gi, kv->Hkv, kv->d, g_rows_d.as<int32_t>());
+        if (st == KVC_OK) st = adopt(kv, arena, bytes, nk, nv, cap, n_keep);
+        else if (arena) {
+            cudaStreamSynchronize(g.stream);
+            dfree(arena, bytes, MEM_CACHE);
+        }
+    }
+    cudaStreamSynchronize(g.stream); /* rows (host) was read by the copy */
+    free(rows);
+    return st;
+}
+
+kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        if (len[h] < 0 || len[h] > kv->cap[h])
+            return fail(KVC_ERR_INTERNAL, "K/V lengths: head %d gets %lld rows of %lld", h, (long long)len[h],
+                        (long long)kv->cap[h]);
+    }
+    return upload_tables(kv, len);
+}
+
+kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
+    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
+        return fail(KVC_ERR_INTERNAL, "K/V write outside head %d's %lld rows", h, (long long)kv->cap[h]);
+    if (rows == 0) return KVC_OK;
+    const int64_t n = rows * kv->d;
+    KVC_TRY(scratch(g_stage, sizeof(float) * n, "K/V write staging"));
+    for (int pass = 0; pass < 2; pass++) {
+        const float *src = pass ? v : k;
+        if (!src) continue;
+        CU_TRY(cudaMemcpyAsync(g_stage.p, src, sizeof(float) * n, cudaMemcpyHostToDevice, g.stream), "K/V write");
+        KVC_TRY(f32_to_bf16(g_stage.as<float>(), (pass ? kv->vh[h] : kv->kh[h]) + row0 * kv->d, n));
+        CU_TRY(cudaStreamSynchronize(g.stream), "K/V write");
+    }
+    return KVC_OK;
+}
+
+kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
+    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
+        return fail(KVC_ERR_INTERNAL, "K/V read outside head %d's %lld rows", h, (long long)kv->cap[h]);
+    if (rows == 0) return KVC_OK;
+    const int64_t n = rows * kv->d;
+    KVC_TRY(scratch(g_stage, sizeof(float) * n, "K/V read staging"));
+    for (int pass = 0; pass < 2; pass++) {
+        float *dst = pass ? v : k;
+        if (!dst) continue;
+        KVC_TRY(bf16_to_f32((pass ? kv->vh[h] : kv->kh[h]) + row0 * kv->d, g_stage.as<float>(), n));
+        CU_TRY(cudaMemcpyAsync(dst, g_stage.p, sizeof(float) * n, cudaMemcpyDeviceToHost, g.stream), "K/V read");
+        CU_TRY(cudaStreamSynchronize(g.stream), "K/V read");
+    }
+    return KVC_OK;
+}
+
+/* rows at the device lengths, then lengths += n on the device (graph-safe) */
+kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
+    if (src.buf->dtype != KVC_BF16) return fail(KVC_ERR_INTERNAL, "K/V append: the rows must be bf16");
+    KVC_TRY(append_kv(at<bf16>(src), src.ld, kcol, vcol, n, kv->Hkv, kv->d, kv->kd, kv->vd, kv->lend));
+    return add_lens(kv->lend, kv->Hkv, (int32_t)n);
+}
+
+} // namespace kvc

@@ -1,0 +1,258 @@
+/* The emulated device: the CUDA backend's contract on the CPU, so that CI runs every host-side line of
+ * the device path (docs/ARCHITECTURE.md, "Backends").
+ *
+ * - Buffers are separate allocations reached only through upload, download and the kernels.
+ * - Storage rounds where the CUDA backend stores bf16: weight matrices, activations (normed x, q|k|v,
+ *   attention output, o, gate|up) and the K/V cache; the residual stream, norm weights, biases, scores
+ *   and logits stay f32. Kernels compute in fp32 (the CPU kernels on converted copies). Not emulated:
+ *   the rounding of softmax probabilities inside the device's attention kernels, and its summation order.
+ * - Calls from several threads take turns, as on the device's one stream.
+ * - Graphs: a capture records the kernel calls (their arguments by value, as a CUDA graph bakes kernel
+ *   parameters) without running them; a launch replays the record. Work that read a host value at
+ *   capture time replays that stale value here exactly as it would on the GPU, and a replay over a buffer
+ *   that moved since the capture is an error (the CUDA graph would read freed memory). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../cpu/host.h"
+
+static kvc_host_stats g_stats;
+
+/* ---- graph recording ---- */
+
+enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU };
+
+typedef struct op {
+    int32_t kind, has_add;
+    kvc_view v[4];
+    void *p[4];      /* v[i].buf->p at capture time */
+    kvc_kv *kv;
+    int64_t i[4];
+    int32_t j[3];
+    float f;
+} op;
+
+struct kvc_graph {
+    op *ops;
+    size_t n, cap;
+};
+
+static _Thread_local kvc_graph *g_rec; /* the graph being captured on this thread, or NULL */
+static _Thread_local kvc_status g_rec_st;
+
+/* Record op when capturing (returns 1), else 0: the caller runs it. */
+static int record(op o) {
+    if (!g_rec) return 0;
+    if (g_rec_st != KVC_OK) return 1;
+    if (g_rec->n == g_rec->cap) {
+        const size_t cap = g_rec->cap ? 2 * g_rec->cap : 64;
+        op *p = realloc(g_rec->ops, cap * sizeof *p);
+        if (!p) {
+            g_rec_st = kvc_fail(KVC_ERR_NOMEM, "out of memory: graph capture");
+            return 1;
+        }
+        g_rec->ops = p;
+        g_rec->cap = cap;
+    }
+    for (int k = 0; k < 4; k++) o.p[k] = o.v[k].buf ? o.v[k].buf->p : NULL;
+    g_rec->ops[g_rec->n++] = o;
+    return 1;
+}
+
+static kvc_status run_op(const op *o) {
+    switch (o->kind) {
+    case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
+    case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
+    case OP_MATMUL: return kvc_host_matmul_v(o->v[0], o->v[1], o->v[2], o->i[0], o->i[1], o->i[2], o->j[0]);
+    case OP_BIAS: return kvc_host_add_bias_v(o->v[0], o->v[1], o->i[0], o->i[1]);
+    case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2]);
+    case OP_APPEND: return kvc_hkv_append(o->kv, o->v[0], o->i[0], o->i[1], o->i[2]);
+    case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[1], o->j[1]);
+    case OP_SWIGLU: return kvc_host_swiglu_v(o->v[0], o->i[0], o->i[1]);
+    default: return kvc_fail(KVC_ERR_INTERNAL, "graph: unknown op %d", o->kind);
+    }
+}
+
+static kvc_status emu_graph_capture(kvc_graph **g, kvc_status (*run)(void *), void *user) {
+    if (g_rec) return kvc_fail(KVC_ERR_INTERNAL, "graph capture inside a capture");
+    kvc_graph *ng = calloc(1, sizeof *ng);
+    if (!ng) return kvc_fail(KVC_ERR_NOMEM, "out of memory: graph");
+    g_rec = ng;
+    g_rec_st = KVC_OK;
+    kvc_status st = run(user);
+    g_rec = NULL;
+    if (st == KVC_OK) st = g_rec_st;
+    if (st != KVC_OK) {
+        free(ng->ops);
+        free(ng);
+        return st;
+    }
+    if (*g) {
+        free((*g)->ops);
+        free(*g);
+    }
+    *g = ng;
+    return KVC_OK;
+}
+
+static kvc_status emu_graph_launch(kvc_graph *g) {
+    for (size_t i = 0; i < g->n; i++) {
+        const op *o = &g->ops[i];
+        for (int k = 0; k < 4; k++)
+            if (o->v[k].buf && o->v[k].buf->p != o->p[k])
+                return kvc_fail(KVC_ERR_INTERNAL, "graph replay: a buffer of op %zu moved since the capture", i);
+        KVC_TRY(run_op(o));
+    }
+    return KVC_OK;
+}
+
+static void emu_graph_free(kvc_graph *g) {
+    if (!g) return;
+    free(g->ops);
+    free(g);
+}
+
+/* ---- the kernels: recorded while capturing, else run ---- */
+
+static kvc_status emu_embed(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x) {
+    op o = {.kind = OP_EMBED, .v = {table, ids, x}, .i = {n, D}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_rmsnorm(kvc_view x, const kvc_view *add, kvc_view w, kvc_view y, int64_t rows, int64_t D, float eps) {
+    op o = {.kind = OP_RMSNORM, .has_add = add != NULL, .v = {x, w, y}, .i = {rows, D}, .f = eps};
+    if (add) o.v[3] = *add;
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_matmul(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate) {
+    op o = {.kind = OP_MATMUL, .v = {a, w, c}, .i = {m, n, k}, .j = {accumulate}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_add_bias(kvc_view y, kvc_view b, int64_t rows, int64_t dim) {
+    op o = {.kind = OP_BIAS, .v = {y, b}, .i = {rows, dim}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
+                           int32_t pairing) {
+    op o = {.kind = OP_ROPE, .v = {x, pos, inv_freq}, .i = {col0, n}, .j = {heads, d, pairing}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
+    op o = {.kind = OP_APPEND, .v = {src}, .kv = kv, .i = {kcol, vcol, n}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags) {
+    op o = {.kind = OP_ATTENTION, .v = {q, out}, .kv = kv, .i = {n}, .j = {H, flags}, .f = scale};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {
+    op o = {.kind = OP_SWIGLU, .v = {gu}, .i = {rows, F}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+
+/* Work that cannot be part of a graph (it reads or writes host memory) is refused during a capture. */
+#define NOT_IN_GRAPH(what) \
+    if (g_rec) return kvc_fail(KVC_ERR_INTERNAL, "%s during a graph capture", what)
+
+static kvc_status emu_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t t) {
+    NOT_IN_GRAPH("upload");
+    return kvc_hbuf_upload(dst, rows, cols, src, t);
+}
+static kvc_status emu_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t t) {
+    NOT_IN_GRAPH("download");
+    return kvc_hbuf_download(src, rows, cols, dst, t);
+}
+static kvc_status emu_score(const kvc_score_args *a) {
+    NOT_IN_GRAPH("scoring");
+    return kvc_host_score_v(a);
+}
+static kvc_status emu_topk(kvc_view s, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep) {
+    NOT_IN_GRAPH("top-k");
+    return kvc_host_topk_v(s, heads, len, k, keep);
+}
+static kvc_status emu_cos_sum(kvc_view r, kvc_view o, int64_t rows, int64_t D, double *out) {
+    NOT_IN_GRAPH("cos_sum");
+    return kvc_host_cos_sum_v(r, o, rows, D, out);
+}
+
+static kvc_status emu_kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
+    NOT_IN_GRAPH("a K/V resize");
+    return kvc_hkv_resize(kv, cap, rows, src);
+}
+static kvc_status emu_kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
+    NOT_IN_GRAPH("a K/V compaction");
+    return kvc_hkv_gather(kv, keep, n_keep, cap);
+}
+static kvc_status emu_kv_set_lens(kvc_kv *kv, const int64_t *len) {
+    NOT_IN_GRAPH("setting K/V lengths");
+    return kvc_hkv_set_lens(kv, len);
+}
+static kvc_status emu_kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
+    NOT_IN_GRAPH("a K/V write");
+    return kvc_hkv_write(kv, h, row0, rows, k, v);
+}
+static kvc_status emu_kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
+    NOT_IN_GRAPH("a K/V read");
+    return kvc_hkv_read(kv, h, row0, rows, k, v);
+}
+
+/* ---- the rest of the table ---- */
+
+static const char *emu_name(void) { return "emulated device (bf16 storage on the CPU)"; }
+static const char *emu_gemm(void) { return "cpu kernels on bf16-rounded operands"; }
+static void emu_memory(int64_t *out) { kvc_host_stats_read(&g_stats, out); }
+static void emu_reset_peak(void) { kvc_host_stats_reset_peak(&g_stats); }
+static kvc_status emu_option(const char *name, int value) {
+    /* the CUDA backend's settings, accepted so the same tests run here; one set of kernels underneath */
+    if ((!strcmp(name, "builtin_gemm") || !strcmp(name, "attention_kernel")) && (value == 0 || value == 1)) return KVC_OK;
+    return kvc_fail(KVC_ERR_ARG, "unknown setting '%s' = %d for the emulated device", name, value);
+}
+static kvc_status emu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
+    return kvc_hbuf_alloc(&g_stats, dtype, n, cat, what, out);
+}
+static const float *emu_host_f32(const kvc_buf *b) { (void)b; return NULL; /* device memory: never read in place */ }
+static kvc_status emu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_stats, KVC_BF16, Hkv, d, out); }
+static size_t emu_kv_bytes(int32_t Hkv, int32_t d, const int64_t *cap) { return kvc_hkv_arena_bytes(KVC_BF16, Hkv, d, cap); }
+
+static const kvc_backend g_emulated = {
+    .version = KVC_BACKEND_VERSION,
+    .name = "emulated",
+    .device = KVC_DEVICE_EMULATED,
+    .act_dtype = KVC_BF16,
+    .weight_dtype = KVC_BF16,
+    .mlp_rows = 8192, /* as the CUDA backend */
+    .serialize = 1,
+    .device_name = emu_name,
+    .gemm_name = emu_gemm,
+    .memory_stats = emu_memory,
+    .reset_peak = emu_reset_peak,
+    .set_option = emu_option,
+    .alloc = emu_alloc,
+    .free = kvc_hbuf_free,
+    .upload = emu_upload,
+    .download = emu_download,
+    .host_f32 = emu_host_f32,
+    .kv_new = emu_kv_new,
+    .kv_free = kvc_hkv_free,
+    .kv_arena_bytes = emu_kv_bytes,
+    .kv_resize = emu_kv_resize,
+    .kv_gather = emu_kv_gather,
+    .kv_set_lens = emu_kv_set_lens,
+    .kv_write = emu_kv_write,
+    .kv_read = emu_kv_read,
+    .embed = emu_embed,
+    .rmsnorm = emu_rmsnorm,
+    .matmul = emu_matmul,
+    .add_bias = emu_add_bias,
+    .rope = emu_rope,
+    .kv_append = emu_kv_append,
+    .attention = emu_attention,
+    .swiglu = emu_swiglu,
+    .score = emu_score,
+    .topk = emu_topk,
+    .cos_sum = emu_cos_sum,
+    .graph_capture = emu_graph_capture,
+    .graph_launch = emu_graph_launch,
+    .graph_free = emu_graph_free,
+};
+
+const kvc_backend *kvc_backend_emulated(void) { return &g_emulated; }

@@ -1,0 +1,250 @@
+/* The public device API: what a device is and holds (kvc_device_*), and its kernels on host arrays
+ * through its table, for tests that compare a device with the CPU reference and for benchmarks. Written
+ * once for every backend: host arrays are uploaded into buffers of the backend's own dtypes (rounded as
+ * it stores them), the kernel runs, the result comes back as fp32. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backend/backend.h"
+#include "../core/common.h"
+
+int kvc_device_available(int32_t device) {
+    const kvc_backend *be;
+    return kvc_backend_get(device, &be) == KVC_OK;
+}
+
+kvc_status kvc_device_init(int32_t device) {
+    const kvc_backend *be;
+    return kvc_backend_get(device, &be);
+}
+
+const char *kvc_device_name(int32_t device) {
+    const kvc_backend *be;
+    return kvc_backend_get(device, &be) == KVC_OK ? be->device_name() : "";
+}
+
+const char *kvc_device_gemm_name(int32_t device) {
+    const kvc_backend *be;
+    return kvc_backend_get(device, &be) == KVC_OK ? be->gemm_name() : "";
+}
+
+kvc_status kvc_device_memory_stats(int32_t device, int64_t *out) {
+    const kvc_backend *be;
+    if (!out) return kvc_fail(KVC_ERR_ARG, "memory_stats: out is NULL");
+    KVC_TRY(kvc_backend_get(device, &be));
+    be->memory_stats(out);
+    return KVC_OK;
+}
+
+kvc_status kvc_device_reset_peak(int32_t device) {
+    const kvc_backend *be;
+    KVC_TRY(kvc_backend_get(device, &be));
+    be->reset_peak();
+    return KVC_OK;
+}
+
+kvc_status kvc_device_set_option(int32_t device, const char *name, int32_t value) {
+    const kvc_backend *be;
+    if (!name) return kvc_fail(KVC_ERR_ARG, "set_option: name is NULL");
+    KVC_TRY(kvc_backend_get(device, &be));
+    kvc_backend_lock(be);
+    kvc_status st = be->set_option(name, value);
+    kvc_backend_unlock(be);
+    return st;
+}
+
+kvc_status kvc_device_bench(int32_t device, int32_t what, const int64_t *dims, int32_t reps, double *seconds) {
+    const kvc_backend *be;
+    if (!dims || !seconds) return kvc_fail(KVC_ERR_ARG, "bench: null argument");
+    if (what != 0 && what != 1) return kvc_fail(KVC_ERR_ARG, "bench: unknown kernel %d (0: GEMM, 1: prefill attention)", what);
+    for (int i = 0; i < (what == 1 ? 4 : 3); i++)
+        if (dims[i] <= 0 || dims[i] >= (1LL << 31)) return kvc_fail(KVC_ERR_ARG, "bench: dimension %d out of range", i);
+    KVC_TRY(kvc_backend_get(device, &be));
+    if (!be->bench) return kvc_fail(KVC_ERR_UNSUPPORTED, "the %s backend has no device timers", be->name);
+    kvc_backend_lock(be);
+    kvc_status st = be->bench(what, dims, reps, seconds);
+    kvc_backend_unlock(be);
+    return st;
+}
+
+/* ---- kernels on host arrays ---------------------------------------------------------------------------- */
+
+#define CHECK(cond, ...)                                        \
+    do {                                                        \
+        if (!(cond)) return kvc_fail(KVC_ERR_ARG, __VA_ARGS__); \
+    } while (0)
+
+/* Buffers of one call, freed at the end whatever happened. */
+typedef struct scope {
+    const kvc_backend *be;
+    kvc_buf *b[8];
+    int n;
+    kvc_kv *kv;
+} scope;
+
+static kvc_status scope_buf(scope *sc, int32_t dtype, int64_t n, const void *src, int64_t rows, int64_t cols, int32_t src_t,
+                            kvc_buf **out) {
+    KVC_TRY(sc->be->alloc(dtype, n > 0 ? n : 1, KVC_MEM_ACT, "kernel test buffer", out));
+    sc->b[sc->n++] = *out;
+    if (src) KVC_TRY(sc->be->upload(kvc_view_of(*out, 0, cols), rows, cols, src, src_t));
+    return KVC_OK;
+}
+
+static void scope_end(scope *sc) {
+    for (int i = 0; i < sc->n; i++) sc->be->free(sc->b[i]);
+    if (sc->kv) sc->be->kv_free(sc->kv);
+    kvc_backend_unlock(sc->be);
+}
+
+static kvc_status scope_begin(scope *sc, int32_t device) {
+    memset(sc, 0, sizeof *sc);
+    KVC_TRY(kvc_backend_get(device, &sc->be));
+    kvc_backend_lock(sc->be);
+    return KVC_OK;
+}
+
+kvc_status kvc_device_kernel_matmul(int32_t device, const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k) {
+    CHECK(a && b && c, "matmul: a, b and c must not be NULL");
+    CHECK(m > 0 && n > 0 && k > 0, "matmul: sizes must be positive (m=%lld n=%lld k=%lld)", (long long)m, (long long)n,
+          (long long)k);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_buf *A, *B, *C;
+    kvc_status st = scope_buf(&sc, sc.be->act_dtype, m * k, a, m, k, KVC_F32, &A);
+    if (st == KVC_OK) st = scope_buf(&sc, sc.be->weight_dtype, n * k, b, n, k, KVC_F32, &B);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, m * n, NULL, 0, 0, 0, &C);
+    if (st == KVC_OK) st = sc.be->matmul(kvc_view_of(A, 0, k), kvc_view_of(B, 0, k), kvc_view_of(C, 0, n), m, n, k, 0);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(C, 0, n), m, n, c, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_rmsnorm(int32_t device, const float *x, const float *r, const float *w, float *y, float *x_out,
+                                     int64_t rows, int64_t dim, float eps) {
+    CHECK(x && w && y, "rmsnorm: x, w and y must not be NULL");
+    CHECK(rows > 0 && dim > 0, "rmsnorm: sizes must be positive (rows=%lld dim=%lld)", (long long)rows, (long long)dim);
+    CHECK(eps > 0 && isfinite(eps), "rmsnorm: eps must be finite and > 0 (got %g)", (double)eps);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_buf *X, *R = NULL, *W, *Y;
+    kvc_status st = scope_buf(&sc, KVC_F32, rows * dim, x, rows, dim, KVC_F32, &X);
+    if (st == KVC_OK && r) st = scope_buf(&sc, sc.be->act_dtype, rows * dim, r, rows, dim, KVC_F32, &R);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, dim, w, 1, dim, KVC_F32, &W);
+    if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, rows * dim, NULL, 0, 0, 0, &Y);
+    const kvc_view rv = kvc_view_of(R, 0, dim);
+    if (st == KVC_OK)
+        st = sc.be->rmsnorm(kvc_view_of(X, 0, dim), R ? &rv : NULL, kvc_view_of(W, 0, dim), kvc_view_of(Y, 0, dim), rows, dim, eps);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(Y, 0, dim), rows, dim, y, KVC_F32);
+    if (st == KVC_OK && x_out) st = sc.be->download(kvc_view_of(X, 0, dim), rows, dim, x_out, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_rope(int32_t device, float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
+                                  const float *inv_freq, int32_t pairing) {
+    CHECK(x && pos && inv_freq, "rope: x, pos and inv_freq must not be NULL");
+    CHECK(n > 0 && heads > 0, "rope: sizes must be positive (n=%lld heads=%d)", (long long)n, heads);
+    CHECK(d >= 2 && d % 2 == 0 && d <= 1024, "rope: head_dim must be even and in [2, 1024] (got %d)", d);
+    CHECK(pairing == KVC_ROPE_HALF || pairing == KVC_ROPE_ADJACENT, "rope: pairing must be 0 or 1, got %d", pairing);
+    for (int64_t i = 0; i < n; i++) CHECK(pos[i] >= 0, "rope: position %lld is negative", (long long)i);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    const int64_t w = (int64_t)heads * d;
+    kvc_buf *X, *P, *F;
+    kvc_status st = scope_buf(&sc, sc.be->act_dtype, n * w, x, n, w, KVC_F32, &X);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_I64, n, pos, 1, n, KVC_I64, &P);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, d / 2, inv_freq, 1, d / 2, KVC_F32, &F);
+    if (st == KVC_OK)
+        st = sc.be->rope(kvc_view_of(X, 0, w), 0, n, heads, d, kvc_view_of(P, 0, n), kvc_view_of(F, 0, d / 2), pairing);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(X, 0, w), n, w, x, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_swiglu(int32_t device, const float *gate, const float *up, float *out, int64_t rows, int64_t dim) {
+    CHECK(gate && up && out, "swiglu: gate, up and out must not be NULL");
+    CHECK(rows > 0 && dim > 0, "swiglu: sizes must be positive (rows=%lld dim=%lld)", (long long)rows, (long long)dim);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_buf *G;
+    kvc_status st = scope_buf(&sc, sc.be->act_dtype, rows * 2 * dim, NULL, 0, 0, 0, &G);
+    const kvc_view gu = kvc_view_of(G, 0, 2 * dim);
+    if (st == KVC_OK) st = sc.be->upload(gu, rows, dim, gate, KVC_F32);
+    if (st == KVC_OK) st = sc.be->upload(kvc_view_at(gu, 0, dim), rows, dim, up, KVC_F32);
+    if (st == KVC_OK) st = sc.be->swiglu(gu, rows, dim);
+    if (st == KVC_OK) st = sc.be->download(gu, rows, dim, out, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                       const float *const *k, const float *const *v, const int64_t *past_len, float scale,
+                                       float *out, int32_t force_prefill) {
+    CHECK(q && k && v && past_len && out, "attention: q, k, v, past_len and out must not be NULL");
+    CHECK(n > 0 && H > 0 && Hkv > 0 && d > 0, "attention: sizes must be positive (n=%lld H=%d Hkv=%d d=%d)", (long long)n,
+          H, Hkv, d);
+    CHECK(H % Hkv == 0, "attention: the query heads H=%d must be a multiple of the KV heads Hkv=%d", H, Hkv);
+    CHECK(Hkv <= KVC_MAX_KV_HEADS, "attention: at most %d KV heads, got %d", KVC_MAX_KV_HEADS, Hkv);
+    CHECK(d <= 256, "attention: head_dim %d > 256 is not supported", d);
+    CHECK(isfinite(scale), "attention: scale must be finite");
+    int64_t len[KVC_MAX_KV_HEADS];
+    for (int32_t h = 0; h < Hkv; h++) {
+        CHECK(k[h] && v[h], "attention: k[%d] or v[%d] is NULL", h, h);
+        CHECK(past_len[h] >= 0 && past_len[h] + n < 2147483647, "attention: past_len[%d] = %lld is out of range", h,
+              (long long)past_len[h]);
+        len[h] = past_len[h] + n;
+    }
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.n_heads = H;
+    mc.n_kv_heads = Hkv;
+    mc.head_dim = d;
+    kvc_status st = sc.be->check_model ? sc.be->check_model(&mc) : KVC_OK;
+    const int64_t qd = (int64_t)H * d;
+    kvc_buf *Q, *O;
+    int64_t zero[KVC_MAX_KV_HEADS] = {0};
+    if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, q, n, qd, KVC_F32, &Q);
+    if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, NULL, 0, 0, 0, &O);
+    if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, &sc.kv);
+    if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, len, zero, NULL);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) st = sc.be->kv_write(sc.kv, h, 0, len[h], k[h], v[h]);
+    if (st == KVC_OK) st = sc.be->kv_set_lens(sc.kv, len);
+    if (st == KVC_OK)
+        st = sc.be->attention(kvc_view_of(Q, 0, qd), n, H, sc.kv, scale, kvc_view_of(O, 0, qd),
+                              force_prefill ? KVC_ATTN_FORCE_PREFILL : 0);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(O, 0, qd), n, qd, out, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,
+                                  int64_t *keep) {
+    CHECK(scores && k && keep, "topk: null argument");
+    CHECK(heads > 0 && n > 0 && n < 2147483647, "topk: bad sizes (heads=%d n=%lld)", heads, (long long)n);
+    int64_t *len = malloc(sizeof(int64_t) * (size_t)heads), *kk = malloc(sizeof(int64_t) * (size_t)heads);
+    int64_t **rows = malloc(sizeof(int64_t *) * (size_t)heads);
+    if (!len || !kk || !rows) {
+        free(len); free(kk); free(rows);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: top-k");
+    }
+    for (int32_t h = 0; h < heads; h++) {
+        len[h] = n;
+        kk[h] = k[h] < 0 ? 0 : k[h] > n ? n : k[h];
+        rows[h] = keep + (size_t)h * n;
+    }
+    scope sc;
+    kvc_status st = scope_begin(&sc, device);
+    if (st == KVC_OK) {
+        kvc_buf *S;
+        st = scope_buf(&sc, KVC_F32, (int64_t)heads * n, scores, heads, n, KVC_F32, &S);
+        if (st == KVC_OK) st = sc.be->topk(kvc_view_of(S, 0, n), heads, len, kk, rows);
+        scope_end(&sc);
+    }
+    free(len);
+    free(kk);
+    free(rows);
+    return st;
+}

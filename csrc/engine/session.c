@@ -1,0 +1,200 @@
+/* Every kvc_session_* function of the public API: life cycle, state, the cache, the attached press and
+ * its diagnostics (computed in press/), TAKE's prefill (press/take.c), decode graphs. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../press/press.h"
+#include "session.h"
+
+static int graphs_default(void) {
+    const char *e = getenv("KVC_DECODE_GRAPHS");
+    return e && !strcmp(e, "1");
+}
+
+kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: out is NULL");
+    *out = NULL;
+    if (!model) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: model is NULL");
+    if (capacity_hint < 0) return kvc_fail(KVC_ERR_ARG, "capacity_hint must be >= 0");
+    kvc_session *s = calloc(1, sizeof *s);
+    if (!s) return kvc_fail(KVC_ERR_NOMEM, "out of memory: session");
+    s->model = model;
+    s->be = model->be;
+    s->capacity_hint = capacity_hint;
+    s->graphs = graphs_default();
+    kvc_status st = kvc_cache_init(&s->cache, s->be, model->cfg.n_layers, model->cfg.n_kv_heads, model->cfg.head_dim);
+    if (st != KVC_OK) {
+        free(s);
+        return st;
+    }
+    *out = s;
+    return KVC_OK;
+}
+
+void kvc_session_free(kvc_session *s) {
+    if (!s) return;
+    kvc_backend_lock(s->be);
+    kvc_press_free(s->press);
+    if (s->graph) s->be->graph_free(s->graph);
+    kvc_act_free(s);
+    kvc_cache_free(&s->cache);
+    kvc_backend_unlock(s->be);
+    free(s->positions);
+    free(s);
+}
+
+void kvc_session_reset(kvc_session *s) {
+    if (!s) return;
+    kvc_backend_lock(s->be);
+    kvc_cache_clear(&s->cache);
+    kvc_backend_unlock(s->be);
+    s->press_seconds = 0.0;
+    s->pos = 0;
+    s->needs_reset = 0;
+}
+
+int64_t kvc_session_position(const kvc_session *s) { return s ? s->pos : 0; }
+
+kvc_status kvc_session_set_position(kvc_session *s, int64_t position) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (position < 0) return kvc_fail(KVC_ERR_ARG, "position must be >= 0, got %lld", (long long)position);
+    s->pos = position;
+    return KVC_OK;
+}
+
+int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32_t h) {
+    if (!s || layer < 0 || layer >= s->cache.n_layers || h < 0 || h >= s->cache.n_kv) return -1;
+    return s->cache.layers[layer].len[h];
+}
+
+double kvc_session_press_seconds(const kvc_session *s) { return s ? s->press_seconds : 0.0; }
+size_t kvc_session_cache_bytes(const kvc_session *s) { return s ? s->cache.bytes : 0; }
+size_t kvc_session_peak_cache_bytes(const kvc_session *s) { return s ? s->cache.peak_bytes : 0; }
+
+kvc_status kvc_session_truncate(kvc_session *s, const int64_t *new_len, int64_t position) {
+    if (!s || !new_len) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (position < 0) return kvc_fail(KVC_ERR_ARG, "position must be >= 0");
+    const int32_t Hkv = s->cache.n_kv;
+    for (int32_t l = 0; l < s->cache.n_layers; l++)
+        for (int32_t h = 0; h < Hkv; h++)
+            if (new_len[l * Hkv + h] < 0 || new_len[l * Hkv + h] > s->cache.layers[l].len[h])
+                return kvc_fail(KVC_ERR_ARG, "layer %d head %d holds %lld tokens: cannot truncate to %lld", l, h,
+                                (long long)s->cache.layers[l].len[h], (long long)new_len[l * Hkv + h]);
+    kvc_backend_lock(s->be);
+    kvc_status st = KVC_OK;
+    for (int32_t l = 0; l < s->cache.n_layers && st == KVC_OK; l++) st = kvc_cache_truncate(&s->cache, l, new_len + l * Hkv);
+    kvc_backend_unlock(s->be);
+    if (st == KVC_OK) s->pos = position;
+    return st;
+}
+
+kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int32_t h, int64_t *out) {
+    if (!s || !out) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (layer < 0 || layer >= s->cache.n_layers || h < 0 || h >= s->cache.n_kv)
+        return kvc_fail(KVC_ERR_ARG, "layer %d / head %d out of range", layer, h);
+    const kvc_layer_cache *L = &s->cache.layers[layer];
+    if (L->len[h] > 0) memcpy(out, L->pos[h], sizeof(int64_t) * (size_t)L->len[h]);
+    return KVC_OK;
+}
+
+static int cache_is_empty(const kvc_session *s) {
+    for (int32_t l = 0; l < s->cache.n_layers; l++)
+        for (int32_t h = 0; h < s->cache.n_kv; h++)
+            if (s->cache.layers[l].len[h] != 0) return 0;
+    return 1;
+}
+
+kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
+    if (!dst || !src) return kvc_fail(KVC_ERR_ARG, "kvc_session_copy_cache: session is NULL");
+    if (dst == src) return kvc_fail(KVC_ERR_ARG, "copying a session's cache onto itself");
+    if (dst->model != src->model) return kvc_fail(KVC_ERR_ARG, "the two sessions belong to different models");
+    if (src->needs_reset) return kvc_fail(KVC_ERR_ARG, "the source session failed a call: reset() it first");
+    if (dst->needs_reset || dst->pos != 0 || !cache_is_empty(dst))
+        return kvc_fail(KVC_ERR_ARG, "the destination session is not empty: call reset() on it first");
+    kvc_backend_lock(dst->be);
+    kvc_status st = kvc_cache_copy(&dst->cache, &src->cache);
+    kvc_backend_unlock(dst->be);
+    if (st == KVC_OK) dst->pos = src->pos;
+    return st;
+}
+
+/* ---- the attached press ---- */
+
+kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    kvc_press *p = NULL;
+    if (cfg) KVC_TRY(kvc_press_new(cfg, &s->model->cfg, s->be, &p));
+    kvc_backend_lock(s->be);
+    kvc_press_free(s->press);
+    kvc_backend_unlock(s->be);
+    s->press = p;
+    s->hook = p ? kvc_press_hook : NULL;
+    s->hook_user = p;
+    return KVC_OK;
+}
+
+static kvc_status attached(const kvc_session *s, const kvc_press **p) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    *p = s->press;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_press_scores(const kvc_session *s, int32_t layer, int32_t h, float *out, int64_t *n) {
+    const kvc_press *p = NULL;
+    if (!n) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(attached(s, &p));
+    return kvc_press_recorded_scores(p, layer, h, out, n);
+}
+
+kvc_status kvc_session_press_error(const kvc_session *s, int32_t layer, double *out) {
+    const kvc_press *p = NULL;
+    if (!out) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(attached(s, &p));
+    if (layer < 0 || layer >= p->n_layers) return kvc_fail(KVC_ERR_ARG, "layer %d out of range", layer);
+    *out = p->error[layer];
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_layer_budgets(kvc_session *s, const int64_t *totals, int32_t n_layers) {
+    const kvc_press *p = NULL;
+    if (!totals) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(attached(s, &p));
+    return kvc_press_set_layer_totals(s->press, totals, n_layers);
+}
+
+kvc_status kvc_session_press_layer_stats(const kvc_session *s, int32_t layer, double *e_internal, double *dissimilarity) {
+    const kvc_press *p = NULL;
+    if (!e_internal || !dissimilarity) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(attached(s, &p));
+    if (layer < 0 || layer >= p->n_layers) return kvc_fail(KVC_ERR_ARG, "layer %d out of range", layer);
+    *e_internal = p->e_internal[layer];
+    *dissimilarity = p->dissim[layer];
+    return KVC_OK;
+}
+
+kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg,
+                                    float *logits) {
+    if (!s || !ids || !cfg) return kvc_fail(KVC_ERR_ARG, "prefill_take: null argument");
+    return kvc_take_prefill(s, ids, n, cfg, logits);
+}
+
+/* ---- decode graphs ---- */
+
+kvc_status kvc_session_set_decode_graphs(kvc_session *s, int32_t on) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (on && !s->be->graph_capture)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "the %s backend has no graphs: decode steps run one kernel at a time",
+                        s->be->name);
+    s->graphs = on != 0;
+    if (on) s->graph_error[0] = '\0';
+    return KVC_OK;
+}
+
+kvc_status kvc_session_graph_info(const kvc_session *s, int32_t *on, int64_t *graph_steps, const char **error) {
+    if (!s || !on || !graph_steps || !error) return kvc_fail(KVC_ERR_ARG, "null argument");
+    *on = s->graphs;
+    *graph_steps = s->graph_steps;
+    *error = s->graph_error;
+    return KVC_OK;
+}

@@ -1,0 +1,104 @@
+/* Press settings: the kvpress defaults, the one validation every caller goes through (the C API, the
+ * Python dataclasses via kvc_press_config_check, TAKE's inner press), and the budget arithmetic
+ * (docs/METHODS.md, "Common ground", "PyramidKV"), exported so Python never repeats it. */
+#include <math.h>
+#include <string.h>
+
+#include "press.h"
+
+void kvc_press_config_defaults(kvc_press_config *c) {
+    memset(c, 0, sizeof *c);
+    c->scorer = KVC_SCORE_SNAPKV;
+    c->allocation = KVC_ALLOC_UNIFORM;
+    c->window = 64;
+    c->kernel = 5;
+    c->pool_then_reduce = 1;
+    c->n_sink = 4;
+    c->alpha_safeguard = 0.2f;
+    c->safeguard = KVC_SAFEGUARD_PROTECT;
+    c->pyramid_beta = 20;
+    c->reuse_layers = 1;
+    c->edie_alpha = 0.1f;
+}
+
+kvc_status kvc_press_config_check(const kvc_press_config *c) {
+    if (!c) return kvc_fail(KVC_ERR_ARG, "press config is NULL");
+    if (c->scorer < KVC_SCORE_STREAMING || c->scorer > KVC_SCORE_EDIE) return kvc_fail(KVC_ERR_ARG, "unknown scorer %d", c->scorer);
+    if (c->allocation < KVC_ALLOC_UNIFORM || c->allocation > KVC_ALLOC_LAYER)
+        return kvc_fail(KVC_ERR_ARG, "unknown allocation %d", c->allocation);
+    if (!(c->compression_ratio >= 0 && c->compression_ratio < 1))
+        return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1) (fraction of tokens removed), got %g",
+                        c->compression_ratio);
+    if (c->budget < 0)
+        return kvc_fail(KVC_ERR_ARG, "budget must be a positive integer (tokens kept per KV head per layer), got %lld",
+                        (long long)c->budget);
+    if (c->budget > 0 && c->compression_ratio != 0)
+        return kvc_fail(KVC_ERR_ARG, "give either compression_ratio or budget, not both");
+    if (kvc_scorer_has_window(c->scorer) && c->window < 1)
+        return kvc_fail(KVC_ERR_ARG, "window_size must be a positive integer, got %d", c->window);
+    if (c->window < 0) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 0, got %d", c->window);
+    if (c->kernel < 1 || c->kernel % 2 == 0) return kvc_fail(KVC_ERR_ARG, "kernel_size must be an odd integer >= 1, got %d", c->kernel);
+    if (c->n_sink < 0) return kvc_fail(KVC_ERR_ARG, "n_sink must be >= 0, got %d", c->n_sink);
+    if (!(c->alpha_safeguard >= 0 && c->alpha_safeguard <= 1))
+        return kvc_fail(KVC_ERR_ARG, "alpha_safeguard must be in [0, 1], got %g", c->alpha_safeguard);
+    if (c->safeguard != KVC_SAFEGUARD_FLOOR && c->safeguard != KVC_SAFEGUARD_PROTECT)
+        return kvc_fail(KVC_ERR_ARG, "unknown safeguard %d", c->safeguard);
+    if (!(c->edie_alpha > 0 && c->edie_alpha < 100)) return kvc_fail(KVC_ERR_ARG, "EDIE alpha must be in (0, 100), got %g", c->edie_alpha);
+    if (c->chunk_length < 0) return kvc_fail(KVC_ERR_ARG, "chunk_length must be >= 0, got %d", c->chunk_length);
+    if (c->reuse_layers < 0) return kvc_fail(KVC_ERR_ARG, "reuse_layers must be >= 1, got %d", c->reuse_layers);
+    if (c->chunk_length > 0 && c->allocation == KVC_ALLOC_ADAKV)
+        return kvc_fail(KVC_ERR_ARG, "ChunkKV shares one chunk selection across a layer's heads; Ada-KV gives each head its own "
+                        "budget: the two do not combine (use ChunkKVPress over SnapKVPress, or AdaKVPress alone)");
+    if (c->allocation == KVC_ALLOC_PYRAMID && c->pyramid_beta < 1)
+        return kvc_fail(KVC_ERR_ARG, "PyramidKV beta must be >= 1, got %d", c->pyramid_beta);
+    if (c->budget > 0 && kvc_scorer_has_window(c->scorer) && c->budget < c->window)
+        return kvc_fail(KVC_ERR_ARG, "budget (%lld) must be at least window_size (%d): the window is kept inside the budget",
+                        (long long)c->budget, c->window);
+    return KVC_OK;
+}
+
+int64_t kvc_n_kept_ratio(int64_t n, double cr) {
+    /* kvpress compute_n_kept: int(n * (1 - cr)), at least 1 */
+    int64_t k = (int64_t)((double)n * (1.0 - cr));
+    return k < 1 ? 1 : k;
+}
+
+/* Python's round(): half to even, as kvpress's PyramidKV schedule uses it. */
+static int64_t round_half_even(double x) { return (int64_t)nearbyint(x); }
+
+int64_t kvc_layer_budget(const kvc_press_config *p, int32_t layer, int32_t n_layers, int64_t n) {
+    const double avg = p->budget > 0 ? (double)p->budget : (double)n * (1.0 - p->compression_ratio);
+    if (p->budget > 0 && n <= p->budget) return n;
+    if (p->allocation != KVC_ALLOC_PYRAMID) {
+        int64_t k = p->budget > 0 ? p->budget : kvc_n_kept_ratio(n, p->compression_ratio);
+        return k > n ? n : k;
+    }
+    /* PyramidKV (kvpress integer schedule): budgets fall linearly with depth from max_num to
+     * min_num = (budget - w) / beta with mean budget - w, plus the window; if that schedule does
+     * not fit the prompt, uniform. */
+    const double w = p->window, beta = p->pyramid_beta;
+    const double max_cap = w + avg;
+    double min_num = (max_cap - w) / beta;
+    double max_num = (max_cap - w) * 2 - min_num;
+    if (max_num >= (double)n - w) {
+        max_num = (double)n - w;
+        min_num = (max_cap - w) * 2 - max_num;
+    }
+    if (!((double)n >= max_num && max_num >= min_num && min_num >= w)) {
+        int64_t k = round_half_even(avg);
+        return k < 1 ? 1 : (k > n ? n : k);
+    }
+    const double steps = n_layers > 1 ? (max_num - min_num) / (n_layers - 1) : 0.0;
+    int64_t k = round_half_even(max_num - layer * steps);
+    return k < 1 ? 1 : (k > n ? n : k);
+}
+
+kvc_status kvc_press_kept(const kvc_press_config *cfg, int32_t layer, int32_t n_layers, int64_t n, int64_t *out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_press_kept: out is NULL");
+    KVC_TRY(kvc_press_config_check(cfg));
+    if (n < 0) return kvc_fail(KVC_ERR_ARG, "kvc_press_kept: n must be >= 0, got %lld", (long long)n);
+    if (n_layers < 1 || layer < 0 || layer >= n_layers)
+        return kvc_fail(KVC_ERR_ARG, "kvc_press_kept: layer %d not in [0, %d)", layer, n_layers);
+    *out = n == 0 ? 0 : kvc_layer_budget(cfg, layer, n_layers, n);
+    return KVC_OK;
+}

@@ -1,0 +1,133 @@
+/* kvpress_c._core: the module (state, types, the method tables of the other files), errors, token ids,
+ * and the CPU backend's runtime settings (threads, external BLAS). */
+#define KVC_PY_MODULE_C
+#include "core.h"
+
+PyObject *kvc_py_raise(kvc_status st) {
+    const char *msg = kvc_last_error();
+    if (!msg || !*msg) msg = "kvpress_c: unknown error";
+    PyObject *exc;
+    switch (st) {
+    case KVC_ERR_ARG:
+    case KVC_ERR_FORMAT: exc = PyExc_ValueError; break;
+    case KVC_ERR_IO: exc = PyExc_OSError; break;
+    case KVC_ERR_NOMEM: exc = PyExc_MemoryError; break;
+    case KVC_ERR_UNSUPPORTED: exc = PyExc_NotImplementedError; break;
+    default: exc = PyExc_RuntimeError; break;
+    }
+    PyErr_SetString(exc, msg);
+    return NULL;
+}
+
+/* values beyond int32 are refused here; the vocabulary range is checked in C */
+PyArrayObject *kvc_py_ids(PyObject *obj) {
+    PyArrayObject *arr = (PyArrayObject *)PyArray_FROMANY(obj, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
+    if (!arr) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "token ids must be a 1-D sequence of integers");
+        return NULL;
+    }
+    const npy_intp n = PyArray_DIM(arr, 0);
+    const int64_t *src = (const int64_t *)PyArray_DATA(arr);
+    for (npy_intp i = 0; i < n; i++) {
+        if (src[i] < INT32_MIN || src[i] > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "token id %lld at index %zd is outside the vocabulary", (long long)src[i], (Py_ssize_t)i);
+            Py_DECREF(arr);
+            return NULL;
+        }
+    }
+    PyArrayObject *out = (PyArrayObject *)PyArray_Cast(arr, NPY_INT32);
+    Py_DECREF(arr);
+    return out;
+}
+
+static PyObject *mod_set_blas(PyObject *m, PyObject *args) {
+    PyObject *path_obj = Py_None;
+    const char *symbol = NULL;
+    if (!PyArg_ParseTuple(args, "|Oz", &path_obj, &symbol)) return NULL;
+    kvc_status st;
+    if (path_obj == Py_None) {
+        st = kvc_set_blas(NULL, NULL);
+    } else {
+        PyObject *b = NULL;
+        if (!PyUnicode_FSConverter(path_obj, &b)) return NULL;
+        st = kvc_set_blas(PyBytes_AS_STRING(b), symbol ? symbol : "scipy_cblas_sgemm");
+        Py_DECREF(b);
+    }
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_blas_name(PyObject *m, PyObject *unused) { return PyUnicode_FromString(kvc_blas_name()); }
+
+static PyObject *mod_set_num_threads(PyObject *m, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    kvc_set_num_threads((int)n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *mod_get_num_threads(PyObject *m, PyObject *unused) { return PyLong_FromLong(kvc_get_num_threads()); }
+
+static PyMethodDef module_methods[] = {
+    {"forward_batch", kvc_py_forward_batch, METH_VARARGS,
+     "forward_batch(sessions, ids): one token per session (no press attached), float32 logits [B, vocab];\n"
+     "the weight GEMMs run once for all sessions."},
+    {"set_blas", mod_set_blas, METH_VARARGS, "set_blas(path=None, symbol='scipy_cblas_sgemm'): external CBLAS sgemm or the built-in GEMM."},
+    {"blas_name", mod_blas_name, METH_NOARGS, "Name of the GEMM in use."},
+    {"set_num_threads", mod_set_num_threads, METH_O, "Threads of the CPU backend (<= 0: all cores)."},
+    {"get_num_threads", mod_get_num_threads, METH_NOARGS, "Threads of the CPU backend."},
+    {NULL, NULL, 0, NULL}};
+
+static int add_methods(PyObject *m, PyMethodDef *defs) {
+    return PyModule_AddFunctions(m, defs);
+}
+
+static int module_exec(PyObject *m) {
+    if (_import_array() < 0) return -1;
+    core_state *state = get_state(m);
+    state->model_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_model_spec, NULL);
+    if (!state->model_type || PyModule_AddType(m, state->model_type) < 0) return -1;
+    state->session_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_session_spec, NULL);
+    if (!state->session_type || PyModule_AddType(m, state->session_type) < 0) return -1;
+    if (add_methods(m, kvc_py_press_methods) < 0 || add_methods(m, kvc_py_judgeq_methods) < 0 ||
+        add_methods(m, kvc_py_device_methods) < 0)
+        return -1;
+    if (kvc_py_press_constants(m) < 0) return -1;
+    if (PyModule_AddStringConstant(m, "__version__", kvc_version()) < 0) return -1;
+    return 0;
+}
+
+static int module_traverse(PyObject *m, visitproc visit, void *arg) {
+    core_state *state = get_state(m);
+    Py_VISIT(state->model_type);
+    Py_VISIT(state->session_type);
+    return 0;
+}
+
+static int module_clear(PyObject *m) {
+    core_state *state = get_state(m);
+    Py_CLEAR(state->model_type);
+    Py_CLEAR(state->session_type);
+    return 0;
+}
+
+static void module_free(void *m) { module_clear((PyObject *)m); }
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL}};
+
+struct PyModuleDef kvc_core_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvpress_c._core",
+    .m_doc = "C core of kvpress_c: models on devices, sessions with ragged KV caches, presses.",
+    .m_size = sizeof(core_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&kvc_core_module); }

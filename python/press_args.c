@@ -1,0 +1,118 @@
+/* Press settings from Python: one parser of kvc_press_config keywords (Session.set_press, TAKE's inner
+ * press, the checks below), the enum codes read from the C header, and the C validation and budget
+ * arithmetic the dataclasses call instead of repeating them. */
+#include "core.h"
+
+static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "budget", "window", "kernel", "pool_max",
+                               "gqa_max", "pool_then_reduce", "n_sink", "seed", "alpha_safeguard", "safeguard",
+                               "pyramid_beta", "record_scores", "chunk_length", "reuse_layers", "edie_alpha",
+                               "drop_window", NULL};
+
+int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
+    kvc_press_config_defaults(c);
+    if (!kwargs) return 0;
+    PyObject *empty = PyTuple_New(0);
+    if (!empty) return -1;
+    long long budget = 0;
+    unsigned long long seed = 0;
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifp", press_kwlist, &c->scorer,
+                                               &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
+                                               &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
+                                               &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
+                                               &c->chunk_length, &c->reuse_layers, &c->edie_alpha, &c->drop_window);
+    Py_DECREF(empty);
+    if (!ok) return -1;
+    c->budget = budget;
+    c->seed = seed;
+    return 0;
+}
+
+/* press_config_check(**settings): ValueError with the C message when kvc_press_config_check refuses them. */
+static PyObject *mod_press_config_check(PyObject *m, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "press_config_check takes keyword arguments only");
+        return NULL;
+    }
+    kvc_press_config c;
+    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_press_config_check(&c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* press_kept(n, layer=0, n_layers=1, **settings) -> tokens a head of n rows keeps */
+static PyObject *mod_press_kept(PyObject *m, PyObject *args, PyObject *kwds) {
+    long long n;
+    int layer = 0, n_layers = 1;
+    if (!PyArg_ParseTuple(args, "L|ii", &n, &layer, &n_layers)) return NULL;
+    kvc_press_config c;
+    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
+    int64_t out = 0;
+    kvc_status st = kvc_press_kept(&c, layer, n_layers, n, &out);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    return PyLong_FromLongLong(out);
+}
+
+/* tada_allocate(weights, total, lo, hi) -> int64 [L] */
+static PyObject *mod_tada_allocate(PyObject *m, PyObject *args) {
+    PyObject *w_obj;
+    long long total, lo, hi;
+    if (!PyArg_ParseTuple(args, "OLLL", &w_obj, &total, &lo, &hi)) return NULL;
+    PyArrayObject *w = (PyArrayObject *)PyArray_FROMANY(w_obj, NPY_FLOAT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
+    if (!w) return NULL;
+    npy_intp dims[1] = {PyArray_DIM(w, 0)};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (!out) {
+        Py_DECREF(w);
+        return NULL;
+    }
+    kvc_status st = kvc_tada_allocate((const double *)PyArray_DATA(w), (int32_t)dims[0], total, lo, hi,
+                                      (int64_t *)PyArray_DATA(out));
+    Py_DECREF(w);
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        return kvc_py_raise(st);
+    }
+    return (PyObject *)out;
+}
+
+PyMethodDef kvc_py_press_methods[] = {
+    {"press_config_check", (PyCFunction)(void (*)(void))mod_press_config_check, METH_VARARGS | METH_KEYWORDS,
+     "press_config_check(**settings): ValueError with the reason if the C core refuses these press settings."},
+    {"press_kept", (PyCFunction)(void (*)(void))mod_press_kept, METH_VARARGS | METH_KEYWORDS,
+     "press_kept(n, layer=0, n_layers=1, **settings) -> tokens a KV head of n rows keeps (the C budget rule)."},
+    {"tada_allocate", mod_tada_allocate, METH_VARARGS,
+     "tada_allocate(weights[L], total, lo, hi) -> int64 [L]: TADA's layer capacities, proportional to the weights,\n"
+     "each in [lo, hi], summing to total."},
+    {NULL, NULL, 0, NULL}};
+
+/* SCORERS, ALLOCATIONS, SAFEGUARDS: name -> the C enum code (csrc/include/kvpress_c.h) */
+static int add_codes(PyObject *m, const char *name, const char *const *keys, const int *codes, int n) {
+    PyObject *d = PyDict_New();
+    if (!d) return -1;
+    for (int i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(codes[i]);
+        if (!v || PyDict_SetItemString(d, keys[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    const int r = PyModule_AddObjectRef(m, name, d);
+    Py_DECREF(d);
+    return r;
+}
+
+int kvc_py_press_constants(PyObject *m) {
+    static const char *scorers[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie"};
+    static const int scorer_codes[] = {KVC_SCORE_STREAMING, KVC_SCORE_KNORM, KVC_SCORE_RANDOM, KVC_SCORE_TOVA,
+                                       KVC_SCORE_OBSERVED, KVC_SCORE_SNAPKV, KVC_SCORE_EDIE};
+    static const char *allocations[] = {"uniform", "pyramid", "adakv", "layer"};
+    static const int allocation_codes[] = {KVC_ALLOC_UNIFORM, KVC_ALLOC_PYRAMID, KVC_ALLOC_ADAKV, KVC_ALLOC_LAYER};
+    static const char *safeguards[] = {"floor", "protect"};
+    static const int safeguard_codes[] = {KVC_SAFEGUARD_FLOOR, KVC_SAFEGUARD_PROTECT};
+    if (add_codes(m, "SCORERS", scorers, scorer_codes, 7) < 0) return -1;
+    if (add_codes(m, "ALLOCATIONS", allocations, allocation_codes, 4) < 0) return -1;
+    return add_codes(m, "SAFEGUARDS", safeguards, safeguard_codes, 2);
+}

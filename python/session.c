@@ -1,0 +1,584 @@
+/* kvpress_c._core.Session: one sequence on a model's device, and batched decoding over sessions. */
+#include "core.h"
+
+static int Session_init(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"model", "capacity", NULL};
+    PyObject *model_obj;
+    long long capacity = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|L", kwlist, &model_obj, &capacity)) return -1;
+    PyObject *module = PyType_GetModuleByDef(Py_TYPE(self), &kvc_core_module);
+    if (!module) return -1;
+    if (!PyObject_TypeCheck(model_obj, get_state(module)->model_type)) {
+        PyErr_Format(PyExc_TypeError, "Session(model): model must be a kvpress_c._core.Model, not %.100s",
+                     Py_TYPE(model_obj)->tp_name);
+        return -1;
+    }
+    ModelObject *mo = (ModelObject *)model_obj;
+    if (kvc_py_check_model(mo) < 0) return -1;
+    if (capacity < 0) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be >= 0");
+        return -1;
+    }
+    if (self->session) {
+        PyErr_SetString(PyExc_RuntimeError, "Session is already initialised");
+        return -1;
+    }
+    kvc_status st = kvc_session_new(mo->model, capacity, &self->session);
+    if (st != KVC_OK) {
+        kvc_py_raise(st);
+        return -1;
+    }
+    Py_INCREF(mo);
+    self->model = mo;
+    return 0;
+}
+
+static void Session_dealloc(SessionObject *self) {
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    kvc_session_free(self->session);
+    Py_CLEAR(self->model);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+static int Session_traverse(SessionObject *self, visitproc visit, void *arg) {
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->model);
+    return 0;
+}
+
+static int Session_clear(SessionObject *self) {
+    Py_CLEAR(self->model);
+    return 0;
+}
+
+int kvc_py_check_session(SessionObject *self) {
+    if (!self->session) {
+        PyErr_SetString(PyExc_RuntimeError, "Session is not initialised");
+        return -1;
+    }
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "Session is in use by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Session_forward(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "logits", "embeddings", NULL};
+    PyObject *ids_obj, *mode_obj = NULL, *emb_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|OO", kwlist, &ids_obj, &mode_obj, &emb_obj)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *ids = NULL, *emb = NULL, *logits = NULL;
+    npy_intp n_ids = 0, n_emb = 0;
+    if (ids_obj != Py_None && !(PySequence_Check(ids_obj) && PySequence_Size(ids_obj) == 0)) {
+        if (!(ids = kvc_py_ids(ids_obj))) return NULL;
+        n_ids = PyArray_DIM(ids, 0);
+    }
+    if (emb_obj != Py_None) {
+        emb = (PyArrayObject *)PyArray_FROMANY(emb_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+        if (!emb) goto fail;
+        if (PyArray_DIM(emb, 1) != cfg.hidden) {
+            PyErr_Format(PyExc_ValueError, "embeddings must have shape (n, %d), got (%zd, %zd)", cfg.hidden,
+                         (Py_ssize_t)PyArray_DIM(emb, 0), (Py_ssize_t)PyArray_DIM(emb, 1));
+            goto fail;
+        }
+        n_emb = PyArray_DIM(emb, 0);
+    }
+    const npy_intp n = n_ids + n_emb;
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "forward() needs at least one token");
+        goto fail;
+    }
+    int64_t row;
+    if (!mode_obj || (PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "last") == 0)) row = n - 1;
+    else if (PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "all") == 0) row = KVC_ROW_ALL;
+    else if (PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "none") == 0) row = KVC_ROW_NONE;
+    else if (PyLong_Check(mode_obj)) {
+        row = PyLong_AsLongLong(mode_obj);
+        if (row == -1 && PyErr_Occurred()) goto fail;
+        if (row < 0) row += n;
+        if (row < 0 || row >= n) {
+            PyErr_Format(PyExc_IndexError, "logits row out of range for %zd tokens", (Py_ssize_t)n);
+            goto fail;
+        }
+    } else {
+        PyErr_SetString(PyExc_ValueError, "logits must be 'none', 'last', 'all' or a row index");
+        goto fail;
+    }
+    if (row == KVC_ROW_ALL) {
+        npy_intp dims[2] = {n, cfg.vocab};
+        logits = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    } else if (row != KVC_ROW_NONE) {
+        npy_intp dims[1] = {cfg.vocab};
+        logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32);
+    }
+    if (row != KVC_ROW_NONE && !logits) goto fail;
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_forward_ex(self->session, ids ? (const int32_t *)PyArray_DATA(ids) : NULL, n_ids,
+                        emb ? (const float *)PyArray_DATA(emb) : NULL, n_emb, row,
+                        logits ? (float *)PyArray_DATA(logits) : NULL);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_XDECREF(ids);
+    Py_XDECREF(emb);
+    if (st != KVC_OK) {
+        Py_XDECREF(logits);
+        return kvc_py_raise(st);
+    }
+    if (!logits) Py_RETURN_NONE;
+    return (PyObject *)logits;
+fail:
+    Py_XDECREF(ids);
+    Py_XDECREF(emb);
+    Py_XDECREF(logits);
+    return NULL;
+}
+
+/* forward_shared(ids, followers, logits='last'): one prefill whose K/V every follower session also
+ * receives, each compressing with its own attached press (kvc_forward_shared). */
+static PyObject *Session_forward_shared(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "followers", "logits", NULL};
+    PyObject *ids_obj, *fol_obj, *mode_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O", kwlist, &ids_obj, &fol_obj, &mode_obj)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    int want_logits = 1;
+    if (mode_obj && PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "none") == 0) want_logits = 0;
+    else if (mode_obj && !(PyUnicode_Check(mode_obj) && PyUnicode_CompareWithASCIIString(mode_obj, "last") == 0)) {
+        PyErr_SetString(PyExc_ValueError, "forward_shared: logits must be 'last' or 'none'");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(fol_obj, "followers must be a sequence of Session objects");
+    if (!seq) return NULL;
+    const Py_ssize_t nf = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    kvc_session **fs = PyMem_Calloc(nf ? (size_t)nf : 1, sizeof *fs);
+    PyArrayObject *ids = NULL, *logits = NULL;
+    Py_ssize_t marked = 0;
+    if (!fs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nf; i++) {
+        SessionObject *f = (SessionObject *)items[i];
+        if (Py_TYPE(items[i]) != Py_TYPE(self)) {
+            PyErr_Format(PyExc_TypeError, "follower %zd is not a Session", i);
+            goto done;
+        }
+        if (kvc_py_check_session(f) < 0) goto done;
+        if (f->model != self->model) {
+            PyErr_Format(PyExc_ValueError, "follower %zd belongs to another model", i);
+            goto done;
+        }
+        fs[i] = f->session;
+    }
+    if (!(ids = kvc_py_ids(ids_obj))) goto done;
+    const npy_intp n = PyArray_DIM(ids, 0);
+    if (n == 0) {
+        PyErr_SetString(PyExc_ValueError, "forward_shared() needs at least one token");
+        goto done;
+    }
+    if (want_logits) {
+        kvc_config cfg;
+        kvc_model_get_config(self->model->model, &cfg);
+        npy_intp dims[1] = {cfg.vocab};
+        if (!(logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32))) goto done;
+    }
+    kvc_status st;
+    self->busy = 1;
+    for (; marked < nf; marked++) ((SessionObject *)items[marked])->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_forward_shared(self->session, fs, (int32_t)nf, (const int32_t *)PyArray_DATA(ids), n,
+                            want_logits ? n - 1 : KVC_ROW_NONE, logits ? (float *)PyArray_DATA(logits) : NULL);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    for (Py_ssize_t i = 0; i < marked; i++) ((SessionObject *)items[i])->busy = 0;
+    if (st != KVC_OK) {
+        Py_CLEAR(logits);
+        kvc_py_raise(st);
+    }
+done:
+    PyMem_Free(fs);
+    Py_XDECREF(ids);
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(logits);
+        return NULL;
+    }
+    if (!logits) Py_RETURN_NONE;
+    return (PyObject *)logits;
+}
+
+static PyObject *Session_set_position(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    long long pos = PyLong_AsLongLong(arg);
+    if (pos == -1 && PyErr_Occurred()) return NULL;
+    kvc_status st = kvc_session_set_position(self->session, pos);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reset(SessionObject *self, PyObject *unused) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_session_reset(self->session);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_cache_lengths(SessionObject *self, PyObject *unused) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    npy_intp dims[2] = {cfg.n_layers, cfg.n_kv_heads};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_INT64);
+    if (!out) return NULL;
+    int64_t *p = (int64_t *)PyArray_DATA(out);
+    for (int l = 0; l < cfg.n_layers; l++)
+        for (int h = 0; h < cfg.n_kv_heads; h++) p[l * cfg.n_kv_heads + h] = kvc_session_cache_len(self->session, l, h);
+    return (PyObject *)out;
+}
+
+
+static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject *kwds) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
+        kvc_session_set_press(self->session, NULL);
+        Py_RETURN_NONE;
+    }
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "set_press takes None or keyword arguments (the fields of kvc_press_config)");
+        return NULL;
+    }
+    kvc_press_config c;
+    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_session_set_press(self->session, &c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_cache_positions(SessionObject *self, PyObject *args) {
+    int layer, head;
+    if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const int64_t n = kvc_session_cache_len(self->session, layer, head);
+    if (n < 0) {
+        PyErr_Format(PyExc_IndexError, "layer %d / kv head %d out of range", layer, head);
+        return NULL;
+    }
+    npy_intp dims[1] = {n};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (!out) return NULL;
+    kvc_status st = kvc_session_cache_positions(self->session, layer, head, (int64_t *)PyArray_DATA(out));
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        return kvc_py_raise(st);
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *Session_press_scores(SessionObject *self, PyObject *args) {
+    int layer, head;
+    if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    int64_t n = 0;
+    kvc_status st = kvc_session_press_scores(self->session, layer, head, NULL, &n);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    npy_intp dims[1] = {n};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32);
+    if (!out) return NULL;
+    st = kvc_session_press_scores(self->session, layer, head, (float *)PyArray_DATA(out), &n);
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        return kvc_py_raise(st);
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *Session_press_error(SessionObject *self, PyObject *args) {
+    int layer;
+    if (!PyArg_ParseTuple(args, "i", &layer)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    double e;
+    kvc_status st = kvc_session_press_error(self->session, layer, &e);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    return PyFloat_FromDouble(e);
+}
+
+static PyObject *Session_truncate(SessionObject *self, PyObject *args) {
+    PyObject *lens_obj;
+    long long position;
+    if (!PyArg_ParseTuple(args, "OL", &lens_obj, &position)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *lens = (PyArrayObject *)PyArray_FROMANY(lens_obj, NPY_INT64, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+    if (!lens) return NULL;
+    if (PyArray_DIM(lens, 0) != cfg.n_layers || PyArray_DIM(lens, 1) != cfg.n_kv_heads) {
+        PyErr_Format(PyExc_ValueError, "truncate: lengths must have shape (%d, %d)", cfg.n_layers, cfg.n_kv_heads);
+        Py_DECREF(lens);
+        return NULL;
+    }
+    kvc_status st = kvc_session_truncate(self->session, (const int64_t *)PyArray_DATA(lens), position);
+    Py_DECREF(lens);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_copy_cache_from(SessionObject *self, PyObject *src_obj) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (Py_TYPE(src_obj) != Py_TYPE(self)) {
+        PyErr_SetString(PyExc_TypeError, "copy_cache_from() takes a Session");
+        return NULL;
+    }
+    SessionObject *src = (SessionObject *)src_obj;
+    if (kvc_py_check_session(src) < 0) return NULL;
+    kvc_status st;
+    self->busy = src->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_copy_cache(self->session, src->session);
+    Py_END_ALLOW_THREADS
+    self->busy = src->busy = 0;
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_layer_budgets(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
+    if (!a) return NULL;
+    kvc_status st = kvc_session_set_layer_budgets(self->session, (const int64_t *)PyArray_DATA(a), (int32_t)PyArray_DIM(a, 0));
+    Py_DECREF(a);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_press_layer_stats(SessionObject *self, PyObject *args) {
+    int layer;
+    if (!PyArg_ParseTuple(args, "i", &layer)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    double e, dis;
+    kvc_status st = kvc_session_press_layer_stats(self->session, layer, &e, &dis);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    return Py_BuildValue("(dd)", e, dis);
+}
+
+static PyObject *Session_prefill_take(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "probe_ids", "budget", "chunk_size", "warmup_budget", "warmup_layers", "kernel",
+                             "alpha", "delayed", "inner", "prompt_cached", NULL};
+    PyObject *ids_obj, *probe_obj, *inner = Py_None;
+    kvc_take_config c;
+    kvc_take_config_defaults(&c);
+    long long budget, chunk = c.chunk_size, warm = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOL|LLiifpOp", kwlist, &ids_obj, &probe_obj, &budget, &chunk, &warm,
+                                     &c.warmup_layers, &c.kernel, &c.alpha, &c.delayed, &inner, &c.prompt_cached))
+        return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    c.budget = budget;
+    c.chunk_size = chunk;
+    c.warmup_budget = warm;
+    if (inner != Py_None) { /* the inner scorer, as set_press keywords */
+        if (!PyDict_Check(inner)) {
+            PyErr_SetString(PyExc_TypeError, "inner must be a dict of press settings");
+            return NULL;
+        }
+        if (kvc_py_press_config(inner, &c.inner) < 0) return NULL;
+        c.use_inner = 1;
+    }
+    PyArrayObject *ids = kvc_py_ids(ids_obj);
+    if (!ids) return NULL;
+    PyArrayObject *probe = kvc_py_ids(probe_obj);
+    if (!probe) {
+        Py_DECREF(ids);
+        return NULL;
+    }
+    c.probe_ids = (const int32_t *)PyArray_DATA(probe);
+    c.n_probe = PyArray_DIM(probe, 0);
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    npy_intp dims[1] = {cfg.vocab};
+    PyArrayObject *logits = NULL; /* none when prompt_cached: the shared prefill gave them */
+    if (!c.prompt_cached && !(logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32))) {
+        Py_DECREF(ids);
+        Py_DECREF(probe);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_prefill_take(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0), &c,
+                                  logits ? (float *)PyArray_DATA(logits) : NULL);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(ids);
+    Py_DECREF(probe);
+    if (st != KVC_OK) {
+        Py_XDECREF(logits);
+        return kvc_py_raise(st);
+    }
+    if (!logits) Py_RETURN_NONE;
+    return (PyObject *)logits;
+}
+
+static PyObject *Session_set_decode_graphs(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    kvc_status st = kvc_session_set_decode_graphs(self->session, on);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_get_graph_info(SessionObject *self, void *c) {
+    if (!self->session) Py_RETURN_NONE;
+    int32_t on;
+    int64_t steps;
+    const char *error;
+    kvc_status st = kvc_session_graph_info(self->session, &on, &steps, &error);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    return Py_BuildValue("{s:O,s:L,s:s}", "enabled", on ? Py_True : Py_False, "graph_steps", (long long)steps, "error", error);
+}
+
+static PyObject *Session_get_position(SessionObject *self, void *c) {
+    if (!self->session) Py_RETURN_NONE;
+    return PyLong_FromLongLong(kvc_session_position(self->session));
+}
+static PyObject *Session_get_cache_bytes(SessionObject *self, void *c) {
+    if (!self->session) Py_RETURN_NONE;
+    return PyLong_FromSize_t(kvc_session_cache_bytes(self->session));
+}
+static PyObject *Session_get_press_seconds(SessionObject *self, void *c) {
+    return PyFloat_FromDouble(kvc_session_press_seconds(self->session));
+}
+
+static PyObject *Session_get_peak_cache_bytes(SessionObject *self, void *c) {
+    if (!self->session) Py_RETURN_NONE;
+    return PyLong_FromSize_t(kvc_session_peak_cache_bytes(self->session));
+}
+static PyObject *Session_get_model(SessionObject *self, void *c) {
+    if (!self->model) Py_RETURN_NONE;
+    return Py_NewRef((PyObject *)self->model);
+}
+
+static PyMethodDef Session_methods[] = {
+    {"forward", (PyCFunction)(void (*)(void))Session_forward, METH_VARARGS | METH_KEYWORDS,
+     "forward(ids, logits='last', embeddings=None): run tokens (then embedding rows [m, hidden]) through\n"
+     "the model, appending to the cache. Returns float32 logits [vocab] ('last' or a row index),\n"
+     "[n, vocab] ('all') or None ('none')."},
+    {"forward_shared", (PyCFunction)(void (*)(void))Session_forward_shared, METH_VARARGS | METH_KEYWORDS,
+     "forward_shared(ids, followers, logits='last'): prefill ids once; every follower Session (empty, same\n"
+     "model) receives each layer's K/V and compresses it with its own attached press."},
+    {"set_position", (PyCFunction)Session_set_position, METH_O, "set_position(p): the position the next token gets."},
+    {"reset", (PyCFunction)Session_reset, METH_NOARGS, "Empty the cache and go back to position 0."},
+    {"cache_lengths", (PyCFunction)Session_cache_lengths, METH_NOARGS, "Tokens held per (layer, kv head), int64 [L, Hkv]."},
+    {"set_press", (PyCFunction)(void (*)(void))Session_set_press, METH_VARARGS | METH_KEYWORDS,
+     "set_press(None) or set_press(scorer=..., allocation=..., compression_ratio=..., budget=..., ...):\n"
+     "attach the press that compresses the next prefill (fields of kvc_press_config)."},
+    {"cache_positions", (PyCFunction)Session_cache_positions, METH_VARARGS, "cache_positions(layer, kv_head): original positions of the kept rows (int64)."},
+    {"press_scores", (PyCFunction)Session_press_scores, METH_VARARGS, "press_scores(layer, kv_head): scores of the last compression (record_scores)."},
+    {"press_error", (PyCFunction)Session_press_error, METH_VARARGS, "press_error(layer): Ada-KV eviction loss on the window queries."},
+    {"set_layer_budgets", (PyCFunction)Session_set_layer_budgets, METH_O, "set_layer_budgets(totals[L]): per-layer totals (KVC_ALLOC_LAYER)."},
+    {"press_layer_stats", (PyCFunction)Session_press_layer_stats, METH_VARARGS, "press_layer_stats(layer) -> (E_internal, 1 - cos(R, R+O))."},
+    {"prefill_take", (PyCFunction)(void (*)(void))Session_prefill_take, METH_VARARGS | METH_KEYWORDS,
+     "prefill_take(ids, probe_ids, budget, chunk_size=4096, warmup_budget=0, warmup_layers=-1, kernel=7,\n"
+     "alpha=0.2, delayed=True, inner=None, prompt_cached=False): TAKE chunked prefill; returns the last token's\n"
+     "logits. prompt_cached: the session holds the prompt's full cache (one chunk): run only the probes, evict\n"
+     "and return None."},
+    {"copy_cache_from", (PyCFunction)Session_copy_cache_from, METH_O,
+     "copy_cache_from(src): this empty session takes an exact copy of src's cache and position (same model\n"
+     "and device); its attached press stays."},
+    {"truncate", (PyCFunction)Session_truncate, METH_VARARGS, "truncate(lengths[L, Hkv], position): cut the cache back."},
+    {"set_decode_graphs", (PyCFunction)Session_set_decode_graphs, METH_O,
+     "set_decode_graphs(on): replay decode steps as a graph (devices with graphs: cuda, emulated); the first\n"
+     "step after a capture is needed runs eagerly. graph_info says how many steps ran as a graph."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Session_getset[] = {
+    {"position", (getter)Session_get_position, NULL, "Next token position.", NULL},
+    {"cache_bytes", (getter)Session_get_cache_bytes, NULL, "Bytes the KV cache holds now.", NULL},
+    {"peak_cache_bytes", (getter)Session_get_peak_cache_bytes, NULL, "Most bytes the KV cache held.", NULL},
+    {"press_seconds", (getter)Session_get_press_seconds, NULL,
+     "Wall seconds spent in the attached press since the last reset.", NULL},
+    {"model", (getter)Session_get_model, NULL, "The model.", NULL},
+    {"graph_info", (getter)Session_get_graph_info, NULL,
+     "{'enabled', 'graph_steps', 'error'}: decode graphs on, steps replayed from a graph, why they were turned off.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyType_Slot Session_slots[] = {
+    {Py_tp_doc, "Session(model, capacity=0): one sequence with its own ragged KV cache."},
+    {Py_tp_init, Session_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, Session_dealloc},
+    {Py_tp_traverse, Session_traverse},
+    {Py_tp_clear, Session_clear},
+    {Py_tp_methods, Session_methods},
+    {Py_tp_getset, Session_getset},
+    {0, NULL}};
+
+PyType_Spec kvc_py_session_spec = {"kvpress_c._core.Session", sizeof(SessionObject), 0,
+                                   Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+                                   Session_slots};
+
+/* forward_batch(sessions, ids): one decode token per session, logits [B, vocab] (kvc_forward_batch). */
+PyObject *kvc_py_forward_batch(PyObject *m, PyObject *args) {
+    PyObject *seq_obj, *ids_obj;
+    if (!PyArg_ParseTuple(args, "OO", &seq_obj, &ids_obj)) return NULL;
+    core_state *state = get_state(m);
+    PyObject *seq = PySequence_Fast(seq_obj, "sessions must be a sequence of Session objects");
+    if (!seq) return NULL;
+    const Py_ssize_t B = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    kvc_session **ss = NULL;
+    PyArrayObject *ids = NULL, *logits = NULL;
+    Py_ssize_t marked = 0;
+    if (B == 0 || B > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "forward_batch needs at least one session");
+        goto done;
+    }
+    if (!(ss = PyMem_Calloc((size_t)B, sizeof *ss))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < B; i++) {
+        if (!PyObject_TypeCheck(items[i], state->session_type)) {
+            PyErr_Format(PyExc_TypeError, "item %zd is not a Session", i);
+            goto done;
+        }
+        SessionObject *s = (SessionObject *)items[i];
+        if (kvc_py_check_session(s) < 0) goto done;
+        if (s->model != ((SessionObject *)items[0])->model) {
+            PyErr_Format(PyExc_ValueError, "session %zd belongs to another model", i);
+            goto done;
+        }
+        ss[i] = s->session;
+    }
+    if (!(ids = kvc_py_ids(ids_obj))) goto done;
+    if (PyArray_DIM(ids, 0) != B) {
+        PyErr_Format(PyExc_ValueError, "forward_batch: %zd sessions but %zd token ids", B, (Py_ssize_t)PyArray_DIM(ids, 0));
+        goto done;
+    }
+    kvc_config cfg;
+    kvc_model_get_config(((SessionObject *)items[0])->model->model, &cfg);
+    npy_intp dims[2] = {B, cfg.vocab};
+    if (!(logits = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32))) goto done;
+    kvc_status st;
+    for (; marked < B; marked++) ((SessionObject *)items[marked])->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_forward_batch(ss, (int32_t)B, (const int32_t *)PyArray_DATA(ids), (float *)PyArray_DATA(logits));
+    Py_END_ALLOW_THREADS
+    if (st != KVC_OK) kvc_py_raise(st);
+done:
+    for (Py_ssize_t i = 0; i < marked; i++) ((SessionObject *)items[i])->busy = 0;
+    PyMem_Free(ss);
+    Py_XDECREF(ids);
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(logits);
+        return NULL;
+    }
+    return (PyObject *)logits;
+}
+
