@@ -24,7 +24,7 @@ def require_gpu() -> None:
     if kvpress_c.cuda_available():
         return
     try:
-        kvpress_c._core.cuda_init()
+        kvpress_c.device_info("cuda")
         reason = "unknown reason"
     except Exception as e:  # the loader's own message
         reason = str(e)
@@ -144,11 +144,13 @@ def random_ids(n: int) -> np.ndarray:
 
 
 def load_kvc(path: str):
-    """Starts kvpress_c's CUDA backend and loads the model on it: (the _core module, cuda_init()'s info, model)."""
+    """Starts kvpress_c's CUDA backend and loads the model on it: (the kvpress_c module, device_info('cuda'),
+    model). A missing cuBLAS (the built-in GEMM runs, several times slower) is printed loudly."""
     import kvpress_c
-    core = kvpress_c._core
-    info = core.cuda_init()
-    return core, info, kvpress_c.load_model(path, device="cuda")
+    info = kvpress_c.device_info("cuda")
+    if info.get("warning"):
+        print(f"WARNING: {info['warning']} (GEMM in use: {info['gemm']})", file=sys.stderr, flush=True)
+    return kvpress_c, info, kvpress_c.load_model(path, device="cuda")
 
 
 def load_hf_system(path: str):
@@ -257,14 +259,14 @@ def sdpa_rate_tflops(n: int = 32768, H: int = 32, Hkv: int = 8, d: int = 128) ->
 
 
 def kvc_bench_seconds(what: int, dims) -> float | None:
-    """kvpress_c's own kernels timed on the device (kvc_cuda_bench): 0 GEMM (m, n, k), 1 prefill
+    """kvpress_c's own kernels timed on the device (kvc_device_bench): 0 GEMM (m, n, k), 1 prefill
     attention (n, H, Hkv, d)."""
     import ctypes
     from kvpress_c import core_library_path
     lib = ctypes.CDLL(core_library_path())
     arr = (ctypes.c_int64 * len(dims))(*dims)
     out = ctypes.c_double()
-    if lib.kvc_cuda_bench(ctypes.c_int32(what), arr, ctypes.c_int32(5), ctypes.byref(out)) != 0:
+    if lib.kvc_device_bench(ctypes.c_int32(1), ctypes.c_int32(what), arr, ctypes.c_int32(5), ctypes.byref(out)) != 0:
         return None
     return out.value
 
@@ -280,12 +282,13 @@ def kvc_attention_tflops(n: int = 32768, H: int = 32, Hkv: int = 8, d: int = 128
     from kvpress_c import core_library_path
     lib = ctypes.CDLL(core_library_path())
     if kernel is not None:
-        lib.kvc_cuda_set_attention_kernel(ctypes.c_int(kernel))
+        lib.kvc_device_set_option(ctypes.c_int32(1), b"attention_kernel", ctypes.c_int32(kernel))
     try:
         t = kvc_bench_seconds(1, [n, H, Hkv, d])
     finally:
         if kernel is not None:  # back to what the environment chose
-            lib.kvc_cuda_set_attention_kernel(ctypes.c_int(1 if os.environ.get("KVC_ATTN_MMA") == "1" else 0))
+            lib.kvc_device_set_option(ctypes.c_int32(1), b"attention_kernel",
+                                      ctypes.c_int32(1 if os.environ.get("KVC_ATTN_MMA") == "1" else 0))
     return attention_flops(n, H, d) / t / 1e12 if t else None
 
 
@@ -315,10 +318,10 @@ def kv_bytes(tokens_per_head: float, s: dict = LLAMA8B) -> float:
 
 def kvc_system_name() -> str:
     """kvpress_c's rows are named after the opt-in switches of the run, so runs with and without them
-    sit side by side in one table (KVC_CUDA_GRAPHS=1: decode steps as CUDA graphs; KVC_ATTN_MMA=1:
+    sit side by side in one table (KVC_DECODE_GRAPHS=1: decode steps as CUDA graphs; KVC_ATTN_MMA=1:
     the register-tile mma prefill attention)."""
     name = "kvpress_c"
-    if os.environ.get("KVC_CUDA_GRAPHS") == "1":
+    if os.environ.get("KVC_DECODE_GRAPHS") == "1":
         name += " +graphs"
     if os.environ.get("KVC_ATTN_MMA") == "1":
         name += " +mma"

@@ -42,12 +42,12 @@ def run_kvpress_c(args, path, rows):
                 times = []
                 for _ in range(args.repeats if n < 65536 else 1):
                     gc.collect()
-                    core.cuda_reset_peak()
+                    core.memory_stats("cuda", reset_peak=True)
                     t, s = G.kvc_prefill(model, press, ids)
                     times.append(t)
                     kept = int(s.cache_lengths().sum())
                     del s
-                mem = core.cuda_memory_stats()
+                mem = core.memory_stats("cuda")
                 row.update(ttft_s=min(times), peak_gb=mem["peak"] / 1e9, kv_tokens_kept=kept)
             except G.KVC_ERRORS as e:
                 G.note_error(row, e)

@@ -7,7 +7,8 @@
 #   benchmarks/gpu_session.sh fetch-wheels   # here, once: kvpress 0.5.5 + transformers 5.2 and what they
 #                                            # import that the GPU image lacks, into .whl/ (in .gitignore)
 #   bash benchmarks/gpu_session.sh test      # on the GPU machine (device run, carry [".whl"]): build + the
-#                                            # GPU tests on small models
+#                                            # device tests on small models (emulated and cuda), the
+#                                            # cuda-vs-cpu logits tolerance measured
 #   bash benchmarks/gpu_session.sh test8b    # the 8B-shaped tests: HF logits parity, TAKE at 128k
 #   bash benchmarks/gpu_session.sh bench     # TTFT 8k/32k and decode, kvpress_c (defaults) and kvpress
 #   bash benchmarks/gpu_session.sh bench-opt # the opt-in switches: mma prefill attention, decode graphs
@@ -53,12 +54,15 @@ test)
     build
     wheels
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    timeout 420 $PY -m pytest -q -rs tests/test_cuda.py -k "not llama8b" 2>&1 | tee "$OUT/test_cuda.log"
+    timeout 420 $PY -m pytest -q -rs tests/test_device.py -k "not llama8b" 2>&1 | tee "$OUT/test_device.log"
+    timeout 120 $PY benchmarks/device_tolerance.py --device cuda --seeds 10 \
+        --out benchmarks/results/device_tolerance_cuda.json 2>&1 | tail -2 | tee "$OUT/device_tolerance.log"
+    cp benchmarks/results/device_tolerance_cuda.json "$OUT/" 2>/dev/null
     ;;
 test8b)
     [ -f kvpress_c/libkvpress_c_cuda.so ] || build
     wheels
-    timeout 560 $PY -m pytest -q -rs -s tests/test_cuda.py -k llama8b 2>&1 | tee "$OUT/test_cuda_8b.log"
+    timeout 560 $PY -m pytest -q -rs -s tests/test_device.py -k llama8b 2>&1 | tee "$OUT/test_device_8b.log"
     ;;
 bench)
     [ -f kvpress_c/libkvpress_c_cuda.so ] || build
@@ -71,7 +75,7 @@ bench-opt)
     [ -f kvpress_c/libkvpress_c_cuda.so ] || build
     KVC_ATTN_MMA=1 timeout 240 $PY benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768 \
         2>&1 | tee "$OUT/gpu_prefill_mma.log"
-    KVC_CUDA_GRAPHS=1 timeout 240 $PY benchmarks/gpu_decode.py --systems kvpress_c 2>&1 | tee "$OUT/gpu_decode_graphs.log"
+    KVC_DECODE_GRAPHS=1 timeout 240 $PY benchmarks/gpu_decode.py --systems kvpress_c 2>&1 | tee "$OUT/gpu_decode_graphs.log"
     results
     ;;
 bench128k)

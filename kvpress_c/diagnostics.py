@@ -1,4 +1,4 @@
-"""Diagnostics every method exposes (METHODS.md): kept-set similarity and hit rates."""
+"""Diagnostics every method exposes (docs/METHODS.md): kept-set similarity and hit rates."""
 from __future__ import annotations
 
 import numpy as np

@@ -12,7 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# the shared helpers: support/ (the one ctypes binding, model writers) and reference/ (float64 NumPy)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "support"), os.path.join(HERE, "reference")]
 
 
 def _default_gguf():

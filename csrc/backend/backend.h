@@ -75,7 +75,7 @@ static inline kvc_view kvc_view_at(kvc_view v, int64_t r0, int64_t c0) {
     return v;
 }
 
-/* Scorers a backend computes (press/score.c calls them; METHODS.md, "Baseline scorers"). Besides the
+/* Scorers a backend computes (press/score.c calls them; docs/METHODS.md, "Baseline scorers"). Besides the
  * public kvc_scorer codes: TAKE's probes, which see every row given and nothing causal. */
 #define KVC_SCORE_PROBE 100
 

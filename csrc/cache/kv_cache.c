@@ -226,6 +226,13 @@ kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_le
     return KVC_OK;
 }
 
+int kvc_cache_is_empty(const kvc_cache *c) {
+    for (int32_t l = 0; l < c->n_layers; l++)
+        for (int32_t h = 0; h < c->n_kv; h++)
+            if (c->layers[l].len[h] != 0) return 0;
+    return 1;
+}
+
 void kvc_cache_drop_from(kvc_cache *c, int32_t last, int64_t pos0) {
     for (int32_t l = 0; l <= last && l < c->n_layers; l++) {
         kvc_layer_cache *L = &c->layers[l];

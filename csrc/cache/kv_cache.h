@@ -48,6 +48,8 @@ kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *
 kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src);
 /* Cut every head of `layer` back to new_len[h] (<= current) rows; no reallocation. */
 kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_len);
+/* 1 when no head of any layer holds a row. */
+int kvc_cache_is_empty(const kvc_cache *c);
 /* Drop the rows at positions >= pos0 from layers [0, last] (a failed call loses nothing it appended). */
 void kvc_cache_drop_from(kvc_cache *c, int32_t last, int64_t pos0);
 

@@ -359,25 +359,18 @@ kvc_status kvc_forward_ex(kvc_session *s, const int32_t *ids, int64_t n_ids, con
     return st;
 }
 
-static int cache_is_empty(const kvc_session *s) {
-    for (int32_t l = 0; l < s->cache.n_layers; l++)
-        for (int32_t h = 0; h < s->cache.n_kv; h++)
-            if (s->cache.layers[l].len[h] != 0) return 0;
-    return 1;
-}
-
 kvc_status kvc_forward_shared(kvc_session *s, kvc_session *const *followers, int32_t n_followers, const int32_t *ids,
                               int64_t n, int64_t logits_row, float *logits) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: session is NULL");
     if (n_followers < 0 || (n_followers > 0 && !followers))
         return kvc_fail(KVC_ERR_ARG, "kvc_forward_shared: bad follower list");
-    if (!cache_is_empty(s) || s->pos != 0)
+    if (!kvc_cache_is_empty(&s->cache) || s->pos != 0)
         return kvc_fail(KVC_ERR_ARG, "a shared prefill starts from an empty session: call reset() on the leader first");
     for (int32_t i = 0; i < n_followers; i++) {
         kvc_session *f = followers[i];
         if (!f || f == s) return kvc_fail(KVC_ERR_ARG, "follower %d is NULL or the leader itself", i);
         if (f->model != s->model) return kvc_fail(KVC_ERR_ARG, "follower %d belongs to another model", i);
-        if (f->needs_reset || f->pos != 0 || !cache_is_empty(f))
+        if (f->needs_reset || f->pos != 0 || !kvc_cache_is_empty(&f->cache))
             return kvc_fail(KVC_ERR_ARG, "follower %d is not empty: call reset() on it first", i);
         for (int32_t j = 0; j < i; j++)
             if (followers[j] == f) return kvc_fail(KVC_ERR_ARG, "follower %d is listed twice", i);

@@ -97,19 +97,12 @@ kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int3
     return KVC_OK;
 }
 
-static int cache_is_empty(const kvc_session *s) {
-    for (int32_t l = 0; l < s->cache.n_layers; l++)
-        for (int32_t h = 0; h < s->cache.n_kv; h++)
-            if (s->cache.layers[l].len[h] != 0) return 0;
-    return 1;
-}
-
 kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
     if (!dst || !src) return kvc_fail(KVC_ERR_ARG, "kvc_session_copy_cache: session is NULL");
     if (dst == src) return kvc_fail(KVC_ERR_ARG, "copying a session's cache onto itself");
     if (dst->model != src->model) return kvc_fail(KVC_ERR_ARG, "the two sessions belong to different models");
     if (src->needs_reset) return kvc_fail(KVC_ERR_ARG, "the source session failed a call: reset() it first");
-    if (dst->needs_reset || dst->pos != 0 || !cache_is_empty(dst))
+    if (dst->needs_reset || dst->pos != 0 || !kvc_cache_is_empty(&dst->cache))
         return kvc_fail(KVC_ERR_ARG, "the destination session is not empty: call reset() on it first");
     kvc_backend_lock(dst->be);
     kvc_status st = kvc_cache_copy(&dst->cache, &src->cache);

@@ -156,7 +156,7 @@ KVC_API int64_t kvc_session_cache_len(const kvc_session *s, int32_t layer, int32
 KVC_API size_t kvc_session_cache_bytes(const kvc_session *s);
 KVC_API size_t kvc_session_peak_cache_bytes(const kvc_session *s);
 /* Wall seconds spent in the attached press (scoring, selection, compaction) since the last reset,
- * including the press of this session as a follower of a shared forward (CPU backend). */
+ * including the press of this session as a follower of a shared forward. */
 KVC_API double kvc_session_press_seconds(const kvc_session *s);
 
 /* Cut the cache back to new_len[layer * Hkv + h] rows per head (<= current) and set the next
@@ -170,7 +170,7 @@ KVC_API kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *s
 KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int32_t kv_head, int64_t *out);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Presses: what to keep when a prefill compresses the cache (see METHODS.md).                     */
+/* Presses: what to keep when a prefill compresses the cache (see docs/METHODS.md).                     */
 
 typedef enum kvc_scorer {
     KVC_SCORE_STREAMING = 0, /* first n_sink + most recent */
@@ -381,7 +381,7 @@ KVC_API kvc_status kvc_session_set_decode_graphs(kvc_session *s, int32_t on);
 KVC_API kvc_status kvc_session_graph_info(const kvc_session *s, int32_t *on, int64_t *graph_steps, const char **error);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Judge Q training (JudgeQ-trainable-queries.txt Eq. 3-5, METHODS.md "Judge Q")                   */
+/* Judge Q training (JudgeQ-trainable-queries.txt Eq. 3-5, docs/METHODS.md "Judge Q")                   */
 
 /* Loss and gradient of soft-token embeddings `soft` [n_soft, hidden] for one (prompt, response) pair.
  * Maps per layer l and query head h over the n_prompt prompt positions j: A_resp[l, h, j] is the mean

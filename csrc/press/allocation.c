@@ -244,7 +244,7 @@ int kvc_press_per_head_topk(const kvc_press_config *p) {
 
 
 /* ---------------------------------------------------------------------------------------------- */
-/* TADA's layer capacities (EDIE-TADA-error-driven-eviction.txt; METHODS.md "EDIE scoring and TADA")  */
+/* TADA's layer capacities (EDIE-TADA-error-driven-eviction.txt; docs/METHODS.md "EDIE scoring and TADA")  */
 
 static double clipped_sum(const double *w, int32_t L, double lam, double lo, double hi) {
     double s = 0;

@@ -1,9 +1,9 @@
 /* The press algorithms that run on the host, whatever the device: the layer's rows and this call's
  * queries are brought to the host as fp32 (a memcpy on the CPU backend), then:
- *  - ObservedAttention / H2O one-shot (METHODS.md, "Baseline scorers"): each row's attention summed over
+ *  - ObservedAttention / H2O one-shot (docs/METHODS.md, "Baseline scorers"): each row's attention summed over
  *    the call's queries that see it, divided by how many do; mean over the group. Queries go in tiles of
  *    OBS_TILE (one GEMM each), so memory is O(tile x len), never n x n.
- *  - Ada-KV's eviction loss (AdaKV-headwise-budgets.txt; METHODS.md "Diagnostics"): the L1 distance between
+ *  - Ada-KV's eviction loss (AdaKV-headwise-budgets.txt; docs/METHODS.md "Diagnostics"): the L1 distance between
  *    the window queries' attention output over every row and over the kept rows, mean over queries and
  *    heads, in double. */
 #include <math.h>

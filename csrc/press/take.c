@@ -1,5 +1,5 @@
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt,
- * Eq. 3-13; METHODS.md "TAKE").
+ * Eq. 3-13; docs/METHODS.md "TAKE").
  *
  * The prompt goes through the model in chunks of Z tokens, each followed by the p probe tokens.
  * After a layer's attention, the probes' queries (accumulated over chunks with an EMA) score the

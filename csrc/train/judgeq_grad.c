@@ -1,4 +1,4 @@
-/* Judge Q training (JudgeQ-trainable-queries.txt, Eq. 3-5; METHODS.md "Judge Q"): for one (prompt,
+/* Judge Q training (JudgeQ-trainable-queries.txt, Eq. 3-5; docs/METHODS.md "Judge Q"): for one (prompt,
  * response) pair and soft-token embeddings E [m, D], the loss and dL/dE.
  *
  * Attention maps, per layer l and query head hq, over the P prompt positions j:

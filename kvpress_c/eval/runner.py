@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from .._progress import progress_bar
 from ..pipeline import Pipeline
 
 
@@ -163,11 +164,8 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
             if handles[lab].read(1) != "\n":
                 handles[lab].write("\n")
     todo = [s for s in mine if any(s["id"] not in done[lab] for lab in presses)]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(mine), initial=len(mine) - len(todo), desc=f"{benchmark} x {len(presses)} presses",
-                   unit="sample", dynamic_ncols=True)
+    bar = progress_bar(total=len(mine), initial=len(mine) - len(todo), desc=f"{benchmark} x {len(presses)} presses",
+                       unit="sample", disable=not progress)
     tokens, t_start = 0, time.perf_counter()
     try:
         for s in todo:
@@ -184,14 +182,12 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
                 handles[lab].write(json.dumps(row) + "\n")
                 handles[lab].flush()
             tokens += results[0].stats["prompt_tokens"] if results else 0
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t_start):.0f}")
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t_start):.0f}")
     finally:
         for h in handles.values():
             h.close()
-        if bar is not None:
-            bar.close()
+        bar.close()
     result = EvalResult(out)
     if n > 1:
         return result

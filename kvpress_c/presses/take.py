@@ -62,7 +62,7 @@ class TAKEPress(BasePress):
         return {}
 
     def default_warmup_budget(self, n: int) -> int:
-        """METHODS.md default: min(n, max(4 B, n // 12))."""
+        """docs/METHODS.md default: min(n, max(4 B, n // 12))."""
         return min(n, max(4 * self.budget, n // 12))
 
     def probe_ids(self, ids, question_ids=None) -> np.ndarray:

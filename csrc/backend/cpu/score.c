@@ -195,7 +195,7 @@ static kvc_status score_tova(const layer_in *in, float *const *scores) {
     return st;
 }
 
-/* EDIE (EDIE-TADA-error-driven-eviction.txt; METHODS.md "EDIE scoring"), window queries j, past rows i:
+/* EDIE (EDIE-TADA-error-driven-eviction.txt; docs/METHODS.md "EDIE scoring"), window queries j, past rows i:
  *   U_i^j = a_i^j / (1 + alpha - a_i^j) * (|v_i|_1 + |o_j|_1)
  *   c_j   = max over the mid-range rows w < i <= len - 2w of a_i^j   (all past rows if empty)
  *   I_i   = sum_j c_j U_i^j, summed over the heads of a GQA group, then mean-pooled; window protected. */

@@ -213,7 +213,7 @@ struct HeadInfo {
 size_t window_stats_floats(int32_t H, int64_t m, int64_t maxlen);
 kvc_status window_attention(const void *q, int q_f32, int64_t ldq, int64_t m, int32_t H, int32_t Hkv, int32_t d,
                             const HeadInfo &hi, float scale, float *att, int64_t lda, float *stats);
-/* EDIE (METHODS.md): att[hq][r] = (group size) x sum over the w window queries (q, and their attention
+/* EDIE (docs/METHODS.md): att[hq][r] = (group size) x sum over the w window queries (q, and their attention
  * outputs o, rows of stride ldq / ldo) of c_j a / (1 + alpha - a) (|v_r|_1 + |o_j|_1), r < n_acc[h];
  * mean pooling with the GQA mean of pool_reduce then gives EDIE's group sum. */
 kvc_status edie_attention(const bf16 *q, int64_t ldq, const bf16 *o, int64_t ldo, int64_t w, int32_t H, int32_t Hkv,

@@ -1,4 +1,4 @@
-/* Press scorers on the device (METHODS.md, "Baseline scorers"; the CPU scorers in press/score.c are
+/* Press scorers on the device (docs/METHODS.md, "Baseline scorers"; the CPU scorers in press/score.c are
  * the reference).
  *
  * Window attention (SnapKV, TOVA, TAKE's probes): att[hq][r] = mean over the m scoring queries of
@@ -10,7 +10,7 @@
  * in shared memory, read as broadcasts). Then pooling (avg counting padding, or max) and the GQA
  * reduction (mean or max, before or after pooling), and the protected tail (window) at max + 1.
  *
- * EDIE (METHODS.md "EDIE scoring") rides on the same two passes: pass 1 also keeps each window query's
+ * EDIE (docs/METHODS.md "EDIE scoring") rides on the same two passes: pass 1 also keeps each window query's
  * largest score over the mid-range rows, so c_j = exp(max - M_j) / L_j comes out of the merge; pass 2
  * sums c_j * a / (1 + alpha - a) * (|v_r|_1 + |o_j|_1) over the queries instead of the mean of a. */
 #include "common.cuh"

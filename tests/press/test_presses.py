@@ -19,28 +19,30 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import CError, press_compute, press_config
+from capi import ALLOCATIONS, SAFEGUARDS, SCORERS as CODES, CError, press_compute, press_config
 from method_reference import topk_rows
 from press_reference import (adakv_floor, adakv_floor_caps, adakv_protect, knorm_scores, n_kept, n_kept_ratio,
                              observed_scores, pyramid_budget, snapkv_scores, streaming_keep, streaming_scores,
                              tova_scores, uniform_keep)
 
-STREAMING, KNORM, RANDOM, TOVA, OBSERVED, SNAPKV = range(6)
-UNIFORM, PYRAMID, ADAKV = range(3)
-FLOOR, PROTECT = range(2)
+STREAMING, KNORM, RANDOM, TOVA, OBSERVED, SNAPKV = (CODES[n] for n in ("streaming", "knorm", "random", "tova",
+                                                                      "observed", "snapkv"))
+UNIFORM, PYRAMID, ADAKV = ALLOCATIONS["uniform"], ALLOCATIONS["pyramid"], ALLOCATIONS["adakv"]
+FLOOR, PROTECT = SAFEGUARDS["floor"], SAFEGUARDS["protect"]
 SCORERS = {"snapkv": SNAPKV, "tova": TOVA, "observed": OBSERVED, "knorm": KNORM, "streaming": STREAMING}
 # (H, Hkv, d, n, length): GQA groups 1, 2, 3, 4; length > n means a past before this call's queries
 SHAPES = [(4, 2, 16, 90, 90), (6, 3, 32, 70, 100), (4, 4, 16, 40, 40), (8, 2, 64, 129, 129), (3, 1, 16, 50, 60)]
 W, KERNEL, N_SINK = 8, 5, 4
 
 
-def test_press_config_struct_matches_the_header(tmp_path):
-    """capi.PressConfig mirrors kvc_press_config field by field: compare every offset and the size with
-    what a C compiler makes of the public header, and the defaults with kvc_press_config_defaults."""
+def test_ctypes_structs_match_the_header(tmp_path):
+    """capi.PressConfig and capi.Config mirror kvc_press_config and kvc_config field by field: compare every
+    offset and the size with what a C compiler makes of the public header, and the press defaults with
+    kvc_press_config_defaults."""
     import os
     import shutil
     import subprocess
-    from capi import PressConfig
+    from capi import Config, PressConfig
     cfg = press_config()
     want = dict(scorer=SNAPKV, allocation=UNIFORM, compression_ratio=0.0, budget=0, window=64, kernel=5, pool_max=0,
                 gqa_max=0, pool_then_reduce=1, n_sink=4, seed=0, safeguard=PROTECT, pyramid_beta=20, record_scores=0,
@@ -49,18 +51,20 @@ def test_press_config_struct_matches_the_header(tmp_path):
         assert getattr(cfg, k) == v, k
     assert cfg.alpha_safeguard == pytest.approx(0.2) and cfg.edie_alpha == pytest.approx(0.1)
     cc = shutil.which("cc") or shutil.which("gcc")
-    include = os.path.join(os.path.dirname(__file__), "..", "csrc", "include")
+    include = os.path.join(os.path.dirname(__file__), "..", "..", "csrc", "include")
     if not cc or not os.path.exists(os.path.join(include, "kvpress_c.h")):
         pytest.skip("no C compiler or no source tree")
-    names = [f[0] for f in PressConfig._fields_]
-    src = tmp_path / "layout.c"
-    src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include \"kvpress_c.h\"\nint main(void) {\n"
-                   + "".join(f'    printf("%zu\\n", offsetof(kvc_press_config, {n}));\n' for n in names)
-                   + '    printf("%zu\\n", sizeof(kvc_press_config));\n    return 0;\n}\n')
-    subprocess.run([cc, "-std=c11", "-I", include, str(src), "-o", str(tmp_path / "layout")], check=True)
-    out = [int(x) for x in subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True).stdout.split()]
-    assert out[:-1] == [getattr(PressConfig, n).offset for n in names]
-    assert out[-1] == C.sizeof(PressConfig)
+    for struct, c_name in ((PressConfig, "kvc_press_config"), (Config, "kvc_config")):
+        names = [f[0] for f in struct._fields_]
+        src = tmp_path / f"{c_name}.c"
+        src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include \"kvpress_c.h\"\nint main(void) {\n"
+                       + "".join(f'    printf("%zu\\n", offsetof({c_name}, {n}));\n' for n in names)
+                       + f'    printf("%zu\\n", sizeof({c_name}));\n    return 0;\n}}\n')
+        exe = tmp_path / c_name
+        subprocess.run([cc, "-std=c11", "-I", include, str(src), "-o", str(exe)], check=True)
+        out = [int(x) for x in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+        assert out[:-1] == [getattr(struct, n).offset for n in names], c_name
+        assert out[-1] == C.sizeof(struct), c_name
 
 
 def layer(rng, H, Hkv, d, n, length):

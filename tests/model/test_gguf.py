@@ -18,31 +18,9 @@ from kvpress_c._paths import core_library_path
 import gguf_writer as gw
 from gguf_writer import GGML, GGUFFile, random_blocks, tiny_model
 
-lib = C.CDLL(core_library_path())
-lib.kvc_last_error.restype = C.c_char_p
-lib.kvc_kernel_dequantize.argtypes = [C.c_int32, C.c_void_p, C.c_size_t, C.c_void_p, C.c_int64]
-lib.kvc_kernel_dequantize.restype = C.c_int
-lib.kvc_model_load.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
-lib.kvc_model_free.argtypes = [C.c_void_p]
-lib.kvc_model_free.restype = None
+from capi import ERR_ARG, ERR_FORMAT, ERR_IO, ERR_UNSUPPORTED, OK, Config, last_error, lib  # noqa: E402
 
-OK, ERR_ARG, ERR_IO, ERR_FORMAT, ERR_NOMEM, ERR_UNSUPPORTED = 0, 1, 2, 3, 4, 5
 SUPPORTED = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-
-
-class Config(C.Structure):
-    _fields_ = [(n, C.c_int32) for n in ("arch", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab",
-                                         "max_context", "rope_pairing", "tied_embeddings", "qkv_bias")] + \
-               [("rms_eps", C.c_float), ("rope_theta", C.c_float), ("rope_scaling_factor", C.c_float),
-                ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
-                ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32)]
-
-
-lib.kvc_model_get_config.argtypes = [C.c_void_p, C.POINTER(Config)]
-
-
-def last_error() -> str:
-    return lib.kvc_last_error().decode(errors="replace")
 
 
 def load(path):

@@ -1,4 +1,4 @@
-"""Float64 NumPy references for the paper methods (METHODS.md): TAKE's chunked prefill, EDIE scores,
+"""Float64 NumPy references for the paper methods (docs/METHODS.md): TAKE's chunked prefill, EDIE scores,
 ChunkKV chunk selection. Written from the spec, independent of the C code."""
 from __future__ import annotations
 

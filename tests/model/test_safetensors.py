@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import lib
 from kvpress_c._paths import core_library_path
 
 pytest.importorskip("torch")
@@ -23,29 +22,8 @@ pytest.importorskip("transformers")
 from hf_models import ARCHS, LLAMA3_SCALING, write_tiny_model  # noqa: E402
 
 ARCH_ID = {"llama": 0, "llama31": 0, "mistral": 1, "qwen2": 2}
-ST_OK, ST_ARG, ST_IO, ST_FORMAT, ST_NOMEM, ST_UNSUPPORTED = range(6)
-
-
-class Config(C.Structure):  # kvc_config in csrc/include/kvpress_c.h
-    _fields_ = [(n, C.c_int32) for n in ("arch", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab",
-                                         "max_context", "rope_pairing", "tied_embeddings", "qkv_bias")] + \
-               [("rms_eps", C.c_float), ("rope_theta", C.c_float), ("rope_scaling_factor", C.c_float),
-                ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
-                ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32)]
-
-
-lib.kvc_model_load.argtypes = [C.c_char_p, C.POINTER(C.c_void_p)]
-lib.kvc_model_load.restype = C.c_int
-lib.kvc_model_free.argtypes = [C.c_void_p]
-lib.kvc_model_free.restype = None
-lib.kvc_model_get_config.argtypes = [C.c_void_p, C.POINTER(Config)]
-lib.kvc_model_get_config.restype = C.c_int
-lib.kvc_model_format.argtypes = [C.c_void_p]
-lib.kvc_model_format.restype = C.c_char_p
-lib.kvc_model_weight_bytes.argtypes = [C.c_void_p]
-lib.kvc_model_weight_bytes.restype = C.c_size_t
-lib.kvc_kernel_rope_freqs.argtypes = [C.POINTER(Config), np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")]
-lib.kvc_kernel_rope_freqs.restype = C.c_int
+from capi import ERR_FORMAT as ST_FORMAT, ERR_IO as ST_IO  # noqa: E402
+from capi import ERR_UNSUPPORTED as ST_UNSUPPORTED, OK as ST_OK, Config, lib  # noqa: E402
 
 
 def c_load(path):

@@ -1,14 +1,14 @@
-"""The paper methods against float64 NumPy references written from METHODS.md: EDIE, ChunkKV (selection
+"""The paper methods against float64 NumPy references written from docs/METHODS.md: EDIE, ChunkKV (selection
 and layer reuse), TADA allocation, TAKE's chunked prefill, Judge Q scoring."""
 import numpy as np
 import pytest
 
 import kvpress_c
-from capi import CError, press_compute, press_config
+from capi import SCORERS, CError, press_compute, press_config
 from kvpress_c._core import tada_allocate as allocate_layers
 from method_reference import chunk_select, edie_scores, take_prefill, topk_rows
 
-SNAPKV, EDIE = 5, 6
+SNAPKV, EDIE = SCORERS["snapkv"], SCORERS["edie"]
 
 
 def random_layer(rng, n, length, H, Hkv, d):

@@ -12,30 +12,13 @@ import textwrap
 import numpy as np
 import pytest
 
+import capi
 from kvpress_c._paths import core_library_path, openblas_path
 
+# KVC_KERNELS_LIB: another build of the core (e.g. without -march=native) under the same tests
 LIB_PATH = os.environ.get("KVC_KERNELS_LIB") or core_library_path()
-lib = C.CDLL(LIB_PATH)
-
-F32P = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
-I64P = np.ctypeslib.ndpointer(np.int64, flags="C_CONTIGUOUS")
-lib.kvc_last_error.restype = C.c_char_p
-lib.kvc_kernel_matmul.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_int64]
-lib.kvc_kernel_rmsnorm.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_float]
-lib.kvc_kernel_rope.argtypes = [F32P, I64P, C.c_int64, C.c_int32, C.c_int32, F32P, C.c_int32]
-lib.kvc_kernel_swiglu.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64]
-lib.kvc_kernel_attention.argtypes = [F32P, C.c_int64, C.c_int32, C.c_int32, C.c_int32, C.c_void_p, C.c_void_p,
-                                     I64P, C.c_float, F32P]
-for fn in ("kvc_kernel_matmul", "kvc_kernel_rmsnorm", "kvc_kernel_rope", "kvc_kernel_swiglu",
-           "kvc_kernel_attention", "kvc_set_blas"):
-    getattr(lib, fn).restype = C.c_int
-lib.kvc_set_blas.argtypes = [C.c_char_p, C.c_char_p]
-lib.kvc_blas_name.restype = C.c_char_p
-lib.kvc_set_num_threads.argtypes = [C.c_int]
-lib.kvc_set_num_threads.restype = None
-lib.kvc_get_num_threads.restype = C.c_int
-
-KVC_OK, KVC_ERR_ARG, KVC_ERR_IO = 0, 1, 2
+lib = capi.bind(C.CDLL(LIB_PATH)) if os.environ.get("KVC_KERNELS_LIB") else capi.lib
+KVC_OK, KVC_ERR_ARG, KVC_ERR_IO = capi.OK, capi.ERR_ARG, capi.ERR_IO
 HALF, ADJACENT = 0, 1
 TOL = 1e-5
 
@@ -356,11 +339,12 @@ def test_kernel_argument_errors():
             assert w.encode() in msg, msg
 
     null = None
+    saved = lib.kvc_kernel_matmul.argtypes
     lib.kvc_kernel_matmul.argtypes = [C.c_void_p] * 3 + [C.c_int64] * 3
     try:
         err(lib.kvc_kernel_matmul(null, x.ctypes.data, x.ctypes.data, 1, 1, 1), "matmul", "NULL")
     finally:
-        lib.kvc_kernel_matmul.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_int64]
+        lib.kvc_kernel_matmul.argtypes = saved
     err(lib.kvc_kernel_matmul(x, x, x, 0, 1, 1), "matmul", "positive", "m=0")
     err(lib.kvc_kernel_matmul(x, x, x, 1, -2, 1), "positive", "n=-2")
     err(lib.kvc_kernel_rmsnorm(x, x, x, 1, 0, 1e-5), "rmsnorm", "positive")

@@ -1,4 +1,4 @@
-"""Float64 NumPy references for the baseline scorers and the allocations, written from METHODS.md
+"""Float64 NumPy references for the baseline scorers and the allocations, written from docs/METHODS.md
 ("Common ground", "Baseline scorers", "PyramidKV", "Ada-KV") and kvpress 0.5.5's semantics.
 
 One layer at a time; every KV head holds `length` rows, the last n of which belong to this call's

@@ -35,7 +35,7 @@ def np_maps(ref, x, positions, P, cache):
 
 
 class NpJudgeQ:
-    """The loss of METHODS.md / the paper, float64: the prompt's cache and the target are computed once."""
+    """The loss of docs/METHODS.md / the paper, float64: the prompt's cache and the target are computed once."""
 
     def __init__(self, ref, prompt, response):
         self.ref, self.P = ref, len(prompt)

@@ -25,12 +25,11 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import CError, F32P, I64P, PressConfig, check, lib, press_compute, press_config
+from capi import ALLOCATIONS as A, DEVICES, SCORERS as S, CError, check, lib, press_compute, press_config
 from random_llama import LLAMA31_8B, llama31_8b_dir, write_llama31_bf16, write_random_llama
 
 HAS_CUDA = kvpress_c.cuda_available()
 BF16_EPS = 2.0 ** -8
-DEVICE_CODES = {"cpu": 0, "cuda": 1, "emulated": 2}
 
 
 def _why_no_cuda() -> str:
@@ -50,27 +49,6 @@ def device(request):
 
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason=_why_no_cuda() or "no CUDA backend")
 
-lib.kvc_device_kernel_matmul.argtypes = [C.c_int32, F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_int64]
-lib.kvc_device_kernel_rmsnorm.argtypes = [C.c_int32, F32P, C.c_void_p, F32P, F32P, C.c_void_p, C.c_int64, C.c_int64,
-                                          C.c_float]
-lib.kvc_device_kernel_rope.argtypes = [C.c_int32, F32P, I64P, C.c_int64, C.c_int32, C.c_int32, F32P, C.c_int32]
-lib.kvc_device_kernel_swiglu.argtypes = [C.c_int32, F32P, F32P, F32P, C.c_int64, C.c_int64]
-lib.kvc_device_kernel_attention.argtypes = [C.c_int32, F32P, C.c_int64, C.c_int32, C.c_int32, C.c_int32, C.c_void_p,
-                                            C.c_void_p, I64P, C.c_float, F32P, C.c_int32]
-lib.kvc_device_kernel_topk.argtypes = [C.c_int32, F32P, C.c_int32, C.c_int64, I64P, I64P]
-lib.kvc_device_press_compute.argtypes = [C.c_int32, C.POINTER(PressConfig), C.c_int32, C.c_int32, C.c_int32, C.c_int32,
-                                         C.c_int32, F32P, C.c_void_p, C.c_int64, F32P, F32P, C.c_int64, C.c_int64, F32P,
-                                         I64P, I64P]
-lib.kvc_device_set_option.argtypes = [C.c_int32, C.c_char_p, C.c_int32]
-lib.kvc_device_available.argtypes = [C.c_int32]
-lib.kvc_kernel_matmul.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_int64]
-lib.kvc_kernel_rmsnorm.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64, C.c_float]
-lib.kvc_kernel_rope.argtypes = [F32P, I64P, C.c_int64, C.c_int32, C.c_int32, F32P, C.c_int32]
-lib.kvc_kernel_swiglu.argtypes = [F32P, F32P, F32P, C.c_int64, C.c_int64]
-lib.kvc_kernel_attention.argtypes = [F32P, C.c_int64, C.c_int32, C.c_int32, C.c_int32, C.c_void_p, C.c_void_p, I64P,
-                                     C.c_float, F32P]
-
-
 def bf16(x):
     """Round to the nearest bf16 (ties to even), returned as float32: what the device computes on."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -85,7 +63,7 @@ def rel(a, ref):
 
 
 def dev(device):
-    return DEVICE_CODES[device]
+    return DEVICES[device]
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -109,7 +87,7 @@ def test_without_gpu_cuda_is_unavailable_with_a_clear_error(tmp_path):
     assert st == 6 and b"CUDA backend not available" in lib.kvc_last_error()
     q, kv = np.ones((20, 4, 16), np.float32), np.ones((2, 20, 16), np.float32)
     with pytest.raises(CError, match="CUDA backend not available"):
-        device_press_compute("cuda", press_config(scorer=6, compression_ratio=0.5, window=4), q, kv, kv, attn=q)
+        device_press_compute("cuda", press_config(scorer=S["edie"], compression_ratio=0.5, window=4), q, kv, kv, attn=q)
     # and the CPU path is untouched
     m = kvpress_c.load_model(path)
     assert m.device == "cpu" and m._core.device == "cpu"
@@ -208,8 +186,8 @@ def test_attention_ragged(rng, device, attention_kernel, n, H, Hkv, d, force_pre
 
 
 def test_attention_long_decode_split_k(rng, device):
-    H, Hkv, d, n = 32, 8, 128, 1
-    past = np.array([30000, 5, 19000, 1, 0, 7777, 12345, 31], np.int64)
+    H, d, n = 32, 128, 1
+    past = np.array([30000, 5, 19000, 1, 0, 7777, 12345, 31], np.int64)  # 8 KV heads
     q = bf16(rng.standard_normal((n, H, d)) * 3)
     ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
     vs = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
@@ -245,18 +223,7 @@ def test_topk_with_ties_and_nan(rng, device, n):
 
 def device_press_compute(device, cfg, q, k, v, layer=0, n_layers=1, attn=None):
     """capi.press_compute on a device (kvc_device_press_compute)."""
-    n, H, d = q.shape
-    Hkv, length, _ = k.shape
-    scores = np.zeros((Hkv, length), np.float32)
-    keep = np.zeros((Hkv, length), np.int64)
-    n_keep = np.zeros(Hkv, np.int64)
-    a = None if attn is None else np.ascontiguousarray(attn, dtype=np.float32)
-    st = lib.kvc_device_press_compute(dev(device), C.byref(cfg), H, Hkv, d, layer, n_layers, np.ascontiguousarray(q, np.float32),
-                                      None if a is None else a.ctypes.data, n, np.ascontiguousarray(k, np.float32),
-                                      np.ascontiguousarray(v, np.float32), length, -1, scores, keep, n_keep)
-    if st != 0:
-        raise CError(st)
-    return scores, [keep[h, :n_keep[h]].copy() for h in range(Hkv)]
+    return press_compute(cfg, q, k, v, layer=layer, n_layers=n_layers, attn=attn, device=device)
 
 
 def jaccard(a, b):
@@ -265,20 +232,20 @@ def jaccard(a, b):
 
 
 PRESSES = {
-    "snapkv": dict(scorer=5, compression_ratio=0.5, window=16),
-    "snapkv-max-reduce-first": dict(scorer=5, compression_ratio=0.7, window=8, pool_max=1, gqa_max=1, pool_then_reduce=0),
-    "pyramidkv": dict(scorer=5, allocation=1, budget=96, window=16),
-    "adakv": dict(scorer=5, allocation=2, compression_ratio=0.5, window=16),
-    "chunkkv": dict(scorer=5, compression_ratio=0.5, window=16, chunk_length=10),
-    "tova": dict(scorer=3, compression_ratio=0.5, window=0),
-    "knorm": dict(scorer=1, compression_ratio=0.5, window=0),
-    "streaming": dict(scorer=0, compression_ratio=0.5, window=0),
-    "random": dict(scorer=2, compression_ratio=0.5, window=0, seed=7),
-    "observed": dict(scorer=4, compression_ratio=0.5, window=0),  # scored on the host from downloaded rows
-    "edie": dict(scorer=6, compression_ratio=0.5, window=16),
-    "edie-wide-window": dict(scorer=6, compression_ratio=0.3, window=120, kernel=5, edie_alpha=0.3),
-    "edie-no-mid-range": dict(scorer=6, compression_ratio=0.5, window=170),  # (w, len - 2w] empty: every past row
-    "edie-long-cache": dict(scorer=6, compression_ratio=0.5, window=32),  # 2,500 rows: the kernel's 1,024-row chunks
+    "snapkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16),
+    "snapkv-max-reduce-first": dict(scorer=S["snapkv"], compression_ratio=0.7, window=8, pool_max=1, gqa_max=1, pool_then_reduce=0),
+    "pyramidkv": dict(scorer=S["snapkv"], allocation=A["pyramid"], budget=96, window=16),
+    "adakv": dict(scorer=S["snapkv"], allocation=A["adakv"], compression_ratio=0.5, window=16),
+    "chunkkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16, chunk_length=10),
+    "tova": dict(scorer=S["tova"], compression_ratio=0.5, window=0),
+    "knorm": dict(scorer=S["knorm"], compression_ratio=0.5, window=0),
+    "streaming": dict(scorer=S["streaming"], compression_ratio=0.5, window=0),
+    "random": dict(scorer=S["random"], compression_ratio=0.5, window=0, seed=7),
+    "observed": dict(scorer=S["observed"], compression_ratio=0.5, window=0),  # scored on the host from downloaded rows
+    "edie": dict(scorer=S["edie"], compression_ratio=0.5, window=16),
+    "edie-wide-window": dict(scorer=S["edie"], compression_ratio=0.3, window=120, kernel=5, edie_alpha=0.3),
+    "edie-no-mid-range": dict(scorer=S["edie"], compression_ratio=0.5, window=170),  # (w, len - 2w] empty: every past row
+    "edie-long-cache": dict(scorer=S["edie"], compression_ratio=0.5, window=32),  # 2,500 rows: the kernel's 1,024-row chunks
 }
 
 
@@ -331,9 +298,9 @@ def test_press_missing_inputs_are_clear_errors(rng, device):
     q = rng.standard_normal((20, 4, 16)).astype(np.float32)
     k = rng.standard_normal((2, 20, 16)).astype(np.float32)
     with pytest.raises(CError, match="EDIE needs the attention outputs"):
-        device_press_compute(device, press_config(scorer=6, compression_ratio=0.5, window=4), q, k, k)
+        device_press_compute(device, press_config(scorer=S["edie"], compression_ratio=0.5, window=4), q, k, k)
     with pytest.raises(CError, match="longer than the press window"):
-        device_press_compute(device, press_config(scorer=5, compression_ratio=0.5, window=32), q, k, k)
+        device_press_compute(device, press_config(scorer=S["snapkv"], compression_ratio=0.5, window=32), q, k, k)
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -488,15 +455,15 @@ def test_logits_match_hf_transformers(model_path, dev_model, rng, device):
 
 
 SESSION_PRESSES = {
-    "snapkv": dict(scorer=5, compression_ratio=0.5, window=16),
-    "adakv": dict(scorer=5, allocation=2, compression_ratio=0.5, window=16),
-    "chunkkv-reuse": dict(scorer=5, compression_ratio=0.5, window=16, chunk_length=10, reuse_layers=2),
-    "pyramidkv": dict(scorer=5, allocation=1, budget=128, window=16),
-    "streaming": dict(scorer=0, compression_ratio=0.5),
-    "knorm": dict(scorer=1, compression_ratio=0.5),
-    "tova": dict(scorer=3, compression_ratio=0.5),
-    "observed": dict(scorer=4, compression_ratio=0.5),
-    "edie": dict(scorer=6, compression_ratio=0.5, window=16),
+    "snapkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16),
+    "adakv": dict(scorer=S["snapkv"], allocation=A["adakv"], compression_ratio=0.5, window=16),
+    "chunkkv-reuse": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16, chunk_length=10, reuse_layers=2),
+    "pyramidkv": dict(scorer=S["snapkv"], allocation=A["pyramid"], budget=128, window=16),
+    "streaming": dict(scorer=S["streaming"], compression_ratio=0.5),
+    "knorm": dict(scorer=S["knorm"], compression_ratio=0.5),
+    "tova": dict(scorer=S["tova"], compression_ratio=0.5),
+    "observed": dict(scorer=S["observed"], compression_ratio=0.5),
+    "edie": dict(scorer=S["edie"], compression_ratio=0.5, window=16),
 }
 
 

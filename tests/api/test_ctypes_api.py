@@ -6,17 +6,6 @@ import pytest
 
 from capi import PressConfig, lib
 
-lib.kvc_session_new.argtypes = [C.c_void_p, C.c_int64, C.POINTER(C.c_void_p)]
-lib.kvc_forward.argtypes = [C.c_void_p, np.ctypeslib.ndpointer(np.int32), C.c_int64, C.c_int32, np.ctypeslib.ndpointer(np.float32)]
-lib.kvc_session_free.argtypes = [C.c_void_p]
-lib.kvc_model_free.argtypes = [C.c_void_p]
-lib.kvc_session_cache_len.argtypes = [C.c_void_p, C.c_int32, C.c_int32]
-lib.kvc_session_cache_len.restype = C.c_int64
-lib.kvc_session_set_press.argtypes = [C.c_void_p, C.POINTER(PressConfig)]
-lib.kvc_session_cache_bytes.argtypes = [C.c_void_p]
-lib.kvc_session_cache_bytes.restype = C.c_size_t
-lib.kvc_version.restype = C.c_char_p
-
 
 def test_ctypes_forward_matches_module(default_gguf, default_model, rng):
     m = C.c_void_p()

@@ -1,0 +1,136 @@
+"""The one ctypes view of the public C ABI (csrc/include/kvpress_c.h) for the tests: the library with every
+signature the tests call, its structs (kvc_config, kvc_press_config), status and device codes, and the
+press functions on plain arrays. Tests that call the C core without the Python module import from here."""
+from __future__ import annotations
+
+import ctypes as C
+
+import numpy as np
+
+from kvpress_c import _core
+from kvpress_c._paths import core_library_path
+
+F32P = np.ctypeslib.ndpointer(np.float32, flags="C_CONTIGUOUS")
+I64P = np.ctypeslib.ndpointer(np.int64, flags="C_CONTIGUOUS")
+I32P = np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS")
+
+# kvc_status
+OK, ERR_ARG, ERR_IO, ERR_FORMAT, ERR_NOMEM, ERR_UNSUPPORTED, ERR_DEVICE, ERR_INTERNAL = range(8)
+# kvc_device
+DEVICES = {"cpu": 0, "cuda": 1, "emulated": 2}
+# kvc_scorer, kvc_allocation, kvc_safeguard: name -> code, read from the header by the module
+SCORERS, ALLOCATIONS, SAFEGUARDS = dict(_core.SCORERS), dict(_core.ALLOCATIONS), dict(_core.SAFEGUARDS)
+
+
+class Config(C.Structure):  # kvc_config
+    _fields_ = [(n, C.c_int32) for n in ("arch", "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "ffn", "vocab",
+                                         "max_context", "rope_pairing", "tied_embeddings", "qkv_bias")] + \
+               [("rms_eps", C.c_float), ("rope_theta", C.c_float), ("rope_scaling_factor", C.c_float),
+                ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
+                ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32)]
+
+
+class PressConfig(C.Structure):  # kvc_press_config
+    _fields_ = [("scorer", C.c_int32), ("allocation", C.c_int32), ("compression_ratio", C.c_double),
+                ("budget", C.c_int64), ("window", C.c_int32), ("kernel", C.c_int32), ("pool_max", C.c_int32),
+                ("gqa_max", C.c_int32), ("pool_then_reduce", C.c_int32), ("n_sink", C.c_int32),
+                ("seed", C.c_uint64), ("alpha_safeguard", C.c_float), ("safeguard", C.c_int32),
+                ("pyramid_beta", C.c_int32), ("record_scores", C.c_int32), ("chunk_length", C.c_int32),
+                ("reuse_layers", C.c_int32), ("edie_alpha", C.c_float), ("drop_window", C.c_int32)]
+
+
+_V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
+SIGNATURES = {  # name: (restype, argtypes)
+    "kvc_last_error": (C.c_char_p, []),
+    "kvc_version": (C.c_char_p, []),
+    "kvc_set_blas": (_I, [C.c_char_p, C.c_char_p]),
+    "kvc_blas_name": (C.c_char_p, []),
+    "kvc_set_num_threads": (None, [_I]),
+    "kvc_get_num_threads": (_I, []),
+    "kvc_model_load": (_I, [C.c_char_p, C.POINTER(_V)]),
+    "kvc_model_load_device": (_I, [C.c_char_p, _I32, C.POINTER(_V)]),
+    "kvc_model_free": (None, [_V]),
+    "kvc_model_get_config": (_I, [_V, C.POINTER(Config)]),
+    "kvc_model_weight_bytes": (_SZ, [_V]),
+    "kvc_model_format": (C.c_char_p, [_V]),
+    "kvc_session_new": (_I, [_V, _I64, C.POINTER(_V)]),
+    "kvc_session_free": (None, [_V]),
+    "kvc_forward": (_I, [_V, I32P, _I64, _I32, F32P]),
+    "kvc_session_cache_len": (_I64, [_V, _I32, _I32]),
+    "kvc_session_cache_bytes": (_SZ, [_V]),
+    "kvc_session_set_press": (_I, [_V, C.POINTER(PressConfig)]),
+    "kvc_press_config_defaults": (None, [C.POINTER(PressConfig)]),
+    "kvc_press_config_check": (_I, [C.POINTER(PressConfig)]),
+    "kvc_press_compute_ex": (_I, [C.POINTER(PressConfig), _I32, _I32, _I32, _I32, _I32, F32P, _V, _I64, F32P, F32P, _I64,
+                                  _I64, F32P, I64P, I64P]),
+    "kvc_device_press_compute": (_I, [_I32, C.POINTER(PressConfig), _I32, _I32, _I32, _I32, _I32, F32P, _V, _I64, F32P,
+                                      F32P, _I64, _I64, F32P, I64P, I64P]),
+    "kvc_kernel_matmul": (_I, [F32P, F32P, F32P, _I64, _I64, _I64]),
+    "kvc_kernel_rmsnorm": (_I, [F32P, F32P, F32P, _I64, _I64, _F]),
+    "kvc_kernel_rope": (_I, [F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
+    "kvc_kernel_rope_freqs": (_I, [C.POINTER(Config), F32P]),
+    "kvc_kernel_swiglu": (_I, [F32P, F32P, F32P, _I64, _I64]),
+    "kvc_kernel_attention": (_I, [F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _F, F32P]),
+    "kvc_kernel_dequantize": (_I, [_I32, _V, _SZ, _V, _I64]),
+    "kvc_device_available": (_I, [_I32]),
+    "kvc_device_set_option": (_I, [_I32, C.c_char_p, _I32]),
+    "kvc_device_kernel_matmul": (_I, [_I32, F32P, F32P, F32P, _I64, _I64, _I64]),
+    "kvc_device_kernel_rmsnorm": (_I, [_I32, F32P, _V, F32P, F32P, _V, _I64, _I64, _F]),
+    "kvc_device_kernel_rope": (_I, [_I32, F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
+    "kvc_device_kernel_swiglu": (_I, [_I32, F32P, F32P, F32P, _I64, _I64]),
+    "kvc_device_kernel_attention": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _F, F32P, _I32]),
+    "kvc_device_kernel_topk": (_I, [_I32, F32P, _I32, _I64, I64P, I64P]),
+    "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
+}
+
+
+def bind(lib):
+    """Declare every signature on a loaded libkvpress_c (the default one, or another build of it)."""
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+lib = bind(C.CDLL(core_library_path()))
+
+
+class CError(Exception):
+    def __init__(self, status):
+        super().__init__(f"status {status}: {lib.kvc_last_error().decode()}")
+        self.status = status
+
+
+def check(status):
+    """Raise CError for a failing status of a C call."""
+    if status != 0:
+        raise CError(status)
+
+
+def last_error() -> str:
+    return lib.kvc_last_error().decode(errors="replace")
+
+
+def press_config(**kw) -> PressConfig:
+    cfg = PressConfig()
+    lib.kvc_press_config_defaults(C.byref(cfg))
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def press_compute(cfg: PressConfig, q, k, v, layer=0, n_layers=1, attn=None, layer_total=-1, device="cpu"):
+    """q [n, H, d], k/v [Hkv, len, d] -> scores [Hkv, len], kept rows per head (list of arrays), on a device."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    k = np.ascontiguousarray(k, dtype=np.float32)
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    n, H, d = q.shape
+    Hkv, length, _ = k.shape
+    scores = np.zeros((Hkv, length), dtype=np.float32)
+    keep = np.zeros((Hkv, length), dtype=np.int64)
+    n_keep = np.zeros(Hkv, dtype=np.int64)
+    a = None if attn is None else np.ascontiguousarray(attn, dtype=np.float32)
+    check(lib.kvc_device_press_compute(DEVICES[device], C.byref(cfg), H, Hkv, d, layer, n_layers, q,
+                                       None if a is None else a.ctypes.data, n, k, v, length, layer_total, scores, keep,
+                                       n_keep))
+    return scores, [keep[h, :n_keep[h]].copy() for h in range(Hkv)]
