@@ -71,7 +71,7 @@ def find_cuda_libdir(nvcc):
 def cuda_headers():
     return sorted(glob.glob(os.path.join("csrc", "backend", "cuda", "*.cuh")) +
                   glob.glob(os.path.join("csrc", "backend", "cuda", "*.h")) +
-                  [os.path.join("csrc", "include", "kvpress_c.h"), os.path.join("csrc", "backend", "backend.h"),
+                  [os.path.join("csrc", "include", "kvpress_c.h"), os.path.join("csrc", "core", "backend.h"),
                    os.path.join("csrc", "core", "common.h")])
 
 

@@ -1,4 +1,4 @@
-"""How far a device's logits are from the CPU's (fp32) on the shapes of tests/test_device.py: the
+"""How far a device's logits are from the CPU's (fp32) on the shapes of tests/device/test_device.py: the
 measurement behind MODEL_TOL there.
 
 For each shape and seed: a random-weight model, a 333-token prefill (all logits) and 10 decode steps,
@@ -19,7 +19,7 @@ import tempfile
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support")]
 
 import kvpress_c  # noqa: E402
 from random_llama import write_random_llama  # noqa: E402

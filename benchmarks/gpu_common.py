@@ -1,5 +1,5 @@
 """Shared pieces of the GPU benchmarks (gpu_prefill.py, gpu_decode.py): the GPU check, the
-Llama-3.1-8B-shaped random bf16 model (tests/random_llama.py writes it), the presses on both systems,
+Llama-3.1-8B-shaped random bf16 model (tests/support/random_llama.py writes it), the presses on both systems,
 the measured GEMM / copy rates and FLOP counts, and the JSON + markdown output with the ratios the
 targets are stated in (against the full cache, against the peer)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support")]
 from random_llama import LLAMA31_8B as LLAMA8B, llama31_8b_dir, write_llama31_bf16  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

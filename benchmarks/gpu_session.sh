@@ -54,7 +54,7 @@ test)
     build
     wheels
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    timeout 420 $PY -m pytest -q -rs tests/test_device.py -k "not llama8b" 2>&1 | tee "$OUT/test_device.log"
+    timeout 420 $PY -m pytest -q -rs tests/device/test_device.py -k "not llama8b" 2>&1 | tee "$OUT/test_device.log"
     timeout 120 $PY benchmarks/device_tolerance.py --device cuda --seeds 10 \
         --out benchmarks/results/device_tolerance_cuda.json 2>&1 | tail -2 | tee "$OUT/device_tolerance.log"
     cp benchmarks/results/device_tolerance_cuda.json "$OUT/" 2>/dev/null
@@ -62,7 +62,7 @@ test)
 test8b)
     [ -f kvpress_c/libkvpress_c_cuda.so ] || build
     wheels
-    timeout 560 $PY -m pytest -q -rs -s tests/test_device.py -k llama8b 2>&1 | tee "$OUT/test_device_8b.log"
+    timeout 560 $PY -m pytest -q -rs -s tests/device/test_device.py -k llama8b 2>&1 | tee "$OUT/test_device_8b.log"
     ;;
 bench)
     [ -f kvpress_c/libkvpress_c_cuda.so ] || build

@@ -73,5 +73,6 @@ PyMethodDef kvc_py_device_methods[] = {
      "memory_stats(device='cuda') -> bytes the device's backend holds (current, peak, weights, cache, activations)."},
     {"reset_peak", mod_reset_peak, METH_VARARGS, "reset_peak(device='cuda'): the peak counters start again from now."},
     {"set_device_option", mod_set_device_option, METH_VARARGS,
-     "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync)."},
+     "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync); "
+     "on the emulated device 'fail_after' n fails its (n+1)-th operation once (tests)."},
     {NULL, NULL, 0, NULL}};

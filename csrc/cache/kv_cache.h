@@ -7,7 +7,7 @@
 #ifndef KVC_KV_CACHE_H
 #define KVC_KV_CACHE_H
 
-#include "../backend/backend.h"
+#include "../core/backend.h"
 #include "../core/common.h"
 
 typedef struct kvc_layer_cache {

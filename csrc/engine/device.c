@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend/backend.h"
+#include "../core/backend.h"
 #include "../core/common.h"
 
 int kvc_device_available(int32_t device) {

@@ -2,7 +2,7 @@
  * the ragged cache, SwiGLU MLP), final norm, logits. Prefill is batched (all new tokens at once through
  * every GEMM); the MLP runs in row blocks so gate|up stays O(block x ffn) whatever the prompt length.
  *
- * One layer, on the backend's kernels (backend/backend.h):
+ * One layer, on the backend's kernels (core/backend.h):
  *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); RoPE on q and k; K/V appended to the cache; attention;
  *   o = att Wo^T; [hook: a press may compact the layer]; x += o and xn = rmsnorm(x) (one kernel);
  *   per row block: gu = xn Wgu^T; gu = silu(gate) * up; x += gu Wdown^T.
@@ -220,6 +220,9 @@ static kvc_status inputs(kvc_session *s, const int32_t *ids, int64_t n_ids, cons
     return KVC_OK;
 }
 
+/* Wait for the call's device work (asynchronous faults surface here, in the call that caused them). */
+static kvc_status end_of_call(const kvc_backend *be) { return be->sync ? be->sync() : KVC_OK; }
+
 /* ---- the decode step as a graph ------------------------------------------------------------------------
  * One token, no follower: everything after the host's bookkeeping (room in every layer, the token id
  * and position uploaded) is device work that reads its inputs from buffers, so one captured graph
@@ -277,8 +280,9 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
         *st = g;
         return 1;
     }
-    if (logits_row != KVC_ROW_NONE &&
-        (*st = be->download(kvc_view_of(s->act.logits, 0, c->vocab), 1, c->vocab, logits, KVC_F32)) != KVC_OK) {
+    *st = logits_row == KVC_ROW_NONE ? end_of_call(be)
+                                     : be->download(kvc_view_of(s->act.logits, 0, c->vocab), 1, c->vocab, logits, KVC_F32);
+    if (*st != KVC_OK) {
         for (int32_t l = 0; l < c->n_layers; l++) be->kv_set_lens(s->cache.layers[l].kv, s->cache.layers[l].len);
         return 1;
     }
@@ -291,10 +295,13 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
 
 /* ---- the forward call ------------------------------------------------------------------------------------ */
 
-static uint64_t compactions(kvc_session *s) {
-    uint64_t n = s->cache.compactions;
-    for (int32_t i = 0; i < s->n_followers; i++) n += s->followers[i]->cache.compactions;
-    return n;
+/* A failed call loses nothing: the rows it appended to layers 0 .. l go. Rows a press evicted cannot come
+ * back, so a session whose cache was compacted must be reset (followers are reset by the shared call). */
+static kvc_status roll_back(kvc_session *s, int32_t l, uint64_t compactions_before, kvc_status st) {
+    kvc_cache_drop_from(&s->cache, l, s->pos);
+    for (int32_t i = 0; i < s->n_followers; i++) kvc_cache_drop_from(&s->followers[i]->cache, l, s->pos);
+    if (s->cache.compactions != compactions_before) s->needs_reset = 1;
+    return st;
 }
 
 static kvc_status forward_locked(kvc_session *s, const int32_t *ids, int64_t n_ids, const float *emb, int64_t n_emb,
@@ -311,21 +318,18 @@ static kvc_status forward_locked(kvc_session *s, const int32_t *ids, int64_t n_i
     KVC_TRY(kvc_act_reserve(s, n, lrows < LOGIT_ROWS ? lrows : LOGIT_ROWS));
     KVC_TRY(kvc_positions_reserve(s, n));
     KVC_TRY(inputs(s, ids, n_ids, emb, n_emb));
-    const uint64_t before = compactions(s);
+    const uint64_t before = s->cache.compactions;
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_status st = layer_forward(s, l, n);
-        if (st != KVC_OK) {
-            /* a failed call loses nothing: the rows it appended go; rows a press evicted cannot come back */
-            kvc_cache_drop_from(&s->cache, l, s->pos);
-            for (int32_t i = 0; i < s->n_followers; i++) kvc_cache_drop_from(&s->followers[i]->cache, l, s->pos);
-            if (compactions(s) != before) s->needs_reset = 1;
-            return st;
-        }
+        if (st != KVC_OK) return roll_back(s, l, before, st);
     }
+    /* the rows are committed only once the logits are out (or the device says the work went through) */
+    kvc_status st = logits_row == KVC_ROW_NONE ? end_of_call(s->be)
+                                                : logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits);
+    if (st != KVC_OK) return roll_back(s, c->n_layers - 1, before, st);
     s->pos += n;
     if (n == 1) s->decodes_since_capture++;
-    if (logits_row == KVC_ROW_NONE) return KVC_OK;
-    return logits_out(s, logits_row == KVC_ROW_ALL ? 0 : logits_row, lrows, logits);
+    return KVC_OK;
 }
 
 kvc_status kvc_forward(kvc_session *s, const int32_t *ids, int64_t n, int32_t logits_mode, float *logits) {
@@ -407,8 +411,13 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
             return st;
         }
     }
+    kvc_status st = logits_out(s0, 0, B, logits);
+    if (st != KVC_OK) {
+        for (int32_t i = 0; i < B; i++) kvc_cache_drop_from(&ss[i]->cache, c->n_layers - 1, ss[i]->pos);
+        return st;
+    }
     for (int32_t i = 0; i < B; i++) ss[i]->pos += 1;
-    return logits_out(s0, 0, B, logits);
+    return KVC_OK;
 }
 
 kvc_status kvc_forward_batch(kvc_session *const *ss, int32_t B, const int32_t *ids, float *logits) {

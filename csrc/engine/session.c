@@ -22,7 +22,9 @@ kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session 
     s->be = model->be;
     s->capacity_hint = capacity_hint;
     s->graphs = graphs_default();
+    kvc_backend_lock(s->be);
     kvc_status st = kvc_cache_init(&s->cache, s->be, model->cfg.n_layers, model->cfg.n_kv_heads, model->cfg.head_dim);
+    kvc_backend_unlock(s->be);
     if (st != KVC_OK) {
         free(s);
         return st;
@@ -46,11 +48,12 @@ void kvc_session_free(kvc_session *s) {
 void kvc_session_reset(kvc_session *s) {
     if (!s) return;
     kvc_backend_lock(s->be);
-    kvc_cache_clear(&s->cache);
+    kvc_status st = kvc_cache_clear(&s->cache);
     kvc_backend_unlock(s->be);
     s->press_seconds = 0.0;
     s->pos = 0;
-    s->needs_reset = 0;
+    /* A clear that stopped partway leaves rows behind: the next forward must refuse, not attend to them. */
+    s->needs_reset = st != KVC_OK;
 }
 
 int64_t kvc_session_position(const kvc_session *s) { return s ? s->pos : 0; }

@@ -236,7 +236,9 @@ static void host_weights_free(kvc_host_weights *h) {
 
 void kvc_model_free(kvc_model *m) {
     if (!m) return;
+    kvc_backend_lock(m->be);
     for (size_t i = 0; i < m->n_bufs; i++) m->be->free(m->bufs[i]);
+    kvc_backend_unlock(m->be);
     free(m->bufs);
     free(m->layers);
     kvc_free(m->rope_factors);
@@ -319,7 +321,11 @@ kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **o
     struct stat st;
     if (stat(path, &st) != 0)
         return kvc_fail(KVC_ERR_IO, "model path '%s' does not exist: give a .gguf file or a Hugging Face folder", path);
-    return S_ISDIR(st.st_mode) ? kvc_load_hf(path, be, out) : kvc_load_gguf(path, be, out);
+    /* A device's scratch and stream are shared: a load must not interleave with another thread's forward. */
+    kvc_backend_lock(be);
+    kvc_status status = S_ISDIR(st.st_mode) ? kvc_load_hf(path, be, out) : kvc_load_gguf(path, be, out);
+    kvc_backend_unlock(be);
+    return status;
 }
 
 kvc_status kvc_model_load(const char *path, kvc_model **out) { return kvc_model_load_device(path, KVC_DEVICE_CPU, out); }

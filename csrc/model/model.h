@@ -8,7 +8,7 @@
 
 #include <pthread.h>
 
-#include "../backend/backend.h"
+#include "../core/backend.h"
 #include "../core/common.h"
 
 struct gguf_file;

@@ -163,6 +163,7 @@ static const kvc_backend g_cpu = {
     .gemm_name = cpu_gemm,
     .memory_stats = cpu_memory,
     .reset_peak = cpu_reset_peak,
+    .sync = NULL, /* every kernel is done when it returns */
     .set_option = cpu_option,
     .alloc = cpu_alloc,
     .free = kvc_hbuf_free,

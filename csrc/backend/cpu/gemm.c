@@ -41,7 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend.h"
+#include "../../core/backend.h"
 #include "cpu.h"
 
 #ifndef SKINNY_M

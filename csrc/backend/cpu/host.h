@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "../../core/common.h"
-#include "../backend.h"
+#include "../../core/backend.h"
 
 /* Bytes allocated per category now and at most (KVC_STAT_* of memory_stats). */
 typedef struct kvc_host_stats {

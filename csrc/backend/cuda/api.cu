@@ -1,4 +1,4 @@
-/* The CUDA backend's table (backend/backend.h) and the two symbols the core's loader reads. Every entry
+/* The CUDA backend's table (core/backend.h) and the two symbols the core's loader reads. Every entry
  * resolves views to device pointers and launches the kernels of this folder on the one stream; the
  * core serialises calls (kvc_backend_lock), so the backend-wide scratch needs no lock of its own. */
 #include <math.h>
@@ -135,6 +135,12 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
         /* split-K decode over every row the device lengths say (they include this call's row) */
         const size_t bytes = sizeof(float) * decode_partial_floats(H, d, DECODE_SPLITS);
         if (bytes > g_partial.bytes) {
+            /* cudaMalloc/cudaFree are illegal while the stream is captured: the engine's eager first
+             * step sizes this scratch, so growing here during a capture is a contract violation */
+            cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+            CU_TRY(cudaStreamIsCapturing(g.stream, &cs), "attention");
+            if (cs != cudaStreamCaptureStatusNone)
+                return fail(KVC_ERR_UNSUPPORTED, "CUDA decode scratch must grow during a graph capture: run one eager step first");
             KVC_TRY(scratch(g_partial, bytes, "decode scratch"));
             g_generation++;
         }
@@ -229,6 +235,10 @@ static kvc_status t_check_model(const kvc_config *c) {
 }
 
 static void t_memory_stats(int64_t *out) { memory_stats(out); }
+static kvc_status t_sync(void) {
+    CU_TRY(cudaStreamSynchronize(g.stream), "end of call");
+    return KVC_OK;
+}
 static const float *t_host_f32(const kvc_buf *b) { return nullptr; }
 
 static kvc_backend make_table(void) {
@@ -245,6 +255,7 @@ static kvc_backend make_table(void) {
     t.gemm_name = gemm_name;
     t.memory_stats = t_memory_stats;
     t.reset_peak = reset_peak;
+    t.sync = t_sync;
     t.set_option = t_set_option;
     t.check_model = t_check_model;
     t.alloc = buf_alloc;

@@ -1,5 +1,5 @@
 /* Internal header of the CUDA backend: errors, the device context, tracked allocation, the buffers and
- * K/V stores of the kernel table (backend/backend.h), the kernel entry points each .cu file provides
+ * K/V stores of the kernel table (core/backend.h), the kernel entry points each .cu file provides
  * (one kernel family per file). Nothing here knows the core's model or session: the table is all. */
 #ifndef KVC_CUDA_COMMON_CUH
 #define KVC_CUDA_COMMON_CUH
@@ -9,7 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../backend.h"
+#include "../../core/backend.h"
 
 typedef __nv_bfloat16 bf16;
 

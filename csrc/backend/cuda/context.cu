@@ -150,7 +150,11 @@ void dfree(void *p, size_t bytes, int cat) {
     if (!p) return;
     if (bytes == 0) bytes = 256;
     bytes = (bytes + 255) & ~(size_t)255;
-    cudaFree(p);
+    /* a failed free still holds the memory: keep counting it (and clear the sticky-free error) */
+    if (cudaFree(p) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
     std::lock_guard<std::mutex> lk(g_mem_lock);
     g_cur -= (int64_t)bytes;
     g_cat[cat] -= (int64_t)bytes;

@@ -53,11 +53,11 @@ size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap) {
 }
 
 /* the head pointers and the lengths len[h] to the device tables */
-static kvc_status upload_tables(kvc_kv *kv, const int64_t *len) {
+static kvc_status upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *len) {
     int32_t len32[KVC_MAX_KV];
     for (int32_t h = 0; h < kv->Hkv; h++) len32[h] = (int32_t)len[h];
-    CU_TRY(cudaMemcpyAsync(kv->kd, kv->kh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
-    CU_TRY(cudaMemcpyAsync(kv->vd, kv->vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
+    CU_TRY(cudaMemcpyAsync(kv->kd, kh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
+    CU_TRY(cudaMemcpyAsync(kv->vd, vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
     CU_TRY(cudaMemcpyAsync(kv->lend, len32, sizeof(int32_t) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V lengths");
     CU_TRY(cudaStreamSynchronize(g.stream), "K/V tables"); /* len32 lives on this stack frame */
     return KVC_OK;
@@ -79,12 +79,18 @@ static kvc_status arena_new(const kvc_kv *kv, const int64_t *cap, void **arena, 
     return KVC_OK;
 }
 
-/* the new arena replaces the old one (freed after the copies into it are done) */
+/* The new arena replaces the old one once the copies into it are done and the device tables point at
+ * it; on any failure the store keeps its old arena and tables (the core keeps its old lengths too). */
 static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 **nv, const int64_t *cap, const int64_t *len) {
     const cudaError_t e = cudaStreamSynchronize(g.stream);
-    if (e != cudaSuccess) {
+    kvc_status st = e == cudaSuccess ? upload_tables(kv, nk, nv, len) : cuda_fail(e, "K/V copy");
+    if (st != KVC_OK) {
+        /* best effort: point the device tables back at the old arena before the new one goes */
+        cudaMemcpyAsync(kv->kd, kv->kh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream);
+        cudaMemcpyAsync(kv->vd, kv->vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream);
+        cudaStreamSynchronize(g.stream);
         if (arena) dfree(arena, bytes, MEM_CACHE);
-        return cuda_fail(e, "K/V copy");
+        return st;
     }
     if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
     kv->arena = arena;
@@ -94,7 +100,7 @@ static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 *
         kv->vh[h] = nv[h];
         kv->cap[h] = cap[h];
     }
-    return upload_tables(kv, len);
+    return KVC_OK;
 }
 
 /* The core keeps the lengths (a replayed graph moves the device's without telling anyone here), so
@@ -178,7 +184,7 @@ kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
             return fail(KVC_ERR_INTERNAL, "K/V lengths: head %d gets %lld rows of %lld", h, (long long)len[h],
                         (long long)kv->cap[h]);
     }
-    return upload_tables(kv, len);
+    return upload_tables(kv, kv->kh, kv->vh, len);
 }
 
 kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {

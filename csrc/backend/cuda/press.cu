@@ -1,4 +1,4 @@
-/* The scoring entries of the CUDA table (backend/backend.h): a layer's scores on the device (the kernels
+/* The scoring entries of the CUDA table (core/backend.h): a layer's scores on the device (the kernels
  * of score.cu, composed as the CPU scorers of backend/cpu/score.c compute them), per-head top-k, and
  * TADA's residual cosines. The schedule that calls them is the core's (press/). */
 #include <math.h>

@@ -10,13 +10,25 @@
  * - Graphs: a capture records the kernel calls (their arguments by value, as a CUDA graph bakes kernel
  *   parameters) without running them; a launch replays the record. Work that read a host value at
  *   capture time replays that stale value here exactly as it would on the GPU, and a replay over a buffer
- *   that moved since the capture is an error (the CUDA graph would read freed memory). */
+ *   that moved since the capture is an error (the CUDA graph would read freed memory).
+ * - Faults on demand (set_option "fail_after" n): the (n+1)-th device operation from then on fails
+ *   once with KVC_ERR_DEVICE, as a CUDA error would, so tests can fail a call at every point and check
+ *   that it loses nothing. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "../cpu/host.h"
 
 static kvc_host_stats g_stats;
+
+/* ---- injected faults (calls are serialised: the core holds the device's lock) ---- */
+
+static int64_t g_fault_in = -1; /* device operations left before the injected fault; -1: none */
+
+static kvc_status fault(const char *what) {
+    if (g_fault_in < 0 || g_fault_in-- > 0) return KVC_OK;
+    return kvc_fail(KVC_ERR_DEVICE, "emulated device: injected fault in %s (set_device_option 'fail_after')", what);
+}
 
 /* ---- graph recording ---- */
 
@@ -60,6 +72,8 @@ static int record(op o) {
 }
 
 static kvc_status run_op(const op *o) {
+    static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu"};
+    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_SWIGLU ? names[o->kind] : "a kernel"));
     switch (o->kind) {
     case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
@@ -150,8 +164,11 @@ static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {
 }
 
 /* Work that cannot be part of a graph (it reads or writes host memory) is refused during a capture. */
-#define NOT_IN_GRAPH(what) \
-    if (g_rec) return kvc_fail(KVC_ERR_INTERNAL, "%s during a graph capture", what)
+#define NOT_IN_GRAPH(what)                                                            \
+    do {                                                                              \
+        if (g_rec) return kvc_fail(KVC_ERR_INTERNAL, "%s during a graph capture", what); \
+        KVC_TRY(fault(what));                                                         \
+    } while (0)
 
 static kvc_status emu_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t t) {
     NOT_IN_GRAPH("upload");
@@ -201,16 +218,28 @@ static const char *emu_name(void) { return "emulated device (bf16 storage on the
 static const char *emu_gemm(void) { return "cpu kernels on bf16-rounded operands"; }
 static void emu_memory(int64_t *out) { kvc_host_stats_read(&g_stats, out); }
 static void emu_reset_peak(void) { kvc_host_stats_reset_peak(&g_stats); }
+/* nothing is asynchronous here; the entry exists so the engine's end-of-call path runs as on a device */
+static kvc_status emu_sync(void) { return fault("sync"); }
 static kvc_status emu_option(const char *name, int value) {
+    if (!strcmp(name, "fail_after")) {
+        g_fault_in = value < 0 ? -1 : value;
+        return KVC_OK;
+    }
     /* the CUDA backend's settings, accepted so the same tests run here; one set of kernels underneath */
     if ((!strcmp(name, "builtin_gemm") || !strcmp(name, "attention_kernel")) && (value == 0 || value == 1)) return KVC_OK;
     return kvc_fail(KVC_ERR_ARG, "unknown setting '%s' = %d for the emulated device", name, value);
 }
 static kvc_status emu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
+    *out = NULL;
+    KVC_TRY(fault(what));
     return kvc_hbuf_alloc(&g_stats, dtype, n, cat, what, out);
 }
 static const float *emu_host_f32(const kvc_buf *b) { (void)b; return NULL; /* device memory: never read in place */ }
-static kvc_status emu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_stats, KVC_BF16, Hkv, d, out); }
+static kvc_status emu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
+    *out = NULL;
+    KVC_TRY(fault("kv_new"));
+    return kvc_hkv_new(&g_stats, KVC_BF16, Hkv, d, out);
+}
 static size_t emu_kv_bytes(int32_t Hkv, int32_t d, const int64_t *cap) { return kvc_hkv_arena_bytes(KVC_BF16, Hkv, d, cap); }
 
 static const kvc_backend g_emulated = {
@@ -225,6 +254,7 @@ static const kvc_backend g_emulated = {
     .gemm_name = emu_gemm,
     .memory_stats = emu_memory,
     .reset_peak = emu_reset_peak,
+    .sync = emu_sync,
     .set_option = emu_option,
     .alloc = emu_alloc,
     .free = kvc_hbuf_free,

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../core/common.h"
+#include "common.h"
 #include "backend.h"
 
 kvc_status kvc_cuda_backend(const kvc_backend **out); /* for registry.c */

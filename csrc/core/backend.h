@@ -8,7 +8,7 @@
  *   emulated  backend/emulated: the device contract on the CPU (separate allocations, bf16 storage
  *             rounded where the CUDA backend rounds, the CPU kernels underneath), so CI runs the
  *             device path's host code;
- *   cuda      backend/cuda: a separate library opened at run time (backend/cuda_loader.c).
+ *   cuda      backend/cuda: a separate library opened at run time (core/cuda_loader.c).
  * Every entry returns a status and records a message (kvc_fail) on failure; none aborts.
  * KVC_BACKEND_VERSION changes whenever an entry or a struct here changes: the CUDA library is built
  * separately and the loader refuses a table of another version.
@@ -114,6 +114,9 @@ typedef struct kvc_backend {
     const char *(*gemm_name)(void); /* the GEMM in use; a device without its vendor GEMM says so here */
     void (*memory_stats)(int64_t *out); /* [KVC_STAT_N] */
     void (*reset_peak)(void);
+    /* Wait for the work enqueued so far; an asynchronous fault comes back here as a status, so the call
+     * that caused it fails and rolls back (NULL: every entry completes before it returns). */
+    kvc_status (*sync)(void);
     /* Named settings (tests and benchmarks): "builtin_gemm" 0/1, "attention_kernel" 0 (default) / 1.
      * KVC_ERR_ARG for a name or value the backend does not know. */
     kvc_status (*set_option)(const char *name, int value);
@@ -203,7 +206,7 @@ typedef kvc_status (*kvc_backend_open_fn)(const kvc_host_services *host, const k
 #define KVC_CUDA_VERSION_SYMBOL "kvc_cuda_backend_version"
 #define KVC_CUDA_OPEN_SYMBOL "kvc_cuda_backend_open"
 
-/* The registry (backend/registry.c): the table of a device, loading it on first use. KVC_ERR_DEVICE with
+/* The registry (core/registry.c): the table of a device, loading it on first use. KVC_ERR_DEVICE with
  * the reason when it is not available ("CUDA backend not available: ..."). */
 kvc_status kvc_backend_get(int32_t device, const kvc_backend **out);
 /* The CPU backend (always available). */

@@ -4,7 +4,7 @@
 #include <pthread.h>
 
 #include "backend.h"
-#include "../core/common.h"
+#include "common.h"
 
 const kvc_backend *kvc_backend_emulated(void); /* emulated/emulated.c */
 kvc_status kvc_cuda_backend(const kvc_backend **out); /* cuda_loader.c */
