@@ -2,9 +2,9 @@
 chunk at a time, so the host holds no copy of the weights (docs/ARCHITECTURE.md, "Loading onto a device").
 
 For each model: a fresh process loads it on the device and reports its peak and final resident memory
-(VmHWM, VmRSS) beyond what it held before the load. On the emulated device the "device" buffers are host
-memory too; they are subtracted (the backend's own count), so the figure is what a GPU load would cost
-the host. Also the CPU load of the same file for comparison (fp32 weights: 4 bytes per parameter).
+beyond what it held before the load (tests/support/load_probe.py; the emulated device's buffers are
+subtracted, so the figure is what a GPU load would cost the host). Also the CPU load of the same file
+for comparison (fp32 weights: 4 bytes per parameter).
 
     python benchmarks/device_load_memory.py [--model 8b|small|PATH] [--device emulated|cuda] [--out FILE]
 
@@ -16,52 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "support")]
 
-from random_llama import LLAMA31_8B, llama31_8b_dir, write_llama31_bf16  # noqa: E402
+from load_probe import measure  # noqa: E402
+from random_llama import llama31_8b_dir, write_llama31_bf16  # noqa: E402
 
 SMALL = dict(layers=4, hidden=1024, heads=8, kv_heads=2, head_dim=128, ffn=4096, vocab=32000)
-
-PROBE = r"""
-import json, sys, time
-sys.path.insert(0, sys.argv[3])
-import kvpress_c
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-before = status("VmRSS")
-t0 = time.perf_counter()
-m = kvpress_c.load_model(sys.argv[1], device=sys.argv[2])
-seconds = time.perf_counter() - t0
-dev = kvpress_c.memory_stats(sys.argv[2]) if sys.argv[2] != "cpu" else {"current": 0, "weights": 0}
-own = dev["current"] if sys.argv[2] == "emulated" else 0
-print(json.dumps({"device": sys.argv[2], "seconds": seconds, "host_peak_beyond_device": status("VmHWM") - before - own,
-                  "host_after_beyond_device": status("VmRSS") - before - own, "device_weights": dev["weights"],
-                  "weight_bytes": m.config["weight_bytes"]}))
-"""
-
 
 def total_memory() -> int:
     for line in open("/proc/meminfo"):
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def measure(path: str, device: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, path, device, ROOT], capture_output=True, text=True)
-    if out.returncode != 0:
-        return {"device": device, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():

@@ -208,43 +208,21 @@ static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int
     return KVC_OK;
 }
 
-static kvc_status put(const gguf_file *f, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
+static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
                       int64_t cols) {
     kvc_src src;
-    KVC_TRY(source(f, name, rows, cols, &src));
+    KVC_TRY(source(file, name, rows, cols, &src));
     return kvc_model_put(m, role, layer, &src);
 }
 
 static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_scale) {
     const kvc_config *c = &m->cfg;
-    const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t D = c->hidden;
     KVC_TRY(refuse_extra_tensors(f));
     KVC_TRY(put(f, m, KVC_W_TOK, 0, "token_embd.weight", c->vocab, D));
     KVC_TRY(put(f, m, KVC_W_OUT_NORM, 0, "output_norm.weight", 0, D));
     if (!c->tied_embeddings) KVC_TRY(put(f, m, KVC_W_LM_HEAD, 0, "output.weight", c->vocab, D));
-    char name[64];
-    for (int32_t l = 0; l < c->n_layers; l++) {
-#define LOAD(role, suffix, rows, cols)                               \
-    do {                                                             \
-        snprintf(name, sizeof name, "blk.%d.%s", (int)l, suffix);    \
-        KVC_TRY(put(f, m, role, l, name, rows, cols));               \
-    } while (0)
-        LOAD(KVC_W_ATTN_NORM, "attn_norm.weight", 0, D);
-        LOAD(KVC_W_Q, "attn_q.weight", qd, D);
-        LOAD(KVC_W_K, "attn_k.weight", kd, D);
-        LOAD(KVC_W_V, "attn_v.weight", kd, D);
-        LOAD(KVC_W_O, "attn_output.weight", D, qd);
-        if (c->qkv_bias) {
-            LOAD(KVC_W_BQ, "attn_q.bias", 0, qd);
-            LOAD(KVC_W_BK, "attn_k.bias", 0, kd);
-            LOAD(KVC_W_BV, "attn_v.bias", 0, kd);
-        }
-        LOAD(KVC_W_FFN_NORM, "ffn_norm.weight", 0, D);
-        LOAD(KVC_W_GATE, "ffn_gate.weight", F, D);
-        LOAD(KVC_W_UP, "ffn_up.weight", F, D);
-        LOAD(KVC_W_DOWN, "ffn_down.weight", D, F);
-#undef LOAD
-    }
+    KVC_TRY(kvc_model_put_layers(m, 0, put, f));
     const int32_t half = c->head_dim / 2;
     const int has_freqs = gguf_find_tensor(f, "rope_freqs.weight") != NULL;
     if (has_freqs || linear_scale != 1.0f) {

@@ -440,8 +440,9 @@ static kvc_status decode_rows(const kvc_src *s, int64_t r0, int64_t nr, float *d
 }
 
 /* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) streamed into the weight of `role`. */
-static kvc_status put(const weights *w, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
+static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
                       int64_t cols) {
+    const weights *w = file;
     kvc_status st;
     const st_tensor *t = find(w, name, &st);
     if (st != KVC_OK) return st;
@@ -475,8 +476,7 @@ static kvc_status put(const weights *w, kvc_model *m, kvc_weight_role role, int3
 
 static kvc_status load_weights(const weights *w, kvc_model *m) {
     const kvc_config *c = &m->cfg;
-    const int64_t D = c->hidden, F = c->ffn, V = c->vocab;
-    const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t D = c->hidden, V = c->vocab;
     KVC_TRY(put(w, m, KVC_W_TOK, 0, "model.embed_tokens.weight", V, D));
     KVC_TRY(put(w, m, KVC_W_OUT_NORM, 0, "model.norm.weight", 0, D));
     if (!c->tied_embeddings) {
@@ -487,30 +487,7 @@ static kvc_status load_weights(const weights *w, kvc_model *m) {
         KVC_TRY(st);
         KVC_TRY(put(w, m, KVC_W_LM_HEAD, 0, "lm_head.weight", V, D));
     }
-    char name[96];
-    for (int32_t l = 0; l < c->n_layers; l++) {
-#define LOAD(role, suffix, rows, cols)                                \
-    do {                                                              \
-        snprintf(name, sizeof name, "model.layers.%d.%s", l, suffix); \
-        KVC_TRY(put(w, m, role, l, name, rows, cols));                \
-    } while (0)
-        LOAD(KVC_W_ATTN_NORM, "input_layernorm.weight", 0, D);
-        LOAD(KVC_W_Q, "self_attn.q_proj.weight", qd, D);
-        LOAD(KVC_W_K, "self_attn.k_proj.weight", kd, D);
-        LOAD(KVC_W_V, "self_attn.v_proj.weight", kd, D);
-        LOAD(KVC_W_O, "self_attn.o_proj.weight", D, qd);
-        if (c->qkv_bias) {
-            LOAD(KVC_W_BQ, "self_attn.q_proj.bias", 0, qd);
-            LOAD(KVC_W_BK, "self_attn.k_proj.bias", 0, kd);
-            LOAD(KVC_W_BV, "self_attn.v_proj.bias", 0, kd);
-        }
-        LOAD(KVC_W_FFN_NORM, "post_attention_layernorm.weight", 0, D);
-        LOAD(KVC_W_GATE, "mlp.gate_proj.weight", F, D);
-        LOAD(KVC_W_UP, "mlp.up_proj.weight", F, D);
-        LOAD(KVC_W_DOWN, "mlp.down_proj.weight", D, F);
-#undef LOAD
-    }
-    return KVC_OK;
+    return kvc_model_put_layers(m, 1, put, w);
 }
 
 /* ---------------------------------------------------------------------------------------------- */

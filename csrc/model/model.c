@@ -121,31 +121,82 @@ float *kvc_model_rope_factors(kvc_model *m) {
 }
 
 /* The view and the row range a role's tensor fills, and the shape it must have. */
-static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
+const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS] = {
+    {KVC_W_ATTN_NORM, "attn_norm.weight", "input_layernorm.weight"},
+    {KVC_W_Q, "attn_q.weight", "self_attn.q_proj.weight"},
+    {KVC_W_K, "attn_k.weight", "self_attn.k_proj.weight"},
+    {KVC_W_V, "attn_v.weight", "self_attn.v_proj.weight"},
+    {KVC_W_O, "attn_output.weight", "self_attn.o_proj.weight"},
+    {KVC_W_BQ, "attn_q.bias", "self_attn.q_proj.bias"},
+    {KVC_W_BK, "attn_k.bias", "self_attn.k_proj.bias"},
+    {KVC_W_BV, "attn_v.bias", "self_attn.v_proj.bias"},
+    {KVC_W_FFN_NORM, "ffn_norm.weight", "post_attention_layernorm.weight"},
+    {KVC_W_GATE, "ffn_gate.weight", "mlp.gate_proj.weight"},
+    {KVC_W_UP, "ffn_up.weight", "mlp.up_proj.weight"},
+    {KVC_W_DOWN, "ffn_down.weight", "mlp.down_proj.weight"},
+};
+
+/* The shape of a role's tensor the config implies: [rows, cols], rows 0 for a vector. */
+static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64_t *cols) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    *rows = 0;
+    *cols = 0;
+    switch (role) {
+    case KVC_W_TOK: case KVC_W_LM_HEAD: *rows = c->vocab; *cols = D; break;
+    case KVC_W_OUT_NORM: case KVC_W_ATTN_NORM: case KVC_W_FFN_NORM: *cols = D; break;
+    case KVC_W_Q: *rows = qd; *cols = D; break;
+    case KVC_W_K: case KVC_W_V: *rows = kd; *cols = D; break;
+    case KVC_W_O: *rows = D; *cols = qd; break;
+    case KVC_W_BQ: *cols = qd; break;
+    case KVC_W_BK: case KVC_W_BV: *cols = kd; break;
+    case KVC_W_GATE: case KVC_W_UP: *rows = F; *cols = D; break;
+    case KVC_W_DOWN: *rows = D; *cols = F; break;
+    }
+}
+
+kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void *file) {
+    char name[128];
+    for (int32_t l = 0; l < m->cfg.n_layers; l++)
+        for (int i = 0; i < KVC_LAYER_TENSORS; i++) {
+            const kvc_layer_tensor *t = &kvc_layer_tensors[i];
+            if ((t->role == KVC_W_BQ || t->role == KVC_W_BK || t->role == KVC_W_BV) && !m->cfg.qkv_bias) continue;
+            int64_t rows, cols;
+            shape(m, t->role, &rows, &cols);
+            snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)l, hf ? t->hf : t->gguf);
+            KVC_TRY(put(file, m, t->role, l, name, rows, cols));
+        }
+    return KVC_OK;
+}
+
+/* The view a role's tensor goes to, and its logical shape (a vector: one row). */
+static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
+    const kvc_config *c = &m->cfg;
+    const int64_t F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    if (role < KVC_W_TOK || role > KVC_W_DOWN) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
     if (role >= KVC_W_ATTN_NORM && (layer < 0 || layer >= c->n_layers))
         return kvc_fail(KVC_ERR_INTERNAL, "weight of layer %d outside [0, %d)", layer, c->n_layers);
     const kvc_layer_weights *L = role >= KVC_W_ATTN_NORM ? &m->layers[layer] : NULL;
     switch (role) {
-    case KVC_W_TOK: *v = m->tok_embd; *rows = c->vocab; *cols = D; break;
-    case KVC_W_OUT_NORM: *v = m->out_norm; *rows = 1; *cols = D; break;
-    case KVC_W_LM_HEAD: *v = m->lm_head; *rows = c->vocab; *cols = D; break;
-    case KVC_W_ATTN_NORM: *v = L->attn_norm; *rows = 1; *cols = D; break;
-    case KVC_W_Q: *v = L->wqkv; *rows = qd; *cols = D; break;
-    case KVC_W_K: *v = kvc_view_at(L->wqkv, qd, 0); *rows = kd; *cols = D; break;
-    case KVC_W_V: *v = kvc_view_at(L->wqkv, qd + kd, 0); *rows = kd; *cols = D; break;
-    case KVC_W_O: *v = L->wo; *rows = D; *cols = qd; break;
-    case KVC_W_BQ: *v = L->bqkv; *rows = 1; *cols = qd; break;
-    case KVC_W_BK: *v = kvc_view_at(L->bqkv, 0, qd); *rows = 1; *cols = kd; break;
-    case KVC_W_BV: *v = kvc_view_at(L->bqkv, 0, qd + kd); *rows = 1; *cols = kd; break;
-    case KVC_W_FFN_NORM: *v = L->ffn_norm; *rows = 1; *cols = D; break;
-    case KVC_W_GATE: *v = L->wgu; *rows = F; *cols = D; break;
-    case KVC_W_UP: *v = kvc_view_at(L->wgu, F, 0); *rows = F; *cols = D; break;
-    case KVC_W_DOWN: *v = L->wdown; *rows = D; *cols = F; break;
-    default: return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
+    case KVC_W_TOK: *v = m->tok_embd; break;
+    case KVC_W_OUT_NORM: *v = m->out_norm; break;
+    case KVC_W_LM_HEAD: *v = m->lm_head; break;
+    case KVC_W_ATTN_NORM: *v = L->attn_norm; break;
+    case KVC_W_Q: *v = L->wqkv; break;
+    case KVC_W_K: *v = kvc_view_at(L->wqkv, qd, 0); break;
+    case KVC_W_V: *v = kvc_view_at(L->wqkv, qd + kd, 0); break;
+    case KVC_W_O: *v = L->wo; break;
+    case KVC_W_BQ: *v = L->bqkv; break;
+    case KVC_W_BK: *v = kvc_view_at(L->bqkv, 0, qd); break;
+    case KVC_W_BV: *v = kvc_view_at(L->bqkv, 0, qd + kd); break;
+    case KVC_W_FFN_NORM: *v = L->ffn_norm; break;
+    case KVC_W_GATE: *v = L->wgu; break;
+    case KVC_W_UP: *v = kvc_view_at(L->wgu, F, 0); break;
+    case KVC_W_DOWN: *v = L->wdown; break;
     }
     if (!v->buf) return kvc_fail(KVC_ERR_INTERNAL, "weight role %d has no buffer in this model", (int)role);
+    shape(m, role, rows, cols);
+    if (*rows == 0) *rows = 1;
     return KVC_OK;
 }
 

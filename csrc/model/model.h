@@ -64,6 +64,22 @@ typedef enum kvc_weight_role {
     KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN
 } kvc_weight_role;
 
+/* A decoder layer's tensors as the files name them: GGUF after "blk.N.", Hugging Face after
+ * "model.layers.N." (biases only in models with qkv_bias). Both loaders walk this one list. */
+typedef struct kvc_layer_tensor {
+    kvc_weight_role role;
+    const char *gguf, *hf;
+} kvc_layer_tensor;
+#define KVC_LAYER_TENSORS 12
+extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];
+/* A loader's reader of one named tensor into a role: checks the file's shape against [rows, cols] (rows 0:
+ * a vector) and streams it in with kvc_model_put. */
+typedef kvc_status (*kvc_put_fn)(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name,
+                                 int64_t rows, int64_t cols);
+/* Every layer's tensors the model has (biases only with qkv_bias), named the GGUF way (hf 0) or the
+ * Hugging Face way (hf 1), through put. */
+kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void *file);
+
 /* A tensor of a model file as a loader hands it over: logical shape [rows, cols] (a vector: rows 1)
  * and how to decode a range of its rows to fp32. */
 typedef struct kvc_src {

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import ctypes as C
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -680,42 +678,23 @@ def test_device_info_and_memory_stats(dev_model, device):
 # loading onto a device: no host copy of the weights                                               #
 # ---------------------------------------------------------------------------------------------- #
 
-LOAD_PROBE = r"""
-import json, sys
-import kvpress_c
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-before = status("VmRSS")
-m = kvpress_c.load_model(sys.argv[1], device=sys.argv[2])
-mem = kvpress_c.memory_stats(sys.argv[2]) if sys.argv[2] != "cpu" else {"current": 0}
-host_device = mem["current"] if sys.argv[2] == "emulated" else 0   # the emulated device's memory is host memory
-print(json.dumps({"hwm": status("VmHWM") - before - host_device, "rss": status("VmRSS") - before - host_device,
-                  "device_bytes": mem["current"]}))
-"""
-
-
 def test_a_device_load_holds_no_host_copy_of_the_weights(tmp_path):
     """Tensors go from the file to the device a bounded chunk at a time (16 MB of fp32), and the file's
     pages are given back after each: host memory beyond the device's own buffers stays near the largest
     chunk, not the model. Measured in a fresh process on a 150 MB bf16 model (the emulated device's
     buffers are host memory too: they are subtracted)."""
-    import json
-    from random_llama import write_llama31_bf16
+    from load_probe import measure
     shape = dict(layers=4, hidden=1024, heads=8, kv_heads=2, head_dim=128, ffn=4096, vocab=32000)
     path = write_llama31_bf16(str(tmp_path / "m"), shape)
-    out = subprocess.run([sys.executable, "-c", LOAD_PROBE, path, "emulated"], capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = measure(path, "emulated")
+    assert "error" not in got, got
     weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    hwm, rss = got["host_peak_beyond_device"], got["host_after_beyond_device"]
     print(f"emulated device load of {weights / 1e6:.0f} MB of bf16 weights: host memory beyond the device buffers "
-          f"peak {got['hwm'] / 1e6:.1f} MB, after {got['rss'] / 1e6:.1f} MB; device buffers {got['device_bytes'] / 1e6:.0f} MB")
+          f"peak {hwm / 1e6:.1f} MB, after {rss / 1e6:.1f} MB; device buffers {got['device_bytes'] / 1e6:.0f} MB")
     assert got["device_bytes"] >= weights * 0.99
-    assert got["hwm"] < 64e6 + 0.1 * weights  # the 16 MB chunk, its staging, the interpreter's own growth
-    assert got["rss"] < 48e6
+    assert hwm < 64e6 + 0.1 * weights  # the 16 MB chunk, its staging, the interpreter's own growth
+    assert rss < 48e6
 
 
 # ---------------------------------------------------------------------------------------------- #

@@ -217,13 +217,10 @@ static void arena_adopt(kvc_kv *kv, void *arena, size_t bytes, void **k, void **
     }
 }
 
-kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
-    const kvc_kv *from = src ? src : kv;
+/* kv's new arena of cap[h] rows per head holds, per head, rows [0, n[h]) of from (keep NULL) or the rows
+ * keep[h][0 .. n[h]) of from; the old arena goes. */
+static kvc_status rebuild(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const int64_t *const *keep, const int64_t *n) {
     const int32_t Hkv = kv->Hkv;
-    for (int32_t h = 0; h < Hkv; h++)
-        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->len[h])
-            return kvc_fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld rows of %lld into %lld", h,
-                            (long long)rows[h], (long long)from->len[h], (long long)cap[h]);
     void **k = calloc((size_t)Hkv, sizeof *k), **v = calloc((size_t)Hkv, sizeof *v);
     void *arena = NULL;
     size_t bytes = 0;
@@ -231,20 +228,35 @@ kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, c
     if (st == KVC_OK) {
         const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
         for (int32_t h = 0; h < Hkv; h++) {
-            if (rows[h] == 0) continue;
-            memcpy(k[h], from->k[h], (size_t)rows[h] * es);
-            memcpy(v[h], from->v[h], (size_t)rows[h] * es);
+            if (!keep) {
+                if (n[h] == 0) continue;
+                memcpy(k[h], from->k[h], (size_t)n[h] * es);
+                memcpy(v[h], from->v[h], (size_t)n[h] * es);
+                continue;
+            }
+            for (int64_t i = 0; i < n[h]; i++) {
+                memcpy((char *)k[h] + (size_t)i * es, (const char *)from->k[h] + (size_t)keep[h][i] * es, es);
+                memcpy((char *)v[h] + (size_t)i * es, (const char *)from->v[h] + (size_t)keep[h][i] * es, es);
+            }
         }
-        arena_adopt(kv, arena, bytes, k, v, cap, rows);
+        arena_adopt(kv, arena, bytes, k, v, cap, n);
     }
     free(k);
     free(v);
     return st;
 }
 
+kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
+    const kvc_kv *from = src ? src : kv;
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->len[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld rows of %lld into %lld", h,
+                            (long long)rows[h], (long long)from->len[h], (long long)cap[h]);
+    return rebuild(kv, from, cap, NULL, rows);
+}
+
 kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
-    const int32_t Hkv = kv->Hkv;
-    for (int32_t h = 0; h < Hkv; h++) {
+    for (int32_t h = 0; h < kv->Hkv; h++) {
         if (n_keep[h] < 0 || n_keep[h] > kv->len[h] || n_keep[h] > cap[h])
             return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
                             (long long)kv->len[h]);
@@ -253,22 +265,7 @@ kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t 
                 return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
                                 (long long)kv->len[h]);
     }
-    void **k = calloc((size_t)Hkv, sizeof *k), **v = calloc((size_t)Hkv, sizeof *v);
-    void *arena = NULL;
-    size_t bytes = 0;
-    kvc_status st = (!k || !v) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store") : arena_new(kv, cap, &arena, &bytes, k, v);
-    if (st == KVC_OK) {
-        const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
-        for (int32_t h = 0; h < Hkv; h++)
-            for (int64_t i = 0; i < n_keep[h]; i++) {
-                memcpy((char *)k[h] + (size_t)i * es, (const char *)kv->k[h] + (size_t)keep[h][i] * es, es);
-                memcpy((char *)v[h] + (size_t)i * es, (const char *)kv->v[h] + (size_t)keep[h][i] * es, es);
-            }
-        arena_adopt(kv, arena, bytes, k, v, cap, n_keep);
-    }
-    free(k);
-    free(v);
-    return st;
+    return rebuild(kv, kv, cap, keep, n_keep);
 }
 
 kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
