@@ -376,7 +376,7 @@ static kvc_status open_all(weights *w) {
         else n++;
     }
     closedir(d);
-    if (st == KVC_OK) qsort(names, n, sizeof *names, str_cmp);
+    if (st == KVC_OK && n > 1) qsort(names, n, sizeof *names, str_cmp); /* names is NULL when n == 0 */
     for (size_t i = 0; st == KVC_OK && i < n; i++) st = add_shard(w, names[i]);
     for (size_t i = 0; i < n; i++) free(names[i]);
     free(names);

@@ -160,7 +160,7 @@ static kvc_status parse_header(st_file *f, const json_value *hdr, size_t data_of
     free(ranges);
     if (st == KVC_OK) {
         for (int64_t i = 0; i < f->n; i++) f->by_name[i] = &f->tensors[i];
-        qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, name_cmp);
+        if (f->n > 1) qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, name_cmp);
     }
     return st;
 }

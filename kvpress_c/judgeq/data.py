@@ -156,7 +156,7 @@ def build_dataset(model, texts_or_jsonl, *, max_samples: Optional[int] = None, m
     of the prompt (kvpress_c, up to `max_response_tokens`, stopping at an end token), randomly
     truncated to a length drawn uniformly in [min_response_tokens, its length] (seeded). Items shorter
     than `min_text_tokens` are skipped."""
-    from .model import Model, greedy_many
+    from ..model import Model, greedy_many
     if not isinstance(model, Model):
         raise TypeError("build_dataset needs a kvpress_c.Model (it generates the responses)")
     if not 0 < prompt_fraction < 1:

@@ -47,8 +47,8 @@ def hit_rates(model, samples, soft_embeddings=None, budgets: Iterable[int] = (64
     `window` prompt tokens as queries, the window kept inside the budget). All share the pooling (avg,
     `kernel_size`) and the GQA mean. Per budget and method: mean, std and n over the samples whose
     prompt is longer than the budget."""
-    from .diagnostics import critical_kv_hit_rate
-    from .presses import JudgeQPress, ResponseGuidedPress, SnapKVPress
+    from ..diagnostics import critical_kv_hit_rate
+    from ..presses import JudgeQPress, ResponseGuidedPress, SnapKVPress
     core = _core_model(model)
     cfg = core.config
     L, Hkv = cfg["n_layers"], cfg["n_kv_heads"]

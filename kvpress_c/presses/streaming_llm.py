@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import SCORERS, ScorerPress, check_int
+from .base import ScorerPress, check_int
 
 
 @dataclass
