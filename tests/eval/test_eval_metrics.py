@@ -1,6 +1,5 @@
 """Benchmark metrics on hand-made examples (values worked out by hand in the comments), and against
 the packages LongBench's official eval.py imports (`rouge`, `fuzzywuzzy`) on random strings."""
-import difflib
 import random
 
 import pytest

@@ -561,7 +561,7 @@ def header_case(name):
         "dtype_size": (set_("dtype", "F16"), "needs 4096 x 2"),
         "entry_not_object": (lambda h, d: ({**h, W: [1, 2]}, d), "needs \"dtype\""),
         "missing_key": (lambda h, d: ({**h, W: {"dtype": "F32", "shape": [64, 64]}}, d), "data_offsets"),
-        "overlap": (overlap, f"share bytes"),
+        "overlap": (overlap, "share bytes"),
         "duplicate": (dup, "twice"),
         "meta_not_str": (meta({"a": 1}), "__metadata__"),
         "meta_list": (meta(["a"]), "__metadata__"),
