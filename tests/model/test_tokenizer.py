@@ -21,6 +21,7 @@ gguf = pytest.importorskip("gguf")
 
 from kvpress_c.chat import render_chat, split_context_question  # noqa: E402
 from kvpress_c.tokenizer import Tokenizer  # noqa: E402
+from hf_models import _bytes_to_unicode  # noqa: E402
 
 SPECIALS_DEFAULT = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>", "<file_sep>"]
 
@@ -295,20 +296,7 @@ def test_split_matches_kvpress_pipeline(ours, hf_tok):
 
 
 # ---- synthetic byte-level BPE vocabularies ---------------------------------------------------------
-def _byte_map():
-    """GPT-2's byte -> printable character table."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-BYTE_MAP = _byte_map()
+BYTE_MAP = _bytes_to_unicode()  # GPT-2's byte -> printable character table
 CORPUS = ("The quick brown fox jumps over the lazy dog. the theory of the thing is that there is nothing there. "
           "Hello world! hello there, world. 12345 67890 1000000 3.14 don't won't I'm they're we've "
           "   indented code(x) + y == z; return None\n\n\ndef main():\n    pass\n naïve café 日本語 日本 ")
