@@ -79,10 +79,10 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     if (kvc_py_check_model(self) < 0) return NULL;
     kvc_config c;
     kvc_model_get_config(self->model, &c);
-    static const char *arch_names[] = {"llama", "mistral", "qwen2"};
+    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3"};
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= 2 ? arch_names[c.arch] : "?"));
+    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_QWEN3 ? arch_names[c.arch] : "?"));
     SET_ITEM(d, "n_layers", PyLong_FromLong(c.n_layers));
     SET_ITEM(d, "hidden", PyLong_FromLong(c.hidden));
     SET_ITEM(d, "n_heads", PyLong_FromLong(c.n_heads));
@@ -94,6 +94,9 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "rope_pairing", PyUnicode_FromString(c.rope_pairing == KVC_ROPE_ADJACENT ? "adjacent" : "half"));
     SET_ITEM(d, "tied_embeddings", PyBool_FromLong(c.tied_embeddings));
     SET_ITEM(d, "qkv_bias", PyBool_FromLong(c.qkv_bias));
+    SET_ITEM(d, "qk_norm", PyBool_FromLong(c.qk_norm));
+    SET_ITEM(d, "sliding_window", PyLong_FromLong(c.sliding_window));
+    SET_ITEM(d, "window_first_layer", PyLong_FromLong(c.window_first_layer));
     SET_ITEM(d, "rms_eps", PyFloat_FromDouble(c.rms_eps));
     SET_ITEM(d, "rope_theta", PyFloat_FromDouble(c.rope_theta));
     SET_ITEM(d, "rope_scaling_factor", PyFloat_FromDouble(c.rope_scaling_factor));

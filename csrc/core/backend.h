@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 1
+#define KVC_BACKEND_VERSION 2
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -167,9 +167,14 @@ typedef struct kvc_backend {
     /* rows len[h] .. len[h] + n - 1 of every head receive K (columns kcol + h d) and V (vcol + h d) of the
      * n rows of src; then len += n (on the device: graph-safe) */
     kvc_status (*kv_append)(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+    /* in place on `heads` heads of d values from column col0 of each of n rows: each head divided by its
+     * root mean square (+ eps) and multiplied by w (f32 [d]): Qwen3's q/k norm */
+    kvc_status (*head_rmsnorm)(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps);
     /* causal GQA attention of this call's n queries (q rows, head hq at column hq d) over kv, whose
-     * lengths already include their n rows: query i of head h sees rows < len[h] - n + i + 1 */
-    kvc_status (*attention)(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags);
+     * lengths already include their n rows: query i of head h sees rows < len[h] - n + i + 1, and with
+     * a sliding window (start.buf not NULL: i64 [n, Hkv], ld Hkv) only the rows >= start[i, h] */
+    kvc_status (*attention)(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
+                            int32_t flags);
     /* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] */
     kvc_status (*swiglu)(kvc_view gu, int64_t rows, int64_t F);
 

@@ -178,9 +178,26 @@ kvc_status kvc_device_kernel_swiglu(int32_t device, const float *gate, const flo
     return st;
 }
 
+kvc_status kvc_device_kernel_head_rmsnorm(int32_t device, float *x, int64_t n, int32_t heads, int32_t d, const float *w,
+                                          float eps) {
+    CHECK(x && w, "head_rmsnorm: x and w must not be NULL");
+    CHECK(n > 0 && heads > 0 && d > 0, "head_rmsnorm: sizes must be positive (n=%lld heads=%d d=%d)", (long long)n, heads, d);
+    CHECK(eps > 0 && isfinite(eps), "head_rmsnorm: eps must be finite and > 0 (got %g)", (double)eps);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    const int64_t wd = (int64_t)heads * d;
+    kvc_buf *X, *W;
+    kvc_status st = scope_buf(&sc, sc.be->act_dtype, n * wd, x, n, wd, KVC_F32, &X);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, d, w, 1, d, KVC_F32, &W);
+    if (st == KVC_OK) st = sc.be->head_rmsnorm(kvc_view_of(X, 0, wd), 0, n, heads, d, kvc_view_of(W, 0, d), eps);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(X, 0, wd), n, wd, x, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
 kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                       const float *const *k, const float *const *v, const int64_t *past_len, float scale,
-                                       float *out, int32_t force_prefill) {
+                                       const float *const *k, const float *const *v, const int64_t *past_len,
+                                       const int64_t *start, float scale, float *out, int32_t force_prefill) {
     CHECK(q && k && v && past_len && out, "attention: q, k, v, past_len and out must not be NULL");
     CHECK(n > 0 && H > 0 && Hkv > 0 && d > 0, "attention: sizes must be positive (n=%lld H=%d Hkv=%d d=%d)", (long long)n,
           H, Hkv, d);
@@ -194,6 +211,11 @@ kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n
         CHECK(past_len[h] >= 0 && past_len[h] + n < 2147483647, "attention: past_len[%d] = %lld is out of range", h,
               (long long)past_len[h]);
         len[h] = past_len[h] + n;
+        for (int64_t i = 0; start && i < n; i++) /* every query sees at least itself; starts never move back */
+            CHECK(start[i * Hkv + h] >= 0 && start[i * Hkv + h] <= past_len[h] + i &&
+                      (i == 0 || start[i * Hkv + h] >= start[(i - 1) * Hkv + h]),
+                  "attention: window start[%lld, %d] = %lld is out of order or past the query's own row", (long long)i, h,
+                  (long long)start[i * Hkv + h]);
     }
     scope sc;
     KVC_TRY(scope_begin(&sc, device));
@@ -204,8 +226,9 @@ kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n
     mc.head_dim = d;
     kvc_status st = sc.be->check_model ? sc.be->check_model(&mc) : KVC_OK;
     const int64_t qd = (int64_t)H * d;
-    kvc_buf *Q, *O;
+    kvc_buf *Q, *O, *S = NULL;
     int64_t zero[KVC_MAX_KV_HEADS] = {0};
+    if (st == KVC_OK && start) st = scope_buf(&sc, KVC_I64, n * Hkv, start, n, Hkv, KVC_I64, &S);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, q, n, qd, KVC_F32, &Q);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, NULL, 0, 0, 0, &O);
     if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, &sc.kv);
@@ -213,7 +236,7 @@ kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) st = sc.be->kv_write(sc.kv, h, 0, len[h], k[h], v[h]);
     if (st == KVC_OK) st = sc.be->kv_set_lens(sc.kv, len);
     if (st == KVC_OK)
-        st = sc.be->attention(kvc_view_of(Q, 0, qd), n, H, sc.kv, scale, kvc_view_of(O, 0, qd),
+        st = sc.be->attention(kvc_view_of(Q, 0, qd), n, H, sc.kv, scale, kvc_view_of(S, 0, Hkv), kvc_view_of(O, 0, qd),
                               force_prefill ? KVC_ATTN_FORCE_PREFILL : 0);
     if (st == KVC_OK) st = sc.be->download(kvc_view_of(O, 0, qd), n, qd, out, KVC_F32);
     scope_end(&sc);

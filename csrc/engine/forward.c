@@ -3,7 +3,8 @@
  * every GEMM); the MLP runs in row blocks so gate|up stays O(block x ffn) whatever the prompt length.
  *
  * One layer, on the backend's kernels (core/backend.h):
- *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); RoPE on q and k; K/V appended to the cache; attention;
+ *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); [qwen3: RMSNorm of each q and k head]; RoPE on q and k;
+ *   K/V appended to the cache; attention (within the sliding window, in window layers);
  *   o = att Wo^T; [hook: a press may compact the layer]; x += o and xn = rmsnorm(x) (one kernel);
  *   per row block: gu = xn Wgu^T; gu = silu(gate) * up; x += gu Wdown^T.
  * The same layer serves the prefill and the decode step of one session, a shared prefill (followers
@@ -22,7 +23,7 @@
 
 static void act_release(kvc_session *s) {
     kvc_act *a = &s->act;
-    kvc_buf **bufs[] = {&a->x, &a->xn, &a->qkv, &a->att, &a->o, &a->gu, &a->logits, &a->ids, &a->pos};
+    kvc_buf **bufs[] = {&a->x, &a->xn, &a->qkv, &a->att, &a->o, &a->gu, &a->logits, &a->ids, &a->pos, &a->win};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) {
         if (*bufs[i]) s->be->free(*bufs[i]);
         *bufs[i] = NULL;
@@ -58,6 +59,8 @@ kvc_status kvc_act_reserve(kvc_session *s, int64_t n, int64_t logit_rows) {
         if (st == KVC_OK) st = grow(s, &a->gu, t, blk * 2 * c->ffn, "activations (gate|up)");
         if (st == KVC_OK) st = grow(s, &a->ids, KVC_I32, n, "token ids");
         if (st == KVC_OK) st = grow(s, &a->pos, KVC_I64, n, "positions");
+        if (st == KVC_OK && c->sliding_window > 0)
+            st = grow(s, &a->win, KVC_I64, (n > c->n_layers ? n : c->n_layers) * c->n_kv_heads, "sliding-window starts");
         if (st == KVC_OK) a->rows = n;
     }
     if (st == KVC_OK && logit_rows > a->logit_rows) {
@@ -70,12 +73,51 @@ kvc_status kvc_act_reserve(kvc_session *s, int64_t n, int64_t logit_rows) {
 }
 
 kvc_status kvc_positions_reserve(kvc_session *s, int64_t n) {
+    const kvc_config *c = &s->model->cfg;
+    if (c->sliding_window > 0) { /* window starts: n rows, or one row in every layer (a decode graph) */
+        const size_t need = (size_t)(n > c->n_layers ? n : c->n_layers) * (size_t)c->n_kv_heads;
+        if (need > s->win_cap) {
+            int64_t *w = realloc(s->win, sizeof(int64_t) * need);
+            if (!w) return kvc_fail(KVC_ERR_NOMEM, "out of memory: sliding-window starts");
+            s->win = w;
+            s->win_cap = need;
+        }
+    }
     if ((size_t)n <= s->positions_cap) return KVC_OK;
     int64_t *p = realloc(s->positions, sizeof(int64_t) * (size_t)n);
     if (!p) return kvc_fail(KVC_ERR_NOMEM, "out of memory: positions");
     s->positions = p;
     s->positions_cap = (size_t)n;
     return KVC_OK;
+}
+
+/* ---- sliding window ---------------------------------------------------------------------------------- */
+
+static int windowed(const kvc_config *c, int32_t l) { return c->sliding_window > 0 && l >= c->window_first_layer; }
+
+/* For n new rows at positions p0 .. p0 + n - 1 about to be appended to layer cache L: the first row query
+ * i of head h sees, out[i * Hkv + h]. Query i sees the positions > p0 + i - W: among the rows held (their
+ * positions increase), those from the lower bound of p0 + i - W + 1; once none is left (i >= W - 1), also
+ * the first i - W + 1 new rows drop out. Nondecreasing in i, so one pass per head. */
+static void window_starts(const kvc_layer_cache *L, int32_t Hkv, int64_t p0, int64_t n, int64_t W, int64_t *out) {
+    for (int32_t h = 0; h < Hkv; h++) {
+        const int64_t *pos = L->pos[h], len = L->len[h];
+        int64_t j = 0;
+        for (int64_t i = 0; i < n; i++) {
+            while (j < len && pos[j] <= p0 + i - W) j++;
+            out[i * Hkv + h] = j + (i - W + 1 > 0 ? i - W + 1 : 0);
+        }
+    }
+}
+
+/* A decode graph replays every layer at once: the starts of the step's one row in every layer, uploaded
+ * before the launch (row l of act.win for layer l). */
+static kvc_status window_starts_all_layers(kvc_session *s) {
+    const kvc_config *c = &s->model->cfg;
+    if (c->sliding_window <= 0) return KVC_OK;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        if (windowed(c, l)) window_starts(&s->cache.layers[l], c->n_kv_heads, s->pos, 1, c->sliding_window, s->win + l * c->n_kv_heads);
+    return s->be->upload(kvc_view_of(s->act.win, 0, c->n_kv_heads), c->n_layers, c->n_kv_heads, s->win, KVC_I64);
 }
 
 static double now_seconds(void) {
@@ -112,20 +154,31 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
     KVC_TRY(be->rmsnorm(x, NULL, W->attn_norm, xn, rows, D, c->rms_eps));
     KVC_TRY(be->matmul(xn, W->wqkv, qkv, rows, ldq, D, 0));
     if (W->bqkv.buf) KVC_TRY(be->add_bias(qkv, W->bqkv, rows, ldq));
+    if (W->q_norm.buf) { /* qwen3: each head of q and k normalised before RoPE */
+        KVC_TRY(be->head_rmsnorm(qkv, 0, rows, (int32_t)H, (int32_t)d, W->q_norm, c->rms_eps));
+        KVC_TRY(be->head_rmsnorm(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, W->k_norm, c->rms_eps));
+    }
     KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
     KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
     for (int32_t i = 0; i < B; i++) {
         kvc_session *si = ss[i];
         kvc_layer_cache *L = &si->cache.layers[l];
         const kvc_view mine = kvc_view_at(qkv, i * n, 0);
+        /* a graph's starts were uploaded for every layer before the launch; otherwise this session's, now */
+        kvc_view start = {0};
+        if (windowed(c, l)) start = kvc_view_of(lead->act.win, (body ? l : i * n) * Hkv, Hkv);
         if (body) {
             KVC_TRY(be->kv_append(L->kv, mine, qd, qd + kd, n));
         } else {
+            if (start.buf) {
+                window_starts(L, (int32_t)Hkv, lead->positions[i * n], n, c->sliding_window, lead->win);
+                KVC_TRY(be->upload(start, n, Hkv, lead->win, KVC_I64));
+            }
             KVC_TRY(kvc_cache_reserve(&si->cache, l, n));
             if (past) memcpy(past, L->len, sizeof(int64_t) * (size_t)Hkv);
             KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
         }
-        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, 1.0f / sqrtf((float)d), kvc_view_at(att, i * n, 0), 0));
+        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, 1.0f / sqrtf((float)d), start, kvc_view_at(att, i * n, 0), 0));
     }
     return be->matmul(att, W->wo, kvc_view_of(lead->act.o, 0, D), rows, D, qd, 0);
 }
@@ -258,7 +311,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
     if ((*st = kvc_act_reserve(s, 1, 1)) != KVC_OK || (*st = kvc_positions_reserve(s, 1)) != KVC_OK) return 1;
     for (int32_t l = 0; l < c->n_layers; l++)
         if ((*st = kvc_cache_reserve(&s->cache, l, 1)) != KVC_OK) return 1;
-    if ((*st = inputs(s, id, 1, NULL, 0)) != KVC_OK) return 1;
+    if ((*st = inputs(s, id, 1, NULL, 0)) != KVC_OK || (*st = window_starts_all_layers(s)) != KVC_OK) return 1;
     if (stale || s->graph_generation != s->act.generation) {
         if (be->graph_capture(&s->graph, decode_body, s) != KVC_OK) {
             graph_failed(s, "decode graph capture");

@@ -42,6 +42,7 @@ void kvc_session_free(kvc_session *s) {
     kvc_cache_free(&s->cache);
     kvc_backend_unlock(s->be);
     free(s->positions);
+    free(s->win);
     free(s);
 }
 

@@ -35,6 +35,7 @@ typedef struct kvc_act {
     kvc_buf *logits; /* f32 [logit_rows, V] */
     kvc_buf *ids;    /* i32 [rows] */
     kvc_buf *pos;    /* i64 [rows] */
+    kvc_buf *win;    /* i64 [max(rows, n_layers), Hkv] sliding-window starts (models with a window only) */
     uint64_t generation; /* bumped whenever a buffer is replaced (a captured graph holds the old ones) */
 } kvc_act;
 
@@ -51,6 +52,8 @@ struct kvc_session {
     kvc_act act;
     int64_t *positions;       /* host positions of this call's rows */
     size_t positions_cap;
+    int64_t *win;             /* host sliding-window starts (as act.win), positions_cap x Hkv at least */
+    size_t win_cap;
     struct kvc_press *press;  /* the attached press (press/schedule.c), or NULL */
     kvc_layer_hook hook;      /* the hook a forward calls: the press's, or TAKE's or Judge Q's while they run */
     void *hook_user;

@@ -54,7 +54,7 @@ KVC_API int kvc_get_num_threads(void);
 /* ---------------------------------------------------------------------------------------------- */
 /* Models                                                                                          */
 
-typedef enum kvc_arch { KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2 } kvc_arch;
+typedef enum kvc_arch { KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3 } kvc_arch;
 
 /* How RoPE pairs the head dimensions. */
 typedef enum kvc_rope_pairing {
@@ -84,6 +84,12 @@ typedef struct kvc_config {
     int32_t rope_original_context;
     int32_t bos_id;          /* -1 if none */
     int32_t eos_id;          /* -1 if none */
+    int32_t qk_norm;         /* qwen3: RMSNorm over each head's q and k (weights [head_dim]) before RoPE */
+    /* Sliding-window attention (mistral, qwen2/qwen3 with use_sliding_window): in layers
+     * l >= window_first_layer, the query at position p sees the keys at positions > p - sliding_window.
+     * 0: every layer attends to the whole cache. */
+    int32_t sliding_window;
+    int32_t window_first_layer;
 } kvc_config;
 
 typedef struct kvc_model kvc_model;
@@ -360,10 +366,16 @@ KVC_API kvc_status kvc_device_kernel_rope(int32_t device, float *x, const int64_
                                           int32_t d, const float *inv_freq, int32_t pairing);
 KVC_API kvc_status kvc_device_kernel_swiglu(int32_t device, const float *gate, const float *up, float *out, int64_t rows,
                                             int64_t dim);
-/* force_prefill: a single query through the prefill kernel (the CUDA backend has a split-K decode kernel) */
+/* In place on x[n, heads, d]: each head divided by its root mean square (+ eps), times w[d] (Qwen3's q/k norm). */
+KVC_API kvc_status kvc_device_kernel_head_rmsnorm(int32_t device, float *x, int64_t n, int32_t heads, int32_t d,
+                                                  const float *w, float eps);
+/* force_prefill: a single query through the prefill kernel (the CUDA backend has a split-K decode kernel).
+ * start (may be NULL): a sliding window, query i of KV head h sees rows >= start[i * Hkv + h] (nondecreasing
+ * in i, at most past_len[h] + i). */
 KVC_API kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv,
                                                int32_t d, const float *const *k, const float *const *v,
-                                               const int64_t *past_len, float scale, float *out, int32_t force_prefill);
+                                               const int64_t *past_len, const int64_t *start, float scale, float *out,
+                                               int32_t force_prefill);
 /* Top-k of each of `heads` score rows [heads, n]: keep[h * n + i], i < min(k[h], n), sorted rows (higher
  * score first, ties to the lower row, NaN lowest). */
 KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,

@@ -18,14 +18,15 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     KVC_TRY(gguf_get_string_opt(f, "general.architecture", &s, &len));
     if (!s) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata general.architecture is missing" HINT);
     if (len >= cap || memchr(s, 0, len))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral and qwen2 are)",
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2 and qwen3 are)",
                         (int)(len < 64 ? len : 64), s);
     memcpy(arch, s, len);
     arch[len] = '\0';
     if (!strcmp(arch, "llama")) *code = KVC_ARCH_LLAMA; /* also Mistral and SmolLM conversions */
     else if (!strcmp(arch, "mistral")) *code = KVC_ARCH_MISTRAL;
     else if (!strcmp(arch, "qwen2")) *code = KVC_ARCH_QWEN2;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral and qwen2 are)", arch);
+    else if (!strcmp(arch, "qwen3")) *code = KVC_ARCH_QWEN3;
+    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2 and qwen3 are)", arch);
     return KVC_OK;
 }
 
@@ -124,9 +125,13 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
         if (is_array && n > 0 && n <= INT32_MAX) vocab = (int64_t)n;
     }
     KVC_TRY(arch_int(f, arch, "vocab_size", vocab, 0, &c->vocab));
-    c->rope_pairing = c->arch == KVC_ARCH_QWEN2 ? KVC_ROPE_HALF : KVC_ROPE_ADJACENT;
+    /* llama.cpp's converter permutes llama/mistral q/k rows to adjacent pairs; qwen2/qwen3 stay "neox" */
+    c->rope_pairing = c->arch == KVC_ARCH_QWEN2 || c->arch == KVC_ARCH_QWEN3 ? KVC_ROPE_HALF : KVC_ROPE_ADJACENT;
     c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
     c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
+    c->qk_norm = c->arch == KVC_ARCH_QWEN3;
+    /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral) */
+    KVC_TRY(arch_int(f, arch, "attention.sliding_window", 0, 0, &c->sliding_window));
     int64_t v = -1;
     KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.bos_token_id", &v));
     c->bos_id = (v >= -1 && v <= INT32_MAX) ? (int32_t)v : -1;
@@ -138,11 +143,12 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
 
 /* Tensors a llama/qwen2 block may carry that this model has no place for: refusing them beats
  * silently computing something else. */
-static kvc_status refuse_extra_tensors(const gguf_file *f) {
-    static const char *extra[] = {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_q_norm.weight",
-                                  "attn_k_norm.weight", "attn_qkv.weight", "ffn_gate_inp.weight"};
+static kvc_status refuse_extra_tensors(const gguf_file *f, const kvc_config *c) {
+    static const char *extra[] = {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_qkv.weight",
+                                  "ffn_gate_inp.weight", "attn_q_norm.weight", "attn_k_norm.weight"};
+    const size_t n_extra = sizeof extra / sizeof extra[0] - (c->qk_norm ? 2 : 0); /* qwen3 has the q/k norms */
     char name[64];
-    for (size_t i = 0; i < sizeof extra / sizeof extra[0]; i++) {
+    for (size_t i = 0; i < n_extra; i++) {
         snprintf(name, sizeof name, "blk.0.%s", extra[i]);
         if (gguf_find_tensor(f, name))
             return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' is not supported by this model architecture in kvpress_c", name);
@@ -218,7 +224,7 @@ static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int3
 static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_scale) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden;
-    KVC_TRY(refuse_extra_tensors(f));
+    KVC_TRY(refuse_extra_tensors(f, c));
     KVC_TRY(put(f, m, KVC_W_TOK, 0, "token_embd.weight", c->vocab, D));
     KVC_TRY(put(f, m, KVC_W_OUT_NORM, 0, "output_norm.weight", 0, D));
     if (!c->tied_embeddings) KVC_TRY(put(f, m, KVC_W_LM_HEAD, 0, "output.weight", c->vocab, D));

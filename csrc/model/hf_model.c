@@ -210,6 +210,50 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
     return KVC_OK;
 }
 
+/* Sliding-window attention, as transformers reads it. mistral: "sliding_window" on every layer (4096 when
+ * the key is absent, none when null). qwen2/qwen3: only with "use_sliding_window", on the layers from
+ * "max_window_layers" (default 28) on, or as "layer_types" lists them. A window the engine cannot express
+ * (sliding layers before full ones) is refused rather than run as full attention. */
+static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
+    const json_value *j = r->j;
+    c->sliding_window = 0;
+    c->window_first_layer = 0;
+    const json_value *w = json_get(j, "sliding_window");
+    int32_t window = 0; /* absent: transformers' default, 4096 */
+    KVC_TRY(get_int(r, j, "sliding_window", 0, 4096, 1, INT32_MAX, &window));
+    if (c->arch == KVC_ARCH_LLAMA) return KVC_OK; /* transformers' llama has no window */
+    if (w && w->kind == JSON_NULL) return KVC_OK; /* null: no window */
+    if (c->arch == KVC_ARCH_MISTRAL) {
+        c->sliding_window = window;
+        return KVC_OK;
+    }
+    int use = 0;
+    KVC_TRY(get_bool(r, j, "use_sliding_window", 0, &use));
+    if (!use) return KVC_OK;
+    int32_t first = 28;
+    KVC_TRY(get_int(r, j, "max_window_layers", 0, 28, 0, INT32_MAX, &first));
+    const json_value *types = json_get(j, "layer_types");
+    if (types && types->kind != JSON_NULL) {
+        if (types->kind != JSON_ARRAY || types->n != (size_t)c->n_layers)
+            return bad(r, "layer_types", types, "a list of one string per layer");
+        first = c->n_layers;
+        for (size_t i = 0; i < types->n; i++) {
+            const json_value *t = &types->items[i];
+            const int sliding = t->kind == JSON_STRING && !strcmp(t->string, "sliding_attention");
+            if (!sliding && !(t->kind == JSON_STRING && !strcmp(t->string, "full_attention")))
+                return bad(r, "layer_types", t, "\"full_attention\" or \"sliding_attention\"");
+            if (sliding && first == c->n_layers) first = (int32_t)i;
+            if (!sliding && first < c->n_layers)
+                return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: layer_types puts a full-attention layer (%zu) after a sliding-window "
+                                "one (%d); kvpress_c runs windows only on the last layers", r->path, i, first);
+        }
+    }
+    if (first >= c->n_layers) return KVC_OK; /* no layer slides */
+    c->sliding_window = window;
+    c->window_first_layer = first;
+    return KVC_OK;
+}
+
 /* `tied` is set to -1 when config.json does not say (decided from the weights later). */
 static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     kvc_config_defaults(c);
@@ -221,11 +265,13 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     if (!strcmp(mt->string, "llama")) c->arch = KVC_ARCH_LLAMA;
     else if (!strcmp(mt->string, "mistral")) c->arch = KVC_ARCH_MISTRAL;
     else if (!strcmp(mt->string, "qwen2")) c->arch = KVC_ARCH_QWEN2;
+    else if (!strcmp(mt->string, "qwen3")) c->arch = KVC_ARCH_QWEN3;
     else
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral and qwen2 are)", r->path,
-                        mt->string);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2 and qwen3 are)",
+                        r->path, mt->string);
     c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
+    c->qk_norm = c->arch == KVC_ARCH_QWEN3;
 
     /* features that would change the computation and that the engine does not have */
     const json_value *act = json_get(j, "hidden_act");
@@ -265,12 +311,7 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     if (!(c->rms_eps > 0)) return bad(r, "rms_norm_eps", json_get(j, "rms_norm_eps"), "representable as a positive float32");
     KVC_TRY(read_rope(r, c));
 
-    /* Sliding-window attention (mistral "sliding_window", qwen2 "use_sliding_window") is not
-     * implemented: every layer attends to the whole cache. That is exact while the sequence is no
-     * longer than the window, so the folder loads; the Python layer warns when a prompt exceeds it. */
-    int32_t window = 0;
-    KVC_TRY(get_int(r, j, "sliding_window", 0, 0, 1, INT32_MAX, &window));
-    KVC_TRY(get_bool(r, j, "use_sliding_window", 0, &flag));
+    KVC_TRY(read_sliding_window(r, c));
 
     /* Tied output: transformers' llama/mistral/qwen2 configs default to untied. We follow an explicit
      * true/false; when the key is absent, the weights decide (no lm_head.weight -> tied) instead of

@@ -25,7 +25,7 @@ void kvc_config_defaults(kvc_config *c) {
 static kvc_status check_config(const kvc_config *c) {
 #define REQUIRE(cond, ...) \
     if (!(cond)) return kvc_fail(KVC_ERR_FORMAT, "invalid model config: " __VA_ARGS__)
-    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_QWEN2, "unknown architecture %d", c->arch);
+    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_QWEN3, "unknown architecture %d", c->arch);
     REQUIRE(c->n_layers > 0 && c->n_layers <= 4096, "n_layers = %d", c->n_layers);
     REQUIRE(c->hidden > 0 && c->hidden <= 65536, "hidden size = %d", c->hidden);
     REQUIRE(c->n_heads > 0 && c->n_heads <= 1024, "n_heads = %d", c->n_heads);
@@ -45,6 +45,9 @@ static kvc_status check_config(const kvc_config *c) {
                 "llama3 rope scaling needs high_freq_factor > low_freq_factor > 0");
     }
     REQUIRE(c->bos_id < c->vocab && c->eos_id < c->vocab, "bos/eos token id outside the vocabulary");
+    REQUIRE(c->sliding_window >= 0, "sliding_window = %d", c->sliding_window);
+    REQUIRE(c->window_first_layer >= 0 && c->window_first_layer <= c->n_layers, "the first sliding-window layer is %d of %d",
+            c->window_first_layer, c->n_layers);
 #undef REQUIRE
     /* the one limit the kernels' parameter blocks set (KV heads per layer), checked here for every device */
     if (c->n_kv_heads > KVC_MAX_KV_HEADS)
@@ -102,6 +105,8 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
         st = own(m, KVC_F32, D, D, "attention norm", &L->attn_norm);
         if (st == KVC_OK) st = own(m, wt, qkv * D, D, "q|k|v weights", &L->wqkv);
         if (st == KVC_OK && cfg->qkv_bias) st = own(m, KVC_F32, qkv, qkv, "q|k|v bias", &L->bqkv);
+        if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, "q norm", &L->q_norm);
+        if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, "k norm", &L->k_norm);
         if (st == KVC_OK) st = own(m, wt, D * qd, qd, "o weights", &L->wo);
         if (st == KVC_OK) st = own(m, KVC_F32, D, D, "MLP norm", &L->ffn_norm);
         if (st == KVC_OK) st = own(m, wt, 2 * F * D, D, "gate|up weights", &L->wgu);
@@ -134,6 +139,8 @@ const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS] = {
     {KVC_W_GATE, "ffn_gate.weight", "mlp.gate_proj.weight"},
     {KVC_W_UP, "ffn_up.weight", "mlp.up_proj.weight"},
     {KVC_W_DOWN, "ffn_down.weight", "mlp.down_proj.weight"},
+    {KVC_W_Q_NORM, "attn_q_norm.weight", "self_attn.q_norm.weight"},
+    {KVC_W_K_NORM, "attn_k_norm.weight", "self_attn.k_norm.weight"},
 };
 
 /* The shape of a role's tensor the config implies: [rows, cols], rows 0 for a vector. */
@@ -152,6 +159,7 @@ static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64
     case KVC_W_BK: case KVC_W_BV: *cols = kd; break;
     case KVC_W_GATE: case KVC_W_UP: *rows = F; *cols = D; break;
     case KVC_W_DOWN: *rows = D; *cols = F; break;
+    case KVC_W_Q_NORM: case KVC_W_K_NORM: *cols = c->head_dim; break;
     }
 }
 
@@ -161,6 +169,7 @@ kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void
         for (int i = 0; i < KVC_LAYER_TENSORS; i++) {
             const kvc_layer_tensor *t = &kvc_layer_tensors[i];
             if ((t->role == KVC_W_BQ || t->role == KVC_W_BK || t->role == KVC_W_BV) && !m->cfg.qkv_bias) continue;
+            if ((t->role == KVC_W_Q_NORM || t->role == KVC_W_K_NORM) && !m->cfg.qk_norm) continue;
             int64_t rows, cols;
             shape(m, t->role, &rows, &cols);
             snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)l, hf ? t->hf : t->gguf);
@@ -173,7 +182,7 @@ kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void
 static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
     const kvc_config *c = &m->cfg;
     const int64_t F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
-    if (role < KVC_W_TOK || role > KVC_W_DOWN) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
+    if (role < KVC_W_TOK || role > KVC_W_K_NORM) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
     if (role >= KVC_W_ATTN_NORM && (layer < 0 || layer >= c->n_layers))
         return kvc_fail(KVC_ERR_INTERNAL, "weight of layer %d outside [0, %d)", layer, c->n_layers);
     const kvc_layer_weights *L = role >= KVC_W_ATTN_NORM ? &m->layers[layer] : NULL;
@@ -193,6 +202,8 @@ static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer
     case KVC_W_GATE: *v = L->wgu; break;
     case KVC_W_UP: *v = kvc_view_at(L->wgu, F, 0); break;
     case KVC_W_DOWN: *v = L->wdown; break;
+    case KVC_W_Q_NORM: *v = L->q_norm; break;
+    case KVC_W_K_NORM: *v = L->k_norm; break;
     }
     if (!v->buf) return kvc_fail(KVC_ERR_INTERNAL, "weight role %d has no buffer in this model", (int)role);
     shape(m, role, rows, cols);

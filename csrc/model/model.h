@@ -19,6 +19,8 @@ typedef struct kvc_layer_weights {
     kvc_view attn_norm; /* [D] */
     kvc_view wqkv;      /* [qd + 2 kd, D]: q rows, then k, then v */
     kvc_view bqkv;      /* [qd + 2 kd], buf NULL unless cfg.qkv_bias */
+    kvc_view q_norm;    /* [d] per-head RMSNorm of q, buf NULL unless cfg.qk_norm */
+    kvc_view k_norm;    /* [d] the same for k */
     kvc_view wo;        /* [D, qd] */
     kvc_view ffn_norm;  /* [D] */
     kvc_view wgu;       /* [2F, D]: gate rows, then up */
@@ -61,22 +63,23 @@ struct kvc_model {
 typedef enum kvc_weight_role {
     KVC_W_TOK, KVC_W_OUT_NORM, KVC_W_LM_HEAD,
     KVC_W_ATTN_NORM, KVC_W_Q, KVC_W_K, KVC_W_V, KVC_W_O, KVC_W_BQ, KVC_W_BK, KVC_W_BV,
-    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN
+    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM
 } kvc_weight_role;
 
 /* A decoder layer's tensors as the files name them: GGUF after "blk.N.", Hugging Face after
- * "model.layers.N." (biases only in models with qkv_bias). Both loaders walk this one list. */
+ * "model.layers.N." (biases only in models with qkv_bias, q/k norms only with qk_norm). Both loaders walk
+ * this one list. */
 typedef struct kvc_layer_tensor {
     kvc_weight_role role;
     const char *gguf, *hf;
 } kvc_layer_tensor;
-#define KVC_LAYER_TENSORS 12
+#define KVC_LAYER_TENSORS 14
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];
 /* A loader's reader of one named tensor into a role: checks the file's shape against [rows, cols] (rows 0:
  * a vector) and streams it in with kvc_model_put. */
 typedef kvc_status (*kvc_put_fn)(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name,
                                  int64_t rows, int64_t cols);
-/* Every layer's tensors the model has (biases only with qkv_bias), named the GGUF way (hf 0) or the
+/* Every layer's tensors the model has (biases only with qkv_bias, q/k norms only with qk_norm), named the GGUF way (hf 0) or the
  * Hugging Face way (hf 1), through put. */
 kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void *file);
 

@@ -467,6 +467,11 @@ kvc_status kvc_judgeq_pair_new(kvc_model *model, const int32_t *prompt_ids, int6
     if (!prompt_ids || !response_ids)
         return kvc_fail(KVC_ERR_ARG, "kvc_judgeq_pair_new: prompt_ids and response_ids must not be NULL");
     const kvc_config *c = &model->cfg;
+    /* the hand-written backward below is the Llama layer's: it has no q/k norm and no window mask */
+    if (c->qk_norm || c->sliding_window)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "judgeq: training soft tokens on a model with %s is not implemented (its backward "
+                        "pass is Llama's); train on a Llama/Mistral/Qwen2 model without a sliding window",
+                        c->qk_norm ? "per-head q/k norms (qwen3)" : "sliding-window attention");
     KVC_TRY(check_ids(prompt_ids, n_prompt, c->vocab, "prompt"));
     KVC_TRY(check_ids(response_ids, n_response, c->vocab, "response"));
     /* the gradient runs on the host in fp32: the model's own weights on the CPU, a host copy of a device

@@ -252,9 +252,9 @@ def test_rope_pairings_are_a_permutation(rng):
 # Attention
 
 
-def attention_ref(q, ks, vs, past, scale):
+def attention_ref(q, ks, vs, past, scale, start=None):
     """Dense masked softmax in float64: query i of head hq sees the first past[h] + i + 1 rows of
-    KV head h = hq // (H // Hkv)."""
+    KV head h = hq // (H // Hkv), from row start[i, h] on when start is given (a sliding window)."""
     n, H, d = q.shape
     g = H // len(ks)
     out = np.zeros((n, H, d))
@@ -263,6 +263,8 @@ def attention_ref(q, ks, vs, past, scale):
         K, V = ks[h].astype(np.float64), vs[h].astype(np.float64)
         s = q[:, hq].astype(np.float64) @ K.T * scale
         visible = np.arange(K.shape[0])[None, :] < (past[h] + np.arange(n) + 1)[:, None]
+        if start is not None:
+            visible &= np.arange(K.shape[0])[None, :] >= start[:, h][:, None]
         s = np.where(visible, s, -np.inf)
         p = np.exp(s - s.max(1, keepdims=True))
         out[:, hq] = (p / p.sum(1, keepdims=True)) @ V
@@ -364,3 +366,50 @@ def test_kernel_argument_errors():
     err(lib.kvc_kernel_attention(x, 1, 2, 2, 4, (C.c_void_p * 2)(x.ctypes.data, None), ptrs, past, 1.0, x),
         "attention", "k[1]")
     err(lib.kvc_kernel_attention(x, 1, 2, 2, 4, None, ptrs, past, 1.0, x), "attention", "NULL")
+
+
+# ---- sliding window and Qwen3's per-head norm (CPU kernels through the device entry points, device 0) ----
+
+@pytest.mark.parametrize("n,H,Hkv,d", [(1, 8, 2, 64), (3, 12, 3, 128), (37, 4, 4, 64), (130, 9, 3, 64), (200, 8, 2, 128)])
+def test_attention_window_starts(rng, n, H, Hkv, d):
+    """Per-(query, head) first visible rows, as the engine computes them for a window over a cache whose
+    rows are not consecutive positions: nondecreasing in the query, anywhere up to the query's own row."""
+    past = rng.integers(0, 300, size=Hkv).astype(np.int64)
+    start = np.zeros((n, Hkv), np.int64)
+    for h in range(Hkv):  # a running max of draws in [0, past + i]: nondecreasing, never past row past + i
+        start[:, h] = np.maximum.accumulate(rng.integers(0, past[h] + np.arange(n) + 1))
+    ks = [f32(rng.standard_normal((past[h] + n, d))) for h in range(Hkv)]
+    vs = [f32(rng.standard_normal((past[h] + n, d))) for h in range(Hkv)]
+    q = f32(rng.standard_normal((n, H, d)))
+    kp = (C.c_void_p * Hkv)(*[k.ctypes.data for k in ks])
+    vp = (C.c_void_p * Hkv)(*[v.ctypes.data for v in vs])
+    out = np.full((n, H, d), np.nan, dtype=np.float32)
+    scale = 1 / np.sqrt(d)
+    st = lib.kvc_device_kernel_attention(0, q, n, H, Hkv, d, C.cast(kp, C.c_void_p), C.cast(vp, C.c_void_p), past,
+                                         start.ctypes.data, scale, out, 0)
+    assert st == KVC_OK, lib.kvc_last_error()
+    err = rel(out, attention_ref(q, ks, vs, past, np.float32(scale), start))
+    assert err < TOL, f"n={n} H={H} Hkv={Hkv} d={d}: rel err {err:.2e} (seed {seed_of(rng)})"
+
+
+def test_attention_window_start_out_of_order_is_refused(rng):
+    q = f32(rng.standard_normal((2, 2, 16)))
+    k = f32(rng.standard_normal((12, 16)))
+    kp = (C.c_void_p * 1)(k.ctypes.data)
+    out = np.zeros((2, 2, 16), np.float32)
+    past = np.array([10], np.int64)
+    for start in ([[5], [4]], [[11], [11]], [[-1], [0]]):  # moves back; past the query's own row; negative
+        st = lib.kvc_device_kernel_attention(0, q, 2, 2, 1, 16, C.cast(kp, C.c_void_p), C.cast(kp, C.c_void_p), past,
+                                             np.array(start, np.int64).ctypes.data, 0.25, out, 0)
+        assert st != KVC_OK and "window start" in lib.kvc_last_error().decode()
+
+
+@pytest.mark.parametrize("n,heads,d", [(1, 16, 128), (37, 8, 64), (300, 2, 16)])
+def test_head_rmsnorm(rng, n, heads, d):
+    x = f32(rng.standard_normal((n, heads, d)) * 3)
+    w = f32(1 + 0.1 * rng.standard_normal(d))
+    ours = x.copy()
+    assert lib.kvc_device_kernel_head_rmsnorm(0, ours, n, heads, d, w, np.float32(1e-6)) == KVC_OK, lib.kvc_last_error()
+    xd = x.astype(np.float64)
+    ref = xd / np.sqrt((xd ** 2).mean(-1, keepdims=True) + 1e-6) * w
+    assert rel(ours, ref) < 1e-6, f"seed {seed_of(rng)}"  # fp32 output of a double sum: a few ulp

@@ -315,6 +315,9 @@ VARIANTS = {
     "qwen2_bias": ({"arch": "qwen2", "bias": True, "types": {"attn_q": "Q8_0", "ffn_up": "Q4_0"}},
                    {"arch": 2, "rope_pairing": 0, "qkv_bias": 1}),
     "mistral": ({"arch": "mistral"}, {"arch": 1}),
+    "qwen3_qk_norm": ({"arch": "qwen3", "types": {"attn_q": "Q8_0"}}, {"arch": 3, "rope_pairing": 0, "qk_norm": 1}),
+    "qwen3_window": ({"arch": "qwen3", "meta": {"attention.sliding_window": (gw.U32, 24)}},
+                     {"arch": 3, "rope_pairing": 0, "qk_norm": 1, "sliding_window": 24, "window_first_layer": 0}),
     "rope_freqs": ({"rope_freqs": [1.0, 2.0, 4.0, 8.0]}, {}),
     "gguf_v2": ({"version": 2}, {}),
     "alignment_64": ({"alignment": 64, "types": {"attn_q": "Q8_0"}}, {}),
@@ -338,7 +341,8 @@ def test_tiny_gguf_config(tmp_path, variant):
     assert st == OK, f"{variant}: {msg}"
     want = {"arch": 0, "n_layers": 2, "hidden": 32, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn": 64, "vocab": 64,
             "max_context": 256, "rope_pairing": 1, "tied_embeddings": 1, "qkv_bias": 0, "rope_theta": 10000.0,
-            "rms_eps": np.float32(1e-5), "rope_scaling_factor": 0.0, "bos_id": 1, "eos_id": 2}
+            "rms_eps": np.float32(1e-5), "rope_scaling_factor": 0.0, "bos_id": 1, "eos_id": 2, "qk_norm": 0,
+            "sliding_window": 0}
     want.update(expect)
     got = {k: getattr(c, k) for k in want}
     assert got == want, variant

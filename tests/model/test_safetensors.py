@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from hf_models import ARCHS, LLAMA3_SCALING, write_tiny_model  # noqa: E402
 
-ARCH_ID = {"llama": 0, "llama31": 0, "mistral": 1, "qwen2": 2}
+ARCH_ID = {"llama": 0, "llama31": 0, "mistral": 1, "qwen2": 2, "qwen3": 3}
 from capi import ERR_FORMAT as ST_FORMAT, ERR_IO as ST_IO  # noqa: E402
 from capi import ERR_UNSUPPORTED as ST_UNSUPPORTED, OK as ST_OK, Config, lib  # noqa: E402
 
@@ -130,7 +130,8 @@ def test_variants_load_through_ctypes(tiny, arch, dtype, tied, sharded):
     assert fmt == "safetensors"
     assert (cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab) == (4, 64, 4, 2, 16, 128, 256)
     assert cfg.arch == ARCH_ID[arch] and cfg.rope_pairing == 0  # KVC_ROPE_HALF
-    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tied_embeddings == tied
+    assert cfg.qkv_bias == (arch == "qwen2") and cfg.tied_embeddings == tied and cfg.qk_norm == (arch == "qwen3")
+    assert cfg.sliding_window == 0
     assert cfg.max_context == 2048 and cfg.bos_id == 1 and cfg.eos_id == 2
     assert cfg.rms_eps == np.float32(1e-5) and cfg.rope_theta == 10000.0
     if arch == "llama31":
@@ -140,7 +141,7 @@ def test_variants_load_through_ctypes(tiny, arch, dtype, tied, sharded):
         assert cfg.rope_scaling_factor == 0.0
     # fp32 weights: 2 norms per layer + final, q/k/v/o, 3 MLP, embeddings (+ lm_head), biases
     D, F, V, qd, kd = 64, 128, 256, 64, 32
-    per_layer = 2 * D + D * qd + 2 * D * kd + qd * D + 3 * D * F + (qd + 2 * kd) * (arch == "qwen2")
+    per_layer = 2 * D + D * qd + 2 * D * kd + qd * D + 3 * D * F + (qd + 2 * kd) * (arch == "qwen2") + 2 * 16 * (arch == "qwen3")
     floats = 4 * per_layer + D + V * D * (1 if tied else 2) + 8  # + rope_inv_freq[d/2]
     assert nbytes == 4 * floats
 
@@ -391,10 +392,44 @@ def test_accepted_config_variants(tiny, tmp_path, changes, check):
         assert check(cfg)
 
 
-def test_mistral_sliding_window_is_accepted(tiny, tmp_path):
-    """Not implemented (full attention everywhere), exact below the window: the folder loads."""
-    d = edit_cfg(clone(tiny("mistral"), tmp_path / "m"), sliding_window=32)
-    assert c_load(d)[0] == ST_OK
+# (model_type, config changes) -> (sliding_window, window_first_layer) as transformers reads them
+WINDOW_CONFIGS = [
+    ("mistral", dict(sliding_window=32), (32, 0)),
+    ("mistral", dict(sliding_window=None), (0, 0)),
+    ("mistral", dict(sliding_window=...), (4096, 0)),  # MistralConfig's default
+    ("qwen2", dict(sliding_window=32), (0, 0)),  # without use_sliding_window: none
+    ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2, layer_types=...), (32, 2)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=2), (0, 0)),  # layer_types win
+    ("qwen2", dict(use_sliding_window=True, sliding_window=32, max_window_layers=4, layer_types=...), (0, 0)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=..., max_window_layers=..., layer_types=...), (0, 0)),  # 28
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1,
+                   layer_types=["full_attention", "full_attention", "sliding_attention", "sliding_attention"]), (16, 2)),
+    ("llama", dict(sliding_window=32), (0, 0)),  # transformers' llama has no window
+]
+
+
+@pytest.mark.parametrize("arch,changes,expect", WINDOW_CONFIGS)
+def test_sliding_window_configs(tiny, tmp_path, arch, changes, expect):
+    d = edit_cfg(clone(tiny(arch), tmp_path / "m"), **changes)
+    st, msg, cfg = c_load(d)[:3]
+    assert st == ST_OK, msg
+    assert (cfg.sliding_window, cfg.window_first_layer) == expect
+
+
+def test_sliding_window_layer_pattern_the_engine_cannot_run(tiny, tmp_path):
+    d = edit_cfg(clone(tiny("qwen3"), tmp_path / "m"), use_sliding_window=True, sliding_window=16,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    st, msg = c_load(d)[:2]
+    assert st == ST_UNSUPPORTED and "full-attention layer (1) after a sliding-window one (0)" in msg, msg
+    d = edit_cfg(clone(tiny("qwen3"), tmp_path / "m2"), use_sliding_window=True, sliding_window=16, layer_types=["full_attention"])
+    st, msg = c_load(d)[:2]
+    assert st == ST_FORMAT and "layer_types" in msg, msg
+
+
+def test_unknown_architecture_names_what_is_supported(tiny, tmp_path):
+    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), model_type="gemma3")
+    st, msg = c_load(d)[:2]
+    assert st == ST_UNSUPPORTED and "gemma3" in msg and "qwen3" in msg, msg
 
 
 # ------------------------------------------------------------------------------------------------

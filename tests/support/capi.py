@@ -27,7 +27,8 @@ class Config(C.Structure):  # kvc_config
                                          "max_context", "rope_pairing", "tied_embeddings", "qkv_bias")] + \
                [("rms_eps", C.c_float), ("rope_theta", C.c_float), ("rope_scaling_factor", C.c_float),
                 ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
-                ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32)]
+                ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32),
+                ("qk_norm", C.c_int32), ("sliding_window", C.c_int32), ("window_first_layer", C.c_int32)]
 
 
 class PressConfig(C.Structure):  # kvc_press_config
@@ -78,7 +79,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_rmsnorm": (_I, [_I32, F32P, _V, F32P, F32P, _V, _I64, _I64, _F]),
     "kvc_device_kernel_rope": (_I, [_I32, F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
     "kvc_device_kernel_swiglu": (_I, [_I32, F32P, F32P, F32P, _I64, _I64]),
-    "kvc_device_kernel_attention": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _F, F32P, _I32]),
+    "kvc_device_kernel_attention": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _V, _F, F32P, _I32]),
+    "kvc_device_kernel_head_rmsnorm": (_I, [_I32, F32P, _I64, _I32, _I32, F32P, _F]),
     "kvc_device_kernel_topk": (_I, [_I32, F32P, _I32, _I64, I64P, I64P]),
     "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
 }

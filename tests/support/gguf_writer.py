@@ -221,7 +221,7 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, hidden: int = 32, heads:
                ffn: int = 64, vocab: int = 64, head_dim: int | None = None, types: dict | None = None, default_type: str = "F32", bias: bool = False,
                tied: bool = True, rope_freqs=None, seed: int = 0, version: int = 3, alignment: int | None = None,
                meta: dict | None = None, skip_meta: tuple = (), tokens: bool = True, weights: dict | None = None) -> GGUFFile:
-    """A GGUF Llama/Qwen2-style model with random weights. `types` maps a tensor suffix (e.g. "attn_q",
+    """A GGUF Llama/Qwen2/Qwen3-style model with random weights (qwen3: per-head q/k norms). `types` maps a tensor suffix (e.g. "attn_q",
     "token_embd", "output") to an encoding; `meta` adds or overrides `{arch}.*` keys (name without
     the prefix -> (type, value)); `skip_meta` drops keys (names without the prefix); `weights`
     receives name -> (type name, ggml ne, encoded bytes) for every tensor written."""
@@ -268,6 +268,9 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, hidden: int = 32, heads:
         add(f"blk.{l}.attn_k.weight", (kd, hidden))
         add(f"blk.{l}.attn_v.weight", (kd, hidden))
         add(f"blk.{l}.attn_output.weight", (hidden, qd))
+        if arch == "qwen3":
+            add(f"blk.{l}.attn_q_norm.weight", (head_dim,))
+            add(f"blk.{l}.attn_k_norm.weight", (head_dim,))
         if bias:
             add(f"blk.{l}.attn_q.bias", (qd,))
             add(f"blk.{l}.attn_k.bias", (kd,))

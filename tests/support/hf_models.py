@@ -1,12 +1,13 @@
 """Tiny random-weight Hugging Face model folders written with transformers (torch on CPU), for the
-loader and forward-parity tests: llama, mistral, qwen2 (q/k/v biases) and llama31 (Llama-3.1 RoPE
-scaling), in float32 / float16 / bfloat16, tied or not, one file or several shards."""
+loader and forward-parity tests: llama, mistral, qwen2 (q/k/v biases), qwen3 (per-head q/k norms) and
+llama31 (Llama-3.1 RoPE scaling), in float32 / float16 / bfloat16, tied or not, one file or several shards;
+any of mistral/qwen2/qwen3 with a sliding window (`window=`)."""
 from __future__ import annotations
 
 import json
 import os
 
-ARCHS = ("llama", "mistral", "qwen2", "llama31")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "llama31")
 DTYPES = ("float32", "float16", "bfloat16")
 
 # GQA shapes: 4 query heads share 2 KV heads; head_dim 16 = hidden 64 / 4 heads.
@@ -25,8 +26,10 @@ def _transformers_major() -> int:
     return int(transformers.__version__.split(".")[0])
 
 
-def make_config(arch: str = "llama", tied: bool = False, vocab: int = 256, layers: int = 4, rope_theta: float = 10000.0):
-    """The transformers config object for one of ARCHS."""
+def make_config(arch: str = "llama", tied: bool = False, vocab: int = 256, layers: int = 4, rope_theta: float = 10000.0,
+                window: int | None = None, window_layers: int = 0):
+    """The transformers config object for one of ARCHS. window: sliding-window attention (mistral: every
+    layer; qwen2/qwen3: the layers from `window_layers` on)."""
     import transformers
 
     common = dict(TINY, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied)
@@ -39,15 +42,18 @@ def make_config(arch: str = "llama", tied: bool = False, vocab: int = 256, layer
     if arch in ("llama", "llama31"):
         return transformers.LlamaConfig(**common, **rope)
     if arch == "mistral":
-        return transformers.MistralConfig(sliding_window=None, **common, **rope)
+        return transformers.MistralConfig(sliding_window=window, **common, **rope)
+    qwen_window = dict(use_sliding_window=True, sliding_window=window, max_window_layers=window_layers) if window else {}
     if arch == "qwen2":
-        return transformers.Qwen2Config(**common, **rope)
+        return transformers.Qwen2Config(**common, **rope, **qwen_window)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, **rope, **qwen_window)
     raise ValueError(f"unknown arch {arch!r} (one of {ARCHS})")
 
 
 def write_tiny_model(path: str, arch: str = "llama", dtype: str = "float32", tied: bool = False,
                      sharded: bool = False, seed: int = 0, vocab: int = 256, layers: int = 4,
-                     with_tokenizer: bool = True) -> str:
+                     with_tokenizer: bool = True, window: int | None = None, window_layers: int = 0) -> str:
     """Write a small GQA model to the folder `path` (created if needed) and return `path`.
 
     Weights are random but deterministic in `seed`; matrices are drawn wider than transformers'
@@ -59,9 +65,10 @@ def write_tiny_model(path: str, arch: str = "llama", dtype: str = "float32", tie
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (one of {DTYPES})")
-    cfg = make_config(arch, tied=tied, vocab=vocab, layers=layers)
+    cfg = make_config(arch, tied=tied, vocab=vocab, layers=layers, window=window, window_layers=window_layers)
     cls = {"llama": transformers.LlamaForCausalLM, "llama31": transformers.LlamaForCausalLM,
-           "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch]
+           "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():

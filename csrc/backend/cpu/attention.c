@@ -2,7 +2,8 @@
  *
  * Query i (of the n in this call; row i of q, stride ldq, head hq at column hq d) of query head hq
  * reads KV head h = hq / (H / Hkv), whose keys
- * k[h] and values v[h] are [past_len[h] + n, d]; it sees the first past_len[h] + i + 1 rows:
+ * k[h] and values v[h] are [past_len[h] + n, d]; it sees the first past_len[h] + i + 1 rows, from row
+ * start[i, h] on when a sliding window gives start (i64 [n, Hkv], nondecreasing in i):
  *   out[i, hq] = softmax_j(scale * q[i, hq] . k[h][j]) v[h][j]   over the visible j.
  * Keys are visited in tiles with an online softmax (running max m and sum l per query row; when the
  * max grows, the earlier sum and output are rescaled by exp(m_old - m_new)), so memory is O(tile)
@@ -135,12 +136,17 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, 
 /* ---------------------------------------------------------------------------------------------- */
 /* The rows of one task against the keys [kb, ke) of their KV head.                               */
 /* Q[rows][d] holds the queries already multiplied by `scale`; row r is query i0 + r / gc, which  */
-/* sees the keys < past + i0 + r / gc + 1. Accumulates into O[rows][d], m[rows], l[rows].         */
+/* sees the keys < past + i0 + r / gc + 1, and >= lo[(i0 + r / gc) * Hkv] with a window (lo: the  */
+/* head's column of start, else NULL). Accumulates into O[rows][d], m[rows], l[rows].             */
 /* Scores: `dot` computes each as a dot product over d (few rows: decode); otherwise the K tile is */
 /* transposed so the microkernel computes rows x keys in registers (prefill).                     */
 static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const float *K, const float *V,
-                   int64_t past, int64_t kb, int64_t ke, int dot, float *O, float *m, float *l) {
+                   int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke, int dot, float *O, float *m,
+                   float *l) {
     float KT[DMAX * TK], S[ROWS_MAX * TK];
+    /* the window: nothing below the first query's start; rows of later queries start later still */
+    const int64_t lo_first = lo ? lo[i0 * Hkv] : 0, lo_last = lo ? lo[(i0 + (rows - 1) / gc) * Hkv] : 0;
+    if (kb < lo_first) kb = lo_first;
     for (int64_t k0 = kb; k0 < ke; k0 += TK) {
         const int tk = (int)(ke - k0 < TK ? ke - k0 : TK);
         if (dot) {
@@ -162,6 +168,12 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
                 for (int64_t j = vis < 0 ? 0 : vis; j < tk; j++) S[r * TK + j] = -INFINITY;
             }
         }
+        if (k0 < lo_last) { /* the window's lower edge */
+            for (int r = 0; r < rows; r++) {
+                const int64_t below = lo[(i0 + r / gc) * Hkv] - k0; /* keys of this tile out of the window */
+                for (int64_t j = 0; j < below && j < tk; j++) S[r * TK + j] = -INFINITY;
+            }
+        }
         softmax_step(S, rows, tk, m, l, O, d);
         update_pv(S, rows, tk, V + k0 * d, d, O);
     }
@@ -180,8 +192,8 @@ static void gather_q(const float *q, int64_t ldq, int32_t d, int32_t hq0, int32_
 /* Prefill: task = (KV head h, query heads [h*g + g0, +gc), queries [i0, i0 + mq)).               */
 
 static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                              const float *const *k, const float *const *v, const int64_t *past_len, float scale,
-                              float *out, int64_t ldo) {
+                              const float *const *k, const float *const *v, const int64_t *past_len,
+                              const int64_t *start, float scale, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rmax = QBUF / d < ROWS_MAX ? QBUF / d : ROWS_MAX;
     const int32_t gc = g < rmax ? g : rmax; /* query heads per task */
@@ -202,7 +214,8 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
         gather_q(q, ldq, d, h * g + g0, gn, i0, rows, scale, Q);
         memset(O, 0, sizeof(float) * rows * d);
         for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-        attend(Q, rows, gn, i0, d, k[h], v[h], past_len[h], 0, past_len[h] + i0 + mq, 0, O, m, l);
+        attend(Q, rows, gn, i0, d, k[h], v[h], past_len[h], start ? start + h : NULL, Hkv, 0, past_len[h] + i0 + mq, 0, O,
+               m, l);
         for (int r = 0; r < rows; r++) {
             float *dst = out + (i0 + r / gn) * ldo + ((int64_t)h * g + g0 + r % gn) * d;
             const float inv = 1.f / l[r]; /* l >= 1: the row's own max contributes exp(0) */
@@ -217,21 +230,21 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
 /* merged. Returns 0 (nothing done) when the rows do not fit the buffers or memory is short.       */
 
 static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                            const float *const *k, const float *const *v, const int64_t *past_len, float scale,
-                            float *out, int64_t ldo) {
+                            const float *const *k, const float *const *v, const int64_t *past_len,
+                            const int64_t *start, float scale, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
     if (rows > ROWS_MAX || rows * d > QBUF) return 0;
     const int nt = omp_in_parallel() ? 1 : kvc_cpu_threads();
-    int64_t total = 0;
-    for (int32_t h = 0; h < Hkv; h++) total += past_len[h] + n;
+    int64_t total = 0; /* keys in reach: from the first query's window start (0 without one) to the end */
+    for (int32_t h = 0; h < Hkv; h++) total += past_len[h] + n - (start ? start[h] : 0);
     /* chunks: enough tasks to balance the threads, each long enough to amortise its merge */
     int64_t ch = (total + 4 * nt - 1) / (4 * nt);
     ch = ch < CHUNK_MIN ? CHUNK_MIN : (ch + TK - 1) / TK * TK;
     int64_t *first = malloc(sizeof(int64_t) * (Hkv + 1)); /* first task of each head */
     if (!first) return 0;
     first[0] = 0;
-    for (int32_t h = 0; h < Hkv; h++) first[h + 1] = first[h] + (past_len[h] + n + ch - 1) / ch;
+    for (int32_t h = 0; h < Hkv; h++) first[h + 1] = first[h] + (past_len[h] + n - (start ? start[h] : 0) + ch - 1) / ch;
     const int64_t tasks = first[Hkv], stride = (int64_t)rows * (d + 2);
     float *part = malloc(sizeof(float) * tasks * stride);
     if (!part) {
@@ -245,14 +258,14 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
         for (int64_t t = 0; t < tasks; t++) {
             int32_t h = 0;
             while (first[h + 1] <= t) h++;
-            const int64_t kb = (t - first[h]) * ch, len = past_len[h] + n;
+            const int64_t kb = (start ? start[h] : 0) + (t - first[h]) * ch, len = past_len[h] + n;
             const int64_t ke = kb + ch < len ? kb + ch : len;
             float Q[QBUF];
             float *O = part + t * stride, *m = O + rows * d, *l = m + rows;
             gather_q(q, ldq, d, h * g, g, 0, rows, scale, Q);
             memset(O, 0, sizeof(float) * rows * d);
             for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-            attend(Q, rows, g, 0, d, k[h], v[h], past_len[h], kb, ke, 1, O, m, l);
+            attend(Q, rows, g, 0, d, k[h], v[h], past_len[h], start ? start + h : NULL, Hkv, kb, ke, 1, O, m, l);
         }
         /* merge: rescale each chunk to the largest max of its row */
 #pragma omp for schedule(static)
@@ -284,8 +297,8 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
 }
 
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                       const float *const *k, const float *const *v, const int64_t *past_len, float scale, float *out,
-                       int64_t ldo) {
-    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, k, v, past_len, scale, out, ldo)) return;
-    attention_prefill(q, ldq, n, H, Hkv, d, k, v, past_len, scale, out, ldo);
+                       const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
+                       float scale, float *out, int64_t ldo) {
+    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, k, v, past_len, start, scale, out, ldo)) return;
+    attention_prefill(q, ldq, n, H, Hkv, d, k, v, past_len, start, scale, out, ldo);
 }

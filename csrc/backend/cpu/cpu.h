@@ -19,11 +19,14 @@ void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows
 void kvc_cpu_swiglu_rows(float *gu, int64_t ld, int64_t rows, int64_t F);
 void kvc_cpu_add(float *y, const float *x, int64_t n);
 void kvc_cpu_add_bias(float *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
+/* in place on n rows (stride ld) of `heads` heads of d values: RMSNorm of each head with weights w[d] */
+void kvc_cpu_head_rmsnorm(float *x, int64_t ld, int64_t n, int32_t heads, int32_t d, const float *w, float eps);
 /* causal GQA attention over a ragged cache: query i of head hq (row i of q, stride ldq) reads KV head
- * hq / (H / Hkv), whose rows k[h], v[h] are [past_len[h] + n, d], and sees the first past_len[h] + i + 1 */
+ * hq / (H / Hkv), whose rows k[h], v[h] are [past_len[h] + n, d], and sees the first past_len[h] + i + 1,
+ * from row start[i * Hkv + h] on when start is not NULL (a sliding window) */
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                       const float *const *k, const float *const *v, const int64_t *past_len, float scale, float *out,
-                       int64_t ldo);
+                       const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
+                       float scale, float *out, int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
 /* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is

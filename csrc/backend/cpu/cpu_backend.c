@@ -75,8 +75,22 @@ kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, i
     return KVC_OK;
 }
 
-kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags) {
+kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps) {
+    if (w.buf->dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "head_rmsnorm: the norm weights must be f32");
+    kvc_view xv = kvc_view_at(x, 0, col0);
+    kvc_frows X;
+    KVC_TRY(kvc_frows_get(xv, n, (int64_t)heads * d, 1, &X));
+    kvc_cpu_head_rmsnorm(X.p, X.ld, n, heads, d, (const float *)kvc_hbuf_at(w, 0, 0), eps);
+    kvc_frows_put(xv, n, (int64_t)heads * d, &X);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
+                                int32_t flags) {
     (void)flags; /* one CPU kernel picks its own decode / prefill path */
+    if (start.buf && (start.buf->dtype != KVC_I64 || start.ld != kv->Hkv))
+        return kvc_fail(KVC_ERR_INTERNAL, "attention: window starts must be i64 [n, Hkv]");
+    const int64_t *lo = start.buf ? (const int64_t *)kvc_hbuf_at(start, 0, 0) : NULL;
     const int32_t Hkv = kv->Hkv, d = kv->d;
     int64_t *past = malloc(sizeof(int64_t) * (size_t)Hkv);
     if (!past) return kvc_fail(KVC_ERR_NOMEM, "out of memory: attention");
@@ -87,7 +101,7 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
     if (st == KVC_OK) st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);
     if (st == KVC_OK) {
-        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, scale, O.p, O.ld);
+        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, lo, scale, O.p, O.ld);
         kvc_frows_put(out, n, (int64_t)H * d, &O);
     }
     kvc_frows_drop(&Q);
@@ -184,6 +198,7 @@ static const kvc_backend g_cpu = {
     .add_bias = kvc_host_add_bias_v,
     .rope = kvc_host_rope_v,
     .kv_append = kvc_hkv_append,
+    .head_rmsnorm = kvc_host_head_rmsnorm_v,
     .attention = kvc_host_attention_v,
     .swiglu = kvc_host_swiglu_v,
     .score = kvc_host_score_v,

@@ -19,3 +19,10 @@ void kvc_cpu_rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int6
         for (int64_t i = 0; i < dim; i++) yr[i] = xr[i] * inv * w[i];
     }
 }
+
+/* Qwen3's q/k norm: every head of every row normalised on its own (rows in parallel, heads serial). */
+void kvc_cpu_head_rmsnorm(float *x, int64_t ld, int64_t n, int32_t heads, int32_t d, const float *w, float eps) {
+    const int par = n > 1 && n * heads * d >= 32768 && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t r = 0; r < n; r++) kvc_cpu_rmsnorm(x + r * ld, d, w, x + r * ld, d, heads, d, eps);
+}

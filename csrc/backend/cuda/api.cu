@@ -128,8 +128,16 @@ static kvc_status t_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, int
     return rope(at<bf16>(x), x.ld, col0, n, heads, d, at<int64_t>(pos), at<float>(inv_freq), pairing);
 }
 
-static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags) {
+static kvc_status t_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps) {
+    KVC_TRY(need(x.buf->dtype == KVC_BF16 && w.buf->dtype == KVC_F32, "head_rmsnorm"));
+    return head_rmsnorm(at<bf16>(x), x.ld, col0, n, heads, d, at<float>(w), eps);
+}
+
+static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
+                              int32_t flags) {
     KVC_TRY(need(q.buf->dtype == KVC_BF16 && out.buf->dtype == KVC_BF16, "attention"));
+    if (start.buf) /* t_check_model refuses such models; this guards the kernel table's contract */
+        return fail(KVC_ERR_UNSUPPORTED, "sliding-window attention is not implemented in the CUDA kernels yet");
     const int32_t Hkv = kv->Hkv, d = kv->d;
     if (n == 1 && !(flags & KVC_ATTN_FORCE_PREFILL)) {
         /* split-K decode over every row the device lengths say (they include this call's row) */
@@ -231,6 +239,9 @@ static kvc_status t_check_model(const kvc_config *c) {
     if (c->head_dim % 8 != 0 || c->head_dim > 256)
         return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend needs head_dim to be a multiple of 8, at most 256 (got %d)",
                     c->head_dim);
+    if (c->sliding_window > 0)
+        return fail(KVC_ERR_UNSUPPORTED, "sliding-window attention (window %d from layer %d) is not implemented in the CUDA "
+                    "kernels yet: load this model with device='cpu' (or 'emulated')", c->sliding_window, c->window_first_layer);
     return KVC_OK;
 }
 
@@ -273,6 +284,7 @@ static kvc_backend make_table(void) {
     t.kv_read = kv_read;
     t.embed = t_embed;
     t.rmsnorm = t_rmsnorm;
+    t.head_rmsnorm = t_head_rmsnorm;
     t.matmul = t_matmul;
     t.add_bias = t_add_bias;
     t.rope = t_rope;

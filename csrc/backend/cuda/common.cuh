@@ -160,6 +160,7 @@ kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t d
 /* ---- norm.cu ---- */
 /* if o: x[r] += o[r] (o bf16, row stride ldo); then y[r] = x[r] / rms(x[r]) * w  (bf16 y) */
 kvc_status rmsnorm(float *x, const bf16 *o, int64_t ldo, const float *w, bf16 *y, int64_t rows, int64_t D, float eps);
+kvc_status head_rmsnorm(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t heads, int32_t d, const float *w, float eps);
 
 /* ---- rope.cu ---- */
 /* in place on `heads` heads of d values starting at column col0 of each row of x (row stride ld) */

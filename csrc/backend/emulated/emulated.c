@@ -32,7 +32,7 @@ static kvc_status fault(const char *what) {
 
 /* ---- graph recording ---- */
 
-enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU };
+enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM };
 
 typedef struct op {
     int32_t kind, has_add;
@@ -72,8 +72,9 @@ static int record(op o) {
 }
 
 static kvc_status run_op(const op *o) {
-    static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu"};
-    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_SWIGLU ? names[o->kind] : "a kernel"));
+    static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu",
+                                        "head_rmsnorm"};
+    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_HEAD_NORM ? names[o->kind] : "a kernel"));
     switch (o->kind) {
     case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
@@ -81,8 +82,9 @@ static kvc_status run_op(const op *o) {
     case OP_BIAS: return kvc_host_add_bias_v(o->v[0], o->v[1], o->i[0], o->i[1]);
     case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2]);
     case OP_APPEND: return kvc_hkv_append(o->kv, o->v[0], o->i[0], o->i[1], o->i[2]);
-    case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[1], o->j[1]);
+    case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[2], o->v[1], o->j[1]);
     case OP_SWIGLU: return kvc_host_swiglu_v(o->v[0], o->i[0], o->i[1]);
+    case OP_HEAD_NORM: return kvc_host_head_rmsnorm_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->f);
     default: return kvc_fail(KVC_ERR_INTERNAL, "graph: unknown op %d", o->kind);
     }
 }
@@ -154,8 +156,13 @@ static kvc_status emu_kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t 
     op o = {.kind = OP_APPEND, .v = {src}, .kv = kv, .i = {kcol, vcol, n}};
     return record(o) ? KVC_OK : run_op(&o);
 }
-static kvc_status emu_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view out, int32_t flags) {
-    op o = {.kind = OP_ATTENTION, .v = {q, out}, .kv = kv, .i = {n}, .j = {H, flags}, .f = scale};
+static kvc_status emu_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps) {
+    op o = {.kind = OP_HEAD_NORM, .v = {x, w}, .i = {col0, n}, .j = {heads, d}, .f = eps};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
+                                int32_t flags) {
+    op o = {.kind = OP_ATTENTION, .v = {q, out, start}, .kv = kv, .i = {n}, .j = {H, flags}, .f = scale};
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {
@@ -275,6 +282,7 @@ static const kvc_backend g_emulated = {
     .add_bias = emu_add_bias,
     .rope = emu_rope,
     .kv_append = emu_kv_append,
+    .head_rmsnorm = emu_head_rmsnorm,
     .attention = emu_attention,
     .swiglu = emu_swiglu,
     .score = emu_score,
