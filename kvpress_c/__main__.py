@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     if args.command in ("eval", "report", "merge"):
         try:
             return args.func(args)
-        except (ValueError, FileNotFoundError, MemoryError) as e:  # bad input: say what to change
+        except (ValueError, FileNotFoundError, MemoryError, ImportError, ConnectionError) as e:  # say what to change
             print(f"error: {e}", file=sys.stderr)
             return 2
     return args.func(args)
