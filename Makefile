@@ -16,6 +16,7 @@ $(VENV)/.base:
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q pytest "transformers>=4.56,<5.3" gguf safetensors kvpress==0.5.5 rouge==1.0.1 fuzzywuzzy==0.18.0
+	$(PIP) install -q "ray>=2.40" nbclient nbformat ipykernel
 	touch $@
 
 # Compile the C core and the extension in place (fast to iterate; `pip install .` also works).

@@ -56,3 +56,16 @@ def test_eval_and_report_without_matplotlib(tmp_path, default_gguf):
     assert os.path.exists(os.path.join(out, "report.csv")) and not os.path.exists(os.path.join(out, "report.png"))
     assert os.path.exists(os.path.join(out, "full", "metrics.json"))
     assert not os.path.exists(os.path.join(out, "full", "heatmap.png"))
+
+
+def test_demo_shows_the_needle_with_less_memory():
+    # `make demo` needs neither torch nor ray: block both
+    code = ("import sys; sys.modules['torch'] = sys.modules['ray'] = None\n"
+            "from kvpress_c.__main__ import main\nsys.exit(main(['demo']))")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(kvpress_c.__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("full cache", "ChunkKV", "TAKE"))]
+    assert len(rows) == 3 and all("(correct)" in line for line in rows), r.stdout  # measured: all three correct
+    share = [int(line.split("%")[0].split()[-1]) for line in rows]
+    assert share[0] == 100 and share[1] < 60 and share[2] < 30, share  # measured: 100, 50, 23
