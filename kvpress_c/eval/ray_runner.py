@@ -134,6 +134,10 @@ def evaluate_on_ray(address, benchmark: str, specs: dict, out: str, *, model_pat
             resources = dict(num_gpus=1, num_cpus=threads or 1)
         else:
             threads = threads or 1
+            node_cpus = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=0)
+            if threads > node_cpus:  # such an actor could never be placed: the run would wait forever
+                raise ValueError(f"--threads {threads} per worker, but the largest node of the cluster has "
+                                 f"{node_cpus:g} CPUs: lower --threads")
             workers = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
             resources = dict(num_cpus=threads)
         remote = ray.remote(EvalWorker)

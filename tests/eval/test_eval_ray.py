@@ -160,3 +160,8 @@ def test_ray_missing_or_misused_says_what_to_do(tmp_path):
     assert r.returncode == 2 and "pip install 'kvpress_c[ray]'" in r.stderr, r.stderr
     with pytest.raises(ValueError, match="drop --shard"):
         kve.run("niah", presses=["full"], out=str(tmp_path), ray="auto", shard=(0, 2))
+
+
+def test_workers_that_cannot_be_placed_are_refused(cluster, tmp_path):
+    with pytest.raises(ValueError, match="largest node of the cluster has 2 CPUs"):
+        kve.run("niah", presses=["full"], out=str(tmp_path), ray="auto", threads=3, progress=False)
