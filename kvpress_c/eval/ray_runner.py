@@ -102,7 +102,7 @@ class EvalWorker:
         try:
             rows = sample_rows(self.pipe, sample, [self.presses[lab] for lab in labels], self.score,
                                self.query_aware, self.max_new_tokens)
-            return {"rows": rows, "worker_s": time.perf_counter() - t0}
+            return {"rows": rows, "worker_s": time.perf_counter() - t0, "pid": os.getpid()}
         except Exception as e:  # reported to the driver, which retries and at last records it
             return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
                     "worker_s": time.perf_counter() - t0}
@@ -156,9 +156,9 @@ def evaluate_on_ray(address, benchmark: str, specs: dict, out: str, *, model_pat
 
 def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aware, config, max_attempts,
            allow_long_context, progress, threads, device):
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
     t_start = time.perf_counter()
-    ready_refs = [a.describe.remote() for a in actors]
+    ready_refs = [_probe(a) for a in actors]
     try:  # the first worker's model load: a wrong path or device fails here, once, with its own error
         info = ray.get(ready_refs[0])
     except RayTaskError as e:
@@ -182,6 +182,8 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
     bar = progress_bar(total=len(samples), initial=skipped, unit="sample", disable=not progress,
                        desc=f"{benchmark} x {len(specs)} presses, {len(actors)} Ray workers")
     busy_s, worker_s = 0.0, 0.0
+    pids: dict = {}                        # actor index -> its process now (a restart changes it)
+    retried: dict = {}                     # sample id -> the processes it failed on, and where it was done
     try:
         while queue or inflight:
             t0 = time.perf_counter()
@@ -203,8 +205,10 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
             if ref in probing:
                 k = probing.pop(ref)
                 try:
-                    ray.get(ref)
+                    pids[k] = ray.get(ref)["pid"]
                     usable.add(k)
+                except ActorUnavailableError:  # still restarting: ask again
+                    probing[_probe(actors[k])] = k
                 except RayActorError:  # its restarts are spent: the others go on
                     stats["workers_lost"] += 1
                 except RayTaskError as e:
@@ -219,10 +223,11 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
                 stats["worker_deaths"] += k in usable
                 if k in usable:  # use it again once Ray has restarted it and its model is loaded
                     usable.discard(k)
-                    probing[actors[k].describe.remote()] = k
+                    probing[_probe(actors[k])] = k
                 res = {"error": f"worker died: {type(e).__name__}: {str(e).splitlines()[0]}"}
             worker_s += res.get("worker_s", 0.0)
             if "error" in res:
+                retried.setdefault(s["id"], {"failed_on": [], "done_on": None})["failed_on"].append(pids.get(k))
                 if tries + 1 < max_attempts:
                     stats["retried"] += 1
                     queue.appendleft((s, tries + 1))
@@ -235,6 +240,8 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
                 for lab, row in zip(todo, res["rows"]):
                     stats["written"] += folders.write(lab, row)
                 stats["done"] += 1
+                if s["id"] in retried:
+                    retried[s["id"]]["done_on"] = res["pid"]
                 bar.update(1)
             bar.set_postfix(workers=len(usable), retried=stats["retried"], failed=stats["failed"], refresh=False)
             busy_s += time.perf_counter() - t0
@@ -252,7 +259,8 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
         "samples_per_s": n / (wall - startup_s) if n else 0.0,  # after the first model load
         # the driver's own work per sample (dispatch, bookkeeping, writing rows), waiting excluded
         "driver_ms_per_sample": 1000.0 * busy_s / max(1, n),
-        "worker_s_per_sample": worker_s / max(1, n)}
+        "worker_s_per_sample": worker_s / max(1, n),
+        "retried_samples": retried}  # id -> {"failed_on": [worker pids], "done_on": pid or None}
     _write_json(os.path.join(out, "ray_summary.json"), result.summary)
     if progress:
         print(summary_line(result.summary), file=sys.stderr)
@@ -267,6 +275,11 @@ def summary_line(s: dict) -> str:
     if s["failed"]:
         text += " (their errors: OUT/<label>/errors.jsonl; a rerun tries them again)"
     return text
+
+
+def _probe(actor):
+    """A readiness check: answers once the actor's model is loaded, waiting through Ray's restarts."""
+    return actor.describe.options(max_task_retries=-1).remote()
 
 
 def _cause(err):

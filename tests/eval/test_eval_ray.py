@@ -108,6 +108,9 @@ def test_killed_worker_task_is_retried_elsewhere(cluster, serial, tmp_path):
     s = res.summary
     print("summary after the kill:", s)
     assert s["worker_deaths"] == 1 and s["retried"] >= 1 and s["failed"] == 0 and s["done"] == 4
+    assert s["workers_lost"] == 0  # Ray restarted the killed actor and the driver took it back
+    for sid, where in s["retried_samples"].items():  # done by another process than the one killed under it
+        assert where["done_on"] is not None and where["done_on"] not in where["failed_on"], (sid, where)
     assert_same_as_serial(tmp_path, serial)
 
 
