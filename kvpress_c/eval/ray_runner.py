@@ -170,7 +170,7 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
             raise {"FileNotFoundError": FileNotFoundError}.get(cls, ValueError)(msg)
     samples = list(samples)
     labels = {lab: (info["press_repr"][lab], spec["info"]) for lab, spec in specs.items()}
-    folders = RunFolders(out, benchmark, len(samples), labels, info["model"], query_aware, (0, 1), config)
+    folders = RunFolders(out, benchmark, len(samples), labels, info["model"], query_aware, (0, 1), config, device)
     queue = collections.deque((s, 0) for s in samples if folders.todo(s))  # (sample, tries so far)
     startup_s = time.perf_counter() - t_start  # the first model load and the samples
     skipped = len(samples) - len(queue)

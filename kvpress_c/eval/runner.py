@@ -151,7 +151,8 @@ class RunFolders:
     written twice."""
 
     def __init__(self, out: str, benchmark: str, n_samples: int, labels: dict, model_path: str,
-                 query_aware: bool = False, shard: tuple[int, int] = (0, 1), config: Optional[dict] = None):
+                 query_aware: bool = False, shard: tuple[int, int] = (0, 1), config: Optional[dict] = None,
+                 device: str = "cpu"):
         """labels: {label: (press repr, info dict)}; info goes into config.json (press name, budget...)."""
         os.makedirs(out, exist_ok=True)
         self.out = out
@@ -162,7 +163,7 @@ class RunFolders:
                 run_dir = os.path.join(out, lab)
                 os.makedirs(run_dir, exist_ok=True)
                 cfg = {"benchmark": benchmark, "label": lab, "query_aware": bool(query_aware), "model": model_path,
-                       "press_repr": press_repr, "n_samples_total": n_samples, **(info or {}), **(config or {})}
+                       "device": device, "press_repr": press_repr, "n_samples_total": n_samples, **(info or {}), **(config or {})}
                 _check_config(run_dir, cfg)
                 self.done[lab] = {r["id"] for r in read_predictions(run_dir)}
                 h = open(_pred_file(run_dir, shard), "a+", encoding="utf-8")
@@ -206,7 +207,8 @@ def _check_config(run_dir: str, cfg: dict) -> None:
         with open(cfg_path, encoding="utf-8") as f:
             old = json.load(f)
         # more samples (RULER --samples) extend a run; anything else is another experiment
-        strip = lambda c: {**c, "n_samples_total": None, "benchmark_options":
+        # (folders written before the device was recorded ran on the CPU)
+        strip = lambda c: {**c, "n_samples_total": None, "device": c.get("device", "cpu"), "benchmark_options":
                            {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
         a, b = strip(old), strip(cfg)
         diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
@@ -265,7 +267,7 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
     pipe = Pipeline(model)
     mine = [s for k, s in enumerate(samples) if k % n == i]
     folders = RunFolders(out, benchmark, len(samples), {lab: (repr(p), info) for lab, (p, info) in presses.items()},
-                         model.path, query_aware, shard, config)
+                         model.path, query_aware, shard, config, getattr(model, "device", "cpu"))
     todo = [s for s in mine if folders.todo(s)]
     bar = progress_bar(total=len(mine), initial=len(mine) - len(todo), desc=f"{benchmark} x {len(presses)} presses",
                        unit="sample", disable=not progress)

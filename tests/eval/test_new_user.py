@@ -1,6 +1,7 @@
 """What a new user hit: prompts past the model's context (refused by the harness unless asked for,
 warned about by Pipeline and generate) and a missing matplotlib (an extra: eval and report print the
 table and say how to get the plots)."""
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,21 @@ def test_demo_shows_the_needle_with_less_memory():
     assert len(rows) == 3 and all("(correct)" in line for line in rows), r.stdout  # measured: all three correct
     share = [int(line.split("%")[0].split()[-1]) for line in rows]
     assert share[0] == 100 and share[1] < 60 and share[2] < 30, share  # measured: 100, 50, 23
+
+
+def test_eval_device_flag(tmp_path, default_gguf, capsys):
+    # --device reaches the model (emulated: the CUDA path on the CPU, bf16) and config.json; the same
+    # folder on another device is another experiment
+    from kvpress_c.__main__ import main
+    args = ["eval", "niah", "--model", default_gguf, "--press", "full", "--lengths", "300", "--depths", "0.5",
+            "--max-new-tokens", "8", "--no-progress", "--out", str(tmp_path)]
+    threads = kvpress_c._core.get_num_threads()
+    try:
+        assert main(args + ["--device", "emulated", "--threads", "1"]) == 0
+    finally:
+        kvpress_c.set_num_threads(threads)
+    cfg = json.load(open(tmp_path / "full" / "config.json"))
+    assert cfg["device"] == "emulated" and cfg["model"] == default_gguf
+    assert json.load(open(tmp_path / "full" / "metrics.json"))["n_samples"] == 1
+    assert main(args) == 2  # cpu now: refused, with the reason on stderr
+    assert "differs in device" in capsys.readouterr().err
