@@ -18,13 +18,18 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q pytest "transformers>=4.56,<5.3" gguf safetensors kvpress==0.5.5 rouge==1.0.1 fuzzywuzzy==0.18.0
 	touch $@
 
+# its own stamp, so that a .venv made before these were test dependencies gets them too
+$(VENV)/.test-ray: $(VENV)/.test
+	$(PIP) install -q "ray>=2.40" nbclient nbformat ipykernel
+	touch $@
+
 # Compile the C core and the extension in place (fast to iterate; `pip install .` also works).
 build: $(VENV)/.base
 	$(PY) setup.py -q build_ext --inplace
 
 install: build
 
-install-test: $(VENV)/.test build
+install-test: $(VENV)/.test-ray build
 
 demo: install
 	$(PY) -m kvpress_c demo

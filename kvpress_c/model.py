@@ -135,6 +135,7 @@ class Model:
             ids = list(_as_ids(prompt))
         if stop_ids is None:
             stop_ids = self.tokenizer.stop_ids if is_text or self._can_tokenize() else set()
+        warn_past_context(self, len(ids) + max_new_tokens)
         session = self.new_session(len(ids) + max_new_tokens)
         gen = greedy(session, ids, max_new_tokens, set(stop_ids))
         gen.text = self.decode(gen.ids) if is_text or details else ""
@@ -153,6 +154,19 @@ class Model:
         c = self.config
         return (f"Model('{self.path}', {c['arch']}, {c['n_layers']} layers, hidden {c['hidden']}, "
                 f"{c['n_heads']}/{c['n_kv_heads']} heads, vocab {c['vocab']}, {c['format']})")
+
+
+def warn_past_context(model: "Model", n_tokens: int) -> bool:
+    """Warn (RuntimeWarning) when a prompt and its answer need more positions than the model was
+    trained on (max_position_embeddings / GGUF context_length): it runs, but past that length the
+    model's output means little. The evaluation harness refuses such samples instead."""
+    limit = model.config.get("max_context") or 0
+    if 0 < limit < n_tokens:
+        import warnings
+        warnings.warn(f"{n_tokens} tokens (prompt + new tokens) exceed the model's context of {limit} "
+                      "(max_position_embeddings): positions past it were never trained", RuntimeWarning, stacklevel=3)
+        return True
+    return False
 
 
 def greedy(session, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: set[int],

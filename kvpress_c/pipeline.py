@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .model import Model, greedy_many
+from .model import Model, greedy_many, warn_past_context
 from .presses.base import BasePress
 
 
@@ -99,6 +99,7 @@ class Pipeline:
             from . import _core
             _core.reset_peak(device)
         parts = [self.split_prompt(context, q, answer_prefix, chat) for q in questions]
+        warn_past_context(self.model, len(parts[0][0]) + max(len(q) for _, q in parts) + max_new_tokens)
         per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n, shared) per prompt
         prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
         for pi, ids in enumerate(prompts):

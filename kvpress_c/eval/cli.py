@@ -22,6 +22,12 @@ def add_eval_parser(sub) -> None:
                                    "(predictions.jsonl, metrics.json, config.json) and a rerun resumes.")
     p.add_argument("benchmark", choices=["niah", "ruler", "longbench"])
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", choices=["cpu", "cuda", "emulated"], default="cpu",
+                   help="where the model runs (cuda: bf16 on the GPU; with --ray, one worker per GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (per Ray worker with --ray, default 1 there; else all cores)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="run prompts longer than the model's context (max_position_embeddings); refused otherwise")
     p.add_argument("--press", nargs="+", default=["full"], choices=NAMES, metavar="NAME",
                    help=f"one or more of: {', '.join(NAMES)} (presses share one prefill per sample)")
     size = p.add_mutually_exclusive_group()
@@ -32,6 +38,14 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--shard", type=_shard, default=(0, 1), help="i/n: this process takes samples i, i+n, ...")
     p.add_argument("--max-new-tokens", type=int, default=None, help="override the benchmark's per-task value")
     p.add_argument("--no-progress", action="store_true")
+    r = p.add_argument_group("Ray cluster (pip install 'kvpress_c[ray]')")
+    r.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run on Ray: alone, a local cluster on this machine; 'auto' the running cluster "
+                        "(ray start --head); HOST:PORT a remote head")
+    r.add_argument("--workers", type=int, default=None,
+                   help="Ray worker actors (default: one per GPU with --device cuda, else CPUs // --threads)")
+    r.add_argument("--max-attempts", type=int, default=3,
+                   help="tries per sample before it is recorded in errors.jsonl and the run goes on")
     g = p.add_argument_group("press options")
     g.add_argument("--window-size", type=int, default=None)
     g.add_argument("--kernel-size", type=int, default=None)
@@ -71,12 +85,16 @@ def run_eval(args) -> int:
     res = run(args.benchmark, model=args.model, presses=args.press, budgets=args.budget,
               compression_ratios=args.compression_ratio, out=args.out, query_aware=args.query_aware,
               shard=args.shard, progress=not args.no_progress, press_options=opts,
-              max_new_tokens=args.max_new_tokens, **bench)
+              max_new_tokens=args.max_new_tokens, device=args.device, threads=args.threads,
+              allow_long_context=args.allow_long_context, ray=args.ray, workers=args.workers,
+              max_attempts=args.max_attempts, **bench)
     if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done; when every shard is: python -m kvpress_c merge {args.out}")
         return 0
-    from .report import table
+    from .report import plot_hint, table
     print(table(res.rows))
+    if args.benchmark == "niah" and plot_hint():
+        print(f"\nno heatmaps: {plot_hint()}")
     return 0
 
 
@@ -92,10 +110,13 @@ def add_report_parser(sub) -> None:
 
 
 def run_report(args) -> int:
-    from .report import collect, plot, table, write_csv
+    from .report import collect, plot, plot_hint, table, write_csv
     rows = collect(args.dirs)
     print(table(rows))
     csv_path = write_csv(rows, args.csv or os.path.join(args.dirs[0], "report.csv"))
+    if plot_hint():  # matplotlib is an extra: the table and CSV do without it
+        print(f"\nwrote {csv_path}; no plot: {plot_hint()}")
+        return 0
     png = plot(rows, args.plot or os.path.join(args.dirs[0], "report.png"))
     print(f"\nwrote {csv_path} and {png}")
     return 0

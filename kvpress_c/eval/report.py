@@ -8,6 +8,15 @@ import os
 from typing import Optional, Sequence
 
 
+def plot_hint() -> Optional[str]:
+    """None when matplotlib (the `eval` extra) is installed, else what to do to get the plots."""
+    try:
+        import matplotlib  # noqa: F401
+        return None
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvpress_c[eval]' or pip install matplotlib)"
+
+
 def collect(dirs: Sequence[str]) -> list[dict]:
     """metrics.json of every label folder under the given folders (searched recursively)."""
     rows = []

@@ -18,6 +18,7 @@ import csv
 import glob
 import io
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,40 +55,64 @@ def read_predictions(run_dir: str) -> list[dict]:
     return list(rows.values())
 
 
+def read_errors(run_dir: str, done: set = frozenset()) -> dict[str, dict]:
+    """errors.jsonl of a label folder (samples that failed on every try), less the ids since done."""
+    path = os.path.join(run_dir, "errors.jsonl")
+    errors: dict[str, dict] = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if row["id"] not in done:
+                    errors[row["id"]] = row
+    return errors
+
+
+def _mean(values) -> float:
+    # exact sums: the order rows were written in (a Ray run writes them as they finish) changes nothing
+    values = list(values)
+    return math.fsum(values) / len(values)
+
+
 def aggregate(benchmark: str, rows: Sequence[dict]) -> dict:
     """metrics.json content: mean score (0-100) overall, per task, and the benchmark's breakdowns."""
     from .longbench import length_bucket
     by_task: dict[str, list[float]] = {}
     for r in rows:
         by_task.setdefault(r["task"], []).append(r["score"])
-    per_task = {t: 100.0 * sum(v) / len(v) for t, v in sorted(by_task.items())}
+    per_task = {t: 100.0 * _mean(v) for t, v in sorted(by_task.items())}
     out = {"benchmark": benchmark, "n_samples": len(rows), "per_task": per_task,
            # RULER and LongBench report the mean over tasks; NIAH has one task
-           "score": sum(per_task.values()) / len(per_task) if per_task else float("nan")}
+           "score": _mean(per_task.values()) if per_task else float("nan")}
     if benchmark == "niah":
         for key in ("length", "depth"):
             groups: dict = {}
             for r in rows:
                 groups.setdefault(r["meta"][key], []).append(r["score"])
-            out[f"per_{key}"] = {str(k): 100.0 * sum(v) / len(v) for k, v in sorted(groups.items())}
-        out["rouge1_f"] = 100.0 * sum(r.get("rouge1_f", 0.0) for r in rows) / max(1, len(rows))
+            out[f"per_{key}"] = {str(k): 100.0 * _mean(v) for k, v in sorted(groups.items())}
+        out["rouge1_f"] = 100.0 * _mean(r.get("rouge1_f", 0.0) for r in rows) if rows else 0.0
     if benchmark == "longbench" and any(r["task"].endswith("_e") for r in rows):
         buckets: dict = {}
         for r in rows:
             buckets.setdefault(r["task"], {}).setdefault(length_bucket(r), []).append(r["score"])
-        out["per_length"] = {t: {b: 100.0 * sum(v) / len(v) for b, v in sorted(d.items())} for t, d in buckets.items()}
+        out["per_length"] = {t: {b: 100.0 * _mean(v) for b, v in sorted(d.items())} for t, d in sorted(buckets.items())}
     stats = [r.get("stats", {}) for r in rows]
     if stats:
-        out["mean_kept_tokens"] = sum(s.get("kept_tokens", 0) for s in stats) / len(stats)
-        out["mean_peak_kv_bytes"] = sum(s.get("peak_kv_bytes", 0) for s in stats) / len(stats)
+        out["mean_kept_tokens"] = _mean(s.get("kept_tokens", 0) for s in stats)
+        out["mean_peak_kv_bytes"] = _mean(s.get("peak_kv_bytes", 0) for s in stats)
     return out
 
 
 @dataclass
 class EvalResult:
-    """What `evaluate` returns: one row per label with its metrics, and the output folder."""
+    """What `evaluate` returns: one row per label with its metrics, and the output folder (a Ray run
+    adds `summary`: samples/s, retries, worker deaths, failures; also in OUT/ray_summary.json)."""
     out: str
     rows: list[dict] = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
 
     def to_dicts(self) -> list[dict]:
         return [dict(r) for r in self.rows]
@@ -119,6 +144,115 @@ def _write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+class RunFolders:
+    """The label folders of one run, opened for appending: config.json checked (a different experiment
+    in the same folder is refused) and written, the ids already done read back, one append handle per
+    label. The one writer of predictions (serial runs and the Ray driver alike), so a row is never
+    written twice."""
+
+    def __init__(self, out: str, benchmark: str, n_samples: int, labels: dict, model_path: str,
+                 query_aware: bool = False, shard: tuple[int, int] = (0, 1), config: Optional[dict] = None,
+                 device: str = "cpu"):
+        """labels: {label: (press repr, info dict)}; info goes into config.json (press name, budget...)."""
+        os.makedirs(out, exist_ok=True)
+        self.out = out
+        self.done: dict[str, set] = {}
+        self._handles = {}
+        try:
+            for lab, (press_repr, info) in labels.items():
+                run_dir = os.path.join(out, lab)
+                os.makedirs(run_dir, exist_ok=True)
+                cfg = {"benchmark": benchmark, "label": lab, "query_aware": bool(query_aware), "model": model_path,
+                       "device": device, "press_repr": press_repr, "n_samples_total": n_samples, **(info or {}), **(config or {})}
+                _check_config(run_dir, cfg)
+                self.done[lab] = {r["id"] for r in read_predictions(run_dir)}
+                h = open(_pred_file(run_dir, shard), "a+", encoding="utf-8")
+                self._handles[lab] = h
+                if h.tell() > 0:  # a run cut mid-line leaves a partial line: close it off
+                    h.seek(h.tell() - 1)
+                    if h.read(1) != "\n":
+                        h.write("\n")
+        except BaseException:
+            self.close()
+            raise
+
+    def todo(self, sample: dict) -> list[str]:
+        """The labels that still need this sample."""
+        return [lab for lab in self._handles if sample["id"] not in self.done[lab]]
+
+    def write(self, lab: str, row: dict) -> bool:
+        """Append one prediction line; False (and nothing written) when that sample is already done."""
+        if row["id"] in self.done[lab]:
+            return False
+        self._handles[lab].write(json.dumps(row) + "\n")
+        self._handles[lab].flush()
+        self.done[lab].add(row["id"])
+        return True
+
+    def write_error(self, lab: str, sample: dict, error: str, attempts: int) -> None:
+        """A sample that failed on every try: OUT/<label>/errors.jsonl (not a prediction: a rerun retries it)."""
+        with open(os.path.join(self.out, lab, "errors.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"id": sample["id"], "task": sample["task"], "attempts": attempts,
+                                "error": error}) + "\n")
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            h.close()
+
+
+def _check_config(run_dir: str, cfg: dict) -> None:
+    cfg = json.loads(json.dumps(cfg, default=str))  # tuples -> lists, as they read back
+    cfg_path = os.path.join(run_dir, "config.json")
+    if os.path.exists(cfg_path):
+        with open(cfg_path, encoding="utf-8") as f:
+            old = json.load(f)
+        # more samples (RULER --samples) extend a run; anything else is another experiment
+        # (folders written before the device was recorded ran on the CPU)
+        strip = lambda c: {**c, "n_samples_total": None, "device": c.get("device", "cpu"), "benchmark_options":
+                           {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
+        a, b = strip(old), strip(cfg)
+        diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        if diff:
+            raise ValueError(f"{run_dir} holds results of a different configuration (differs in "
+                             f"{', '.join(sorted(diff))}); pass another --out or delete that folder")
+    _write_json(cfg_path, cfg)
+
+
+def sample_rows(pipe: Pipeline, sample: dict, presses: Sequence, score: Callable[[str, dict], dict],
+                query_aware: bool = False, max_new_tokens: Optional[int] = None) -> list[dict]:
+    """One sample under several presses (one shared prefill): one prediction row per press."""
+    s = sample
+    results = pipe.run_many(s["context"], s["question"], presses=list(presses),
+                            max_new_tokens=max_new_tokens or s["max_new_tokens"],
+                            answer_prefix=s.get("answer_prefix", ""), query_aware=query_aware,
+                            chat=s.get("chat", True))
+    rows = []
+    for res in results:
+        pred = res.answers[0]
+        rows.append({"id": s["id"], "task": s["task"], "prediction": pred, "answers": s["answers"],
+                     **score(pred, s), "meta": s.get("meta", {}), "stats": dict(res.stats)})
+    return rows
+
+
+def check_context(pipe: Pipeline, samples: Sequence[dict], max_new_tokens: Optional[int] = None,
+                  allow_long_context: bool = False) -> None:
+    """Refuse samples whose prompt plus answer runs past the model's trained context (RoPE positions it
+    never saw: the scores would measure that, not the press) unless allow_long_context."""
+    limit = pipe.model.config.get("max_context") or 0
+    if allow_long_context or limit <= 0:
+        return
+    over = []
+    for s in samples:
+        ctx, q = pipe.split_prompt(s["context"], s["question"], s.get("answer_prefix", ""), s.get("chat", True))
+        n = len(ctx) + len(q) + (max_new_tokens or s["max_new_tokens"])
+        if n > limit:
+            over.append(n)
+    if over:
+        raise ValueError(f"{len(over)} of {len(samples)} samples need more tokens than the model's context of {limit} "
+                         f"(the longest: {max(over)} with its answer): shorten them (--length, --lengths, --max-length) "
+                         "or pass --allow-long-context (allow_long_context=True) to run past the trained length anyway")
+
+
 def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out: str,
              query_aware: bool = False, shard: tuple[int, int] = (0, 1), progress: bool = True,
              config: Optional[dict] = None, max_new_tokens: Optional[int] = None) -> EvalResult:
@@ -126,72 +260,46 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
 
     info holds what goes into config.json besides the benchmark settings (press name, budget...).
     Returns the metrics of every label (None for a sharded run, whose metrics come from merge())."""
-    i, n = shard
-    if not (isinstance(i, int) and isinstance(n, int) and n >= 1 and 0 <= i < n):
-        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
+    i, n = _check_shard(shard)
     if not presses:
         raise ValueError("no press to evaluate")
     score = _score_fn(benchmark)
     pipe = Pipeline(model)
-    os.makedirs(out, exist_ok=True)
     mine = [s for k, s in enumerate(samples) if k % n == i]
-    done: dict[str, set] = {}
-    handles = {}
-    for lab, (press, info) in presses.items():
-        run_dir = os.path.join(out, lab)
-        os.makedirs(run_dir, exist_ok=True)
-        cfg = {"benchmark": benchmark, "label": lab, "query_aware": bool(query_aware), "model": model.path,
-               "press_repr": repr(press), "n_samples_total": len(samples), **(info or {}), **(config or {})}
-        cfg = json.loads(json.dumps(cfg, default=str))  # tuples -> lists, as they read back
-        cfg_path = os.path.join(run_dir, "config.json")
-        if os.path.exists(cfg_path):
-            with open(cfg_path, encoding="utf-8") as f:
-                old = json.load(f)
-            # more samples (RULER --samples) extend a run; anything else is another experiment
-            strip = lambda c: {**c, "n_samples_total": None, "benchmark_options":
-                               {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
-            a, b = strip(old), strip(cfg)
-            diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-            if diff:
-                raise ValueError(f"{run_dir} holds results of a different configuration (differs in "
-                                 f"{', '.join(sorted(diff))}); pass another --out or delete that folder")
-        _write_json(cfg_path, cfg)
-        done[lab] = {r["id"] for r in read_predictions(run_dir)}
-        pred_path = _pred_file(run_dir, shard)
-        handles[lab] = open(pred_path, "a+", encoding="utf-8")
-        if handles[lab].tell() > 0:  # a run cut mid-line leaves a partial line: close it off
-            handles[lab].seek(handles[lab].tell() - 1)
-            if handles[lab].read(1) != "\n":
-                handles[lab].write("\n")
-    todo = [s for s in mine if any(s["id"] not in done[lab] for lab in presses)]
+    folders = RunFolders(out, benchmark, len(samples), {lab: (repr(p), info) for lab, (p, info) in presses.items()},
+                         model.path, query_aware, shard, config, getattr(model, "device", "cpu"))
+    todo = [s for s in mine if folders.todo(s)]
     bar = progress_bar(total=len(mine), initial=len(mine) - len(todo), desc=f"{benchmark} x {len(presses)} presses",
                        unit="sample", disable=not progress)
     tokens, t_start = 0, time.perf_counter()
     try:
         for s in todo:
-            labels = [lab for lab in presses if s["id"] not in done[lab]]
-            results = pipe.run_many(s["context"], s["question"], presses=[presses[lab][0] for lab in labels],
-                                    max_new_tokens=max_new_tokens or s["max_new_tokens"],
-                                    answer_prefix=s.get("answer_prefix", ""), query_aware=query_aware,
-                                    chat=s.get("chat", True))
-            for lab, res in zip(labels, results):
-                pred = res.answers[0]
-                row = {"id": s["id"], "task": s["task"], "prediction": pred, "answers": s["answers"],
-                       **score(pred, s), "meta": s.get("meta", {}),
-                       "stats": {k: v for k, v in res.stats.items()}}
-                handles[lab].write(json.dumps(row) + "\n")
-                handles[lab].flush()
-            tokens += results[0].stats["prompt_tokens"] if results else 0
+            labels = folders.todo(s)
+            rows = sample_rows(pipe, s, [presses[lab][0] for lab in labels], score, query_aware, max_new_tokens)
+            for lab, row in zip(labels, rows):
+                folders.write(lab, row)
+            tokens += rows[0]["stats"]["prompt_tokens"] if rows else 0
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t_start):.0f}")
     finally:
-        for h in handles.values():
-            h.close()
+        folders.close()
         bar.close()
+    return finalize_all(out, list(presses), shard)
+
+
+def _check_shard(shard) -> tuple[int, int]:
+    i, n = shard
+    if not (isinstance(i, int) and isinstance(n, int) and n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
+    return i, n
+
+
+def finalize_all(out: str, labels: Sequence[str], shard: tuple[int, int] = (0, 1)) -> EvalResult:
+    """The metrics of every label of a run (none for one shard of a sharded run: merge() writes them)."""
     result = EvalResult(out)
-    if n > 1:
+    if shard[1] > 1:
         return result
-    for lab in presses:
+    for lab in labels:
         result.rows.append(finalize(os.path.join(out, lab)))
     return result
 
@@ -203,10 +311,14 @@ def finalize(run_dir: str) -> dict:
     rows = read_predictions(run_dir)
     metrics = aggregate(cfg["benchmark"], rows)
     metrics["complete"] = len(rows) >= cfg.get("n_samples_total", len(rows))
+    failed = read_errors(run_dir, {r["id"] for r in rows})
+    if failed:  # samples that failed on every try of a Ray run and have no prediction yet
+        metrics["n_failed"] = len(failed)
     for k in ("label", "press", "budget", "compression_ratio", "query_aware"):
         metrics[k] = cfg.get(k)
     _write_json(os.path.join(run_dir, "metrics.json"), metrics)
-    if cfg["benchmark"] == "niah" and rows:
+    from .report import plot_hint
+    if cfg["benchmark"] == "niah" and rows and not plot_hint():  # matplotlib is an extra
         from .niah import heatmap
         mode = "question-aware" if cfg.get("query_aware") else "question-agnostic"
         heatmap(rows, os.path.join(run_dir, "heatmap.png"), title=f"{cfg['label']} ({mode})")
