@@ -28,7 +28,7 @@ kvpress = pytest.importorskip("kvpress")
 import kvpress_c  # noqa: E402
 from press_reference import adakv_protect  # noqa: E402
 
-RATIO = 0.5
+RATIOS = [0.5, 0.9]  # 0.9: the regime of evaluations (budget 128 of a few thousand tokens)
 N_NEW = 12          # greedy tokens compared
 LOGITS_RTOL = 1e-3  # max |ours - theirs| / max |theirs| per decode step
 TIE_TOL = 1e-5      # near-tie: |score - cut| <= TIE_TOL x the largest unprotected score of the layer
@@ -36,8 +36,9 @@ SCORE_RTOL = 1e-4   # our scores vs kvpress's: max |difference| / largest unprot
 NAMES = ["SnapKV", "PyramidKV", "StreamingLLM", "Knorm", "TOVA", "ObservedAttention", "AdaKV"]
 
 
-def make_press(lib, name, window):
+def make_press(lib, name, window, ratio):
     p = lib
+    RATIO = ratio
     snap = dict(compression_ratio=RATIO, window_size=window)
     return {"SnapKV": lambda: p.SnapKVPress(**snap), "PyramidKV": lambda: p.PyramidKVPress(**snap),
             "StreamingLLM": lambda: p.StreamingLLMPress(compression_ratio=RATIO),
@@ -169,15 +170,15 @@ def check_logits(name, ours, theirs):
     return max(errs)
 
 
-def kept_counts(name, press, hf, n):
+def kept_counts(name, press, hf, n, ratio):
     if name == "PyramidKV":
         return [press.get_layer_budget(layer.self_attn, n) for layer in hf.model.layers]
     from kvpress.utils import compute_n_kept
-    return [compute_n_kept(n, RATIO)] * hf.config.num_hidden_layers
+    return [compute_n_kept(n, ratio)] * hf.config.num_hidden_layers
 
 
-def parity(name, hf, model, ids, full_keys, window):
-    theirs_press = make_press(kvpress, name, window)
+def parity(name, hf, model, ids, full_keys, window, ratio):
+    theirs_press = make_press(kvpress, name, window, ratio)
     hf.set_attn_implementation("eager" if name == "ObservedAttention" else "sdpa")
     try:
         t0 = time.perf_counter()
@@ -185,9 +186,9 @@ def parity(name, hf, model, ids, full_keys, window):
         t1 = time.perf_counter()
     finally:
         hf.set_attn_implementation("sdpa")
-    ours, our_scores, our_ids, our_logits = run_ours(model, make_press(kvpress_c, name, window), ids)
+    ours, our_scores, our_ids, our_logits = run_ours(model, make_press(kvpress_c, name, window, ratio), ids)
     t2 = time.perf_counter()
-    n_kept = kept_counts(name, theirs_press, hf, len(ids))
+    n_kept = kept_counts(name, theirs_press, hf, len(ids), ratio)
     if name == "AdaKV":  # our reference of kvpress's AdaKVPress, on kvpress's own scores
         for l in range(len(theirs)):
             want = adakv_protect(their_scores[l], n_kept[l], 0.2)
@@ -210,7 +211,7 @@ def parity(name, hf, model, ids, full_keys, window):
     same = our_ids == their_ids
     if name == "AdaKV":  # ours really evicted: heads of different lengths, decoded without padding
         assert any(len({len(k) for k in row}) > 1 for row in ours), "Ada-KV should leave ragged heads"
-    print(f"{name}: scores rel err {score_err:.1e}, mean Jaccard {mean:.4f}, exact heads {exact}/{total}, "
+    print(f"{name} @ {ratio}: scores rel err {score_err:.1e}, mean Jaccard {mean:.4f}, exact heads {exact}/{total}, "
           f"greedy ids equal: {same}, max logit rel err {err:.1e} (kvpress {t1 - t0:.1f}s, ours {t2 - t1:.1f}s)")
     assert mean >= 0.99, f"{name}: mean Jaccard {mean:.4f}"
     assert same, f"{name}: greedy continuation differs: ours {our_ids} vs kvpress {their_ids}"
@@ -244,23 +245,25 @@ def default_full_keys(hf_default, prompt_ids):
     return full_cache_keys(hf_default, prompt_ids)
 
 
+@pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("name", NAMES)
-def test_default_model_matches_kvpress(name, hf_default, default_model, prompt_ids, default_full_keys):
-    parity(name, hf_default, default_model, prompt_ids, default_full_keys, window=32)
+def test_default_model_matches_kvpress(name, ratio, hf_default, default_model, prompt_ids, default_full_keys):
+    parity(name, hf_default, default_model, prompt_ids, default_full_keys, window=32, ratio=ratio)
 
 
-def test_chunkkv_matches_kvpress(hf_default, default_model, prompt_ids, default_full_keys):
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_chunkkv_matches_kvpress(ratio, hf_default, default_model, prompt_ids, default_full_keys):
     """kvpress ChunkKVPress gathers whole chunks into the cache; their positions come from key matching."""
-    press = make_press(kvpress, "ChunkKV", 32)
+    press = make_press(kvpress, "ChunkKV", 32, ratio)
     with torch.no_grad(), press(hf_default):
         comp = transformers.DynamicCache()
         hf_default(torch.tensor([prompt_ids]), past_key_values=comp)
-    ours = run_ours(default_model, make_press(kvpress_c, "ChunkKV", 32), prompt_ids, n_new=1)[0]
+    ours = run_ours(default_model, make_press(kvpress_c, "ChunkKV", 32, ratio), prompt_ids, n_new=1)[0]
     jac = []
     for l in range(hf_default.config.num_hidden_layers):
         theirs = match_rows(comp.layers[l].keys[0], default_full_keys[l])
         jac += [len(a & b) / len(a | b) for a, b in zip(ours[l], theirs)]
-    print(f"ChunkKV: mean Jaccard {np.mean(jac):.4f}")
+    print(f"ChunkKV @ {ratio}: mean Jaccard {np.mean(jac):.4f}")
     assert np.mean(jac) >= 0.99
 
 
@@ -275,7 +278,8 @@ def tiny(tmp_path_factory):
     return hf, kvpress_c.load_model(path), ids, full_cache_keys(hf, ids)
 
 
+@pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("name", NAMES)
-def test_tiny_model_matches_kvpress(name, tiny):
+def test_tiny_model_matches_kvpress(name, ratio, tiny):
     hf, model, ids, keys = tiny
-    parity(name, hf, model, ids, keys, window=16)
+    parity(name, hf, model, ids, keys, window=16, ratio=ratio)
