@@ -25,8 +25,9 @@ kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
     KVC_TRY(kvc_score_buffer(be, Hkv, buf, ld, maxlen));
     const kvc_view scores = kvc_view_of(*buf, 0, *ld);
-    if (cfg->scorer == KVC_SCORE_OBSERVED) {
-        KVC_TRY(kvc_observed_scores(lr, ctx, len, host));
+    if (kvc_scorer_on_host(cfg->scorer)) {
+        KVC_TRY(cfg->scorer == KVC_SCORE_OBSERVED ? kvc_observed_scores(lr, ctx, len, host)
+                                                  : kvc_host_scores(lr, ctx, cfg, len, host));
         for (int32_t h = 0; h < Hkv; h++) KVC_TRY(be->upload(kvc_view_at(scores, h, 0), 1, len[h], host[h], KVC_F32));
         return KVC_OK;
     }
