@@ -8,7 +8,8 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                "pyramid_beta", "record_scores", "chunk_length", "reuse_layers", "edie_alpha",
                                "drop_window",
                                /* issue 16 scorers */
-                               "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon", NULL};
+                               "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon",
+                               "critical", "critical_eps", "first_stage_ratio", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -17,13 +18,14 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippf", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpff", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
                                                &c->chunk_length, &c->reuse_layers, &c->edie_alpha, &c->drop_window,
                                                &c->lag_size, &c->cross_scoring, &c->n_future, &c->use_covariance,
-                                               &c->use_vnorm, &c->epsilon);
+                                               &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
+                                               &c->first_stage_ratio);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;

@@ -228,6 +228,9 @@ typedef struct kvc_press_config {
     int32_t use_covariance;    /* ExpectedAttention: add k^T Cov k / 2d (1) */
     int32_t use_vnorm;         /* ExpectedAttention: (score + epsilon) * ||v|| (1) */
     float epsilon;             /* ExpectedAttention (0) */
+    int32_t critical;          /* CriticalKV two-stage selection over the scorer (with KVC_ALLOC_ADAKV: CriticalAdaKV) */
+    float critical_eps;        /* CriticalKV: (score + eps) * |W_o v|_1 (1e-4) */
+    float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

@@ -58,6 +58,7 @@ typedef struct kvc_layer_rows {
     const kvc_config *mc;
     kvc_kv *kv;
     const float *inv_freq; /* host [d/2] RoPE frequencies of the model; NULL: from mc (kvc_kernel_rope_freqs) */
+    kvc_view wo;           /* the layer's o_proj weight [D, H d] (CriticalKV); buf NULL without a model */
 } kvc_layer_rows;
 
 /* A layer's scores for every head's first len[h] rows: the window is the last `window` queries of ctx
@@ -92,6 +93,11 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
 }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);
+
+/* ---- critical.c: CriticalKV / CriticalAdaKV's two stages over host scores (rewritten in place) ---- */
+kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,
+                               const int64_t *len, int32_t window, int64_t layer_total, float *const *scores,
+                               int64_t *const *keep, int64_t *n_keep);
 
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):

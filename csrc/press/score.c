@@ -62,6 +62,7 @@ kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
                                   float *const *scores, int64_t *const *keep, int64_t *n_keep) {
     const int32_t Hkv = lr->mc->n_kv_heads, layer = ctx->layer, L = lr->mc->n_layers, w = kvc_press_window(cfg);
     KVC_TRY(kvc_score_layer(lr, ctx, cfg, w, len, buf, ld, scores));
+    if (cfg->critical) return kvc_critical_select(lr, cfg, layer, L, len, w, layer_total, scores, keep, n_keep);
     if (cfg->drop_window) {
         /* the window rows are scoring queries only: select among the rows before them, the window goes */
         int64_t before[KVC_MAX_KV_HEADS];

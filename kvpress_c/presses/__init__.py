@@ -15,6 +15,8 @@ from .tada import TADAPress
 from .take import TAKEPress
 from .tova import TOVAPress
 # issue 16: kvpress's scorers
+from .critical_adakv import CriticalAdaKVPress
+from .criticalkv import CriticalKVPress
 from .expected_attention import ExpectedAttentionPress
 from .keydiff import KeyDiffPress
 from .lagkv import LagKVPress
@@ -23,4 +25,4 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            # issue 16: kvpress's scorers
-           "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress"]
+           "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress"]

@@ -39,7 +39,8 @@ class PressConfig(C.Structure):  # kvc_press_config
                 ("reuse_layers", C.c_int32), ("edie_alpha", C.c_float), ("drop_window", C.c_int32),
                 # issue 16 scorers
                 ("lag_size", C.c_int32), ("cross_scoring", C.c_int32), ("n_future", C.c_int32),
-                ("use_covariance", C.c_int32), ("use_vnorm", C.c_int32), ("epsilon", C.c_float)]
+                ("use_covariance", C.c_int32), ("use_vnorm", C.c_int32), ("epsilon", C.c_float),
+                ("critical", C.c_int32), ("critical_eps", C.c_float), ("first_stage_ratio", C.c_float)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
