@@ -81,3 +81,24 @@ def expected_attention_scores(q, K, V, n_sink=4, n_future=512, use_covariance=Tr
         out[h, n_sink:] = acc
     out[:, :n_sink] = out[:, n_sink:].max() + 1
     return out
+
+
+def wov_norms(V, Wo, H):
+    """||W_o^{hq} v||_1 averaged over each KV head's query heads: V [Hkv, len, d], Wo [D, H d] -> [Hkv, len]."""
+    Hkv, length, d = V.shape
+    g = H // Hkv
+    out = np.zeros((Hkv, length))
+    for hq in range(H):
+        out[hq // g] += np.abs(V[hq // g] @ Wo[:, hq * d:(hq + 1) * d].T).sum(-1) / g
+    return out
+
+
+def critical_select(scores, norms, budgets, firsts, eps=1e-4):
+    """CriticalKV's two stages per head: the top firsts[h] rows by the plain scores, then the rest by
+    (score + eps) * norm, budgets[h] in all. Returns (the two-stage scores, stage-one rows at +inf; kept rows)."""
+    out, kept = (scores + eps) * norms, []
+    for h in range(scores.shape[0]):
+        first = np.argsort(-scores[h], kind="stable")[:firsts[h]]
+        out[h, first] = np.inf
+        kept.append(np.sort(np.argsort(-out[h], kind="stable")[:budgets[h]]))
+    return out, kept
