@@ -9,7 +9,12 @@
  *  - ExpectedAttention: the mean and covariance of this call's queries after the first n_sink, with
  *    RoPE undone, rotated by RoPE averaged over the next n_future positions; a key's score is the softmax
  *    over the non-sink rows of k.mu / sqrt(d) + k^T Cov k / 2d, averaged over the group, times ||v||
- *    (+ epsilon first); the sinks score the layer's maximum + 1. */
+ *    (+ epsilon first); the sinks score the layer's maximum + 1;
+ *  - NonCausalAttn (Compactor's attention term): a prefill's queries attend without a causal mask inside
+ *    chunks of attn_chunk rows (logits q.k unscaled; the last chunk padded with zero rows as kvpress pads
+ *    it: padded keys get logit -1e-9, padded queries logit 0 on the real keys), summed over the chunk's
+ *    queries, averaged over the group, times ||v||, averaged over 3 rows (zeros outside, as avg_pool1d),
+ *    then z-normalised over the whole layer (mean and unbiased std over every head and row). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -284,10 +289,76 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     return st;
 }
 
+/* ---- NonCausalAttn ---- */
+
+static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                   const int64_t *len, float *const *scores) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
+    const int64_t n = ctx->n, qd = (int64_t)H * d, C = cfg->attn_chunk;
+    for (int32_t h = 0; h < Hkv; h++)
+        if (ctx->past_len[h] != 0 || len[h] != n)
+            return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    float *qt = malloc(sizeof(float) * (size_t)C * (size_t)qd), *qh = malloc(sizeof(float) * (size_t)C * d);
+    float *dots = malloc(sizeof(float) * (size_t)C * (size_t)C);
+    double *acc = calloc((size_t)Hkv * (size_t)n, sizeof(double)), *row = malloc(sizeof(double) * (size_t)C);
+    float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
+    kvc_status st = qt && qh && dots && acc && row ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: NonCausalAttn");
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
+    for (int64_t c0 = 0; c0 < n && st == KVC_OK; c0 += C) {
+        const int64_t m = n - c0 < C ? n - c0 : C; /* real rows of this chunk; C - m padded */
+        st = lr->be->download(kvc_view_at(ctx->q, c0, 0), m, qd, qt, KVC_F32);
+        for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
+            const int32_t h = hq / g;
+            for (int64_t i = 0; i < m; i++) memcpy(qh + i * d, qt + i * qd + (int64_t)hq * d, sizeof(float) * d);
+            kvc_host_gemm_nt(qh, d, k[h] + c0 * d, dots, m, m, m, d, 0);
+            double *a = acc + (size_t)h * n + c0;
+            for (int64_t i = 0; i < C; i++) {
+                /* a real query sees the real keys' q.k; a padded one (zero) sees 0; padded keys: -1e-9 */
+                double mx = m < C ? -1e-9 : -INFINITY;
+                for (int64_t j = 0; j < m; j++) mx = fmax(mx, row[j] = i < m ? dots[i * m + j] : 0.0);
+                double sum = (double)(C - m) * exp(-1e-9 - mx);
+                for (int64_t j = 0; j < m; j++) sum += (row[j] = exp(row[j] - mx));
+                for (int64_t j = 0; j < m; j++) a[j] += row[j] / sum / g;
+            }
+        }
+    }
+    double mean = 0, ss = 0;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        double *a = acc + (size_t)h * n;
+        for (int64_t r = 0; r < n; r++) {
+            double vn = 0;
+            for (int32_t i = 0; i < d; i++) vn += (double)v[h][r * d + i] * v[h][r * d + i];
+            a[r] *= sqrt(vn);
+        }
+        double prev = 0;
+        for (int64_t r = 0; r < n; r++) { /* avg_pool1d(3, padding 1), the padding counted */
+            const double cur = a[r], next = r + 1 < n ? a[r + 1] : 0.0;
+            a[r] = (prev + cur + next) / 3.0;
+            prev = cur;
+            mean += a[r];
+        }
+    }
+    const double cnt = (double)Hkv * (double)n;
+    mean /= cnt;
+    for (int64_t i = 0; i < (int64_t)Hkv * n && st == KVC_OK; i++) ss += (acc[i] - mean) * (acc[i] - mean);
+    const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t r = 0; r < n; r++) scores[h][r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+    kvc_free(block);
+    free(qt);
+    free(qh);
+    free(dots);
+    free(acc);
+    free(row);
+    return st;
+}
+
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores) {
     const int32_t Hkv = lr->mc->n_kv_heads, d = lr->mc->head_dim;
     if (cfg->scorer == KVC_SCORE_EXPECTED) return expected_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_NONCAUSAL) return noncausal_scores(lr, ctx, cfg, len, scores);
     const int want_v = cfg->scorer == KVC_SCORE_LAGKV;
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = kvc_press_layer_rows(lr, len, want_v, k, v, &block);

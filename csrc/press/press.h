@@ -86,10 +86,10 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
 kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
                               const int64_t *const *keep, const int64_t *n_keep, double *out);
 
-/* ---- host_scorers.c: issue 16's scorers on the host (KeyDiff, LagKV, ExpectedAttention) ---- */
+/* ---- host_scorers.c: issue 16's scorers on the host (KeyDiff, LagKV, ExpectedAttention, NonCausalAttn) ---- */
 static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
-           scorer == KVC_SCORE_EXPECTED;
+           scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL;
 }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);

@@ -251,6 +251,10 @@ PRESSES = {
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.5, window=0),
     "expected_attention-no-cov": dict(scorer=S["expected_attention"], compression_ratio=0.9, window=0, use_covariance=0),
 }
+NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
+    "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
+}
+PRESSES.update(NO_PAST)
 
 
 def edie_inputs(rng, q, k, v, w):
@@ -272,7 +276,7 @@ def edie_inputs(rng, q, k, v, w):
 
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_press_scores_and_kept_rows_match_cpu(rng, device, name):
-    n, H, Hkv, d, past = 300, 8, 2, 64, (2200 if name == "edie-long-cache" else 200)
+    n, H, Hkv, d, past = 300, 8, 2, 64, (2200 if name == "edie-long-cache" else 0 if name in NO_PAST else 200)
     length = past + n
     q = bf16(rng.standard_normal((n, H, d)) * 2)
     k = rng.standard_normal((Hkv, length, d))
@@ -472,8 +476,11 @@ SESSION_PRESSES = {
     "keydiff": dict(scorer=S["keydiff"], compression_ratio=0.5),
     "lagkv": dict(scorer=S["lagkv"], compression_ratio=0.5, lag_size=32),
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.9),
+    "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, attn_chunk=128),
+    "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
+                           critical=1),
 }
-UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention")  # same budget for every head: equal lengths
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

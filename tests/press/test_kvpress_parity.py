@@ -35,7 +35,8 @@ TIE_TOL = 1e-5      # near-tie: |score - cut| <= TIE_TOL x the largest unprotect
 SCORE_RTOL = 1e-4   # our scores vs kvpress's: max |difference| / largest unprotected score
 NAMES = ["SnapKV", "PyramidKV", "StreamingLLM", "Knorm", "TOVA", "ObservedAttention", "AdaKV",
          # issue 16: kvpress's scorers
-         "KeyDiff", "LagKV", "LagKV-cross", "ExpectedAttention", "AdaKV-ExpectedAttention", "CriticalKV", "CriticalAdaKV"]
+         "KeyDiff", "LagKV", "LagKV-cross", "ExpectedAttention", "AdaKV-ExpectedAttention", "CriticalKV", "CriticalAdaKV",
+         "NonCausalAttn"]
 # scorers that give protected rows (window, sinks, LagKV's reference partition) the top score
 TOP_PROTECTED = ("SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
                  "AdaKV-ExpectedAttention", "CriticalKV")
@@ -68,6 +69,8 @@ def make_press(lib, name, window, ratio):
             "LagKV-cross": lambda: p.LagKVPress(compression_ratio=RATIO, lag_size=8, cross_scoring=True),
             "ExpectedAttention": lambda: p.ExpectedAttentionPress(compression_ratio=RATIO),
             "AdaKV-ExpectedAttention": lambda: p.AdaKVPress(p.ExpectedAttentionPress(compression_ratio=RATIO)),
+            # 64: several chunks, the last one padded (200 and ~370 tokens)
+            "NonCausalAttn": lambda: p.NonCausalAttnPress(compression_ratio=RATIO, chunk_size=64),
             "CriticalKV": lambda: p.CriticalKVPress(p.ExpectedAttentionPress(compression_ratio=RATIO, use_vnorm=False)),
             "CriticalAdaKV": lambda: p.CriticalAdaKVPress(p.ExpectedAttentionPress(compression_ratio=RATIO,
                                                                                  use_vnorm=False)),

@@ -10,11 +10,12 @@ import pytest
 import kvpress_c
 from capi import ALLOCATIONS, SCORERS, CError, press_compute, press_config
 from kvpress_scorers_reference import (critical_select, expected_attention_scores, keydiff_scores, lagkv_scores,
-                                       wov_norms)
+                                       non_causal_attn_scores, wov_norms)
 from method_reference import topk_rows
 from press_reference import adakv_protect, n_kept_ratio
 
 KEYDIFF, LAGKV, EXPECTED = SCORERS["keydiff"], SCORERS["lagkv"], SCORERS["expected_attention"]
+NONCAUSAL = SCORERS["non_causal_attn"]
 
 
 def layer(rng, n, length, H, Hkv, d, scale=1.0):
@@ -73,6 +74,24 @@ def test_expected_attention_matches_reference(rng, n, past, H, Hkv, d, cov, vnor
     assert_kept_is_topk(kept, ref, (past + n) // 2, "ExpectedAttention", tol=2e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("n,chunk,H,Hkv", [(200, 64, 4, 2), (256, 64, 4, 4), (100, 256, 6, 3), (9, 8, 2, 1), (65, 64, 2, 2)])
+def test_non_causal_attn_matches_reference(rng, n, chunk, H, Hkv):
+    d = 16
+    q, k, v = layer(rng, n, n, H, Hkv, d, scale=0.3)
+    cfg = press_config(scorer=NONCAUSAL, window=0, kernel=1, compression_ratio=0.6, attn_chunk=chunk)
+    scores, kept = press_compute(cfg, q, k, v)
+    ref = non_causal_attn_scores(q, k, v, chunk)
+    # z-scores of fp32 softmax sums against fp64: measured max abs error ~2e-6
+    np.testing.assert_allclose(scores, ref, atol=2e-5)
+    assert_kept_is_topk(kept, ref, max(1, int(n * 0.4)), "NonCausalAttn", tol=4e-5)
+
+
+def test_non_causal_attn_needs_a_plain_prefill(rng):
+    q, k, v = layer(rng, 20, 40, 2, 1, 8)  # 20 rows of past
+    with pytest.raises(CError, match="prefill"):
+        press_compute(press_config(scorer=NONCAUSAL, window=0, kernel=1, compression_ratio=0.5), q, k, v)
+
+
 def test_scorers_combine_with_adakv(rng):
     """Ada-KV's allocation over a new scorer: kvpress's AdaKVPress rule on the reference scores."""
     q, k, v = layer(rng, 100, 100, 4, 2, 16, scale=0.5)
@@ -87,7 +106,7 @@ def test_scorers_combine_with_adakv(rng):
 
 def test_presses_have_kvpress_names_and_defaults():
     kvpress = pytest.importorskip("kvpress")
-    for name in ("KeyDiffPress", "LagKVPress", "ExpectedAttentionPress"):
+    for name in ("KeyDiffPress", "LagKVPress", "ExpectedAttentionPress", "NonCausalAttnPress"):
         theirs = {f.name: f.default for f in dataclasses.fields(getattr(kvpress, name))}
         ours = {f.name: f.default for f in dataclasses.fields(getattr(kvpress_c, name))}
         assert {k: v for k, v in ours.items() if k != "budget"} == theirs, name

@@ -102,3 +102,31 @@ def critical_select(scores, norms, budgets, firsts, eps=1e-4):
         out[h, first] = np.inf
         kept.append(np.sort(np.argsort(-out[h], kind="stable")[:budgets[h]]))
     return out, kept
+
+
+def non_causal_attn_scores(q, K, V, chunk=256):
+    """A prefill (length == n): block-diagonal attention without a causal mask inside chunks of `chunk`
+    rows, logits q.k unscaled; the last chunk padded with zero rows whose keys get logit -1e-9 (kvpress's
+    mask value) and whose queries see 0 on the real keys; column sums, group mean, times ||v||, a
+    3-row average (zeros outside), z-normalised over the layer (unbiased std)."""
+    n, H, d = q.shape
+    Hkv = K.shape[0]
+    g = H // Hkv
+    A = np.zeros((Hkv, n))
+    for c0 in range(0, n, chunk):
+        m = min(chunk, n - c0)
+        for hq in range(H):
+            h = hq // g
+            Q = np.zeros((chunk, d))
+            Q[:m] = q[c0:c0 + m, hq]
+            Kc = np.zeros((chunk, d))
+            Kc[:m] = K[h, c0:c0 + m]
+            logits = Q @ Kc.T
+            logits[m:, :] = 0.0
+            logits[:, m:] = -1e-9
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            A[h, c0:c0 + m] += (e / e.sum(axis=1, keepdims=True)).sum(0)[:m] / g
+    s = A * np.linalg.norm(V, axis=-1)
+    p = np.pad(s, ((0, 0), (1, 1)))
+    s = (p[:, :-2] + p[:, 1:-1] + p[:, 2:]) / 3
+    return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
