@@ -119,6 +119,16 @@ def test_bad_settings_are_clear_errors(rng):
         kvpress_c.ExpectedAttentionPress(compression_ratio=0.5, n_future_positions=0)
     with pytest.raises(ValueError, match="epsilon"):
         kvpress_c.ExpectedAttentionPress(compression_ratio=0.5, epsilon=-1.0)
+    with pytest.raises(ValueError, match="wraps a scorer press"):
+        kvpress_c.CriticalKVPress(None)
+    with pytest.raises(ValueError, match="first_stage_ratio"):
+        kvpress_c.CriticalKVPress(kvpress_c.KnormPress(compression_ratio=0.5), first_stage_ratio=1.5)
+    with pytest.raises(ValueError, match="ChunkKV"):
+        kvpress_c.presses.base.c_check(dict(kvpress_c.CriticalKVPress(kvpress_c.KnormPress(compression_ratio=0.5))
+                                            .c_config(), chunk_length=8))
+    q, k, v = layer(rng, 40, 40, 2, 1, 8)
+    with pytest.raises(CError, match="output projection"):  # W_o comes from a model
+        press_compute(press_config(scorer=KEYDIFF, window=0, kernel=1, compression_ratio=0.5, critical=1), q, k, v)
     q, k, v = layer(rng, 4, 4, 2, 1, 8)
     with pytest.raises(CError, match="n_sink"):
         press_compute(press_config(scorer=EXPECTED, window=0, kernel=1, compression_ratio=0.5), q, k, v)
