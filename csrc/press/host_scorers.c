@@ -301,9 +301,9 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
             return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
     float *qt = malloc(sizeof(float) * (size_t)C * (size_t)qd), *qh = malloc(sizeof(float) * (size_t)C * d);
     float *dots = malloc(sizeof(float) * (size_t)C * (size_t)C);
-    double *acc = calloc((size_t)Hkv * (size_t)n, sizeof(double)), *row = malloc(sizeof(double) * (size_t)C);
+    double *acc = calloc((size_t)Hkv * (size_t)n, sizeof(double));
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
-    kvc_status st = qt && qh && dots && acc && row ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: NonCausalAttn");
+    kvc_status st = qt && qh && dots && acc ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: NonCausalAttn");
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     for (int64_t c0 = 0; c0 < n && st == KVC_OK; c0 += C) {
         const int64_t m = n - c0 < C ? n - c0 : C; /* real rows of this chunk; C - m padded */
@@ -312,14 +312,24 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
             const int32_t h = hq / g;
             for (int64_t i = 0; i < m; i++) memcpy(qh + i * d, qt + i * qd + (int64_t)hq * d, sizeof(float) * d);
             kvc_host_gemm_nt(qh, d, k[h] + c0 * d, dots, m, m, m, d, 0);
+            /* each real query's softmax over the real keys (q.k) and the C - m padded ones (-1e-9), in place */
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < m; i++) {
+                float *p = dots + i * m;
+                double mx = m < C ? -1e-9 : -INFINITY, sum;
+                for (int64_t j = 0; j < m; j++) mx = fmax(mx, p[j]);
+                sum = (double)(C - m) * exp(-1e-9 - mx);
+                for (int64_t j = 0; j < m; j++) sum += exp((double)p[j] - mx);
+                for (int64_t j = 0; j < m; j++) p[j] = (float)(exp((double)p[j] - mx) / sum);
+            }
+            /* the C - m padded (zero) queries see logit 0 on every real key: the same row each */
+            const double pad = (double)(C - m) / ((double)m + (double)(C - m) * exp(-1e-9));
             double *a = acc + (size_t)h * n + c0;
-            for (int64_t i = 0; i < C; i++) {
-                /* a real query sees the real keys' q.k; a padded one (zero) sees 0; padded keys: -1e-9 */
-                double mx = m < C ? -1e-9 : -INFINITY;
-                for (int64_t j = 0; j < m; j++) mx = fmax(mx, row[j] = i < m ? dots[i * m + j] : 0.0);
-                double sum = (double)(C - m) * exp(-1e-9 - mx);
-                for (int64_t j = 0; j < m; j++) sum += (row[j] = exp(row[j] - mx));
-                for (int64_t j = 0; j < m; j++) a[j] += row[j] / sum / g;
+#pragma omp parallel for schedule(static)
+            for (int64_t j = 0; j < m; j++) {
+                double col = pad;
+                for (int64_t i = 0; i < m; i++) col += dots[i * m + j];
+                a[j] += col / g;
             }
         }
     }
@@ -350,7 +360,6 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
     free(qh);
     free(dots);
     free(acc);
-    free(row);
     return st;
 }
 
