@@ -107,9 +107,13 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-kvpress", action="store_true")
     ap.add_argument("--presses", nargs="+", default=None, help="only these presses (names as printed)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="threads for both engines (0: every core); 1 on a machine shared with other jobs")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "press_overhead.json"))
     args = ap.parse_args(argv)
     import kvpress_c
+    threads = args.threads if args.threads > 0 else os.cpu_count()
+    kvpress_c.set_num_threads(threads)
     path = args.model or kvpress_c.default_model_path()
     model = kvpress_c.load_model(path)
     vocab = model.config["vocab"]
@@ -123,7 +127,7 @@ def main(argv=None):
     if not args.skip_kvpress:
         import torch
         import transformers
-        torch.set_num_threads(os.cpu_count())
+        torch.set_num_threads(threads)
         load = lambda impl: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation=impl).eval()
         hf_sdpa, hf_eager = load("sdpa"), load("eager")
@@ -162,7 +166,7 @@ def main(argv=None):
               f"{f('kvpress_s', '{:.2f}'):>10} {f('kvpress_overhead', '{:+.1%}'):>9} {f('speedup', '{:.1f}x'):>8}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"model": path, "ratio": args.ratio, "rows": rows}, fh, indent=2)
+        json.dump({"model": path, "ratio": args.ratio, "threads": threads, "rows": rows}, fh, indent=2)
     print(f"wrote {args.out}")
 
 
