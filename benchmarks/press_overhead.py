@@ -1,7 +1,7 @@
 """Prefill time with and without each press, kvpress_c against kvpress on Hugging Face transformers
 (torch CPU), same model and prompt, one run.
 
-    python benchmarks/press_overhead.py [--lengths 2048 8192] [--ratio 0.5] [--out FILE]
+    python benchmarks/press_overhead.py [--lengths 2048 8192] [--ratio 0.5] [--presses NAME ...] [--out FILE]
 
 For every press: prefill seconds (compression included) and the overhead over the full-cache prefill
 of the same engine; kvpress masks (AdaKV) or gathers on top of a full prefill, kvpress_c evicts in C.
@@ -31,6 +31,15 @@ def presses_ours(ratio):
         "ObservedAttention": k.ObservedAttentionPress(compression_ratio=ratio),
         "AdaKV(SnapKV)": k.AdaKVPress(k.SnapKVPress(compression_ratio=ratio)),
         "ChunkKV(SnapKV)": k.ChunkKVPress(k.SnapKVPress(compression_ratio=ratio), chunk_length=20),
+        # issue 16: kvpress's scorers
+        "KeyDiff": k.KeyDiffPress(compression_ratio=ratio),
+        "LagKV": k.LagKVPress(compression_ratio=ratio),
+        "ExpectedAttention": k.ExpectedAttentionPress(compression_ratio=ratio),
+        "AdaKV(ExpectedAttention)": k.AdaKVPress(k.ExpectedAttentionPress(compression_ratio=ratio)),
+        "CriticalKV(ExpectedAttention)": k.CriticalKVPress(k.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
+        "CriticalAdaKV(ExpectedAttention)": k.CriticalAdaKVPress(
+            k.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
+        "NonCausalAttn": k.NonCausalAttnPress(compression_ratio=ratio),
     }
 
 
@@ -45,19 +54,32 @@ def presses_kvpress(ratio):
         "ObservedAttention": kp.ObservedAttentionPress(compression_ratio=ratio),
         "AdaKV(SnapKV)": kp.AdaKVPress(kp.SnapKVPress(compression_ratio=ratio)),
         "ChunkKV(SnapKV)": kp.ChunkKVPress(kp.SnapKVPress(compression_ratio=ratio), chunk_length=20),
+        # issue 16: kvpress's scorers
+        "KeyDiff": kp.KeyDiffPress(compression_ratio=ratio),
+        "LagKV": kp.LagKVPress(compression_ratio=ratio),
+        "ExpectedAttention": kp.ExpectedAttentionPress(compression_ratio=ratio),
+        "AdaKV(ExpectedAttention)": kp.AdaKVPress(kp.ExpectedAttentionPress(compression_ratio=ratio)),
+        "CriticalKV(ExpectedAttention)": kp.CriticalKVPress(kp.ExpectedAttentionPress(compression_ratio=ratio,
+                                                                                       use_vnorm=False)),
+        "CriticalAdaKV(ExpectedAttention)": kp.CriticalAdaKVPress(
+            kp.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
+        "NonCausalAttn": kp.NonCausalAttnPress(compression_ratio=ratio),
     }
 
 
 def time_ours(model, ids, press, repeat):
-    best = float("inf")
+    """Best prefill seconds, cache bytes after it, and the seconds of that prefill spent in the press."""
+    best, in_press = float("inf"), 0.0
     for _ in range(repeat):
         s = model.new_session(0)
         if press is not None:
             s.set_press(**press.c_config())
         t0 = time.perf_counter()
         s.forward(ids, logits="last")
-        best = min(best, time.perf_counter() - t0)
-    return best, s.cache_bytes
+        t = time.perf_counter() - t0
+        if t < best:
+            best, in_press = t, s.press_seconds
+    return best, s.cache_bytes, in_press
 
 
 def time_kvpress(hf, ids, press, repeat, eager):
@@ -84,18 +106,28 @@ def main(argv=None):
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--skip-kvpress", action="store_true")
+    ap.add_argument("--presses", nargs="+", default=None, help="only these presses (names as printed)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="threads for both engines (0: every core); 1 on a machine shared with other jobs")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "press_overhead.json"))
     args = ap.parse_args(argv)
     import kvpress_c
+    threads = args.threads if args.threads > 0 else os.cpu_count()
+    kvpress_c.set_num_threads(threads)
     path = args.model or kvpress_c.default_model_path()
     model = kvpress_c.load_model(path)
     vocab = model.config["vocab"]
     ours_p = presses_ours(args.ratio)
+    if args.presses:
+        unknown = set(args.presses) - set(ours_p)
+        if unknown:
+            ap.error(f"unknown presses {sorted(unknown)}; choose from {sorted(ours_p)}")
+        ours_p = {k: v for k, v in ours_p.items() if k in args.presses}
     hf_sdpa = hf_eager = None
     if not args.skip_kvpress:
         import torch
         import transformers
-        torch.set_num_threads(os.cpu_count())
+        torch.set_num_threads(threads)
         load = lambda impl: transformers.AutoModelForCausalLM.from_pretrained(  # noqa: E731
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation=impl).eval()
         hf_sdpa, hf_eager = load("sdpa"), load("eager")
@@ -103,7 +135,7 @@ def main(argv=None):
     rows = []
     for n in args.lengths:
         ids = np.random.default_rng(n).integers(100, vocab - 100, size=n).astype(np.int32)
-        base, full_bytes = time_ours(model, ids, None, args.repeat)
+        base, full_bytes, _ = time_ours(model, ids, None, args.repeat)
         kv_base = None
         if hf_sdpa is not None:
             import torch
@@ -113,8 +145,9 @@ def main(argv=None):
                      "kvpress_s": kv_base})
         print(f"n={n}: full prefill ours {base:.2f} s" + (f", HF {kv_base:.2f} s" if kv_base else ""), file=sys.stderr)
         for name, press in ours_p.items():
-            t, nbytes = time_ours(model, ids, press, args.repeat)
-            row = {"n": n, "press": name, "ours_s": t, "ours_overhead": t / base - 1, "ours_cache_bytes": nbytes}
+            t, nbytes, in_press = time_ours(model, ids, press, args.repeat)
+            row = {"n": n, "press": name, "ours_s": t, "ours_overhead": t / base - 1, "ours_cache_bytes": nbytes,
+                   "ours_press_s": in_press}
             if hf_sdpa is not None:
                 eager = name == "ObservedAttention"
                 hf = hf_eager if eager else hf_sdpa
@@ -124,14 +157,16 @@ def main(argv=None):
             rows.append(row)
             print(f"  {name}: ours {t:.2f} s" + (f", kvpress {row['kvpress_s']:.2f} s" if "kvpress_s" in row else ""),
                   file=sys.stderr)
-    print(f"\n{'n':>6} {'press':<20} {'ours s':>8} {'overhead':>9} {'kvpress s':>10} {'overhead':>9} {'speedup':>8}")
+    print(f"\n{'n':>6} {'press':<32} {'ours s':>8} {'overhead':>9} {'in press':>9} {'kvpress s':>10} {'overhead':>9} "
+          f"{'speedup':>8}")
     for r in rows:
         f = lambda k, fmt: (fmt.format(r[k]) if r.get(k) is not None else "-")  # noqa: E731
-        print(f"{r['n']:>6} {r['press']:<20} {f('ours_s', '{:.2f}'):>8} {f('ours_overhead', '{:+.1%}'):>9} "
+        print(f"{r['n']:>6} {r['press']:<32} {f('ours_s', '{:.2f}'):>8} {f('ours_overhead', '{:+.1%}'):>9} "
+              f"{f('ours_press_s', '{:.2f}'):>9} "
               f"{f('kvpress_s', '{:.2f}'):>10} {f('kvpress_overhead', '{:+.1%}'):>9} {f('speedup', '{:.1f}x'):>8}")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"model": path, "ratio": args.ratio, "rows": rows}, fh, indent=2)
+        json.dump({"model": path, "ratio": args.ratio, "threads": threads, "rows": rows}, fh, indent=2)
     print(f"wrote {args.out}")
 
 

@@ -185,8 +185,15 @@ typedef enum kvc_scorer {
     KVC_SCORE_TOVA = 3,      /* last query's attention, mean over all heads */
     KVC_SCORE_OBSERVED = 4,  /* H2O one-shot: attention summed over prompt queries / queries that see it */
     KVC_SCORE_SNAPKV = 5,    /* window queries' attention, pooled, GQA-reduced */
-    KVC_SCORE_EDIE = 6       /* error-driven upper bound with mid-range weighting (EDIE) */
+    KVC_SCORE_EDIE = 6,      /* error-driven upper bound with mid-range weighting (EDIE) */
+    /* ---- issue 16, kvpress's scorers (docs/METHODS.md "kvpress scorers"); computed on the host ---- */
+    KVC_SCORE_KEYDIFF = 7,   /* KeyDiff: -cos(k, mean of the normalised keys) */
+    KVC_SCORE_LAGKV = 8,     /* LagKV: min-max normalised K/V std against the next partition, ranked */
+    KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
+    KVC_SCORE_NONCAUSAL = 10 /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
 } kvc_scorer;
+/* The last scorer code (validation). */
+#define KVC_SCORE_LAST KVC_SCORE_NONCAUSAL
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -221,6 +228,17 @@ typedef struct kvc_press_config {
     float edie_alpha;          /* EDIE: U = a / (1 + alpha - a) * (|v|_1 + |o|_1) */
     int32_t drop_window;       /* the window rows are scoring queries only (Judge Q soft tokens, an
                                   answer for the oracle): they are evicted, the budget is over the rest */
+    /* ---- issue 16, kvpress's scorers (n_sink above is theirs too: LagKV, ExpectedAttention) ---- */
+    int32_t lag_size;          /* LagKV partition length (128) */
+    int32_t cross_scoring;     /* LagKV: 1 keeps the raw partition scores (comparable across partitions) */
+    int32_t n_future;          /* ExpectedAttention n_future_positions (512) */
+    int32_t use_covariance;    /* ExpectedAttention: add k^T Cov k / 2d (1) */
+    int32_t use_vnorm;         /* ExpectedAttention: (score + epsilon) * ||v|| (1) */
+    float epsilon;             /* ExpectedAttention (0) */
+    int32_t critical;          /* CriticalKV two-stage selection over the scorer (with KVC_ALLOC_ADAKV: CriticalAdaKV) */
+    float critical_eps;        /* CriticalKV: (score + eps) * |W_o v|_1 (1e-4) */
+    float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
+    int32_t attn_chunk;        /* NonCausalAttn chunk_size (256) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

@@ -19,11 +19,19 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->pyramid_beta = 20;
     c->reuse_layers = 1;
     c->edie_alpha = 0.1f;
+    /* issue 16 scorers: kvpress defaults */
+    c->lag_size = 128;
+    c->n_future = 512;
+    c->use_covariance = 1;
+    c->use_vnorm = 1;
+    c->critical_eps = 1e-4f;
+    c->first_stage_ratio = 0.5f;
+    c->attn_chunk = 256;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (!c) return kvc_fail(KVC_ERR_ARG, "press config is NULL");
-    if (c->scorer < KVC_SCORE_STREAMING || c->scorer > KVC_SCORE_EDIE) return kvc_fail(KVC_ERR_ARG, "unknown scorer %d", c->scorer);
+    if (c->scorer < KVC_SCORE_STREAMING || c->scorer > KVC_SCORE_LAST) return kvc_fail(KVC_ERR_ARG, "unknown scorer %d", c->scorer);
     if (c->allocation < KVC_ALLOC_UNIFORM || c->allocation > KVC_ALLOC_LAYER)
         return kvc_fail(KVC_ERR_ARG, "unknown allocation %d", c->allocation);
     if (!(c->compression_ratio >= 0 && c->compression_ratio < 1))
@@ -44,6 +52,22 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (c->safeguard != KVC_SAFEGUARD_FLOOR && c->safeguard != KVC_SAFEGUARD_PROTECT)
         return kvc_fail(KVC_ERR_ARG, "unknown safeguard %d", c->safeguard);
     if (!(c->edie_alpha > 0 && c->edie_alpha < 100)) return kvc_fail(KVC_ERR_ARG, "EDIE alpha must be in (0, 100), got %g", c->edie_alpha);
+    /* issue 16 scorers */
+    if (c->lag_size < 1) return kvc_fail(KVC_ERR_ARG, "lag_size must be a positive integer, got %d", c->lag_size);
+    if (c->n_future < 1) return kvc_fail(KVC_ERR_ARG, "n_future_positions must be a positive integer, got %d", c->n_future);
+    if (!(c->epsilon >= 0 && isfinite(c->epsilon))) return kvc_fail(KVC_ERR_ARG, "epsilon must be finite and >= 0, got %g", c->epsilon);
+    if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
+    if (c->critical) {
+        if (!(c->critical_eps >= 0 && isfinite(c->critical_eps)))
+            return kvc_fail(KVC_ERR_ARG, "CriticalKV epsilon must be finite and >= 0, got %g", c->critical_eps);
+        if (!(c->first_stage_ratio >= 0 && c->first_stage_ratio <= 1))
+            return kvc_fail(KVC_ERR_ARG, "first_stage_ratio must be in [0, 1], got %g", c->first_stage_ratio);
+        if (c->allocation != KVC_ALLOC_UNIFORM && c->allocation != KVC_ALLOC_ADAKV)
+            return kvc_fail(KVC_ERR_ARG, "CriticalKV selects per head (uniform) or with Ada-KV's budgets (CriticalAdaKVPress), "
+                            "not with allocation %d", c->allocation);
+        if (c->chunk_length > 0 || c->drop_window)
+            return kvc_fail(KVC_ERR_ARG, "CriticalKV does not combine with ChunkKV chunks or a dropped window");
+    }
     if (c->chunk_length < 0) return kvc_fail(KVC_ERR_ARG, "chunk_length must be >= 0, got %d", c->chunk_length);
     if (c->reuse_layers < 0) return kvc_fail(KVC_ERR_ARG, "reuse_layers must be >= 1, got %d", c->reuse_layers);
     if (c->chunk_length > 0 && c->allocation == KVC_ALLOC_ADAKV)

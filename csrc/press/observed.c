@@ -15,8 +15,7 @@
 
 #define OBS_TILE 128
 
-/* Every head's first len[h] rows (K, and V when v) as host fp32 arrays, one allocation. */
-static kvc_status layer_rows(const kvc_layer_rows *lr, const int64_t *len, int want_v, float **k, float **v,
+kvc_status kvc_press_layer_rows(const kvc_layer_rows *lr, const int64_t *len, int want_v, float **k, float **v,
                              float **block) {
     const kvc_config *c = lr->mc;
     const int32_t Hkv = c->n_kv_heads, d = c->head_dim;
@@ -51,7 +50,7 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
     double *acc = calloc((size_t)Hkv * (size_t)maxlen, sizeof(double));
     int64_t vis[OBS_TILE];
     kvc_status st = (!qt || !qh || !probs || !acc) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: observed-attention scores") : KVC_OK;
-    if (st == KVC_OK) st = layer_rows(lr, len, 0, k, NULL, &block);
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 0, k, NULL, &block);
     for (int64_t i0 = 0; i0 < n && st == KVC_OK; i0 += OBS_TILE) {
         const int64_t m = n - i0 < OBS_TILE ? n - i0 : OBS_TILE;
         st = lr->be->download(kvc_view_at(ctx->q, i0, 0), m, qd, qt, KVC_F32);
@@ -96,7 +95,7 @@ kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     float *q = malloc(sizeof(float) * (size_t)w * (size_t)qd);
     kvc_status st = q ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: eviction loss");
-    if (st == KVC_OK) st = layer_rows(lr, len, 1, k, v, &block);
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     if (st == KVC_OK) st = lr->be->download(kvc_view_at(ctx->q, ctx->n - w, 0), w, qd, q, KVC_F32);
     double total = 0;
     int64_t count = 0;

@@ -57,6 +57,8 @@ typedef struct kvc_layer_rows {
     const kvc_backend *be;
     const kvc_config *mc;
     kvc_kv *kv;
+    const float *inv_freq; /* host [d/2] RoPE frequencies of the model; NULL: from mc (kvc_kernel_rope_freqs) */
+    kvc_view wo;           /* the layer's o_proj weight [D, H d] (CriticalKV); buf NULL without a model */
 } kvc_layer_rows;
 
 /* A layer's scores for every head's first len[h] rows: the window is the last `window` queries of ctx
@@ -73,12 +75,29 @@ kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
                                   float *const *scores, int64_t *const *keep, int64_t *n_keep);
 
 /* ---- observed.c: on the host, from the layer's rows and queries brought there ---- */
+/* Every head's first len[h] rows (K, and V when want_v) as host fp32 arrays in one allocation *block
+ * (kvc_free it). */
+kvc_status kvc_press_layer_rows(const kvc_layer_rows *lr, const int64_t *len, int want_v, float **k, float **v,
+                                float **block);
 kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len,
                                float *const *scores);
 /* Ada-KV's eviction loss: the window queries' attention output with all rows vs with the kept rows (L1,
  * mean over queries and heads). */
 kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
                               const int64_t *const *keep, const int64_t *n_keep, double *out);
+
+/* ---- host_scorers.c: issue 16's scorers on the host (KeyDiff, LagKV, ExpectedAttention, NonCausalAttn) ---- */
+static inline int kvc_scorer_on_host(int32_t scorer) {
+    return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
+           scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL;
+}
+kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                           const int64_t *len, float *const *scores);
+
+/* ---- critical.c: CriticalKV / CriticalAdaKV's two stages over host scores (rewritten in place) ---- */
+kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,
+                               const int64_t *len, int32_t window, int64_t layer_total, float *const *scores,
+                               int64_t *const *keep, int64_t *n_keep);
 
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):

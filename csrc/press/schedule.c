@@ -144,7 +144,8 @@ static kvc_status choose(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx,
             return KVC_OK;
         }
     }
-    const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[layer].kv};
+    const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[layer].kv, s->model->rope_inv_freq,
+                               s->model->layers[layer].wo};
     KVC_TRY(kvc_press_score_select(&lr, ctx, cfg, len, p->layer_totals[layer], &p->dev_scores, &p->dev_ld, scores, keep,
                                    n_keep));
     KVC_TRY(layer_stats(p, s, ctx, len, (const float *const *)scores, w));
@@ -180,7 +181,8 @@ kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) 
     p->layer_seconds[layer] = now_seconds() - t0;
     if (st == KVC_OK && cfg->record_scores && !reused) {
         const int32_t ew = w > 0 ? (w < ctx->n ? w : (int32_t)ctx->n) : 1;
-        const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[layer].kv};
+        const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[layer].kv, s->model->rope_inv_freq,
+                               s->model->layers[layer].wo};
         st = kvc_eviction_error(&lr, ctx, len, ew, (const int64_t *const *)keep, n_keep, &p->error[layer]);
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
             const size_t i = (size_t)layer * Hkv + h;

@@ -25,8 +25,9 @@ kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
     KVC_TRY(kvc_score_buffer(be, Hkv, buf, ld, maxlen));
     const kvc_view scores = kvc_view_of(*buf, 0, *ld);
-    if (cfg->scorer == KVC_SCORE_OBSERVED) {
-        KVC_TRY(kvc_observed_scores(lr, ctx, len, host));
+    if (kvc_scorer_on_host(cfg->scorer)) {
+        KVC_TRY(cfg->scorer == KVC_SCORE_OBSERVED ? kvc_observed_scores(lr, ctx, len, host)
+                                                  : kvc_host_scores(lr, ctx, cfg, len, host));
         for (int32_t h = 0; h < Hkv; h++) KVC_TRY(be->upload(kvc_view_at(scores, h, 0), 1, len[h], host[h], KVC_F32));
         return KVC_OK;
     }
@@ -61,6 +62,7 @@ kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
                                   float *const *scores, int64_t *const *keep, int64_t *n_keep) {
     const int32_t Hkv = lr->mc->n_kv_heads, layer = ctx->layer, L = lr->mc->n_layers, w = kvc_press_window(cfg);
     KVC_TRY(kvc_score_layer(lr, ctx, cfg, w, len, buf, ld, scores));
+    if (cfg->critical) return kvc_critical_select(lr, cfg, layer, L, len, w, layer_total, scores, keep, n_keep);
     if (cfg->drop_window) {
         /* the window rows are scoring queries only: select among the rows before them, the window goes */
         int64_t before[KVC_MAX_KV_HEADS];

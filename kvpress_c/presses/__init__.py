@@ -14,7 +14,17 @@ from .streaming_llm import StreamingLLMPress
 from .tada import TADAPress
 from .take import TAKEPress
 from .tova import TOVAPress
+# issue 16: kvpress's scorers
+from .critical_adakv import CriticalAdaKVPress
+from .criticalkv import CriticalKVPress
+from .expected_attention import ExpectedAttentionPress
+from .keydiff import KeyDiffPress
+from .lagkv import LagKVPress
+from .non_causal_attention import NonCausalAttnPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
-           "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
+           "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           # issue 16: kvpress's scorers
+           "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
+           "NonCausalAttnPress"]

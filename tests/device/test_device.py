@@ -246,7 +246,17 @@ PRESSES = {
     "edie-wide-window": dict(scorer=S["edie"], compression_ratio=0.3, window=120, kernel=5, edie_alpha=0.3),
     "edie-no-mid-range": dict(scorer=S["edie"], compression_ratio=0.5, window=170),  # (w, len - 2w] empty: every past row
     "edie-long-cache": dict(scorer=S["edie"], compression_ratio=0.5, window=32),  # 2,500 rows: the kernel's 1,024-row chunks
+    # issue 16: kvpress's scorers, on the host from the device's rows and queries (LagKV's ranks are compared
+    # in the session test: a bf16 near-tie moves a rank by a whole step)
+    "keydiff": dict(scorer=S["keydiff"], compression_ratio=0.5, window=0),
+    "lagkv-cross": dict(scorer=S["lagkv"], compression_ratio=0.5, window=0, lag_size=32, cross_scoring=1),
+    "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.5, window=0),
+    "expected_attention-no-cov": dict(scorer=S["expected_attention"], compression_ratio=0.9, window=0, use_covariance=0),
 }
+NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
+    "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
+}
+PRESSES.update(NO_PAST)
 
 
 def edie_inputs(rng, q, k, v, w):
@@ -268,7 +278,7 @@ def edie_inputs(rng, q, k, v, w):
 
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_press_scores_and_kept_rows_match_cpu(rng, device, name):
-    n, H, Hkv, d, past = 300, 8, 2, 64, (2200 if name == "edie-long-cache" else 200)
+    n, H, Hkv, d, past = 300, 8, 2, 64, (2200 if name == "edie-long-cache" else 0 if name in NO_PAST else 200)
     length = past + n
     q = bf16(rng.standard_normal((n, H, d)) * 2)
     k = rng.standard_normal((Hkv, length, d))
@@ -464,7 +474,15 @@ SESSION_PRESSES = {
     "tova": dict(scorer=S["tova"], compression_ratio=0.5),
     "observed": dict(scorer=S["observed"], compression_ratio=0.5),
     "edie": dict(scorer=S["edie"], compression_ratio=0.5, window=16),
+    # issue 16: kvpress's scorers
+    "keydiff": dict(scorer=S["keydiff"], compression_ratio=0.5),
+    "lagkv": dict(scorer=S["lagkv"], compression_ratio=0.5, lag_size=32),
+    "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.9),
+    "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, attn_chunk=128),
+    "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
+                           critical=1),
 }
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))
@@ -478,7 +496,8 @@ def test_session_press_kept_rows_match_cpu(cpu_model, dev_model, rng, name):
     lg = sg.forward(ids, logits="last")
     assert rel(lg, lc) < MODEL_TOL
     lens_c, lens_g = sc.cache_lengths(), sg.cache_lengths()
-    if name in ("streaming", "knorm", "tova", "snapkv", "pyramidkv", "edie", "observed") or name.startswith("chunkkv"):
+    if name in ("streaming", "knorm", "tova", "snapkv", "pyramidkv", "edie", "observed") or name.startswith("chunkkv") \
+            or name in UNIFORM_ISSUE16:
         np.testing.assert_array_equal(lens_g, lens_c)
     else:  # Ada-KV / head budgets may move by a few rows when scores are near ties
         assert abs(int(lens_g.sum()) - int(lens_c.sum())) <= 0.02 * lens_c.sum() + 2

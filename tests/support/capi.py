@@ -37,7 +37,12 @@ class PressConfig(C.Structure):  # kvc_press_config
                 ("gqa_max", C.c_int32), ("pool_then_reduce", C.c_int32), ("n_sink", C.c_int32),
                 ("seed", C.c_uint64), ("alpha_safeguard", C.c_float), ("safeguard", C.c_int32),
                 ("pyramid_beta", C.c_int32), ("record_scores", C.c_int32), ("chunk_length", C.c_int32),
-                ("reuse_layers", C.c_int32), ("edie_alpha", C.c_float), ("drop_window", C.c_int32)]
+                ("reuse_layers", C.c_int32), ("edie_alpha", C.c_float), ("drop_window", C.c_int32),
+                # issue 16 scorers
+                ("lag_size", C.c_int32), ("cross_scoring", C.c_int32), ("n_future", C.c_int32),
+                ("use_covariance", C.c_int32), ("use_vnorm", C.c_int32), ("epsilon", C.c_float),
+                ("critical", C.c_int32), ("critical_eps", C.c_float), ("first_stage_ratio", C.c_float),
+                ("attn_chunk", C.c_int32)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double

@@ -1,0 +1,382 @@
+/* kvpress's scorers of issue 16 that run on the host, whatever the device (docs/METHODS.md, "kvpress
+ * scorers"): the layer's rows and this call's queries are brought to the host as fp32 (a memcpy on the
+ * CPU backend), as ObservedAttention does (observed.c), and scored in double where a sum is long:
+ *  - KeyDiff: -cos(k, anchor), anchor = mean over the head's rows of k / ||k||;
+ *  - LagKV: rows after the n_sink sinks in partitions of lag_size; a partition's K and V are min-max
+ *    normalised by the next partition's per-dimension range, the std over dimensions softmaxed over the
+ *    partition, K and V averaged, then ranked inside the partition (rank / lag_size) unless
+ *    cross_scoring; sinks and the last (reference-only) partition and the remainder score 1;
+ *  - ExpectedAttention: the mean and covariance of this call's queries after the first n_sink, with
+ *    RoPE undone, rotated by RoPE averaged over the next n_future positions; a key's score is the softmax
+ *    over the non-sink rows of k.mu / sqrt(d) + k^T Cov k / 2d, averaged over the group, times ||v||
+ *    (+ epsilon first); the sinks score the layer's maximum + 1;
+ *  - NonCausalAttn (Compactor's attention term): a prefill's queries attend without a causal mask inside
+ *    chunks of attn_chunk rows (logits q.k unscaled; the last chunk padded with zero rows as kvpress pads
+ *    it: padded keys get logit -1e-9, padded queries logit 0 on the real keys), summed over the chunk's
+ *    queries, averaged over the group, times ||v||, averaged over 3 rows (zeros outside, as avg_pool1d),
+ *    then z-normalised over the whole layer (mean and unbiased std over every head and row). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/hostmath.h"
+#include "press.h"
+
+#define Q_TILE 128
+
+/* ---- KeyDiff ---- */
+
+static void keydiff_head(const float *k, int64_t len, int32_t d, float *out) {
+    double anchor[256] = {0};
+    for (int64_t r = 0; r < len; r++) {
+        double nrm = 0;
+        for (int32_t i = 0; i < d; i++) nrm += (double)k[r * d + i] * k[r * d + i];
+        nrm = fmax(sqrt(nrm), 1e-12); /* F.normalize's eps */
+        for (int32_t i = 0; i < d; i++) anchor[i] += k[r * d + i] / nrm;
+    }
+    double an = 0;
+    for (int32_t i = 0; i < d; i++) {
+        anchor[i] /= (double)len;
+        an += anchor[i] * anchor[i];
+    }
+    an = sqrt(an);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < len; r++) {
+        double dot = 0, kn = 0;
+        for (int32_t i = 0; i < d; i++) {
+            dot += k[r * d + i] * anchor[i];
+            kn += (double)k[r * d + i] * k[r * d + i];
+        }
+        out[r] = (float)(-dot / fmax(sqrt(kn) * an, 1e-8)); /* F.cosine_similarity's eps */
+    }
+}
+
+/* ---- LagKV ---- */
+
+/* Softmax over the lag rows of partition x of the std over dimensions of (x - min) / (max - min), the
+ * range per dimension from partition ref (both [lag, d]); out[lag] accumulates half of it; sd: scratch [lag]. */
+static void lag_states(const float *x, const float *ref, int64_t lag, int32_t d, double *sd, double *out) {
+    double lo[256], hi[256];
+    for (int32_t i = 0; i < d; i++) lo[i] = hi[i] = ref[i];
+    for (int64_t r = 1; r < lag; r++)
+        for (int32_t i = 0; i < d; i++) {
+            lo[i] = fmin(lo[i], ref[r * d + i]);
+            hi[i] = fmax(hi[i], ref[r * d + i]);
+        }
+    double mx = -INFINITY;
+    for (int64_t r = 0; r < lag; r++) {
+        double mean = 0, ss = 0;
+        for (int32_t i = 0; i < d; i++) mean += (x[r * d + i] - lo[i]) / (hi[i] - lo[i]);
+        mean /= d;
+        for (int32_t i = 0; i < d; i++) {
+            const double z = (x[r * d + i] - lo[i]) / (hi[i] - lo[i]) - mean;
+            ss += z * z;
+        }
+        sd[r] = sqrt(ss / (d - 1)); /* torch's std: unbiased */
+        mx = fmax(mx, sd[r]);
+    }
+    double sum = 0;
+    for (int64_t r = 0; r < lag; r++) sum += (sd[r] = exp(sd[r] - mx));
+    for (int64_t r = 0; r < lag; r++) out[r] += 0.5 * sd[r] / sum;
+}
+
+static kvc_status lagkv_head(const float *k, const float *v, int64_t n, int32_t d, int32_t n_sink, int64_t lag,
+                             int32_t cross, float *out) {
+    if (n < n_sink + 2 * lag) { /* too short for two partitions: a ramp after the sinks, as kvpress */
+        for (int64_t r = 0; r < n; r++) out[r] = r < n_sink ? 1.0f : (float)((double)(r - n_sink) / (double)(n - n_sink));
+        return KVC_OK;
+    }
+    const int64_t parts = (n - n_sink) / lag;
+    double *s = malloc(sizeof(double) * (size_t)lag * 2);
+    if (!s) return kvc_fail(KVC_ERR_NOMEM, "out of memory: LagKV scores");
+    double *sd = s + lag;
+    for (int64_t r = 0; r < n; r++) out[r] = 1.0f;
+    for (int64_t p = 0; p < parts - 1; p++) {
+        const int64_t r0 = n_sink + p * lag;
+        memset(s, 0, sizeof(double) * (size_t)lag);
+        lag_states(k + r0 * d, k + (r0 + lag) * d, lag, d, sd, s);
+        lag_states(v + r0 * d, v + (r0 + lag) * d, lag, d, sd, s);
+        if (cross) {
+            for (int64_t r = 0; r < lag; r++) out[r0 + r] = (float)s[r];
+            continue;
+        }
+        /* rank inside the partition (0 = lowest; equal scores by row), over lag_size */
+        for (int64_t r = 0; r < lag; r++) {
+            int64_t rank = 0;
+            for (int64_t j = 0; j < lag; j++) rank += s[j] < s[r] || (s[j] == s[r] && j < r);
+            out[r0 + r] = (float)((double)rank / (double)lag);
+        }
+    }
+    free(s);
+    return KVC_OK;
+}
+
+/* ---- ExpectedAttention ---- */
+
+/* RoPE's pair j of a head of d: dimensions (a, b). */
+static inline void rope_pair(int32_t pairing, int32_t d, int32_t j, int32_t *a, int32_t *b) {
+    if (pairing == KVC_ROPE_HALF) {
+        *a = j;
+        *b = j + d / 2;
+    } else {
+        *a = 2 * j;
+        *b = 2 * j + 1;
+    }
+}
+
+/* mu [H, d] and cov [H, d, d] (NULL: no covariance) of this call's queries i >= n_sink, RoPE undone. */
+static kvc_status query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
+                              double *mu, double *cov) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, d = c->head_dim, half = d / 2;
+    const int64_t qd = (int64_t)H * d, m = ctx->n - n_sink;
+    float *qt = malloc(sizeof(float) * Q_TILE * (size_t)qd);
+    double *u = malloc(sizeof(double) * Q_TILE * (size_t)qd);
+    kvc_status st = qt && u ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: ExpectedAttention statistics");
+    memset(mu, 0, sizeof(double) * (size_t)qd);
+    if (cov) memset(cov, 0, sizeof(double) * (size_t)qd * d);
+    for (int64_t i0 = n_sink; i0 < ctx->n && st == KVC_OK; i0 += Q_TILE) {
+        const int64_t t = ctx->n - i0 < Q_TILE ? ctx->n - i0 : Q_TILE;
+        st = lr->be->download(kvc_view_at(ctx->q, i0, 0), t, qd, qt, KVC_F32);
+        if (st != KVC_OK) break;
+        for (int64_t i = 0; i < t; i++) {
+            const double pos = (double)(ctx->pos ? ctx->pos[i0 + i] : ctx->past_len[0] + i0 + i);
+            for (int32_t h = 0; h < H; h++) {
+                const float *q = qt + i * qd + (int64_t)h * d;
+                double *x = u + i * qd + (int64_t)h * d;
+                for (int32_t j = 0; j < half; j++) {
+                    int32_t a, b;
+                    rope_pair(c->rope_pairing, d, j, &a, &b);
+                    const double cs = cos(pos * freq[j]), sn = sin(pos * freq[j]);
+                    x[a] = q[a] * cs + q[b] * sn; /* the inverse rotation */
+                    x[b] = -q[a] * sn + q[b] * cs;
+                }
+            }
+        }
+#pragma omp parallel for schedule(static)
+        for (int32_t h = 0; h < H; h++)
+            for (int64_t i = 0; i < t; i++) {
+                const double *x = u + i * qd + (int64_t)h * d;
+                for (int32_t a = 0; a < d; a++) {
+                    mu[(int64_t)h * d + a] += x[a];
+                    if (!cov) continue;
+                    double *row = cov + ((int64_t)h * d + a) * d;
+                    for (int32_t b = 0; b <= a; b++) row[b] += x[a] * x[b];
+                }
+            }
+    }
+    free(qt);
+    free(u);
+    if (st != KVC_OK) return st;
+    for (int64_t i = 0; i < qd; i++) mu[i] /= (double)m;
+    for (int32_t h = 0; cov && h < H; h++) {
+        const double *mh = mu + (int64_t)h * d;
+        double *ch = cov + (int64_t)h * d * d;
+        for (int32_t a = 0; a < d; a++)
+            for (int32_t b = 0; b <= a; b++) ch[a * d + b] = ch[b * d + a] = ch[a * d + b] / (double)m - mh[a] * mh[b];
+    }
+    return KVC_OK;
+}
+
+/* x <- R x for the average rotation R of pairs (cbar_j, sbar_j), on one vector of d with stride. */
+static void avg_rotate(int32_t pairing, int32_t d, const double *cb, const double *sb, double *x, int64_t stride) {
+    for (int32_t j = 0; j < d / 2; j++) {
+        int32_t a, b;
+        rope_pair(pairing, d, j, &a, &b);
+        const double xa = x[a * stride], xb = x[b * stride];
+        x[a * stride] = cb[j] * xa - sb[j] * xb;
+        x[b * stride] = sb[j] * xa + cb[j] * xb;
+    }
+}
+
+static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, float *const *scores) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, half = d / 2, ns = cfg->n_sink;
+    if (ctx->n <= ns)
+        return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more queries in the forward call (%lld) than n_sink (%d)",
+                        (long long)ctx->n, ns);
+    for (int32_t h = 0; h < Hkv; h++)
+        if (len[h] <= ns)
+            return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more tokens (%lld) than n_sink (%d)", (long long)len[h], ns);
+    double freq[128], cb[128], sb[128];
+    if (lr->inv_freq) {
+        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
+    } else {
+        float f[128];
+        KVC_TRY(kvc_kernel_rope_freqs(c, f));
+        for (int32_t j = 0; j < half; j++) freq[j] = f[j];
+    }
+    /* kvpress averages RoPE over positions q_len .. q_len + n_future - 1: the positions that follow the prompt */
+    const int64_t next = (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
+    for (int32_t j = 0; j < half; j++) {
+        double cs = 0, sn = 0;
+        for (int32_t t = 0; t < cfg->n_future; t++) {
+            cs += cos((double)(next + t) * freq[j]);
+            sn += sin((double)(next + t) * freq[j]);
+        }
+        cb[j] = cs / cfg->n_future;
+        sb[j] = sn / cfg->n_future;
+    }
+    const int64_t qd = (int64_t)H * d;
+    int64_t maxlen = 1;
+    for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
+    const int cov_on = cfg->use_covariance != 0;
+    double *mu = malloc(sizeof(double) * (size_t)qd), *cov = cov_on ? malloc(sizeof(double) * (size_t)qd * d) : NULL;
+    float *B = malloc(sizeof(float) * (size_t)(d + 1) * d), *T = malloc(sizeof(float) * (size_t)maxlen * (d + 1));
+    double *acc = malloc(sizeof(double) * (size_t)maxlen), *lg = malloc(sizeof(double) * (size_t)maxlen);
+    float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
+    kvc_status st = mu && (cov || !cov_on) && B && T && acc && lg ? KVC_OK
+                                                                 : kvc_fail(KVC_ERR_NOMEM, "out of memory: ExpectedAttention");
+    if (st == KVC_OK) st = query_stats(lr, ctx, freq, ns, mu, cov);
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
+    double top = -INFINITY;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        const int64_t nr = len[h] - ns;
+        const float *kh = k[h] + (int64_t)ns * d;
+        memset(acc, 0, sizeof(double) * (size_t)nr);
+        for (int32_t j = 0; j < g; j++) {
+            const int32_t hq = h * g + j;
+            double *m = mu + (int64_t)hq * d;
+            avg_rotate(c->rope_pairing, d, cb, sb, m, 1);
+            /* B = [R Cov R^T; R mu]: one GEMM gives K (R Cov R^T) and K R mu */
+            const int32_t cols = cov_on ? d + 1 : 1;
+            if (cov_on) {
+                double *C = cov + (int64_t)hq * d * d;
+                for (int32_t col = 0; col < d; col++) avg_rotate(c->rope_pairing, d, cb, sb, C + col, d); /* R C */
+                for (int32_t row = 0; row < d; row++) avg_rotate(c->rope_pairing, d, cb, sb, C + row * d, 1); /* (R C) R^T */
+                for (int32_t i = 0; i < d * d; i++) B[i] = (float)C[i];
+            }
+            for (int32_t i = 0; i < d; i++) B[(int64_t)(cols - 1) * d + i] = (float)m[i];
+            kvc_host_gemm_nt(kh, d, B, T, cols, nr, cols, d, 0);
+            double mx = -INFINITY;
+            for (int64_t r = 0; r < nr; r++) {
+                double l = T[r * cols + cols - 1] / sqrt((double)d);
+                if (cov_on) {
+                    double quad = 0;
+                    for (int32_t i = 0; i < d; i++) quad += (double)T[r * cols + i] * kh[r * d + i];
+                    l += quad / d / 2;
+                }
+                lg[r] = l;
+                mx = fmax(mx, l);
+            }
+            double sum = 0;
+            for (int64_t r = 0; r < nr; r++) sum += (lg[r] = exp(lg[r] - mx));
+            for (int64_t r = 0; r < nr; r++) acc[r] += lg[r] / sum / g;
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            double s = acc[r];
+            if (cfg->use_vnorm) {
+                const float *vr = v[h] + (r + ns) * d;
+                double vn = 0;
+                for (int32_t i = 0; i < d; i++) vn += (double)vr[i] * vr[i];
+                s = (s + cfg->epsilon) * sqrt(vn);
+            }
+            scores[h][r + ns] = (float)s;
+            top = fmax(top, (double)scores[h][r + ns]);
+        }
+    }
+    /* the sinks: the layer's maximum + 1, as kvpress pads them */
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int32_t r = 0; r < ns; r++) scores[h][r] = (float)(top + 1);
+    kvc_free(block);
+    free(mu);
+    free(cov);
+    free(B);
+    free(T);
+    free(acc);
+    free(lg);
+    return st;
+}
+
+/* ---- NonCausalAttn ---- */
+
+static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                   const int64_t *len, float *const *scores) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
+    const int64_t n = ctx->n, qd = (int64_t)H * d, C = cfg->attn_chunk;
+    for (int32_t h = 0; h < Hkv; h++)
+        if (ctx->past_len[h] != 0 || len[h] != n)
+            return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    float *qt = malloc(sizeof(float) * (size_t)C * (size_t)qd), *qh = malloc(sizeof(float) * (size_t)C * d);
+    float *dots = malloc(sizeof(float) * (size_t)C * (size_t)C);
+    double *acc = calloc((size_t)Hkv * (size_t)n, sizeof(double));
+    float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
+    kvc_status st = qt && qh && dots && acc ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: NonCausalAttn");
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
+    for (int64_t c0 = 0; c0 < n && st == KVC_OK; c0 += C) {
+        const int64_t m = n - c0 < C ? n - c0 : C; /* real rows of this chunk; C - m padded */
+        st = lr->be->download(kvc_view_at(ctx->q, c0, 0), m, qd, qt, KVC_F32);
+        for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
+            const int32_t h = hq / g;
+            for (int64_t i = 0; i < m; i++) memcpy(qh + i * d, qt + i * qd + (int64_t)hq * d, sizeof(float) * d);
+            kvc_host_gemm_nt(qh, d, k[h] + c0 * d, dots, m, m, m, d, 0);
+            /* each real query's softmax over the real keys (q.k) and the C - m padded ones (-1e-9), in place */
+#pragma omp parallel for schedule(static)
+            for (int64_t i = 0; i < m; i++) {
+                float *p = dots + i * m;
+                double mx = m < C ? -1e-9 : -INFINITY, sum;
+                for (int64_t j = 0; j < m; j++) mx = fmax(mx, p[j]);
+                sum = (double)(C - m) * exp(-1e-9 - mx);
+                for (int64_t j = 0; j < m; j++) sum += exp((double)p[j] - mx);
+                for (int64_t j = 0; j < m; j++) p[j] = (float)(exp((double)p[j] - mx) / sum);
+            }
+            /* the C - m padded (zero) queries see logit 0 on every real key: the same row each */
+            const double pad = (double)(C - m) / ((double)m + (double)(C - m) * exp(-1e-9));
+            double *a = acc + (size_t)h * n + c0;
+#pragma omp parallel for schedule(static)
+            for (int64_t j = 0; j < m; j++) {
+                double col = pad;
+                for (int64_t i = 0; i < m; i++) col += dots[i * m + j];
+                a[j] += col / g;
+            }
+        }
+    }
+    double mean = 0, ss = 0;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        double *a = acc + (size_t)h * n;
+        for (int64_t r = 0; r < n; r++) {
+            double vn = 0;
+            for (int32_t i = 0; i < d; i++) vn += (double)v[h][r * d + i] * v[h][r * d + i];
+            a[r] *= sqrt(vn);
+        }
+        double prev = 0;
+        for (int64_t r = 0; r < n; r++) { /* avg_pool1d(3, padding 1), the padding counted */
+            const double cur = a[r], next = r + 1 < n ? a[r + 1] : 0.0;
+            a[r] = (prev + cur + next) / 3.0;
+            prev = cur;
+            mean += a[r];
+        }
+    }
+    const double cnt = (double)Hkv * (double)n;
+    mean /= cnt;
+    for (int64_t i = 0; i < (int64_t)Hkv * n && st == KVC_OK; i++) ss += (acc[i] - mean) * (acc[i] - mean);
+    const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t r = 0; r < n; r++) scores[h][r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+    kvc_free(block);
+    free(qt);
+    free(qh);
+    free(dots);
+    free(acc);
+    return st;
+}
+
+kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                           const int64_t *len, float *const *scores) {
+    const int32_t Hkv = lr->mc->n_kv_heads, d = lr->mc->head_dim;
+    if (cfg->scorer == KVC_SCORE_EXPECTED) return expected_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_NONCAUSAL) return noncausal_scores(lr, ctx, cfg, len, scores);
+    const int want_v = cfg->scorer == KVC_SCORE_LAGKV;
+    float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
+    kvc_status st = kvc_press_layer_rows(lr, len, want_v, k, v, &block);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        if (cfg->scorer == KVC_SCORE_KEYDIFF)
+            keydiff_head(k[h], len[h], d, scores[h]);
+        else
+            st = lagkv_head(k[h], v[h], len[h], d, cfg->n_sink, cfg->lag_size, cfg->cross_scoring, scores[h]);
+    }
+    kvc_free(block);
+    return st;
+}

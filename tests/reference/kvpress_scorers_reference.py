@@ -1,0 +1,132 @@
+"""Float64 NumPy references for the kvpress scorers of issue 16 (docs/METHODS.md, "kvpress scorers"),
+written from the papers' definitions as kvpress 0.5.5 states them. Shapes as press_reference.py: one layer,
+K, V [Hkv, length, d], q [n, H, d] the last n rows' queries after RoPE (positions length - n + i, half
+pairing, theta 10000: what kvc_press_compute assumes). Scores [Hkv, length], higher means keep."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def keydiff_scores(K):
+    """-cos(k, anchor), anchor = mean of the head's unit keys."""
+    unit = K / np.linalg.norm(K, axis=-1, keepdims=True)
+    anchor = unit.mean(axis=1, keepdims=True)
+    return -(unit * anchor).sum(-1) / np.linalg.norm(anchor, axis=-1)
+
+
+def _lag_states(x, ref):
+    """Softmax over the partition's rows of the std over dimensions of x min-max normalised by ref's range."""
+    lo, hi = ref.min(axis=0), ref.max(axis=0)
+    sd = ((x - lo) / (hi - lo)).std(axis=-1, ddof=1)
+    e = np.exp(sd - sd.max())
+    return e / e.sum()
+
+
+def lagkv_scores(K, V, n_sink=4, lag=128, cross=False):
+    Hkv, n, _ = K.shape
+    out = np.ones((Hkv, n))
+    if n < n_sink + 2 * lag:  # too short: a ramp after the sinks
+        out[:, n_sink:] = np.arange(n - n_sink) / (n - n_sink)
+        return out
+    parts = (n - n_sink) // lag
+    for h in range(Hkv):
+        for p in range(parts - 1):
+            rows = slice(n_sink + p * lag, n_sink + (p + 1) * lag)
+            ref = slice(n_sink + (p + 1) * lag, n_sink + (p + 2) * lag)
+            s = (_lag_states(K[h, rows], K[h, ref]) + _lag_states(V[h, rows], V[h, ref])) / 2
+            if not cross:  # the rank inside the partition, 0 lowest, equal scores by row
+                s = np.argsort(np.argsort(s, kind="stable"), kind="stable") / lag
+            out[h, rows] = s
+    return out
+
+
+def rope_matrix(pos, d, theta=10000.0):
+    """The dense RoPE rotation of position pos (half pairing): x -> R x."""
+    f = theta ** (-np.arange(0, d, 2) / d)
+    c, s = np.cos(pos * f), np.sin(pos * f)
+    h = d // 2
+    R = np.zeros((d, d))
+    R[np.arange(h), np.arange(h)] = c
+    R[np.arange(h) + h, np.arange(h) + h] = c
+    R[np.arange(h), np.arange(h) + h] = -s
+    R[np.arange(h) + h, np.arange(h)] = s
+    return R
+
+
+def expected_attention_scores(q, K, V, n_sink=4, n_future=512, use_covariance=True, use_vnorm=True, epsilon=0.0,
+                              theta=10000.0):
+    n, H, d = q.shape
+    Hkv, length, _ = K.shape
+    g, past = H // Hkv, length - n
+    # the queries before RoPE (rows after the first n_sink of the call)
+    u = np.stack([np.einsum("ij,hj->hi", rope_matrix(past + i, d, theta).T, q[i]) for i in range(n_sink, n)])
+    mu = u.mean(0)                                                   # [H, d]
+    cen = u - mu
+    cov = np.einsum("nhi,nhj->hij", cen, cen) / (n - n_sink)         # [H, d, d]
+    Rbar = np.mean([rope_matrix(t, d, theta) for t in range(length, length + n_future)], axis=0)
+    mu = mu @ Rbar.T
+    cov = Rbar @ cov @ Rbar.T
+    out = np.zeros((Hkv, length))
+    for h in range(Hkv):
+        k = K[h, n_sink:]
+        acc = np.zeros(length - n_sink)
+        for hq in range(h * g, (h + 1) * g):
+            logit = k @ mu[hq] / np.sqrt(d)
+            if use_covariance:
+                logit = logit + np.einsum("ri,ij,rj->r", k, cov[hq], k) / d / 2
+            e = np.exp(logit - logit.max())
+            acc += e / e.sum() / g
+        if use_vnorm:
+            acc = (acc + epsilon) * np.linalg.norm(V[h, n_sink:], axis=-1)
+        out[h, n_sink:] = acc
+    out[:, :n_sink] = out[:, n_sink:].max() + 1
+    return out
+
+
+def wov_norms(V, Wo, H):
+    """||W_o^{hq} v||_1 averaged over each KV head's query heads: V [Hkv, len, d], Wo [D, H d] -> [Hkv, len]."""
+    Hkv, length, d = V.shape
+    g = H // Hkv
+    out = np.zeros((Hkv, length))
+    for hq in range(H):
+        out[hq // g] += np.abs(V[hq // g] @ Wo[:, hq * d:(hq + 1) * d].T).sum(-1) / g
+    return out
+
+
+def critical_select(scores, norms, budgets, firsts, eps=1e-4):
+    """CriticalKV's two stages per head: the top firsts[h] rows by the plain scores, then the rest by
+    (score + eps) * norm, budgets[h] in all. Returns (the two-stage scores, stage-one rows at +inf; kept rows)."""
+    out, kept = (scores + eps) * norms, []
+    for h in range(scores.shape[0]):
+        first = np.argsort(-scores[h], kind="stable")[:firsts[h]]
+        out[h, first] = np.inf
+        kept.append(np.sort(np.argsort(-out[h], kind="stable")[:budgets[h]]))
+    return out, kept
+
+
+def non_causal_attn_scores(q, K, V, chunk=256):
+    """A prefill (length == n): block-diagonal attention without a causal mask inside chunks of `chunk`
+    rows, logits q.k unscaled; the last chunk padded with zero rows whose keys get logit -1e-9 (kvpress's
+    mask value) and whose queries see 0 on the real keys; column sums, group mean, times ||v||, a
+    3-row average (zeros outside), z-normalised over the layer (unbiased std)."""
+    n, H, d = q.shape
+    Hkv = K.shape[0]
+    g = H // Hkv
+    A = np.zeros((Hkv, n))
+    for c0 in range(0, n, chunk):
+        m = min(chunk, n - c0)
+        for hq in range(H):
+            h = hq // g
+            Q = np.zeros((chunk, d))
+            Q[:m] = q[c0:c0 + m, hq]
+            Kc = np.zeros((chunk, d))
+            Kc[:m] = K[h, c0:c0 + m]
+            logits = Q @ Kc.T
+            logits[m:, :] = 0.0
+            logits[:, m:] = -1e-9
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            A[h, c0:c0 + m] += (e / e.sum(axis=1, keepdims=True)).sum(0)[:m] / g
+    s = A * np.linalg.norm(V, axis=-1)
+    p = np.pad(s, ((0, 0), (1, 1)))
+    s = (p[:, :-2] + p[:, 1:-1] + p[:, 2:]) / 3
+    return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
