@@ -207,7 +207,9 @@ def kept_counts(name, press, hf, n, ratio):
     return [compute_n_kept(n, ratio)] * hf.config.num_hidden_layers
 
 
-def parity(name, hf, model, ids, full_keys, window, ratio):
+def parity(name, hf, model, ids, full_keys, window, ratio, ties_expected=False):
+    """ties_expected: every differing row is still asserted to be a near-tie, but the Jaccard and greedy
+    targets are not held (a model whose scores are near-equal by construction)."""
     theirs_press = make_press(kvpress, name, window, ratio)
     hf.set_attn_implementation("eager" if name == "ObservedAttention" else "sdpa")
     try:
@@ -246,7 +248,7 @@ def parity(name, hf, model, ids, full_keys, window, ratio):
         assert any(len({len(k) for k in row}) > 1 for row in ours), "Ada-KV should leave ragged heads"
     print(f"{name} @ {ratio}: scores rel err {score_err:.1e}, mean Jaccard {mean:.4f}, exact heads {exact}/{total}, "
           f"greedy ids equal: {same}, max logit rel err {err:.1e} (kvpress {t1 - t0:.1f}s, ours {t2 - t1:.1f}s)")
-    if name in EXACT_TIES:
+    if name in EXACT_TIES or ties_expected:
         return
     assert mean >= 0.99, f"{name}: mean Jaccard {mean:.4f}"
     assert same, f"{name}: greedy continuation differs: ours {our_ids} vs kvpress {their_ids}"
@@ -302,12 +304,12 @@ def test_chunkkv_matches_kvpress(ratio, hf_default, default_model, prompt_ids, d
     assert np.mean(jac) >= 0.99
 
 
-# -- (b) a tiny random Hugging Face llama ---------------------------------------------------------------
+# -- (b) tiny random Hugging Face llama and qwen3 (per-head q/k norms) models ----------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(tmp_path_factory, request):
     from hf_models import write_tiny_model
-    path = write_tiny_model(str(tmp_path_factory.mktemp("parity") / "tiny"), arch="llama", seed=11)
+    path = write_tiny_model(str(tmp_path_factory.mktemp("parity") / "tiny"), arch=request.param, seed=11)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = np.random.default_rng(11).integers(3, hf.config.vocab_size, 200).tolist()
     return hf, kvpress_c.load_model(path), ids, full_cache_keys(hf, ids)
@@ -317,4 +319,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("name", NAMES)
 def test_tiny_model_matches_kvpress(name, ratio, tiny):
     hf, model, ids, keys = tiny
-    parity(name, hf, model, ids, keys, window=16, ratio=ratio)
+    # Qwen3's k_norm gives every key head the same RMS (times the norm weights): Knorm's -||k|| scores are
+    # near-equal by construction, and at 0.9 the cut falls among near-ties (measured: 7/8 heads exact,
+    # mean Jaccard 0.9875, every differing row within TIE_TOL of kvpress's cut)
+    ties = name == "Knorm" and model.config["arch"] == "qwen3"
+    parity(name, hf, model, ids, keys, window=16, ratio=ratio, ties_expected=ties)
