@@ -10,6 +10,8 @@ from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
 from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
                       ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
+# issue 16b: compression while decoding
+from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress
 
 __version__ = _core.__version__
 

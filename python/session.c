@@ -260,6 +260,29 @@ static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
+        kvc_session_set_decoding_press(self->session, NULL);
+        Py_RETURN_NONE;
+    }
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "set_decoding_press takes None or keyword arguments (kvc_decoding_config fields "
+                                         "and the base press's kvc_press_config fields)");
+        return NULL;
+    }
+    kvc_decoding_config c;
+    if (kvc_py_decoding_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_session_set_decoding_press(self->session, &c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_get_decoding_compressions(SessionObject *self, void *c) {
+    if (!self->session) Py_RETURN_NONE;
+    return PyLong_FromLongLong(kvc_session_decoding_compressions(self->session));
+}
+
 static PyObject *Session_cache_positions(SessionObject *self, PyObject *args) {
     int layer, head;
     if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
@@ -477,6 +500,9 @@ static PyMethodDef Session_methods[] = {
     {"set_press", (PyCFunction)(void (*)(void))Session_set_press, METH_VARARGS | METH_KEYWORDS,
      "set_press(None) or set_press(scorer=..., allocation=..., compression_ratio=..., budget=..., ...):\n"
      "attach the press that compresses the next prefill (fields of kvc_press_config)."},
+    {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
+     "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
+     "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},
     {"cache_positions", (PyCFunction)Session_cache_positions, METH_VARARGS, "cache_positions(layer, kv_head): original positions of the kept rows (int64)."},
     {"press_scores", (PyCFunction)Session_press_scores, METH_VARARGS, "press_scores(layer, kv_head): scores of the last compression (record_scores)."},
     {"press_error", (PyCFunction)Session_press_error, METH_VARARGS, "press_error(layer): Ada-KV eviction loss on the window queries."},
@@ -502,6 +528,8 @@ static PyGetSetDef Session_getset[] = {
     {"peak_cache_bytes", (getter)Session_get_peak_cache_bytes, NULL, "Most bytes the KV cache held.", NULL},
     {"press_seconds", (getter)Session_get_press_seconds, NULL,
      "Wall seconds spent in the attached press since the last reset.", NULL},
+    {"decoding_compressions", (getter)Session_get_decoding_compressions, NULL,
+     "Layer compressions the decoding press made since it was attached or the session reset.", NULL},
     {"model", (getter)Session_get_model, NULL, "The model.", NULL},
     {"graph_info", (getter)Session_get_graph_info, NULL,
      "{'enabled', 'graph_steps', 'error'}: decode graphs on, steps replayed from a graph, why they were turned off.", NULL},

@@ -37,6 +37,7 @@ void kvc_session_free(kvc_session *s) {
     if (!s) return;
     kvc_backend_lock(s->be);
     kvc_press_free(s->press);
+    kvc_decoding_free(s->decoding);
     if (s->graph) s->be->graph_free(s->graph);
     kvc_act_free(s);
     kvc_cache_free(&s->cache);
@@ -52,6 +53,7 @@ void kvc_session_reset(kvc_session *s) {
     kvc_backend_unlock(s->be);
     s->press_seconds = 0.0;
     s->pos = 0;
+    kvc_decoding_reset(s->decoding);
     /* A clear that stopped partway leaves rows behind: the next forward must refuse, not attend to them. */
     s->needs_reset = st != KVC_OK;
 }
@@ -128,6 +130,19 @@ kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
     s->hook_user = p;
     return KVC_OK;
 }
+
+kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    kvc_decoding *d = NULL;
+    if (cfg) KVC_TRY(kvc_decoding_new(cfg, &s->model->cfg, s->be, &d));
+    kvc_backend_lock(s->be);
+    kvc_decoding_free(s->decoding);
+    kvc_backend_unlock(s->be);
+    s->decoding = d;
+    return KVC_OK;
+}
+
+int64_t kvc_session_decoding_compressions(const kvc_session *s) { return s ? kvc_decoding_count(s->decoding) : 0; }
 
 static kvc_status attached(const kvc_session *s, const kvc_press **p) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");

@@ -39,6 +39,7 @@ typedef struct kvc_act {
 } kvc_act;
 
 struct kvc_press;
+struct kvc_decoding;
 
 struct kvc_session {
     kvc_model *model;
@@ -52,6 +53,7 @@ struct kvc_session {
     int64_t *positions;       /* host positions of this call's rows */
     size_t positions_cap;
     struct kvc_press *press;  /* the attached press (press/schedule.c), or NULL */
+    struct kvc_decoding *decoding; /* the attached decoding press (press/decoding.c), or NULL */
     kvc_layer_hook hook;      /* the hook a forward calls: the press's, or TAKE's or Judge Q's while they run */
     void *hook_user;
     /* kvc_forward_shared: sessions that receive this forward's K/V rows and run their own hook */

@@ -263,6 +263,32 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         float *scores, int64_t *keep, int64_t *n_keep);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */
+/* A decoding press rides on every forward call of a session after its first (the prefill): each call */
+/* is one kvpress "decoding step" (a single token, or a question of several). Every                   */
+/* compression_interval steps each layer is compressed, right after its attention, to target_size rows */
+/* per KV head with the base press's scorer and allocation, evicted for real (the ragged cache is     */
+/* re-packed with room for compression_interval more rows). Window scorers read the queries of the    */
+/* last steps (the buffered hidden states of kvpress, kept here as post-RoPE queries).                 */
+
+typedef struct kvc_decoding_config {
+    kvc_press_config base;            /* scorer, allocation, chunks of each compression (its ratio/budget unused) */
+    int64_t compression_interval;     /* steps between compressions (512) */
+    int64_t target_size;              /* rows kept per KV head by a compression (2048) */
+    int32_t ratio_target;             /* 1: CompressionRatioDecodingPress, target = max(1, int(tokens seen x (1 - r))) */
+    double target_compression_ratio;  /* r in [0, 1) (0.5) */
+    int32_t hidden_states_buffer_size;/* steps whose queries stay buffered between compressions (256) */
+} kvc_decoding_config;
+
+KVC_API void kvc_decoding_config_defaults(kvc_decoding_config *cfg);
+KVC_API kvc_status kvc_decoding_config_check(const kvc_decoding_config *cfg);
+/* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_set_press:
+ * kvpress PrefillDecodingPress) and survives kvc_session_reset with its counters cleared. */
+KVC_API kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg);
+/* Layer compressions the decoding press made since it was attached or the session reset. */
+KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */
 
 typedef struct kvc_take_config {

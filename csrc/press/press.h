@@ -6,7 +6,8 @@
  *   allocation.c  how many rows each head keeps and which: uniform, PyramidKV, Ada-KV, layer totals
  *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
  *   schedule.c    the post-prefill schedule (kvpress's): each layer compressed after its attention
- *   take.c        TAKE's chunked prefill with probes and delayed eviction */
+ *   take.c        TAKE's chunked prefill with probes and delayed eviction
+ *   decoding.c    compression while decoding (kvpress DecodingPress) */
 #ifndef KVC_PRESS_H
 #define KVC_PRESS_H
 
@@ -89,6 +90,16 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
                             int64_t *const *keep, int64_t *n_keep);
 /* Whether a config selects each head's own top k (the backend's top-k kernel can do it). */
 int kvc_press_per_head_topk(const kvc_press_config *p);
+
+/* ---- decoding.c: compression while decoding (kvc_decoding_config) ---- */
+typedef struct kvc_decoding kvc_decoding;
+kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_decoding **out);
+void kvc_decoding_free(kvc_decoding *d);
+/* Counters and buffers back to the start (a session reset). */
+void kvc_decoding_reset(kvc_decoding *d);
+int64_t kvc_decoding_count(const kvc_decoding *d);
+/* After the attention of layer ctx->layer in a forward call that is not the session's first. */
+kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx);
 
 /* ---- take.c ---- */
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg, float *logits);

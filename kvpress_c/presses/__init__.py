@@ -14,7 +14,12 @@ from .streaming_llm import StreamingLLMPress
 from .tada import TADAPress
 from .take import TAKEPress
 from .tova import TOVAPress
+# issue 16b: compression while decoding
+from .compression_ratio_decoding import CompressionRatioDecodingPress
+from .decoding import DecodingPress
+from .prefill_decoding import PrefillDecodingPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
+__all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress"]  # issue 16b
