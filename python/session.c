@@ -260,6 +260,30 @@ static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+/* issue 16b wrappers: add_press(**settings) (ComposedPress), set_layer_ratios(ratios) (PerLayerCompressionPress) */
+static PyObject *Session_add_press(SessionObject *self, PyObject *args, PyObject *kwds) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "add_press takes keyword arguments (the fields of kvc_press_config)");
+        return NULL;
+    }
+    kvc_press_config c;
+    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_session_add_press(self->session, &c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_layer_ratios(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *r = (PyArrayObject *)PyArray_FROMANY(arg, NPY_FLOAT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
+    if (!r) return NULL;
+    kvc_status st = kvc_session_set_layer_ratios(self->session, (const double *)PyArray_DATA(r), (int32_t)PyArray_DIM(r, 0));
+    Py_DECREF(r);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -500,6 +524,10 @@ static PyMethodDef Session_methods[] = {
     {"set_press", (PyCFunction)(void (*)(void))Session_set_press, METH_VARARGS | METH_KEYWORDS,
      "set_press(None) or set_press(scorer=..., allocation=..., compression_ratio=..., budget=..., ...):\n"
      "attach the press that compresses the next prefill (fields of kvc_press_config)."},
+    {"add_press", (PyCFunction)(void (*)(void))Session_add_press, METH_VARARGS | METH_KEYWORDS,
+     "add_press(scorer=..., ...): a press that compresses, layer by layer, what the attached press kept (ComposedPress)."},
+    {"set_layer_ratios", (PyCFunction)Session_set_layer_ratios, METH_O,
+     "set_layer_ratios(ratios[L]): each layer's compression_ratio for the attached press (PerLayerCompressionPress)."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

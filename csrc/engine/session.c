@@ -131,6 +131,26 @@ kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
     return KVC_OK;
 }
 
+kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
+    if (!s || !cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first): add_press chains after it");
+    if (cfg->scorer == KVC_SCORE_OBSERVED)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "ObservedAttention cannot follow another press: it reads the attention rows of "
+                        "the uncompressed layer (put it first)");
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_press_new(cfg, &s->model->cfg, s->be, &p));
+    kvc_press *last = s->press;
+    while (last->next) last = last->next;
+    last->next = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers) {
+    if (!s || !ratios) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    return kvc_press_set_layer_ratios(s->press, ratios, n_layers);
+}
+
 kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
     kvc_decoding *d = NULL;

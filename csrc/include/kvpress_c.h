@@ -263,6 +263,17 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         float *scores, int64_t *keep, int64_t *n_keep);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress; issue 16b)                       */
+
+/* ComposedPress: after the attached press compresses a layer, this press compresses what it kept (same
+ * queries, the layer's remaining rows), and so on down the chain in the order added. Needs an attached
+ * press; ObservedAttention cannot follow (it reads the attention rows of the uncompressed layer). */
+KVC_API kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg);
+/* PerLayerCompressionPress: the attached press uses ratios[l] as layer l's compression_ratio (n_layers
+ * values in [0, 1); 0 leaves a layer as it is). The press must use compression_ratio, not a budget. */
+KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */
 /* A decoding press rides on every forward call of a session after its first (the prefill): each call */
 /* is one kvpress "decoding step" (a single token, or a question of several). Every                   */

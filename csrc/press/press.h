@@ -31,6 +31,9 @@ typedef struct kvc_press {
     const kvc_backend *be;
     kvc_buf *dev_scores;   /* the backend's score buffer, f32 [Hkv, dev_ld] */
     int64_t dev_ld;
+    /* issue 16b wrappers */
+    double *layer_ratios;  /* [L] PerLayerCompressionPress: each layer's compression_ratio, or NULL */
+    struct kvc_press *next; /* ComposedPress: the press that compresses this one's result next, or NULL */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -51,6 +54,7 @@ void kvc_press_free(kvc_press *p);
 kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx);
 kvc_status kvc_press_recorded_scores(const kvc_press *p, int32_t layer, int32_t h, float *out, int64_t *n);
 kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32_t n_layers);
+kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_t n_layers);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */

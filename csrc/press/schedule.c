@@ -23,6 +23,8 @@ void kvc_press_free(kvc_press *p) {
     free(p->e_internal);
     free(p->dissim);
     if (p->dev_scores) p->be->free(p->dev_scores);
+    free(p->layer_ratios);
+    kvc_press_free(p->next);
     free(p);
 }
 
@@ -71,6 +73,18 @@ kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32
     for (int32_t l = 0; l < n_layers; l++)
         if (totals[l] < 0) return kvc_fail(KVC_ERR_ARG, "layer %d budget is negative", l);
     memcpy(p->layer_totals, totals, sizeof(int64_t) * (size_t)n_layers);
+    return KVC_OK;
+}
+
+kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_t n_layers) {
+    if (n_layers != p->n_layers) return kvc_fail(KVC_ERR_ARG, "need %d compression ratios (one per layer), got %d", p->n_layers, n_layers);
+    if (p->cfg.budget > 0) return kvc_fail(KVC_ERR_ARG, "per-layer compression ratios replace compression_ratio, not a budget");
+    for (int32_t l = 0; l < n_layers; l++)
+        if (!(ratios[l] >= 0 && ratios[l] < 1))
+            return kvc_fail(KVC_ERR_ARG, "compression ratio of layer %d must be in [0, 1), got %g", l, ratios[l]);
+    if (!p->layer_ratios && !(p->layer_ratios = malloc(sizeof(double) * (size_t)n_layers)))
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: layer ratios");
+    memcpy(p->layer_ratios, ratios, sizeof(double) * (size_t)n_layers);
     return KVC_OK;
 }
 
@@ -126,9 +140,9 @@ static double now_seconds(void) {
 }
 
 /* Score and select (or reuse the group's rows): keep[h] / n_keep[h] of the layer's rows. */
-static kvc_status choose(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
-                         float *const *scores, int64_t *const *keep, int64_t *n_keep, int *reused) {
-    const kvc_press_config *cfg = &p->cfg;
+static kvc_status choose(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
+                         const int64_t *len, int32_t w, float *const *scores, int64_t *const *keep, int64_t *n_keep,
+                         int *reused) {
     const int32_t Hkv = p->n_kv, layer = ctx->layer;
     *reused = 0;
     if (cfg->reuse_layers > 1 && layer % cfg->reuse_layers != 0 && p->reuse_len > 0) {
@@ -152,10 +166,19 @@ static kvc_status choose(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx,
     return KVC_OK;
 }
 
+/* One press of a chain (ComposedPress) on the layer; then the next compresses what this one kept. */
+static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
+
 kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
-    kvc_press *p = user;
-    const kvc_press_config *cfg = &p->cfg;
     if (ctx->n <= 1) return KVC_OK; /* decoding: presses act on prefills only */
+    for (kvc_press *p = user; p; p = p->next) KVC_TRY(press_layer(p, s, ctx));
+    return KVC_OK;
+}
+
+static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx) {
+    kvc_press_config layer_cfg = p->cfg;
+    if (p->layer_ratios) layer_cfg.compression_ratio = p->layer_ratios[ctx->layer]; /* PerLayerCompressionPress */
+    const kvc_press_config *cfg = &layer_cfg;
     if (cfg->reuse_layers > 1 && ctx->layer % cfg->reuse_layers == 0) p->reuse_len = 0; /* a new group */
     if (cfg->budget == 0 && cfg->compression_ratio == 0) return KVC_OK;
     const int32_t Hkv = p->n_kv, layer = ctx->layer, w = kvc_press_window(cfg);
@@ -176,7 +199,7 @@ kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) 
     }
     const double t0 = now_seconds();
     int reused = 0;
-    if (st == KVC_OK) st = choose(p, s, ctx, len, w, scores, keep, n_keep, &reused);
+    if (st == KVC_OK) st = choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
     p->layer_seconds[layer] = now_seconds() - t0;
     if (st == KVC_OK && cfg->record_scores && !reused) {
         const int32_t ew = w > 0 ? (w < ctx->n ? w : (int32_t)ctx->n) : 1;

@@ -18,8 +18,12 @@ from .tova import TOVAPress
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
+# issue 16b: wrappers
+from .composed import ComposedPress
+from .per_layer_compression import PerLayerCompressionPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
-__all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress"]  # issue 16b
+__all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",  # issue 16b
+            "ComposedPress", "PerLayerCompressionPress"]
