@@ -284,6 +284,15 @@ static PyObject *Session_set_layer_ratios(SessionObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_set_key_rerotation(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    kvc_status st = kvc_session_set_key_rerotation(self->session, on);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -528,6 +537,8 @@ static PyMethodDef Session_methods[] = {
      "add_press(scorer=..., ...): a press that compresses, layer by layer, what the attached press kept (ComposedPress)."},
     {"set_layer_ratios", (PyCFunction)Session_set_layer_ratios, METH_O,
      "set_layer_ratios(ratios[L]): each layer's compression_ratio for the attached press (PerLayerCompressionPress)."},
+    {"set_key_rerotation", (PyCFunction)Session_set_key_rerotation, METH_O,
+     "set_key_rerotation(on): the attached press re-rotates kept keys to positions 0 .. n_kept - 1 (KeyRerotationPress)."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

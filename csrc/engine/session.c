@@ -151,6 +151,14 @@ kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, in
     return kvc_press_set_layer_ratios(s->press, ratios, n_layers);
 }
 
+kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    if (on && s->press->next) return kvc_fail(KVC_ERR_ARG, "key re-rotation applies to a single press, not a chain");
+    s->press->rerotate = on != 0;
+    return KVC_OK;
+}
+
 kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
     kvc_decoding *d = NULL;

@@ -272,6 +272,9 @@ KVC_API kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config 
 /* PerLayerCompressionPress: the attached press uses ratios[l] as layer l's compression_ratio (n_layers
  * values in [0, 1); 0 leaves a layer as it is). The press must use compression_ratio, not a budget. */
 KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers);
+/* KeyRerotationPress: after the attached press compresses a layer of a prefill, its kept keys are re-rotated
+ * to positions 0 .. n_kept - 1 (new tokens keep their positions; cache positions stay the original ones). */
+KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */

@@ -34,6 +34,7 @@ typedef struct kvc_press {
     /* issue 16b wrappers */
     double *layer_ratios;  /* [L] PerLayerCompressionPress: each layer's compression_ratio, or NULL */
     struct kvc_press *next; /* ComposedPress: the press that compresses this one's result next, or NULL */
+    int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -94,6 +95,9 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
                             int64_t *const *keep, int64_t *n_keep);
 /* Whether a config selects each head's own top k (the backend's top-k kernel can do it). */
 int kvc_press_per_head_topk(const kvc_press_config *p);
+
+/* ---- rerotate.c: KeyRerotationPress ---- */
+kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);
 
 /* ---- decoding.c: compression while decoding (kvc_decoding_config) ---- */
 typedef struct kvc_decoding kvc_decoding;

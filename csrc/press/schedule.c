@@ -214,6 +214,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
         }
     }
     if (st == KVC_OK) st = kvc_cache_compact(&s->cache, layer, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK && p->rerotate) st = kvc_press_rerotate(s, layer);
     for (int32_t h = 0; h < Hkv; h++) {
         free(scores[h]);
         free(keep[h]);

@@ -20,10 +20,11 @@ from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
 # issue 16b: wrappers
 from .composed import ComposedPress
+from .key_rerotation import KeyRerotationPress
 from .per_layer_compression import PerLayerCompressionPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
 __all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",  # issue 16b
-            "ComposedPress", "PerLayerCompressionPress"]
+            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress"]

@@ -32,6 +32,8 @@ def make(lib, kind, ratio, L, window):
         spread = min(ratio, 1 - ratio) * 0.2  # window's equal max + 1 scores arbitrarily when it keeps fewer)
         ratios = np.linspace(ratio - spread, ratio + spread, L).tolist()
         return lib.PerLayerCompressionPress(lib.SnapKVPress(window_size=8), compression_ratios=ratios)
+    if kind == "rerotation_snapkv":
+        return lib.KeyRerotationPress(lib.SnapKVPress(compression_ratio=ratio, window_size=window))
     raise KeyError(kind)
 
 
@@ -124,7 +126,7 @@ def test_default_model_wrappers_match_kvpress(default_side, kind, ratio):
     parity(*default_side, kind, ratio, window=32)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ["rerotation_snapkv"])
 def test_wrappers_on_the_emulated_device_match_cpu(tiny, kind):
     _, cpu, ids, _, path = tiny
     dev = kvpress_c.load_model(path, device="emulated")
@@ -134,6 +136,18 @@ def test_wrappers_on_the_emulated_device_match_cpu(tiny, kind):
     # bf16 scores swap near-ties at the cut (the prefill press test in tests/device holds > 0.9 too)
     assert np.mean(jac) > 0.9, jac
     assert [len(x) for la in a for x in la] == [len(y) for lb in b for y in lb]
+    if kind == "rerotation_snapkv":  # the re-rotated device cache decodes like the CPU's (bf16 model tolerance)
+        out = []
+        for m in (cpu, dev):
+            p = make(kvpress_c, kind, 0.5, cpu.config["n_layers"], 16)
+            s = m.new_session()
+            s.set_press(**p.c_config())
+            p.before_prefill(s, len(ids), m.config)
+            s.forward(np.asarray(ids, np.int32))
+            s.set_press(None)
+            out.append(s.forward(np.array([5], np.int32)).astype(np.float64))
+        if min(jac) == 1.0:
+            assert np.abs(out[1] - out[0]).max() / np.abs(out[0]).max() < 0.1  # tests/device MODEL_TOL (0.096)
 
 
 def test_wrapper_errors_are_clear():
@@ -152,3 +166,64 @@ def test_wrapper_errors_are_clear():
         s.set_layer_ratios([0.5, 0.5])
     with pytest.raises(ValueError, match="model has 30 layers"):
         kvpress_c.PerLayerCompressionPress(kvpress_c.KnormPress(), compression_ratios=[0.5]).before_prefill(s, 10, m.config)
+
+
+# -- KeyRerotationPress: kvpress's rotated keys no longer match the full cache's rows, so its kept indices
+# are taken from its own choice (the wrapped press's scores, topk, sorted: what its compress does) --------
+
+def run_kvpress_rerotation(hf, press, ids):
+    from kvpress.utils import compute_n_kept
+    kept = [None] * hf.config.num_hidden_layers
+    orig = press.press.score
+
+    def score(module, hidden_states, keys, *a, **kw):
+        s = orig(module, hidden_states, keys, *a, **kw)
+        idx = s[0].topk(compute_n_kept(keys.shape[2], press.press.compression_ratio), dim=-1).indices
+        kept[module.layer_idx] = [set(r.tolist()) for r in idx]
+        return s
+    press.press.score = score
+    cache, out, logits = transformers.DynamicCache(), [], []
+    try:
+        with torch.no_grad(), press(hf):
+            res = hf(torch.tensor([ids]), past_key_values=cache)
+    finally:
+        press.press.score = orig
+    with torch.no_grad():
+        for step in range(N_NEW):
+            logits.append(res.logits[0, -1].double().numpy())
+            out.append(int(np.argmax(logits[-1])))
+            p = len(ids) + step
+            res = hf(torch.tensor([[out[-1]]]), past_key_values=cache, cache_position=torch.tensor([p]),
+                     position_ids=torch.tensor([[p]]))
+    return kept, out, logits
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+@pytest.mark.parametrize("base", ["Knorm", "SnapKV"])
+def test_key_rerotation_matches_kvpress(tiny, default_side, base, ratio):
+    for hf, model, ids, window in ((tiny[0], tiny[1], tiny[2], 16), (default_side[0], default_side[1], default_side[2], 32)):
+        def make_rr(lib):
+            inner = (lib.KnormPress(compression_ratio=ratio) if base == "Knorm"
+                     else lib.SnapKVPress(compression_ratio=ratio, window_size=window))
+            return lib.KeyRerotationPress(inner)
+        theirs, their_ids, their_logits = run_kvpress_rerotation(hf, make_rr(kvpress), ids)
+        press = make_rr(kvpress_c)
+        s = model.new_session()
+        s.set_press(**press.c_config())
+        press.before_prefill(s, len(ids), model.config)
+        logits = [s.forward(np.asarray(ids, np.int32), logits="last").astype(np.float64)]
+        s.set_press(None)
+        ours = [[set(s.cache_positions(l, h).tolist()) for h in range(model.config["n_kv_heads"])]
+                for l in range(model.config["n_layers"])]
+        out = []
+        for step in range(N_NEW):
+            out.append(int(np.argmax(logits[-1])))
+            logits.append(s.forward(np.array([out[-1]], np.int32)).astype(np.float64))
+        jac = [len(a & b) / len(a | b) for la, lb in zip(ours, theirs) for a, b in zip(la, lb)]
+        err = max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(logits, their_logits))
+        print(f"KeyRerotation({base}) ratio {ratio} L={model.config['n_layers']}: mean Jaccard {np.mean(jac):.4f}, "
+              f"greedy equal {out == their_ids}, max logit rel err {err:.1e}")
+        assert np.mean(jac) >= 0.99 or base == "Knorm", f"mean Jaccard {np.mean(jac):.4f}"  # Knorm: exact ties, see above
+        assert out == their_ids
+        if min(jac) == 1.0:  # the same kept rows, re-rotated the same way: the same decode logits
+            assert err < 1e-3, err  # measured ~1e-5 (fp32, GGUF adjacent vs HF half pairing)
