@@ -293,6 +293,16 @@ static PyObject *Session_set_key_rerotation(SessionObject *self, PyObject *arg) 
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_set_head_budgets(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *k = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 2, NPY_ARRAY_C_CONTIGUOUS);
+    if (!k) return NULL;
+    kvc_status st = kvc_session_set_head_budgets(self->session, (const int64_t *)PyArray_DATA(k), (int64_t)PyArray_SIZE(k));
+    Py_DECREF(k);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -539,6 +549,8 @@ static PyMethodDef Session_methods[] = {
      "set_layer_ratios(ratios[L]): each layer's compression_ratio for the attached press (PerLayerCompressionPress)."},
     {"set_key_rerotation", (PyCFunction)Session_set_key_rerotation, METH_O,
      "set_key_rerotation(on): the attached press re-rotates kept keys to positions 0 .. n_kept - 1 (KeyRerotationPress)."},
+    {"set_head_budgets", (PyCFunction)Session_set_head_budgets, METH_O,
+     "set_head_budgets(keep[L, Hkv]): rows each head keeps (-1: all) instead of the press budget (DuoAttention)."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

@@ -159,6 +159,12 @@ kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
     return KVC_OK;
 }
 
+kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n) {
+    if (!s || !keep) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    return kvc_press_set_head_budgets(s->press, keep, n);
+}
+
 kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
     kvc_decoding *d = NULL;

@@ -275,6 +275,9 @@ KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ra
 /* KeyRerotationPress: after the attached press compresses a layer of a prefill, its kept keys are re-rotated
  * to positions 0 .. n_kept - 1 (new tokens keep their positions; cache positions stay the original ones). */
 KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
+/* Given rows per head (DuoAttention: -1 keeps a retrieval head whole, sink + recent for a streaming head):
+ * keep[layer * Hkv + h] replaces the attached press's budget; its scorer picks which rows (top k per head). */
+KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */

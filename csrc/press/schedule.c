@@ -24,6 +24,7 @@ void kvc_press_free(kvc_press *p) {
     free(p->dissim);
     if (p->dev_scores) p->be->free(p->dev_scores);
     free(p->layer_ratios);
+    free(p->head_keep);
     kvc_press_free(p->next);
     free(p);
 }
@@ -86,6 +87,30 @@ kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: layer ratios");
     memcpy(p->layer_ratios, ratios, sizeof(double) * (size_t)n_layers);
     return KVC_OK;
+}
+
+kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n) {
+    if (n != (int64_t)p->n_layers * p->n_kv)
+        return kvc_fail(KVC_ERR_ARG, "need %d head budgets (layers x KV heads), got %lld", p->n_layers * p->n_kv, (long long)n);
+    if (p->cfg.chunk_length > 0 || p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.reuse_layers > 1)
+        return kvc_fail(KVC_ERR_ARG, "head budgets are an allocation of their own: use a plain scorer press");
+    if (!p->head_keep && !(p->head_keep = malloc(sizeof(int64_t) * (size_t)n)))
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: head budgets");
+    memcpy(p->head_keep, keep, sizeof(int64_t) * (size_t)n);
+    return KVC_OK;
+}
+
+/* Given rows per head (DuoAttention: all for retrieval heads, sinks + recent for streaming heads): the
+ * layer's scores, then each head's own top k on the backend. */
+static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
+                                     const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[ctx->layer].kv};
+    KVC_TRY(kvc_score_layer(&lr, ctx, cfg, kvc_press_window(cfg), len, &p->dev_scores, &p->dev_ld, scores));
+    for (int32_t h = 0; h < p->n_kv; h++) {
+        const int64_t k = p->head_keep[(size_t)ctx->layer * p->n_kv + h];
+        n_keep[h] = k < 0 || k > len[h] ? len[h] : k;
+    }
+    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
 }
 
 /* TADA statistics: E_internal (the scores over heads and past rows) and 1 - cos(R, R + O) over the
@@ -180,7 +205,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     if (p->layer_ratios) layer_cfg.compression_ratio = p->layer_ratios[ctx->layer]; /* PerLayerCompressionPress */
     const kvc_press_config *cfg = &layer_cfg;
     if (cfg->reuse_layers > 1 && ctx->layer % cfg->reuse_layers == 0) p->reuse_len = 0; /* a new group */
-    if (cfg->budget == 0 && cfg->compression_ratio == 0) return KVC_OK;
+    if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep) return KVC_OK;
     const int32_t Hkv = p->n_kv, layer = ctx->layer, w = kvc_press_window(cfg);
     const int64_t *len = s->cache.layers[layer].len;
     KVC_TRY(check_layer(cfg, len, Hkv, w, ctx->n));
@@ -199,7 +224,8 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     }
     const double t0 = now_seconds();
     int reused = 0;
-    if (st == KVC_OK) st = choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
+    if (st == KVC_OK) st = p->head_keep ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+                                        : choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
     p->layer_seconds[layer] = now_seconds() - t0;
     if (st == KVC_OK && cfg->record_scores && !reused) {
         const int32_t ew = w > 0 ? (w < ctx->n ? w : (int32_t)ctx->n) : 1;

@@ -21,10 +21,12 @@ from .prefill_decoding import PrefillDecodingPress
 # issue 16b: wrappers
 from .composed import ComposedPress
 from .key_rerotation import KeyRerotationPress
+# issue 16b: presses whose files come from a model hub, read from a local path
+from .duo_attention import DuoAttentionPress
 from .per_layer_compression import PerLayerCompressionPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
 __all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",  # issue 16b
-            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress"]
+            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress"]
