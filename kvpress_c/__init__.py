@@ -12,7 +12,7 @@ from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress,
                       ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 # issue 16b: compression while decoding
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress
-from .presses import ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # issue 16b: wrappers
+from .presses import BlockPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # issue 16b: wrappers
 from .presses import DuoAttentionPress  # issue 16b: patterns from a local folder
 
 __version__ = _core.__version__

@@ -165,6 +165,12 @@ kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int
     return kvc_press_set_head_budgets(s->press, keep, n);
 }
 
+kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    return kvc_press_set_block_size(s->press, block_size);
+}
+
 kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
     kvc_decoding *d = NULL;

@@ -278,6 +278,9 @@ KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
 /* Given rows per head (DuoAttention: -1 keeps a retrieval head whole, sink + recent for a streaming head):
  * keep[layer * Hkv + h] replaces the attached press's budget; its scorer picks which rows (top k per head). */
 KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n);
+/* BlockPress: the attached press selects block by block (kept rows + the next block_size rows, scored
+ * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
+KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */

@@ -36,6 +36,7 @@ typedef struct kvc_press {
     struct kvc_press *next; /* ComposedPress: the press that compresses this one's result next, or NULL */
     int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
     int64_t *head_keep;    /* [L * Hkv] given rows per head (DuoAttention; -1: all), or NULL */
+    int64_t block_size;    /* BlockPress: select block by block over kept + block (0: off) */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -58,6 +59,7 @@ kvc_status kvc_press_recorded_scores(const kvc_press *p, int32_t layer, int32_t 
 kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32_t n_layers);
 kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_t n_layers);
 kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n);
+kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */

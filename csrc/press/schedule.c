@@ -113,6 +113,60 @@ static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, 
     return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
 }
 
+kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size) {
+    if (block_size < 0) return kvc_fail(KVC_ERR_ARG, "block_size must be >= 1, got %lld", (long long)block_size);
+    const int32_t sc = p->cfg.scorer;
+    if (block_size > 0 && sc != KVC_SCORE_KNORM && sc != KVC_SCORE_STREAMING && sc != KVC_SCORE_RANDOM)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "BlockPress scores each block from its keys alone: wrap a scorer that reads no "
+                        "queries (Knorm, StreamingLLM, Random)");
+    if (block_size > 0 && (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep))
+        return kvc_fail(KVC_ERR_ARG, "BlockPress keeps the same count in every head: use a plain scorer press");
+    p->block_size = block_size;
+    return KVC_OK;
+}
+
+/* BlockPress (kvpress; the KeyDiff paper's block-wise prompt processing, simulated after the forward as
+ * kvpress does): each head starts with its first n_kept rows; block after block, the kept rows and the
+ * next block_size rows are copied into a scratch K/V store, scored there (a scorer that sees only those
+ * rows), and the top n_kept become the kept rows. */
+static kvc_status block_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
+                               const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    const kvc_backend *be = s->be;
+    const int32_t Hkv = p->n_kv, d = s->model->cfg.head_dim;
+    const int64_t n = len[0];
+    for (int32_t h = 1; h < Hkv; h++)
+        if (len[h] != n) return kvc_fail(KVC_ERR_ARG, "BlockPress needs every head of a layer to hold the same rows");
+    const int64_t nk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, n);
+    int64_t *cand[KVC_MAX_KV_HEADS] = {0}, full[KVC_MAX_KV_HEADS], kk[KVC_MAX_KV_HEADS], mm[KVC_MAX_KV_HEADS];
+    kvc_kv *tmp = NULL;
+    kvc_status st = be->kv_new(Hkv, d, &tmp);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        n_keep[h] = nk;
+        kk[h] = nk;
+        full[h] = n;
+        for (int64_t i = 0; i < nk; i++) keep[h][i] = i;
+        if (!(cand[h] = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: BlockPress");
+    }
+    const kvc_layer_rows lr = {be, &s->model->cfg, tmp};
+    for (int64_t i = nk; i < n && st == KVC_OK; i += p->block_size) {
+        const int64_t end = i + p->block_size < n ? i + p->block_size : n;
+        for (int32_t h = 0; h < Hkv; h++) {
+            memcpy(cand[h], keep[h], sizeof(int64_t) * (size_t)nk); /* kept rows are all < i: the list stays sorted */
+            for (int64_t r = i; r < end; r++) cand[h][nk + r - i] = r;
+            mm[h] = nk + end - i;
+        }
+        st = be->kv_resize(tmp, full, full, s->cache.layers[ctx->layer].kv);
+        if (st == KVC_OK) st = be->kv_gather(tmp, (const int64_t *const *)cand, mm, mm);
+        if (st == KVC_OK) st = kvc_score_layer(&lr, ctx, cfg, 0, mm, &p->dev_scores, &p->dev_ld, scores);
+        if (st == KVC_OK) st = be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), Hkv, mm, kk, keep);
+        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+            for (int64_t j = 0; j < nk; j++) keep[h][j] = cand[h][keep[h][j]];
+    }
+    if (tmp) be->kv_free(tmp);
+    for (int32_t h = 0; h < Hkv; h++) free(cand[h]);
+    return st;
+}
+
 /* TADA statistics: E_internal (the scores over heads and past rows) and 1 - cos(R, R + O) over the
  * window tokens (the last one without a window). */
 static kvc_status layer_stats(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *len,
@@ -224,8 +278,9 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     }
     const double t0 = now_seconds();
     int reused = 0;
-    if (st == KVC_OK) st = p->head_keep ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
-                                        : choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
+    if (st == KVC_OK) st = p->head_keep    ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+                           : p->block_size ? block_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+                                           : choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
     p->layer_seconds[layer] = now_seconds() - t0;
     if (st == KVC_OK && cfg->record_scores && !reused) {
         const int32_t ew = w > 0 ? (w < ctx->n ? w : (int32_t)ctx->n) : 1;

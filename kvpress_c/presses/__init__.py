@@ -19,6 +19,7 @@ from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
 # issue 16b: wrappers
+from .block import BlockPress
 from .composed import ComposedPress
 from .key_rerotation import KeyRerotationPress
 # issue 16b: presses whose files come from a model hub, read from a local path
@@ -29,4 +30,4 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
 __all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",  # issue 16b
-            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress"]
+            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress", "BlockPress"]

@@ -15,11 +15,12 @@ class ComposedPress(BasePress):
 
     def __post_init__(self):
         from .decoding import DecodingPress
+        from .block import BlockPress
         from .key_rerotation import KeyRerotationPress
         if not isinstance(self.presses, (list, tuple)) or not self.presses:
             raise ValueError("ComposedPress takes a non-empty list of presses")
         for p in self.presses:
-            if not isinstance(p, BasePress) or isinstance(p, (DecodingPress, ComposedPress, KeyRerotationPress)) or p.prefill_part is not p \
+            if not isinstance(p, BasePress) or isinstance(p, (DecodingPress, ComposedPress, KeyRerotationPress, BlockPress)) or p.prefill_part is not p \
                     or not p.attach_to_session or type(p).prefill is not BasePress.prefill:
                 raise ValueError(f"ComposedPress members act after each layer's attention (scorer presses, AdaKVPress, "
                                  f"ChunkKVPress...); {type(p).__name__} cannot be one")

@@ -32,6 +32,8 @@ def make(lib, kind, ratio, L, window):
         spread = min(ratio, 1 - ratio) * 0.2  # window's equal max + 1 scores arbitrarily when it keeps fewer)
         ratios = np.linspace(ratio - spread, ratio + spread, L).tolist()
         return lib.PerLayerCompressionPress(lib.SnapKVPress(window_size=8), compression_ratios=ratios)
+    if kind == "block_knorm":
+        return lib.BlockPress(lib.KnormPress(compression_ratio=ratio), block_size=48)
     if kind == "rerotation_snapkv":
         return lib.KeyRerotationPress(lib.SnapKVPress(compression_ratio=ratio, window_size=window))
     raise KeyError(kind)
@@ -89,7 +91,7 @@ def parity(hf, model, ids, keys, kind, ratio, window):
     assert ours[1] == theirs[1], f"greedy continuation differs: {ours[1]} vs {theirs[1]}"
 
 
-KINDS = ["composed_snapkv_knorm", "composed_knorm_knorm", "per_layer_snapkv"]
+KINDS = ["composed_snapkv_knorm", "composed_knorm_knorm", "per_layer_snapkv", "block_knorm"]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +152,17 @@ def test_wrappers_on_the_emulated_device_match_cpu(tiny, kind):
             assert np.abs(out[1] - out[0]).max() / np.abs(out[0]).max() < 0.1  # tests/device MODEL_TOL (0.096)
 
 
+def test_block_press_streaming_keeps_sinks_and_recent(tiny):
+    """A float64-free reference: block-wise StreamingLLM must end with the sinks and the most recent tokens."""
+    _, model, ids, _, _ = tiny
+    for block in (7, 48, 1000):
+        kept = run_ours(model, kvpress_c.BlockPress(kvpress_c.StreamingLLMPress(compression_ratio=0.7), block_size=block),
+                        ids)[0]
+        n_kept = int(len(ids) * 0.3)
+        want = set(range(4)) | set(range(len(ids) - n_kept + 4, len(ids)))
+        assert all(k == want for row in kept for k in row), block
+
+
 def test_wrapper_errors_are_clear():
     with pytest.raises(ValueError, match="scorer press"):
         kvpress_c.PerLayerCompressionPress(None, compression_ratios=[0.5])
@@ -159,6 +172,8 @@ def test_wrapper_errors_are_clear():
         kvpress_c.ComposedPress([kvpress_c.KnormPress(compression_ratio=0.5), kvpress_c.ObservedAttentionPress(compression_ratio=0.5)])
     with pytest.raises(ValueError, match="cannot be one"):
         kvpress_c.ComposedPress([kvpress_c.DecodingPress(kvpress_c.KnormPress())])
+    with pytest.raises(ValueError, match="keys alone"):
+        kvpress_c.BlockPress(kvpress_c.SnapKVPress(compression_ratio=0.5))
     m = kvpress_c.load_model()
     s = m.new_session()
     s.set_press(**kvpress_c.KnormPress(compression_ratio=0.5).c_config())
