@@ -13,6 +13,7 @@ from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress,
 # issue 16b: compression while decoding
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress
 from .presses import BlockPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # issue 16b: wrappers
+from .presses import ThinKPress  # issue 16b: key channels
 from .presses import DuoAttentionPress  # issue 16b: patterns from a local folder
 
 __version__ = _core.__version__

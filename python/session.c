@@ -312,6 +312,16 @@ static PyObject *Session_set_block_size(SessionObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_set_key_channels(SessionObject *self, PyObject *args) {
+    double ratio;
+    int window;
+    if (!PyArg_ParseTuple(args, "di", &ratio, &window)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_status st = kvc_session_set_key_channels(self->session, ratio, window);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -562,6 +572,8 @@ static PyMethodDef Session_methods[] = {
      "set_head_budgets(keep[L, Hkv]): rows each head keeps (-1: all) instead of the press budget (DuoAttention)."},
     {"set_block_size", (PyCFunction)Session_set_block_size, METH_O,
      "set_block_size(b): the attached press selects block by block (BlockPress); 0 turns it off."},
+    {"set_key_channels", (PyCFunction)Session_set_key_channels, METH_VARARGS,
+     "set_key_channels(ratio, window): ThinK key-channel pruning by the attached press (channels zeroed)."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

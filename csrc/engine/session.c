@@ -131,6 +131,16 @@ kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
     return KVC_OK;
 }
 
+/* The press the wrapper settings apply to: the last one of the chain (ComposedPress adds a member, then sets it). */
+static kvc_status last_press(kvc_session *s, kvc_press **out) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    kvc_press *p = s->press;
+    while (p->next) p = p->next;
+    *out = p;
+    return KVC_OK;
+}
+
 kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
     if (!s || !cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
     if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first): add_press chains after it");
@@ -146,9 +156,10 @@ kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
 }
 
 kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers) {
-    if (!s || !ratios) return kvc_fail(KVC_ERR_ARG, "null argument");
-    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
-    return kvc_press_set_layer_ratios(s->press, ratios, n_layers);
+    kvc_press *p = NULL;
+    if (!ratios) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_layer_ratios(p, ratios, n_layers);
 }
 
 kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
@@ -160,15 +171,26 @@ kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
 }
 
 kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n) {
-    if (!s || !keep) return kvc_fail(KVC_ERR_ARG, "null argument");
-    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
-    return kvc_press_set_head_budgets(s->press, keep, n);
+    kvc_press *p = NULL;
+    if (!keep) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_head_budgets(p, keep, n);
 }
 
 kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size) {
-    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
-    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
-    return kvc_press_set_block_size(s->press, block_size);
+    kvc_press *p = NULL;
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_block_size(p, block_size);
+}
+
+kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window) {
+    kvc_press *p = NULL;
+    KVC_TRY(last_press(s, &p));
+    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "key_channel_compression_ratio must be in [0, 1), got %g", ratio);
+    if (window < 1) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 1, got %d", window);
+    p->key_channel_ratio = ratio;
+    p->channel_window = window;
+    return KVC_OK;
 }
 
 kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {

@@ -281,6 +281,11 @@ KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *k
 /* BlockPress: the attached press selects block by block (kept rows + the next block_size rows, scored
  * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
 KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
+/* ThinKPress: after the press's token eviction, each KV head's int(d x ratio) key channels of lowest
+ * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are set to
+ * zero in every cached row, as kvpress does: the K store keeps its head dim (no memory is freed). */
+KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window);
+/* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */

@@ -37,6 +37,8 @@ typedef struct kvc_press {
     int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
     int64_t *head_keep;    /* [L * Hkv] given rows per head (DuoAttention; -1: all), or NULL */
     int64_t block_size;    /* BlockPress: select block by block over kept + block (0: off) */
+    double key_channel_ratio; /* ThinKPress: fraction of key channels zeroed per KV head (0: off) */
+    int32_t channel_window;   /* ThinKPress: window queries that score the channels */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -99,6 +101,9 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
                             int64_t *const *keep, int64_t *n_keep);
 /* Whether a config selects each head's own top k (the backend's top-k kernel can do it). */
 int kvc_press_per_head_topk(const kvc_press_config *p);
+
+/* ---- think.c: ThinKPress (key channels) ---- */
+kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
 
 /* ---- rerotate.c: KeyRerotationPress ---- */
 kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);

@@ -25,9 +25,10 @@ from .key_rerotation import KeyRerotationPress
 # issue 16b: presses whose files come from a model hub, read from a local path
 from .duo_attention import DuoAttentionPress
 from .per_layer_compression import PerLayerCompressionPress
+from .think import ThinKPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
 __all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",  # issue 16b
-            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress", "BlockPress"]
+            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress", "BlockPress", "ThinKPress"]

@@ -10,21 +10,21 @@ class ComposedPress(BasePress):
     """kvpress ComposedPress: the presses compress each layer one after the other, each on what the
     previous one kept (the same queries; evicted for real after each). Kept fraction: the product of
     theirs. Members are presses that act after each layer's attention (scorer presses, Ada-KV, ChunkKV,
-    PyramidKV); ObservedAttention only first."""
+    PyramidKV, BlockPress, PerLayerCompressionPress, ThinKPress, DuoAttentionPress); ObservedAttention only
+    first; not KeyRerotationPress (its keys must sit at their original positions)."""
     presses: list = field(default_factory=list)
 
     def __post_init__(self):
         from .decoding import DecodingPress
-        from .block import BlockPress
         from .key_rerotation import KeyRerotationPress
         if not isinstance(self.presses, (list, tuple)) or not self.presses:
             raise ValueError("ComposedPress takes a non-empty list of presses")
         for p in self.presses:
-            if not isinstance(p, BasePress) or isinstance(p, (DecodingPress, ComposedPress, KeyRerotationPress, BlockPress)) or p.prefill_part is not p \
+            if not isinstance(p, BasePress) or isinstance(p, (DecodingPress, ComposedPress, KeyRerotationPress)) or p.prefill_part is not p \
                     or not p.attach_to_session or type(p).prefill is not BasePress.prefill:
                 raise ValueError(f"ComposedPress members act after each layer's attention (scorer presses, AdaKVPress, "
                                  f"ChunkKVPress...); {type(p).__name__} cannot be one")
-        if any(p.c_config().get("scorer") == 4 for p in self.presses[1:]):
+        if any(p.c_config().get("scorer") == 4 and not p.is_noop for p in self.presses[1:]):
             raise ValueError("ObservedAttentionPress can only be the first press of a ComposedPress")
 
     @property
@@ -43,5 +43,6 @@ class ComposedPress(BasePress):
 
     def before_prefill(self, session, n: int, config: dict) -> None:
         self.presses[0].before_prefill(session, n, config)
-        for p in self.presses[1:]:
+        for p in self.presses[1:]:  # each member's own settings apply to it, the chain's last press
             session.add_press(**p.c_config())
+            p.before_prefill(session, n, config)
