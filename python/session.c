@@ -322,6 +322,16 @@ static PyObject *Session_set_key_channels(SessionObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_set_key_filters(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *f = (PyArrayObject *)PyArray_FROMANY(arg, NPY_FLOAT32, 1, 3, NPY_ARRAY_C_CONTIGUOUS);
+    if (!f) return NULL;
+    kvc_status st = kvc_session_set_key_filters(self->session, (const float *)PyArray_DATA(f), (int64_t)PyArray_SIZE(f));
+    Py_DECREF(f);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -574,6 +584,8 @@ static PyMethodDef Session_methods[] = {
      "set_block_size(b): the attached press selects block by block (BlockPress); 0 turns it off."},
     {"set_key_channels", (PyCFunction)Session_set_key_channels, METH_VARARGS,
      "set_key_channels(ratio, window): ThinK key-channel pruning by the attached press (channels zeroed)."},
+    {"set_key_filters", (PyCFunction)Session_set_key_filters, METH_O,
+     "set_key_filters(filters[L, Hkv, d]): Q-filter scores -<k, filter> for the attached press (QFilterPress)."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

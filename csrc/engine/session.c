@@ -183,6 +183,13 @@ kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size) {
     return kvc_press_set_block_size(p, block_size);
 }
 
+kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n) {
+    kvc_press *p = NULL;
+    if (!filters) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_key_filters(p, filters, n, s->model->cfg.head_dim);
+}
+
 kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window) {
     kvc_press *p = NULL;
     KVC_TRY(last_press(s, &p));

@@ -285,6 +285,9 @@ KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size
  * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are set to
  * zero in every cached row, as kvpress does: the K store keeps its head dim (no memory is freed). */
 KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window);
+/* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
+ * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
+KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -39,6 +39,7 @@ typedef struct kvc_press {
     int64_t block_size;    /* BlockPress: select block by block over kept + block (0: off) */
     double key_channel_ratio; /* ThinKPress: fraction of key channels zeroed per KV head (0: off) */
     int32_t channel_window;   /* ThinKPress: window queries that score the channels */
+    float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -62,6 +63,7 @@ kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32
 kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_t n_layers);
 kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n);
 kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
+kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */

@@ -25,6 +25,7 @@ void kvc_press_free(kvc_press *p) {
     if (p->dev_scores) p->be->free(p->dev_scores);
     free(p->layer_ratios);
     free(p->head_keep);
+    free(p->key_filters);
     kvc_press_free(p->next);
     free(p);
 }
@@ -167,6 +168,46 @@ static kvc_status block_select(kvc_press *p, const kvc_press_config *cfg, kvc_se
     return st;
 }
 
+kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d) {
+    if (n != (int64_t)p->n_layers * p->n_kv * d)
+        return kvc_fail(KVC_ERR_ARG, "need key filters of shape [%d layers, %d KV heads, %d], got %lld values", p->n_layers,
+                        p->n_kv, d, (long long)n);
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size)
+        return kvc_fail(KVC_ERR_ARG, "Q-filters score with uniform top-k per head: use them with a plain budget");
+    if (!p->key_filters && !(p->key_filters = malloc(sizeof(float) * (size_t)n)))
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: key filters");
+    memcpy(p->key_filters, filters, sizeof(float) * (size_t)n);
+    return KVC_OK;
+}
+
+/* QFilterPress: scores -<k_r, filter[layer][h]> on the host (the rows come through kv_read), uploaded to the
+ * backend's score buffer, then each head's top k there. */
+static kvc_status filter_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
+                                const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    const int32_t d = s->model->cfg.head_dim;
+    const kvc_layer_cache *L = &s->cache.layers[ctx->layer];
+    int64_t maxlen = 1;
+    for (int32_t h = 0; h < p->n_kv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
+    KVC_TRY(kvc_score_buffer(s->be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    float *k = malloc(sizeof(float) * (size_t)maxlen * (size_t)d);
+    kvc_status st = k ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: Q-filter scores");
+    for (int32_t h = 0; h < p->n_kv && st == KVC_OK; h++) {
+        const float *f = p->key_filters + ((size_t)ctx->layer * p->n_kv + h) * d;
+        st = s->be->kv_read(L->kv, h, 0, len[h], k, NULL);
+        for (int64_t r = 0; r < len[h] && st == KVC_OK; r++) {
+            double dot = 0;
+            for (int32_t j = 0; j < d; j++) dot += (double)k[r * d + j] * f[j];
+            scores[h][r] = (float)-dot;
+        }
+        if (st == KVC_OK) st = s->be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32);
+        const int64_t kk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, len[h]);
+        n_keep[h] = kk < len[h] ? kk : len[h];
+    }
+    free(k);
+    if (st != KVC_OK) return st;
+    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
+}
+
 /* TADA statistics: E_internal (the scores over heads and past rows) and 1 - cos(R, R + O) over the
  * window tokens (the last one without a window). */
 static kvc_status layer_stats(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *len,
@@ -279,7 +320,8 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     }
     const double t0 = now_seconds();
     int reused = 0;
-    if (st == KVC_OK) st = p->head_keep    ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+    if (st == KVC_OK) st = p->key_filters  ? filter_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+                           : p->head_keep    ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                            : p->block_size ? block_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                                            : choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
     p->layer_seconds[layer] = now_seconds() - t0;
