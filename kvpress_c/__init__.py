@@ -14,7 +14,7 @@ from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress,
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress
 from .presses import BlockPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # issue 16b: wrappers
 from .presses import ThinKPress  # issue 16b: key channels
-from .presses import DuoAttentionPress, QFilterPress  # issue 16b: hub files from a local path
+from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # issue 16b: hub files from a local path
 
 __version__ = _core.__version__
 

@@ -332,6 +332,41 @@ static PyObject *Session_set_key_filters(SessionObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_kvzap(hidden_dim, w1, b1, w2=None, b2=None) */
+static PyObject *Session_set_kvzap(SessionObject *self, PyObject *args) {
+    int hid;
+    PyObject *o[4] = {NULL, NULL, Py_None, Py_None};
+    if (!PyArg_ParseTuple(args, "iOO|OO", &hid, &o[0], &o[1], &o[2], &o[3])) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *a[4] = {NULL, NULL, NULL, NULL};
+    for (int i = 0; i < 4; i++) {
+        if (o[i] == Py_None) continue;
+        a[i] = (PyArrayObject *)PyArray_FROMANY(o[i], NPY_FLOAT32, 1, 3, NPY_ARRAY_C_CONTIGUOUS);
+        if (!a[i]) {
+            for (int j = 0; j < i; j++) Py_XDECREF(a[j]);
+            return NULL;
+        }
+    }
+    kvc_config c;
+    kvc_model_get_config(self->model->model, &c);
+    const int64_t o1 = hid > 0 ? hid : c.n_kv_heads;
+    const int64_t want[4] = {(int64_t)c.n_layers * o1 * c.hidden, (int64_t)c.n_layers * o1,
+                             (int64_t)c.n_layers * c.n_kv_heads * o1, (int64_t)c.n_layers * c.n_kv_heads};
+    kvc_status st = KVC_OK;
+    for (int i = 0; i < (hid > 0 ? 4 : 2); i++)
+        if (!a[i] || PyArray_SIZE(a[i]) != want[i]) {
+            PyErr_Format(PyExc_ValueError, "KVzap weight %d has %lld values, this model needs %lld", i,
+                         a[i] ? (long long)PyArray_SIZE(a[i]) : 0LL, (long long)want[i]);
+            for (int j = 0; j < 4; j++) Py_XDECREF(a[j]);
+            return NULL;
+        }
+    st = kvc_session_set_kvzap(self->session, hid, (const float *)PyArray_DATA(a[0]), (const float *)PyArray_DATA(a[1]),
+                                   a[2] ? (const float *)PyArray_DATA(a[2]) : NULL, a[3] ? (const float *)PyArray_DATA(a[3]) : NULL);
+    for (int i = 0; i < 4; i++) Py_XDECREF(a[i]);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -586,6 +621,8 @@ static PyMethodDef Session_methods[] = {
      "set_key_channels(ratio, window): ThinK key-channel pruning by the attached press (channels zeroed)."},
     {"set_key_filters", (PyCFunction)Session_set_key_filters, METH_O,
      "set_key_filters(filters[L, Hkv, d]): Q-filter scores -<k, filter> for the attached press (QFilterPress)."},
+    {"set_kvzap", (PyCFunction)Session_set_kvzap, METH_VARARGS,
+     "set_kvzap(hidden_dim, w1, b1, w2=None, b2=None): KVzap scores for the attached press (KVzapPress)."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

@@ -166,7 +166,8 @@ static kvc_layer_ctx layer_ctx(const kvc_session *s, int32_t l, int64_t n, const
     const kvc_config *c = &s->model->cfg;
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, ldq = qd + 2 * (int64_t)c->n_kv_heads * c->head_dim;
     kvc_layer_ctx ctx = {l, n, past, kvc_view_of(s->act.qkv, 0, ldq), kvc_view_of(s->act.att, 0, qd),
-                         kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden)};
+                         kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden),
+                         kvc_view_of(s->act.xn, 0, c->hidden)};
     return ctx;
 }
 

@@ -190,6 +190,19 @@ kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int
     return kvc_press_set_key_filters(p, filters, n, s->model->cfg.head_dim);
 }
 
+kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
+                                 const float *b2) {
+    kvc_press *p = NULL;
+    KVC_TRY(last_press(s, &p));
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size || p->key_filters)
+        return kvc_fail(KVC_ERR_ARG, "KVzap scores with uniform top-k per head: use it with a plain budget");
+    kvc_kvzap *z = NULL;
+    KVC_TRY(kvc_kvzap_new(&s->model->cfg, hidden_dim, w1, b1, w2, b2, &z));
+    kvc_kvzap_free(p->kvzap);
+    p->kvzap = z;
+    return KVC_OK;
+}
+
 kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window) {
     kvc_press *p = NULL;
     KVC_TRY(last_press(s, &p));

@@ -17,6 +17,7 @@ typedef struct kvc_layer_ctx {
     kvc_view attn;           /* [n, H*d] attention output before o_proj */
     kvc_view o;              /* [n, D] attention block output (after o_proj) */
     kvc_view resid;          /* [n, D] f32 residual stream entering the block */
+    kvc_view xn;             /* [n, D] the block's normed input (buf NULL where not given) */
 } kvc_layer_ctx;
 
 struct kvc_session;

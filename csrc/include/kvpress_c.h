@@ -288,6 +288,12 @@ KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, in
 /* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
  * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
 KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);
+/* KVzapPress: the press scores the rows of a prefill (into an empty session) with a per-layer model of the
+ * attention block's normed input x [n, D]: hidden_dim 0: s = x W1^T + b1 (W1 [L, Hkv, D], b1 [L, Hkv]);
+ * else s = GELU(x W1^T + b1) W2^T + b2 (W1 [L, hidden_dim, D], b1 [L, hidden_dim], W2 [L, Hkv, hidden_dim],
+ * b2 [L, Hkv]; exact erf GELU). Scores are computed on the host, in float64 accumulation. */
+KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
+                                         const float *w2, const float *b2);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
 /* ---------------------------------------------------------------------------------------------- */

@@ -40,6 +40,7 @@ typedef struct kvc_press {
     double key_channel_ratio; /* ThinKPress: fraction of key channels zeroed per KV head (0: off) */
     int32_t channel_window;   /* ThinKPress: window queries that score the channels */
     float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
+    struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -106,6 +107,14 @@ int kvc_press_per_head_topk(const kvc_press_config *p);
 
 /* ---- think.c: ThinKPress (key channels) ---- */
 kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
+
+/* ---- kvzap.c: KVzapPress (a per-layer linear model or MLP on the hidden states) ---- */
+typedef struct kvc_kvzap kvc_kvzap;
+kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
+                         const float *b2, kvc_kvzap **out);
+void kvc_kvzap_free(kvc_kvzap *z);
+/* scores[h][r] for the n rows of this call (the layer must hold only them: past 0) */
+kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores);
 
 /* ---- rerotate.c: KeyRerotationPress ---- */
 kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);

@@ -26,6 +26,7 @@ void kvc_press_free(kvc_press *p) {
     free(p->layer_ratios);
     free(p->head_keep);
     free(p->key_filters);
+    kvc_kvzap_free(p->kvzap);
     kvc_press_free(p->next);
     free(p);
 }
@@ -180,10 +181,32 @@ kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t
     return KVC_OK;
 }
 
+/* KVzapPress: the surrogate model's scores of this call's rows (host), uploaded, each head's top k. */
+static kvc_status kvzap_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
+                               const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    int64_t maxlen = 1;
+    for (int32_t h = 0; h < p->n_kv; h++) {
+        if (len[h] != ctx->n)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "KVzapPress scores the rows of one prefill from their hidden states: the "
+                            "session must be empty before it (head %d holds %lld rows, the call %lld)", h,
+                            (long long)len[h], (long long)ctx->n);
+        maxlen = len[h] > maxlen ? len[h] : maxlen;
+    }
+    KVC_TRY(kvc_score_buffer(s->be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    KVC_TRY(kvc_kvzap_scores(p->kvzap, s->be, ctx, scores));
+    for (int32_t h = 0; h < p->n_kv; h++) {
+        KVC_TRY(s->be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32));
+        const int64_t kk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, len[h]);
+        n_keep[h] = kk < len[h] ? kk : len[h];
+    }
+    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
+}
+
 /* QFilterPress: scores -<k_r, filter[layer][h]> on the host (the rows come through kv_read), uploaded to the
  * backend's score buffer, then each head's top k there. */
 static kvc_status filter_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                                 const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    if (p->kvzap) return kvzap_select(p, cfg, s, ctx, len, scores, keep, n_keep);
     const int32_t d = s->model->cfg.head_dim;
     const kvc_layer_cache *L = &s->cache.layers[ctx->layer];
     int64_t maxlen = 1;
@@ -320,7 +343,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     }
     const double t0 = now_seconds();
     int reused = 0;
-    if (st == KVC_OK) st = p->key_filters  ? filter_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+    if (st == KVC_OK) st = p->key_filters || p->kvzap ? filter_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                            : p->head_keep    ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                            : p->block_size ? block_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                                            : choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);

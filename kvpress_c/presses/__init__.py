@@ -24,6 +24,7 @@ from .composed import ComposedPress
 from .key_rerotation import KeyRerotationPress
 # issue 16b: presses whose files come from a model hub, read from a local path
 from .duo_attention import DuoAttentionPress
+from .kvzap import KVzapPress
 from .qfilter import QFilterPress
 from .per_layer_compression import PerLayerCompressionPress
 from .think import ThinKPress
@@ -32,4 +33,4 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress"]
 __all__ += ["DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",  # issue 16b
-            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress", "BlockPress", "ThinKPress", "QFilterPress"]
+            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "DuoAttentionPress", "BlockPress", "ThinKPress", "QFilterPress", "KVzapPress"]
