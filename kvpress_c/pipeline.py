@@ -228,9 +228,10 @@ class Pipeline:
                 stats["decode_s"] += dt  # wall time of the batched decode these presses shared
                 stats["new_tokens"] += len(out)
                 stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], session.peak_cache_bytes)
-                if contexts[k] is not None:
-                    session.reset()  # the decoding press stays attached, its counters cleared
-                    session.copy_cache_from(contexts[k])
+                if decoding[k]:  # its rows were evicted while decoding: the next question starts from the copy
+                    if contexts[k] is not None and qi + 1 < len(parts):
+                        session.reset()  # the decoding press stays attached, its counters cleared
+                        session.copy_cache_from(contexts[k])
                 elif not query_aware:
                     session.truncate(*saved[k])
         device = getattr(self.model, "device", "cpu")
