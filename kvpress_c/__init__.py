@@ -10,8 +10,12 @@ from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
 from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
                       ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
-from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress,  # issue 16: kvpress's
-                      LagKVPress, NonCausalAttnPress)  # scorers
+from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress, LagKVPress,
+                      NonCausalAttnPress)  # kvpress's scorers
+from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress  # compression while decoding
+from .presses import BlockPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
+from .presses import ThinKPress  # key channels
+from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # hub files, read from a local path
 
 __version__ = _core.__version__
 

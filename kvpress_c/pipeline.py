@@ -102,24 +102,29 @@ class Pipeline:
         warn_past_context(self.model, len(parts[0][0]) + max(len(q) for _, q in parts) + max_new_tokens)
         per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n, shared) per prompt
         prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
+        # a press acts on the prefill (prefill_part) and/or while decoding (decoding_config)
+        decoding = [p.decoding_config() if p is not None else None for p in presses]
+        presses = [p.prefill_part if p is not None else None for p in presses]
         for pi, ids in enumerate(prompts):
             q_ids = parts[pi][1] if query_aware else None
-            for k, entry in self._prefill_all(ids, presses, record_scores, q_ids):
+            for k, entry in self._prefill_all(ids, presses, record_scores, q_ids, decoding):
                 per_press[k].append(entry)
-        return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores)
+        return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores, decoding)
 
     @staticmethod
     def _shares_prefill(press, ids, question_ids=None) -> bool:
         return press is None or press.is_noop or press.compresses_full_cache(ids, question_ids) or (
             press.attach_to_session and type(press).prefill is BasePress.prefill)
 
-    def _session(self, press, record_scores: bool):
+    def _session(self, press, record_scores: bool, decoding: Optional[dict] = None):
         session = self.model.new_session(0)
         if press is not None and not press.is_noop and press.attach_to_session:
             session.set_press(record_scores=record_scores, **press.c_config())
+        if decoding:
+            session.set_decoding_press(**decoding)
         return session
 
-    def _prefill_all(self, ids, presses, record, question_ids):
+    def _prefill_all(self, ids, presses, record, question_ids, decoding):
         """Yield (press index, (session, logits, prefill_s, n_prompt, shared)) for every press."""
         arr = np.asarray(ids, dtype=np.int32)
         cfg = self.model.config
@@ -129,7 +134,7 @@ class Pipeline:
         if shared == copies and len(copies) == 1:
             shared = []  # alone, its own prefill is as fast and holds one full cache, not two
         if shared:
-            sessions = {k: self._session(presses[k], record) for k in shared}
+            sessions = {k: self._session(presses[k], record, decoding[k]) for k in shared}
             followers = [k for k in shared if k not in full and k not in copies]
             leader = sessions[full[0]] if full else self.model.new_session(0)
             for k in followers:
@@ -155,7 +160,7 @@ class Pipeline:
         for k, press in enumerate(presses):
             if k in shared:
                 continue
-            session = self._session(press, record)
+            session = self._session(press, record, decoding[k])
             t0 = time.perf_counter()
             logits = press.prefill(session, arr, cfg, question_ids=question_ids)
             yield k, (session, logits, time.perf_counter() - t0, len(arr), False)
@@ -193,7 +198,7 @@ class Pipeline:
             stats["gpu_memory"] = _core.memory_stats(device)
         return kept, stats, errors
 
-    def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record):
+    def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record, decoding):
         """Decode every press's answers together (batched decode across the presses' sessions)."""
         collected = [self._collect(s, n, t, shared, record) for s, _, t, n, shared in (e[0] for e in per_press)]
         answers = [[] for _ in per_press]
@@ -201,6 +206,13 @@ class Pipeline:
             for session, *_ in entries:
                 session.set_press(None)
         saved = [(e[0][0].cache_lengths(), e[0][0].position) for e in per_press] if not query_aware else None
+        # a decoding press evicts context rows too: the next question starts from a copy of the context
+        contexts = [None] * len(per_press)
+        if not query_aware and len(parts) > 1:
+            for k, entries in enumerate(per_press):
+                if decoding[k]:
+                    contexts[k] = self.model.new_session(0)
+                    contexts[k].copy_cache_from(entries[0][0])
         for qi, (_, q_ids) in enumerate(parts):
             t0 = time.perf_counter()
             if query_aware:
@@ -217,7 +229,11 @@ class Pipeline:
                 stats["decode_s"] += dt  # wall time of the batched decode these presses shared
                 stats["new_tokens"] += len(out)
                 stats["peak_kv_bytes"] = max(stats["peak_kv_bytes"], session.peak_cache_bytes)
-                if not query_aware:
+                if decoding[k]:  # its rows were evicted while decoding: the next question starts from the copy
+                    if contexts[k] is not None and qi + 1 < len(parts):
+                        session.reset()  # the decoding press stays attached, its counters cleared
+                        session.copy_cache_from(contexts[k])
+                elif not query_aware:
                     session.truncate(*saved[k])
         device = getattr(self.model, "device", "cpu")
         if device != "cpu":

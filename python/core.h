@@ -60,6 +60,8 @@ PyObject *kvc_py_forward_batch(PyObject *m, PyObject *args);
 /* Press settings from keyword arguments (kvc_press_config field names), on top of the defaults. 0 or -1. */
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *out);
 extern PyMethodDef kvc_py_press_methods[];
+/* A decoding press from keyword arguments: its own fields and the base press's (kvc_press_config names). */
+int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *out);
 int kvc_py_press_constants(PyObject *module);
 
 /* judgeq.c, device.c */

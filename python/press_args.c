@@ -33,6 +33,49 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     return 0;
 }
 
+/* ---- decoding presses (issue 16b): the decoding fields, the rest is the base press's ---- */
+int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *c) {
+    kvc_decoding_config_defaults(c);
+    PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
+    if (!rest) return -1;
+    static const char *keys[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
+                                 "hidden_states_buffer_size"};
+    PyObject *mine = PyDict_New();
+    int r = mine ? 0 : -1;
+    for (int i = 0; i < 5 && r == 0; i++) {
+        PyObject *v = PyDict_GetItemString(rest, keys[i]); /* borrowed */
+        if (v && (PyDict_SetItemString(mine, keys[i], v) < 0 || PyDict_DelItemString(rest, keys[i]) < 0)) r = -1;
+    }
+    if (r == 0) {
+        static char *kw[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
+                             "hidden_states_buffer_size", NULL};
+        long long interval = c->compression_interval, target = c->target_size;
+        PyObject *empty = PyTuple_New(0);
+        r = empty && PyArg_ParseTupleAndKeywords(empty, mine, "|$LLpdi", kw, &interval, &target, &c->ratio_target,
+                                                 &c->target_compression_ratio, &c->hidden_states_buffer_size) ? 0 : -1;
+        Py_XDECREF(empty);
+        c->compression_interval = interval;
+        c->target_size = target;
+    }
+    if (r == 0) r = kvc_py_press_config(rest, &c->base);
+    Py_XDECREF(mine);
+    Py_DECREF(rest);
+    return r;
+}
+
+/* decoding_config_check(**settings): ValueError with the C message when kvc_decoding_config_check refuses them. */
+static PyObject *mod_decoding_config_check(PyObject *m, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "decoding_config_check takes keyword arguments only");
+        return NULL;
+    }
+    kvc_decoding_config c;
+    if (kvc_py_decoding_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_decoding_config_check(&c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 /* press_config_check(**settings): ValueError with the C message when kvc_press_config_check refuses them. */
 static PyObject *mod_press_config_check(PyObject *m, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) != 0) {
@@ -85,6 +128,8 @@ static PyObject *mod_tada_allocate(PyObject *m, PyObject *args) {
 PyMethodDef kvc_py_press_methods[] = {
     {"press_config_check", (PyCFunction)(void (*)(void))mod_press_config_check, METH_VARARGS | METH_KEYWORDS,
      "press_config_check(**settings): ValueError with the reason if the C core refuses these press settings."},
+    {"decoding_config_check", (PyCFunction)(void (*)(void))mod_decoding_config_check, METH_VARARGS | METH_KEYWORDS,
+     "decoding_config_check(**settings): the C check of a decoding press (its fields and the base press's)."},
     {"press_kept", (PyCFunction)(void (*)(void))mod_press_kept, METH_VARARGS | METH_KEYWORDS,
      "press_kept(n, layer=0, n_layers=1, **settings) -> tokens a KV head of n rows keeps (the C budget rule)."},
     {"tada_allocate", mod_tada_allocate, METH_VARARGS,

@@ -260,6 +260,136 @@ static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
+/* issue 16b wrappers: add_press(**settings) (ComposedPress), set_layer_ratios(ratios) (PerLayerCompressionPress) */
+static PyObject *Session_add_press(SessionObject *self, PyObject *args, PyObject *kwds) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "add_press takes keyword arguments (the fields of kvc_press_config)");
+        return NULL;
+    }
+    kvc_press_config c;
+    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_session_add_press(self->session, &c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_layer_ratios(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *r = (PyArrayObject *)PyArray_FROMANY(arg, NPY_FLOAT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
+    if (!r) return NULL;
+    kvc_status st = kvc_session_set_layer_ratios(self->session, (const double *)PyArray_DATA(r), (int32_t)PyArray_DIM(r, 0));
+    Py_DECREF(r);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_key_rerotation(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    kvc_status st = kvc_session_set_key_rerotation(self->session, on);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_head_budgets(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *k = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 2, NPY_ARRAY_C_CONTIGUOUS);
+    if (!k) return NULL;
+    kvc_status st = kvc_session_set_head_budgets(self->session, (const int64_t *)PyArray_DATA(k), (int64_t)PyArray_SIZE(k));
+    Py_DECREF(k);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_block_size(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const long long b = PyLong_AsLongLong(arg);
+    if (b == -1 && PyErr_Occurred()) return NULL;
+    kvc_status st = kvc_session_set_block_size(self->session, b);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_key_channels(SessionObject *self, PyObject *args) {
+    double ratio;
+    int window;
+    if (!PyArg_ParseTuple(args, "di", &ratio, &window)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_status st = kvc_session_set_key_channels(self->session, ratio, window);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_key_filters(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *f = (PyArrayObject *)PyArray_FROMANY(arg, NPY_FLOAT32, 1, 3, NPY_ARRAY_C_CONTIGUOUS);
+    if (!f) return NULL;
+    kvc_status st = kvc_session_set_key_filters(self->session, (const float *)PyArray_DATA(f), (int64_t)PyArray_SIZE(f));
+    Py_DECREF(f);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* set_kvzap(hidden_dim, w1, b1, w2=None, b2=None) */
+static PyObject *Session_set_kvzap(SessionObject *self, PyObject *args) {
+    int hid;
+    PyObject *o[4] = {NULL, NULL, Py_None, Py_None};
+    if (!PyArg_ParseTuple(args, "iOO|OO", &hid, &o[0], &o[1], &o[2], &o[3])) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *a[4] = {NULL, NULL, NULL, NULL};
+    for (int i = 0; i < 4; i++) {
+        if (o[i] == Py_None) continue;
+        a[i] = (PyArrayObject *)PyArray_FROMANY(o[i], NPY_FLOAT32, 1, 3, NPY_ARRAY_C_CONTIGUOUS);
+        if (!a[i]) {
+            for (int j = 0; j < i; j++) Py_XDECREF(a[j]);
+            return NULL;
+        }
+    }
+    kvc_config c;
+    kvc_model_get_config(self->model->model, &c);
+    const int64_t o1 = hid > 0 ? hid : c.n_kv_heads;
+    const int64_t want[4] = {(int64_t)c.n_layers * o1 * c.hidden, (int64_t)c.n_layers * o1,
+                             (int64_t)c.n_layers * c.n_kv_heads * o1, (int64_t)c.n_layers * c.n_kv_heads};
+    kvc_status st = KVC_OK;
+    for (int i = 0; i < (hid > 0 ? 4 : 2); i++)
+        if (!a[i] || PyArray_SIZE(a[i]) != want[i]) {
+            PyErr_Format(PyExc_ValueError, "KVzap weight %d has %lld values, this model needs %lld", i,
+                         a[i] ? (long long)PyArray_SIZE(a[i]) : 0LL, (long long)want[i]);
+            for (int j = 0; j < 4; j++) Py_XDECREF(a[j]);
+            return NULL;
+        }
+    st = kvc_session_set_kvzap(self->session, hid, (const float *)PyArray_DATA(a[0]), (const float *)PyArray_DATA(a[1]),
+                                   a[2] ? (const float *)PyArray_DATA(a[2]) : NULL, a[3] ? (const float *)PyArray_DATA(a[3]) : NULL);
+    for (int i = 0; i < 4; i++) Py_XDECREF(a[i]);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
+        kvc_session_set_decoding_press(self->session, NULL);
+        Py_RETURN_NONE;
+    }
+    if (PyTuple_GET_SIZE(args) != 0) {
+        PyErr_SetString(PyExc_TypeError, "set_decoding_press takes None or keyword arguments (kvc_decoding_config fields "
+                                         "and the base press's kvc_press_config fields)");
+        return NULL;
+    }
+    kvc_decoding_config c;
+    if (kvc_py_decoding_config(kwds, &c) < 0) return NULL;
+    kvc_status st = kvc_session_set_decoding_press(self->session, &c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_get_decoding_compressions(SessionObject *self, void *c) {
+    if (!self->session) Py_RETURN_NONE;
+    return PyLong_FromLongLong(kvc_session_decoding_compressions(self->session));
+}
+
 static PyObject *Session_cache_positions(SessionObject *self, PyObject *args) {
     int layer, head;
     if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
@@ -477,6 +607,25 @@ static PyMethodDef Session_methods[] = {
     {"set_press", (PyCFunction)(void (*)(void))Session_set_press, METH_VARARGS | METH_KEYWORDS,
      "set_press(None) or set_press(scorer=..., allocation=..., compression_ratio=..., budget=..., ...):\n"
      "attach the press that compresses the next prefill (fields of kvc_press_config)."},
+    {"add_press", (PyCFunction)(void (*)(void))Session_add_press, METH_VARARGS | METH_KEYWORDS,
+     "add_press(scorer=..., ...): a press that compresses, layer by layer, what the attached press kept (ComposedPress)."},
+    {"set_layer_ratios", (PyCFunction)Session_set_layer_ratios, METH_O,
+     "set_layer_ratios(ratios[L]): each layer's compression_ratio for the attached press (PerLayerCompressionPress)."},
+    {"set_key_rerotation", (PyCFunction)Session_set_key_rerotation, METH_O,
+     "set_key_rerotation(on): the attached press re-rotates kept keys to positions 0 .. n_kept - 1 (KeyRerotationPress)."},
+    {"set_head_budgets", (PyCFunction)Session_set_head_budgets, METH_O,
+     "set_head_budgets(keep[L, Hkv]): rows each head keeps (-1: all) instead of the press budget (DuoAttention)."},
+    {"set_block_size", (PyCFunction)Session_set_block_size, METH_O,
+     "set_block_size(b): the attached press selects block by block (BlockPress); 0 turns it off."},
+    {"set_key_channels", (PyCFunction)Session_set_key_channels, METH_VARARGS,
+     "set_key_channels(ratio, window): ThinK key-channel pruning by the attached press (channels zeroed)."},
+    {"set_key_filters", (PyCFunction)Session_set_key_filters, METH_O,
+     "set_key_filters(filters[L, Hkv, d]): Q-filter scores -<k, filter> for the attached press (QFilterPress)."},
+    {"set_kvzap", (PyCFunction)Session_set_kvzap, METH_VARARGS,
+     "set_kvzap(hidden_dim, w1, b1, w2=None, b2=None): KVzap scores for the attached press (KVzapPress)."},
+    {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
+     "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
+     "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},
     {"cache_positions", (PyCFunction)Session_cache_positions, METH_VARARGS, "cache_positions(layer, kv_head): original positions of the kept rows (int64)."},
     {"press_scores", (PyCFunction)Session_press_scores, METH_VARARGS, "press_scores(layer, kv_head): scores of the last compression (record_scores)."},
     {"press_error", (PyCFunction)Session_press_error, METH_VARARGS, "press_error(layer): Ada-KV eviction loss on the window queries."},
@@ -502,6 +651,8 @@ static PyGetSetDef Session_getset[] = {
     {"peak_cache_bytes", (getter)Session_get_peak_cache_bytes, NULL, "Most bytes the KV cache held.", NULL},
     {"press_seconds", (getter)Session_get_press_seconds, NULL,
      "Wall seconds spent in the attached press since the last reset.", NULL},
+    {"decoding_compressions", (getter)Session_get_decoding_compressions, NULL,
+     "Layer compressions the decoding press made since it was attached or the session reset.", NULL},
     {"model", (getter)Session_get_model, NULL, "The model.", NULL},
     {"graph_info", (getter)Session_get_graph_info, NULL,
      "{'enabled', 'graph_steps', 'error'}: decode graphs on, steps replayed from a graph, why they were turned off.", NULL},

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "../press/press.h"
 #include "session.h"
 
 #define LOGIT_ROWS 64 /* rows of logits per chunk: a bounded buffer whatever the rows asked for */
@@ -134,6 +135,19 @@ static kvc_status run_hook(kvc_session *s, const kvc_layer_ctx *ctx) {
     return st;
 }
 
+/* The decoding press after a layer's attention in a call that is not the session's first (and not inside a
+ * prefill that swapped in its own hook: TAKE, Judge Q), timed with the press. */
+static int decoding_active(const kvc_session *s) {
+    return s->decoding && s->pos > 0 && (!s->hook || s->hook == kvc_press_hook);
+}
+
+static kvc_status run_decoding(kvc_session *s, const kvc_layer_ctx *ctx) {
+    const double t0 = now_seconds();
+    kvc_status st = kvc_decoding_hook(s->decoding, s, ctx);
+    s->press_seconds += now_seconds() - t0;
+    return st;
+}
+
 /* ---- the layer --------------------------------------------------------------------------------------- */
 
 /* The attention block up to the hook point for B sessions of n rows each (consecutive rows of the lead
@@ -205,7 +219,8 @@ static kvc_layer_ctx layer_ctx(const kvc_session *s, int32_t l, int64_t n, const
     const kvc_config *c = &s->model->cfg;
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, ldq = qd + 2 * (int64_t)c->n_kv_heads * c->head_dim;
     kvc_layer_ctx ctx = {l, n, past, kvc_view_of(s->act.qkv, 0, ldq), kvc_view_of(s->act.att, 0, qd),
-                         kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden), s->positions};
+                         kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden), s->positions,
+                         kvc_view_of(s->act.xn, 0, c->hidden)};
     return ctx;
 }
 
@@ -228,9 +243,11 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
 static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n) {
     int64_t past[KVC_MAX_KV_HEADS];
     KVC_TRY(attention_block(s, &s, 1, l, n, 0, past));
-    if (s->hook && n > 1) {
+    const int decoding = decoding_active(s);
+    if ((s->hook && n > 1) || decoding) {
         const kvc_layer_ctx ctx = layer_ctx(s, l, n, past);
-        KVC_TRY(run_hook(s, &ctx));
+        if (s->hook && n > 1) KVC_TRY(run_hook(s, &ctx));
+        if (decoding) KVC_TRY(run_decoding(s, &ctx));
     }
     for (int32_t i = 0; i < s->n_followers; i++) KVC_TRY(follower_layer(s->followers[i], s, l, n));
     return mlp_block(s, l, n);
@@ -363,7 +380,8 @@ static kvc_status forward_locked(kvc_session *s, const int32_t *ids, int64_t n_i
     const int64_t n = n_ids + n_emb;
     if (s->pos == 0 && s->capacity_hint > 0) /* preallocate every layer once for the expected sequence length */
         for (int32_t l = 0; l < c->n_layers; l++) KVC_TRY(kvc_cache_reserve(&s->cache, l, s->capacity_hint));
-    if (s->graphs && s->be->graph_capture && n_ids == 1 && n_emb == 0 && s->n_followers == 0) {
+    /* a decoding press compacts between layers on the host: its steps run eagerly */
+    if (s->graphs && s->be->graph_capture && n_ids == 1 && n_emb == 0 && s->n_followers == 0 && !s->decoding) {
         kvc_status st;
         if (decode_graph(s, ids, logits_row, logits, &st)) return st;
     }
@@ -456,19 +474,38 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
     KVC_TRY(s0->be->upload(kvc_view_of(s0->act.ids, 0, B), 1, B, ids, KVC_I32));
     KVC_TRY(s0->be->embed(s0->model->tok_embd, kvc_view_of(s0->act.ids, 0, 1), B, c->hidden,
                           kvc_view_of(s0->act.x, 0, c->hidden)));
+    uint64_t *before = malloc(sizeof(uint64_t) * (size_t)B);
+    if (!before) return kvc_fail(KVC_ERR_NOMEM, "out of memory: batched decode");
+    for (int32_t i = 0; i < B; i++) before[i] = ss[i]->cache.compactions;
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_status st = attention_block(s0, ss, B, l, 1, 0, NULL);
+        for (int32_t i = 0; i < B && st == KVC_OK; i++) {
+            if (!decoding_active(ss[i])) continue;
+            kvc_layer_ctx ctx = layer_ctx(s0, l, 1, NULL); /* session i's row of the batch */
+            ctx.q = kvc_view_at(ctx.q, i, 0);
+            ctx.attn = kvc_view_at(ctx.attn, i, 0);
+            ctx.o = kvc_view_at(ctx.o, i, 0);
+            ctx.resid = kvc_view_at(ctx.resid, i, 0);
+            st = run_decoding(ss[i], &ctx);
+        }
         if (st == KVC_OK) st = mlp_block(s0, l, B);
         if (st != KVC_OK) {
-            for (int32_t i = 0; i < B; i++) kvc_cache_drop_from(&ss[i]->cache, l, ss[i]->pos);
+            for (int32_t i = 0; i < B; i++) {
+                kvc_cache_drop_from(&ss[i]->cache, l, ss[i]->pos);
+                if (ss[i]->cache.compactions != before[i]) ss[i]->needs_reset = 1; /* evicted rows cannot come back */
+            }
+            free(before);
             return st;
         }
     }
     kvc_status st = logits_out(s0, 0, B, logits);
-    if (st != KVC_OK) {
-        for (int32_t i = 0; i < B; i++) kvc_cache_drop_from(&ss[i]->cache, c->n_layers - 1, ss[i]->pos);
-        return st;
-    }
+    if (st != KVC_OK)
+        for (int32_t i = 0; i < B; i++) {
+            kvc_cache_drop_from(&ss[i]->cache, c->n_layers - 1, ss[i]->pos);
+            if (ss[i]->cache.compactions != before[i]) ss[i]->needs_reset = 1;
+        }
+    free(before);
+    if (st != KVC_OK) return st;
     for (int32_t i = 0; i < B; i++) ss[i]->pos += 1;
     return KVC_OK;
 }

@@ -37,6 +37,7 @@ void kvc_session_free(kvc_session *s) {
     if (!s) return;
     kvc_backend_lock(s->be);
     kvc_press_free(s->press);
+    kvc_decoding_free(s->decoding);
     if (s->graph) s->be->graph_free(s->graph);
     kvc_act_free(s);
     kvc_cache_free(&s->cache);
@@ -53,6 +54,7 @@ void kvc_session_reset(kvc_session *s) {
     kvc_backend_unlock(s->be);
     s->press_seconds = 0.0;
     s->pos = 0;
+    kvc_decoding_reset(s->decoding);
     /* A clear that stopped partway leaves rows behind: the next forward must refuse, not attend to them. */
     s->needs_reset = st != KVC_OK;
 }
@@ -129,6 +131,101 @@ kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
     s->hook_user = p;
     return KVC_OK;
 }
+
+/* The press the wrapper settings apply to: the last one of the chain (ComposedPress adds a member, then sets it). */
+static kvc_status last_press(kvc_session *s, kvc_press **out) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    kvc_press *p = s->press;
+    while (p->next) p = p->next;
+    *out = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
+    if (!s || !cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first): add_press chains after it");
+    if (cfg->scorer == KVC_SCORE_OBSERVED)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "ObservedAttention cannot follow another press: it reads the attention rows of "
+                        "the uncompressed layer (put it first)");
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_press_new(cfg, &s->model->cfg, s->be, &p));
+    kvc_press *last = s->press;
+    while (last->next) last = last->next;
+    last->next = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers) {
+    kvc_press *p = NULL;
+    if (!ratios) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_layer_ratios(p, ratios, n_layers);
+}
+
+kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    if (on && s->press->next) return kvc_fail(KVC_ERR_ARG, "key re-rotation applies to a single press, not a chain");
+    s->press->rerotate = on != 0;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n) {
+    kvc_press *p = NULL;
+    if (!keep) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_head_budgets(p, keep, n);
+}
+
+kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size) {
+    kvc_press *p = NULL;
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_block_size(p, block_size);
+}
+
+kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n) {
+    kvc_press *p = NULL;
+    if (!filters) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_key_filters(p, filters, n, s->model->cfg.head_dim);
+}
+
+kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
+                                 const float *b2) {
+    kvc_press *p = NULL;
+    KVC_TRY(last_press(s, &p));
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size || p->key_filters)
+        return kvc_fail(KVC_ERR_ARG, "KVzap scores with uniform top-k per head: use it with a plain budget");
+    kvc_kvzap *z = NULL;
+    KVC_TRY(kvc_kvzap_new(&s->model->cfg, hidden_dim, w1, b1, w2, b2, &z));
+    kvc_kvzap_free(p->kvzap);
+    p->kvzap = z;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window) {
+    kvc_press *p = NULL;
+    KVC_TRY(last_press(s, &p));
+    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "key_channel_compression_ratio must be in [0, 1), got %g", ratio);
+    if (window < 1) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 1, got %d", window);
+    p->key_channel_ratio = ratio;
+    p->channel_window = window;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    kvc_decoding *d = NULL;
+    if (cfg) KVC_TRY(kvc_decoding_new(cfg, &s->model->cfg, s->be, &d));
+    kvc_backend_lock(s->be);
+    kvc_decoding_free(s->decoding);
+    kvc_backend_unlock(s->be);
+    s->decoding = d;
+    return KVC_OK;
+}
+
+int64_t kvc_session_decoding_compressions(const kvc_session *s) { return s ? kvc_decoding_count(s->decoding) : 0; }
 
 static kvc_status attached(const kvc_session *s, const kvc_press **p) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");

@@ -18,6 +18,7 @@ typedef struct kvc_layer_ctx {
     kvc_view o;              /* [n, D] attention block output (after o_proj) */
     kvc_view resid;          /* [n, D] f32 residual stream entering the block */
     const int64_t *pos;      /* host [n] positions of this call's rows; NULL: past_len[0] + i */
+    kvc_view xn;             /* [n, D] the block's normed input (buf NULL where not given) */
 } kvc_layer_ctx;
 
 struct kvc_session;
@@ -41,6 +42,7 @@ typedef struct kvc_act {
 } kvc_act;
 
 struct kvc_press;
+struct kvc_decoding;
 
 struct kvc_session {
     kvc_model *model;
@@ -56,6 +58,7 @@ struct kvc_session {
     int64_t *win;             /* host sliding-window starts (as act.win), positions_cap x Hkv at least */
     size_t win_cap;
     struct kvc_press *press;  /* the attached press (press/schedule.c), or NULL */
+    struct kvc_decoding *decoding; /* the attached decoding press (press/decoding.c), or NULL */
     kvc_layer_hook hook;      /* the hook a forward calls: the press's, or TAKE's or Judge Q's while they run */
     void *hook_user;
     /* kvc_forward_shared: sessions that receive this forward's K/V rows and run their own hook */

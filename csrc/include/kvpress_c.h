@@ -287,6 +287,66 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         float *scores, int64_t *keep, int64_t *n_keep);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress; issue 16b)                       */
+
+/* ComposedPress: after the attached press compresses a layer, this press compresses what it kept (same
+ * queries, the layer's remaining rows), and so on down the chain in the order added. Needs an attached
+ * press; ObservedAttention cannot follow (it reads the attention rows of the uncompressed layer). */
+KVC_API kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg);
+/* PerLayerCompressionPress: the attached press uses ratios[l] as layer l's compression_ratio (n_layers
+ * values in [0, 1); 0 leaves a layer as it is). The press must use compression_ratio, not a budget. */
+KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers);
+/* KeyRerotationPress: after the attached press compresses a layer of a prefill, its kept keys are re-rotated
+ * to positions 0 .. n_kept - 1 (new tokens keep their positions; cache positions stay the original ones). */
+KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
+/* Given rows per head (DuoAttention: -1 keeps a retrieval head whole, sink + recent for a streaming head):
+ * keep[layer * Hkv + h] replaces the attached press's budget; its scorer picks which rows (top k per head). */
+KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n);
+/* BlockPress: the attached press selects block by block (kept rows + the next block_size rows, scored
+ * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
+KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
+/* ThinKPress: after the press's token eviction, each KV head's int(d x ratio) key channels of lowest
+ * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are set to
+ * zero in every cached row, as kvpress does: the K store keeps its head dim (no memory is freed). */
+KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window);
+/* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
+ * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
+KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);
+/* KVzapPress: the press scores the rows of a prefill (into an empty session) with a per-layer model of the
+ * attention block's normed input x [n, D]: hidden_dim 0: s = x W1^T + b1 (W1 [L, Hkv, D], b1 [L, Hkv]);
+ * else s = GELU(x W1^T + b1) W2^T + b2 (W1 [L, hidden_dim, D], b1 [L, hidden_dim], W2 [L, Hkv, hidden_dim],
+ * b2 [L, Hkv]; exact erf GELU). Scores are computed on the host, in float64 accumulation. */
+KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
+                                         const float *w2, const float *b2);
+/* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */
+/* A decoding press rides on every forward call of a session after its first (the prefill): each call */
+/* is one kvpress "decoding step" (a single token, or a question of several). Every                   */
+/* compression_interval steps each layer is compressed, right after its attention, to target_size rows */
+/* per KV head with the base press's scorer and allocation, evicted for real (the ragged cache is     */
+/* re-packed with room for compression_interval more rows). Window scorers read the queries of the    */
+/* last steps (the buffered hidden states of kvpress, kept here as post-RoPE queries).                 */
+
+typedef struct kvc_decoding_config {
+    kvc_press_config base;            /* scorer, allocation, chunks of each compression (its ratio/budget unused) */
+    int64_t compression_interval;     /* steps between compressions (512) */
+    int64_t target_size;              /* rows kept per KV head by a compression (2048) */
+    int32_t ratio_target;             /* 1: CompressionRatioDecodingPress, target = max(1, int(tokens seen x (1 - r))) */
+    double target_compression_ratio;  /* r in [0, 1) (0.5) */
+    int32_t hidden_states_buffer_size;/* steps whose queries stay buffered between compressions (256) */
+} kvc_decoding_config;
+
+KVC_API void kvc_decoding_config_defaults(kvc_decoding_config *cfg);
+KVC_API kvc_status kvc_decoding_config_check(const kvc_decoding_config *cfg);
+/* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_set_press:
+ * kvpress PrefillDecodingPress) and survives kvc_session_reset with its counters cleared. */
+KVC_API kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg);
+/* Layer compressions the decoding press made since it was attached or the session reset. */
+KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */
 
 typedef struct kvc_take_config {

@@ -6,7 +6,8 @@
  *   allocation.c  how many rows each head keeps and which: uniform, PyramidKV, Ada-KV, layer totals
  *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
  *   schedule.c    the post-prefill schedule (kvpress's): each layer compressed after its attention
- *   take.c        TAKE's chunked prefill with probes and delayed eviction */
+ *   take.c        TAKE's chunked prefill with probes and delayed eviction
+ *   decoding.c    compression while decoding (kvpress DecodingPress) */
 #ifndef KVC_PRESS_H
 #define KVC_PRESS_H
 
@@ -30,6 +31,16 @@ typedef struct kvc_press {
     const kvc_backend *be;
     kvc_buf *dev_scores;   /* the backend's score buffer, f32 [Hkv, dev_ld] */
     int64_t dev_ld;
+    /* issue 16b wrappers */
+    double *layer_ratios;  /* [L] PerLayerCompressionPress: each layer's compression_ratio, or NULL */
+    struct kvc_press *next; /* ComposedPress: the press that compresses this one's result next, or NULL */
+    int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
+    int64_t *head_keep;    /* [L * Hkv] given rows per head (DuoAttention; -1: all), or NULL */
+    int64_t block_size;    /* BlockPress: select block by block over kept + block (0: off) */
+    double key_channel_ratio; /* ThinKPress: fraction of key channels zeroed per KV head (0: off) */
+    int32_t channel_window;   /* ThinKPress: window queries that score the channels */
+    float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
+    struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -50,6 +61,10 @@ void kvc_press_free(kvc_press *p);
 kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx);
 kvc_status kvc_press_recorded_scores(const kvc_press *p, int32_t layer, int32_t h, float *out, int64_t *n);
 kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32_t n_layers);
+kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_t n_layers);
+kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n);
+kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
+kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */
@@ -108,6 +123,30 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
                             int64_t *const *keep, int64_t *n_keep);
 /* Whether a config selects each head's own top k (the backend's top-k kernel can do it). */
 int kvc_press_per_head_topk(const kvc_press_config *p);
+
+/* ---- think.c: ThinKPress (key channels) ---- */
+kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
+
+/* ---- kvzap.c: KVzapPress (a per-layer linear model or MLP on the hidden states) ---- */
+typedef struct kvc_kvzap kvc_kvzap;
+kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
+                         const float *b2, kvc_kvzap **out);
+void kvc_kvzap_free(kvc_kvzap *z);
+/* scores[h][r] for the n rows of this call (the layer must hold only them: past 0) */
+kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores);
+
+/* ---- rerotate.c: KeyRerotationPress ---- */
+kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);
+
+/* ---- decoding.c: compression while decoding (kvc_decoding_config) ---- */
+typedef struct kvc_decoding kvc_decoding;
+kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_decoding **out);
+void kvc_decoding_free(kvc_decoding *d);
+/* Counters and buffers back to the start (a session reset). */
+void kvc_decoding_reset(kvc_decoding *d);
+int64_t kvc_decoding_count(const kvc_decoding *d);
+/* After the attention of layer ctx->layer in a forward call that is not the session's first. */
+kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx);
 
 /* ---- take.c ---- */
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg, float *logits);

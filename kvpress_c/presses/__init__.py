@@ -14,17 +14,34 @@ from .streaming_llm import StreamingLLMPress
 from .tada import TADAPress
 from .take import TAKEPress
 from .tova import TOVAPress
-# issue 16: kvpress's scorers
+# kvpress's scorers
 from .critical_adakv import CriticalAdaKVPress
 from .criticalkv import CriticalKVPress
 from .expected_attention import ExpectedAttentionPress
 from .keydiff import KeyDiffPress
 from .lagkv import LagKVPress
 from .non_causal_attention import NonCausalAttnPress
+# compression while decoding
+from .compression_ratio_decoding import CompressionRatioDecodingPress
+from .decoding import DecodingPress
+from .prefill_decoding import PrefillDecodingPress
+# wrappers
+from .block import BlockPress
+from .composed import ComposedPress
+from .key_rerotation import KeyRerotationPress
+from .per_layer_compression import PerLayerCompressionPress
+# key channels
+from .think import ThinKPress
+# presses whose files come from a model hub, read from a local path
+from .duo_attention import DuoAttentionPress
+from .kvzap import KVzapPress
+from .qfilter import QFilterPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
-           # issue 16: kvpress's scorers
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress"]
+           "NonCausalAttnPress",
+           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",
+           "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
+           "DuoAttentionPress", "QFilterPress", "KVzapPress"]

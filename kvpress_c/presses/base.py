@@ -83,6 +83,16 @@ class BasePress:
         raise NotImplementedError
 
     @property
+    def prefill_part(self) -> Optional["BasePress"]:
+        """The press that acts on the prefill: itself (None for a DecodingPress, a PrefillDecodingPress's
+        prefilling_press)."""
+        return self
+
+    def decoding_config(self) -> Optional[dict]:
+        """Settings of the press that compresses while decoding (Session.set_decoding_press), or None."""
+        return None
+
+    @property
     def is_noop(self) -> bool:
         cfg = self.c_config()
         return cfg.get("budget", 0) == 0 and cfg.get("compression_ratio", 0.0) == 0

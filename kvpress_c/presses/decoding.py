@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import _core
+from .base import BasePress, ScorerPress, check_int
+
+
+def base_config(press: BasePress) -> dict:
+    """The scorer, allocation and chunks of a base press, without its budget (a decoding press sets it)."""
+    from .adakv import AdaKVPress
+    from .chunkkv import ChunkKVPress
+    if not isinstance(press, (ScorerPress, AdaKVPress, ChunkKVPress)) or getattr(press, "beta", None) is not None \
+            and not isinstance(press, ScorerPress):
+        raise ValueError("a decoding press wraps a scorer press (SnapKVPress, TOVAPress, KnormPress, StreamingLLMPress, "
+                         f"RandomPress), AdaKVPress or ChunkKVPress, got {press!r}")
+    cfg = press.c_config()
+    cfg.update(compression_ratio=0.0, budget=0)
+    return cfg
+
+
+@dataclass
+class DecodingPress(BasePress):
+    """Compression while decoding (kvpress DecodingPress): every `compression_interval` forward calls after
+    the prefill (each generated token is one; a question of several tokens is one too), each layer is
+    compressed to `target_size` tokens per KV head with `base_press`'s scores, right after its attention,
+    and the evicted rows are freed for real (the ragged cache is re-packed with room for the next
+    `compression_interval` tokens, so the cache stays under target_size + compression_interval rows).
+    The prefill itself is not compressed (PrefillDecodingPress adds a prefill press).
+
+    Window scorers (SnapKV) read the queries of the last window_size steps, which must be buffered:
+    min(compression_interval, hidden_states_buffer_size + 1) > window_size. Differs from kvpress on one
+    point: kvpress rotates every buffered query with the current token's RoPE angles (it reuses the step's
+    position embeddings); here each keeps its own position, as in a prefill. TOVA, Knorm, StreamingLLM
+    and Random do not depend on it.
+    """
+    base_press: BasePress = None
+    compression_interval: int = 512
+    target_size: int = 2048
+    hidden_states_buffer_size: int = 256
+
+    def __post_init__(self):
+        self.check_types()
+        _core.decoding_config_check(**self.decoding_config())
+
+    def check_types(self) -> None:
+        base_config(self.base_press)
+        check_int("compression_interval", self.compression_interval, minimum=1)
+        check_int("target_size", self.target_size, minimum=1)
+        check_int("hidden_states_buffer_size", self.hidden_states_buffer_size, minimum=0)
+
+    @property
+    def prefill_part(self):
+        return None  # nothing happens during the prefill
+
+    def c_config(self) -> dict:
+        return {}
+
+    def decoding_config(self) -> dict:
+        return dict(base_config(self.base_press), compression_interval=self.compression_interval,
+                    target_size=self.target_size, hidden_states_buffer_size=self.hidden_states_buffer_size)
