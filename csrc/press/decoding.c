@@ -238,7 +238,7 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
         keep[h] = malloc(sizeof(int64_t) * (size_t)len[h]);
         if (!scores[h] || !keep[h]) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
     }
-    const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[l].kv};
+    const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
     if (st == KVC_OK) st = kvc_press_score_select(&lr, &c2, &cfg, len, -1, &d->dev_scores, &d->dev_ld, scores, keep, n_keep);
     /* room for the steps until the next compression: the arena does not grow in between */
     if (st == KVC_OK)

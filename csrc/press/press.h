@@ -76,6 +76,14 @@ typedef struct kvc_layer_rows {
     kvc_view wo;           /* the layer's o_proj weight [D, H d] (CriticalKV); buf NULL without a model */
 } kvc_layer_rows;
 
+/* The rows of a session's layer `l` with what the scorers need of its model; kv: the session's own K/V
+ * store of that layer, or another store of the same layer (BlockPress's scratch). */
+static inline kvc_layer_rows kvc_session_layer_rows(const kvc_session *s, int32_t l, kvc_kv *kv) {
+    const kvc_layer_rows lr = {s->be, &s->model->cfg, kv ? kv : s->cache.layers[l].kv, s->model->rope_inv_freq,
+                               s->model->layers[l].wo};
+    return lr;
+}
+
 /* A layer's scores for every head's first len[h] rows: the window is the last `window` queries of ctx
  * (kvc_score_args). Computed by the backend into *buf (grown as needed; f32 [Hkv, *ld]) and copied to
  * host[h] (len[h] each); ObservedAttention is computed on the host (observed.c) and uploaded. */

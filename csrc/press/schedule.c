@@ -106,7 +106,7 @@ kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t
  * layer's scores, then each head's own top k on the backend. */
 static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                                      const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
-    const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[ctx->layer].kv};
+    const kvc_layer_rows lr = kvc_session_layer_rows(s, ctx->layer, NULL);
     KVC_TRY(kvc_score_layer(&lr, ctx, cfg, kvc_press_window(cfg), len, &p->dev_scores, &p->dev_ld, scores));
     for (int32_t h = 0; h < p->n_kv; h++) {
         const int64_t k = p->head_keep[(size_t)ctx->layer * p->n_kv + h];
@@ -149,7 +149,7 @@ static kvc_status block_select(kvc_press *p, const kvc_press_config *cfg, kvc_se
         for (int64_t i = 0; i < nk; i++) keep[h][i] = i;
         if (!(cand[h] = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: BlockPress");
     }
-    const kvc_layer_rows lr = {be, &s->model->cfg, tmp};
+    const kvc_layer_rows lr = kvc_session_layer_rows(s, ctx->layer, tmp);
     for (int64_t i = nk; i < n && st == KVC_OK; i += p->block_size) {
         const int64_t end = i + p->block_size < n ? i + p->block_size : n;
         for (int32_t h = 0; h < Hkv; h++) {
@@ -301,8 +301,7 @@ static kvc_status choose(kvc_press *p, const kvc_press_config *cfg, kvc_session 
             return KVC_OK;
         }
     }
-    const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[layer].kv, s->model->rope_inv_freq,
-                               s->model->layers[layer].wo};
+    const kvc_layer_rows lr = kvc_session_layer_rows(s, layer, NULL);
     KVC_TRY(kvc_press_score_select(&lr, ctx, cfg, len, p->layer_totals[layer], &p->dev_scores, &p->dev_ld, scores, keep,
                                    n_keep));
     KVC_TRY(layer_stats(p, s, ctx, len, (const float *const *)scores, w));
@@ -351,8 +350,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     p->layer_seconds[layer] = now_seconds() - t0;
     if (st == KVC_OK && cfg->record_scores && !reused) {
         const int32_t ew = w > 0 ? (w < ctx->n ? w : (int32_t)ctx->n) : 1;
-        const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[layer].kv, s->model->rope_inv_freq,
-                               s->model->layers[layer].wo};
+        const kvc_layer_rows lr = kvc_session_layer_rows(s, layer, NULL);
         st = kvc_eviction_error(&lr, ctx, len, ew, (const int64_t *const *)keep, n_keep, &p->error[layer]);
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
             const size_t i = (size_t)layer * Hkv + h;

@@ -103,7 +103,7 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
             if (!(sc[h] = malloc(sizeof(float) * (size_t)(len[h] > 0 ? len[h] : 1))))
                 st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
-        const kvc_layer_rows lr = {s->be, &s->model->cfg, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo};
+        const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
         if (st == KVC_OK) st = kvc_score_layer(&lr, ctx, &inner, (int32_t)p, len, &t->scores, &t->ld, sc);
         if (st == KVC_OK) st = kvc_press_select(&inner, l, t->L, Hkv, real, (const float *const *)sc, 0, -1, keep, n_keep);
     } else if (st == KVC_OK && score) {
