@@ -319,6 +319,13 @@ KVC_API kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, in
                                         const int64_t *past_len, float scale, float *out);
 /* Dequantise `n` values of GGUF tensor type `ggml_type` from `src` into fp32. */
 KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, size_t src_bytes, float *dst, int64_t n);
+/* C[m,n] = A[m,k] W[n,k]^T with W in its file's format (n rows of k values of ggml type `ggml_type`, the
+ * bytes of a GGUF tensor [k, n]; k a whole number of blocks): the native-weight GEMM. path: 0 as the
+ * engine picks (integer / decoding GEMV up to a few rows, else the blocked GEMM), 1 the blocked GEMM
+ * (decoding in its packing step), 2 the GEMV, 3 the GEMV with the plain-C integer dot products.
+ * KVC_ERR_UNSUPPORTED for a type the CPU does not keep natively. */
+KVC_API kvc_status kvc_kernel_matmul_native(int32_t ggml_type, const float *a, const void *w, float *c, int64_t m,
+                                            int64_t n, int64_t k, int32_t path);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Devices. Every device runs the same engine through its backend (docs/ARCHITECTURE.md):            */

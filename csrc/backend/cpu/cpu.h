@@ -36,6 +36,9 @@ void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t
 struct kvc_wmat;
 void kvc_cpu_gemm_w(const float *a, int64_t lda, struct kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n,
                     int64_t k, int accumulate);
+/* The blocked GEMM alone on such a weight, at any m (tests). */
+void kvc_cpu_gemm_packed(const float *a, int64_t lda, struct kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n,
+                         int64_t k, int accumulate);
 /* The built-in GEMM alone (no external BLAS). */
 void kvc_cpu_gemm_builtin(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
                           int64_t k, int accumulate);

@@ -355,3 +355,8 @@ void kvc_cpu_gemm_w(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t l
     else
         gemm_blocked(a, lda, w, c, ldc, m, n, k, accumulate);
 }
+
+void kvc_cpu_gemm_packed(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                         int accumulate) {
+    if (m > 0 && n > 0 && k > 0) gemm_blocked(a, lda, w, c, ldc, m, n, k, accumulate);
+}

@@ -180,6 +180,20 @@ float kvc_cpu_qdot(int32_t t, const void *w, const kvc_q8b *a, int64_t k, int re
 }
 
 void kvc_cpu_wdecode(int32_t t, const void *w, int64_t c0, int64_t nc, float *dst) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    /* 16-bit floats widen exactly: 16 at a time here, the tail below */
+    if (t == GGML_T_F16 || t == GGML_T_BF16) {
+        const uint16_t *h = (const uint16_t *)w + c0;
+        int64_t i = 0;
+        for (; i + 16 <= nc; i += 16) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
+            _mm512_storeu_ps(dst + i, t == GGML_T_F16 ? _mm512_cvtph_ps(x)
+                                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+        }
+        for (; i < nc; i++) dst[i] = t == GGML_T_F16 ? kvc_f16_to_f32(h[i]) : kvc_bf16_to_f32(h[i]);
+        return;
+    }
+#endif
     const int64_t be = ggml_block_elems(t);
     const size_t bb = ggml_block_bytes(t);
     /* whole blocks of a row checked at load: cannot fail */
