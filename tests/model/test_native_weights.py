@@ -123,3 +123,12 @@ def test_judgeq_gradient_on_native_model(default_model_native, default_model, rn
     l_f32, g_f32 = judgeq.loss_and_grad(default_model, prompt, response, E)
     assert abs(l_nat - l_f32) <= 1e-5 * abs(l_f32)
     assert np.abs(g_nat - g_f32).max() <= 1e-5 * np.abs(g_f32).max()
+
+
+def test_pipeline_reports_memory(default_model_native):
+    from kvpress_c import Pipeline, SnapKVPress
+    context = "The quick brown fox jumps over the lazy dog. " * 12
+    r = Pipeline(default_model_native)(context, question="What jumps?", press=SnapKVPress(compression_ratio=0.5),
+                                       max_new_tokens=4)
+    mem = r.stats["memory"]
+    assert mem["weights"] == default_model_native.config["weight_bytes"] and mem["rss"] > mem["weights"]
