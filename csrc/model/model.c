@@ -374,7 +374,7 @@ static kvc_host_weights *host_view(const kvc_model *m) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
 #define HOST(view) host_at(be, (view))
-    if (!HOST(m->tok_embd)) return NULL;
+    if (!HOST(m->tok_embd) || m->n_native > 0) return NULL; /* a native matrix anywhere: the fp32 twin */
     kvc_host_weights *h = calloc(1, sizeof *h);
     if (h) h->layers = calloc((size_t)c->n_layers, sizeof *h->layers);
     if (!h || !h->layers) {

@@ -72,6 +72,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_kernel_swiglu": (_I, [F32P, F32P, F32P, _I64, _I64]),
     "kvc_kernel_attention": (_I, [F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _F, F32P]),
     "kvc_kernel_dequantize": (_I, [_I32, _V, _SZ, _V, _I64]),
+    "kvc_model_load_ex": (_I, [C.c_char_p, _I32, _I32, C.POINTER(_V)]),
+    "kvc_model_weights": (_I32, [_V, C.POINTER(_I32)]),
     "kvc_kernel_matmul_native": (_I, [_I32, F32P, _V, F32P, _I64, _I64, _I64, _I32]),
     "kvc_device_available": (_I, [_I32]),
     "kvc_device_set_option": (_I, [_I32, C.c_char_p, _I32]),
