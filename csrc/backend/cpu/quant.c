@@ -245,7 +245,7 @@ static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc
                   int accumulate, int ref) {
     const int par = (double)n * (double)w.row_bytes >= MIN_PAR_BYTES && !omp_in_parallel();
     /* rows handed out in small chunks: on a busy machine a descheduled thread holds up one chunk, not
-     * its whole static share (measured on 2 loaded cores: 2 threads 8x slower than 1 with static) */
+     * its whole static share */
     const int64_t chunk = n / (16 * kvc_cpu_threads()) > 16 ? n / (16 * kvc_cpu_threads()) : 16;
     const int64_t nb = k / 32;
     /* per row: k codes, nb scales and sums (a few KB); without them (out of memory) the fp32 path below
