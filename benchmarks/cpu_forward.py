@@ -2,10 +2,17 @@
 transformers (torch CPU, the same GGUF dequantised to fp32), side by side in one run.
 
     python benchmarks/cpu_forward.py [--model PATH] [--lengths 512 2048 8192] [--decode 32] [--out FILE]
+                                     [--engines kvpress_c kvpress_c-fp32 llama.cpp transformers] [--llama8b]
 
 Prefill: tokens/s of one batched prefill of n random tokens (logits of the last token only; best of
-`--repeat`). Decode: tokens/s of greedy single-token steps after a 512-token prompt. Threads: every
-engine uses all cores. Writes a JSON file and prints a table with ratios (kvpress_c / peer).
+`--repeat`). Decode: tokens/s of greedy single-token steps after a 512-token prompt (median and best of
+`--repeat` runs of `--decode` steps). Threads: every engine uses all cores. kvpress_c runs with native
+weights (the file's types), kvpress_c-fp32 with weights converted to fp32 (the reference mode).
+Memory: resident memory after loading, measured in a fresh process (tests/support/run_probe.py),
+against the issue's target (<= 1.3x the file plus the KV cache of a 512-token prompt).
+--llama8b: a Llama-3.1-8B-shaped Q4_0 GGUF (random weights, 4.5 GB, written to --llama8b-dir and
+deleted after) through kvpress_c and llama.cpp in fresh processes: peak resident memory, prefill and
+decode tok/s. Writes a JSON file and prints tables with ratios (kvpress_c / peer).
 """
 from __future__ import annotations
 
@@ -18,8 +25,9 @@ import time
 
 import numpy as np
 
-# run from a checkout without installing: the package is one folder up
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# run from a checkout without installing: the package is one folder up; the probes and writers in tests/support
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests", "support")]
 
 
 def best_of(fn, repeat):
@@ -31,10 +39,23 @@ def best_of(fn, repeat):
     return min(times)
 
 
-def bench_kvpress_c(path, lengths, n_decode, repeat, vocab_ids):
+def decode_rate(prepare, step, n_decode, repeat):
+    """(median, best) tok/s of `repeat` runs of n_decode steps, each after prepare() (untimed: the prompt)."""
+    rates = []
+    for _ in range(repeat):
+        prepare()
+        t0 = time.perf_counter()
+        for i in range(n_decode):
+            step(i)
+        rates.append(n_decode / (time.perf_counter() - t0))
+    return float(np.median(rates)), max(rates)
+
+
+def bench_kvpress_c(path, lengths, n_decode, repeat, vocab_ids, weights="native"):
     import kvpress_c
-    model = kvpress_c.load_model(path)
-    out = {"engine": "kvpress_c", "gemm": kvpress_c._core.blas_name(), "threads": kvpress_c._core.get_num_threads()}
+    model = kvpress_c.load_model(path, weights=weights)
+    out = {"engine": "kvpress_c" if weights == "native" else "kvpress_c-fp32", "gemm": kvpress_c._core.blas_name(),
+           "threads": kvpress_c._core.get_num_threads(), "weight_bytes": model.config["weight_bytes"]}
     for n in lengths:
         ids = vocab_ids[:n]
 
@@ -43,11 +64,12 @@ def bench_kvpress_c(path, lengths, n_decode, repeat, vocab_ids):
             s.forward(ids, logits="last")
         out[f"prefill_{n}"] = n / best_of(run, repeat)
     s = model.new_session(512 + n_decode)
-    s.forward(vocab_ids[:512], logits="last")
-    t0 = time.perf_counter()
-    for i in range(n_decode):
-        s.forward(vocab_ids[512 + i:513 + i], logits="last")
-    out["decode"] = n_decode / (time.perf_counter() - t0)
+
+    def prepare():
+        s.reset()
+        s.forward(vocab_ids[:512], logits="last")
+    out["decode"], out["decode_best"] = decode_rate(prepare, lambda i: s.forward(vocab_ids[512 + i:513 + i], logits="last"),
+                                                    n_decode, repeat)
     return out
 
 
@@ -69,12 +91,11 @@ def bench_llama_cpp(path, lengths, n_decode, repeat, vocab_ids):
         out[f"prefill_{n}"] = n / best_of(run, repeat)
         del llm
     llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False)
-    llm.reset()
-    llm.eval([int(t) for t in vocab_ids[:512]])
-    t0 = time.perf_counter()
-    for i in range(n_decode):
-        llm.eval([int(vocab_ids[512 + i])])
-    out["decode"] = n_decode / (time.perf_counter() - t0)
+
+    def prepare():
+        llm.reset()
+        llm.eval([int(t) for t in vocab_ids[:512]])
+    out["decode"], out["decode_best"] = decode_rate(prepare, lambda i: llm.eval([int(vocab_ids[512 + i])]), n_decode, repeat)
     return out
 
 
@@ -111,14 +132,18 @@ def main(argv=None):
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--engines", nargs="+", default=["kvpress_c", "llama.cpp", "transformers"])
+    ap.add_argument("--engines", nargs="+", default=["kvpress_c", "kvpress_c-fp32", "llama.cpp", "transformers"])
+    ap.add_argument("--llama8b", action="store_true", help="also the 8B-shaped Q4_0 model (writes 4.5 GB)")
+    ap.add_argument("--llama8b-dir", default=None, help="where to write it (default: the temp folder)")
+    ap.add_argument("--llama8b-prefill", type=int, default=256)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu_forward.json"))
     args = ap.parse_args(argv)
     import kvpress_c
     path = args.model or kvpress_c.default_model_path()
     vocab = kvpress_c.load_model(path).config["vocab"]
     ids = np.random.default_rng(0).integers(100, vocab - 100, size=max(args.lengths) + 512 + args.decode).astype(np.int32)
-    runners = {"kvpress_c": bench_kvpress_c, "llama.cpp": bench_llama_cpp, "transformers": bench_hf}
+    runners = {"kvpress_c": bench_kvpress_c, "llama.cpp": bench_llama_cpp, "transformers": bench_hf,
+               "kvpress_c-fp32": lambda *a: bench_kvpress_c(*a, weights="fp32")}
     results = []
     for name in args.engines:
         print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -136,11 +161,55 @@ def main(argv=None):
             ratio = "" if r is ours or ours.get(c) is None else f" ({ours[c] / r[c]:.2f}x)"
             cells.append(f"{r[c]:>12.1f}{ratio:>8}")
         print(f"{r['engine'][:28]:<28}" + "".join(f"{x:>20}" for x in cells))
-    print("(ratio = kvpress_c / that engine)")
+    print("(ratio = kvpress_c / that engine; decode: median of the runs)")
+    memory = memory_table(path, args.engines)
+    llama8b = run_llama8b(args) if args.llama8b else None
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"model": path, "cores": os.cpu_count(), "results": results}, f, indent=2)
+        json.dump({"model": path, "cores": os.cpu_count(), "load_average": os.getloadavg(), "results": results,
+                   "memory": memory, "llama8b": llama8b}, f, indent=2)
     print(f"wrote {args.out}")
+
+
+def memory_table(path, engines):
+    """Resident memory after loading (fresh processes) against the target: <= 1.3x the file plus the KV cache."""
+    from run_probe import measure
+    size = os.path.getsize(path)
+    rows = [measure(e, path, 512, 0) for e in ("kvpress_c", "llama.cpp") if e in engines]
+    print(f"\nmemory (file {size / 1e6:.1f} MB; fresh process, beyond what the process held before loading):")
+    print(f"{'engine':<12}{'after load MB':>16}{'peak MB':>10}{'KV cache 512 MB':>18}{'target MB':>12}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['engine']:<12}  {r['error']}")
+            continue
+        cache = r.get("cache_bytes", 0)
+        r["target_bytes"] = 1.3 * size + cache
+        print(f"{r['engine']:<12}{r['rss_after_load'] / 1e6:>16.1f}{r['rss_peak'] / 1e6:>10.1f}{cache / 1e6:>18.1f}"
+              f"{r['target_bytes'] / 1e6 if r['engine'] == 'kvpress_c' else float('nan'):>12.1f}")
+    return rows
+
+
+def run_llama8b(args):
+    """The 8B-shaped Q4_0 model through kvpress_c and llama.cpp (fresh processes); the file is deleted after."""
+    import tempfile
+    from random_llama import write_llama31_gguf
+    from run_probe import measure
+    path = os.path.join(args.llama8b_dir or tempfile.gettempdir(), "kvc_llama31_8b_q4_0.gguf")
+    print(f"\nwriting {path} ...", file=sys.stderr, flush=True)
+    write_llama31_gguf(path, "Q4_0")
+    try:
+        rows = [measure(e, path, args.llama8b_prefill, 8) for e in ("kvpress_c", "llama.cpp")]
+    finally:
+        os.remove(path)
+    print(f"\nLlama-3.1-8B-shaped Q4_0 ({4.52:.2f} GB file), prefill {args.llama8b_prefill} tokens, 8 decode steps:")
+    print(f"{'engine':<12}{'load s':>8}{'after load GB':>15}{'peak GB':>9}{'prefill tok/s':>15}{'decode tok/s':>14}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['engine']:<12}  {r['error']}")
+            continue
+        print(f"{r['engine']:<12}{r['load_s']:>8.1f}{r['rss_after_load'] / 1e9:>15.2f}{r['rss_peak'] / 1e9:>9.2f}"
+              f"{r['prefill_tok_s']:>15.2f}{r['decode_tok_s_median']:>14.2f}")
+    return rows
 
 
 if __name__ == "__main__":

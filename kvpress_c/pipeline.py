@@ -241,4 +241,7 @@ class Pipeline:
             mem = _core.memory_stats(device)
             for c in collected:
                 c[1]["gpu_memory"] = mem
+        memory = self.model.memory()  # resident bytes now: weights, cache, scratch, rss
+        for c in collected:
+            c[1]["memory"] = memory
         return [PipelineResult(answers[k], c[1], c[0], c[2]) for k, c in enumerate(collected)]

@@ -19,12 +19,19 @@ ModelObject *kvc_py_model_arg(PyObject *module, PyObject *obj, const char *who) 
 }
 
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "device", NULL};
+    static char *kwlist[] = {"path", "device", "weights", NULL};
     PyObject *path_obj = NULL;
-    const char *device = "cpu";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|s", kwlist, PyUnicode_FSConverter, &path_obj, &device)) return -1;
+    const char *device = "cpu", *weights = "native";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|ss", kwlist, PyUnicode_FSConverter, &path_obj, &device, &weights))
+        return -1;
     const int dev = kvc_py_device(device);
     if (dev < 0) {
+        Py_DECREF(path_obj);
+        return -1;
+    }
+    const int wmode = !strcmp(weights, "native") ? KVC_WEIGHTS_NATIVE : !strcmp(weights, "fp32") ? KVC_WEIGHTS_FP32 : -1;
+    if (wmode < 0) {
+        PyErr_Format(PyExc_ValueError, "weights must be 'native' (the file's types) or 'fp32', got '%s'", weights);
         Py_DECREF(path_obj);
         return -1;
     }
@@ -37,7 +44,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     kvc_model *m = NULL;
     kvc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = kvc_model_load_device(path, dev, &m);
+    st = kvc_model_load_ex(path, dev, wmode, &m);
     Py_END_ALLOW_THREADS
     if (st != KVC_OK) {
         Py_DECREF(path_obj);
@@ -104,6 +111,10 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "eos_id", PyLong_FromLong(c.eos_id));
     SET_ITEM(d, "format", PyUnicode_FromString(kvc_model_format(self->model)));
     SET_ITEM(d, "weight_bytes", PyLong_FromSize_t(kvc_model_weight_bytes(self->model)));
+    int32_t n_native = 0;
+    const int32_t wm = kvc_model_weights(self->model, &n_native);
+    SET_ITEM(d, "weights", PyUnicode_FromString(wm == KVC_WEIGHTS_FP32 ? "fp32" : "native"));
+    SET_ITEM(d, "native_matrices", PyLong_FromLong(n_native));
     return d;
 }
 

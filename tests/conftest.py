@@ -32,6 +32,15 @@ def default_gguf():
 
 @pytest.fixture(scope="session")
 def default_model(default_gguf):
+    """The default model in fp32 mode: the reference the parity tests hold to HF / kvpress tolerances
+    (native weights quantise decode activations to int8, as llama.cpp does: tests/model/test_native_weights.py)."""
+    import kvpress_c
+    return kvpress_c.load_model(default_gguf, weights="fp32")
+
+
+@pytest.fixture(scope="session")
+def default_model_native(default_gguf):
+    """The default model as load_model gives it: weights in the file's types (Q4_1, Q8_0)."""
     import kvpress_c
     return kvpress_c.load_model(default_gguf)
 

@@ -35,6 +35,15 @@ typedef enum kvc_dtype { KVC_F32 = 0, KVC_BF16 = 1, KVC_I32 = 2, KVC_I64 = 3 } k
 
 static inline size_t kvc_dtype_size(int32_t t) { return t == KVC_BF16 ? 2 : t == KVC_I64 ? 8 : 4; }
 
+/* Weights kept in a model file's own format (native weights, issue 18): dtype KVC_WTYPE(ggml type id),
+ * e.g. KVC_WTYPE(3) for Q4_1 blocks. Such a buffer counts values, not bytes; the offset and row length
+ * of a view of it are multiples of the type's block (model/dequant.h has the one block table). Only
+ * weights use them, only on a backend whose weight_type_ok says so; upload takes the file's bytes
+ * (src_dtype = the buffer's dtype), download gives f32. */
+#define KVC_WTYPE_BASE 16
+#define KVC_WTYPE(ggml_type) (KVC_WTYPE_BASE + (ggml_type))
+static inline int kvc_dtype_is_wtype(int32_t t) { return t >= KVC_WTYPE_BASE; }
+
 /* What an allocation holds, for the memory report (memory_stats). */
 enum { KVC_MEM_WEIGHTS = 0, KVC_MEM_CACHE = 1, KVC_MEM_ACT = 2 };
 
@@ -106,6 +115,9 @@ typedef struct kvc_backend {
     int32_t device;    /* kvc_device */
     int32_t act_dtype; /* activations and K/V: KVC_F32 or KVC_BF16 (the residual stream and logits are f32) */
     int32_t weight_dtype; /* matrices (norm weights, biases and RoPE frequencies are f32) */
+    /* 1 if matmul and embed take weights of ggml type `ggml_type` as stored in the file (dtype
+     * KVC_WTYPE(ggml_type)); NULL or 0: the loader converts them to weight_dtype */
+    int (*weight_type_ok)(int32_t ggml_type);
     int64_t mlp_rows;  /* rows per MLP block: gate|up scratch stays O(block x ffn) */
     int32_t serialize; /* calls from several threads take turns (one stream, shared scratch) */
 
@@ -157,7 +169,8 @@ typedef struct kvc_backend {
     kvc_status (*embed)(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x);
     /* with add: x += add first (x f32 is updated); then y = x / rms(x) * w */
     kvc_status (*rmsnorm)(kvc_view x, const kvc_view *add, kvc_view w, kvc_view y, int64_t rows, int64_t D, float eps);
-    /* C[m, n] (+)= A[m, k] W[n, k]^T, fp32 accumulation; accumulate: C += (C f32) */
+    /* C[m, n] (+)= A[m, k] W[n, k]^T, fp32 accumulation; accumulate: C += (C f32). W may be native
+     * (KVC_WTYPE) where weight_type_ok allows; then it is decoded block by block inside the kernel. */
     kvc_status (*matmul)(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate);
     /* y[r, :] += b over rows */
     kvc_status (*add_bias)(kvc_view y, kvc_view b, int64_t rows, int64_t dim);

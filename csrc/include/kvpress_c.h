@@ -95,8 +95,17 @@ typedef struct kvc_config {
 typedef struct kvc_model kvc_model;
 
 /* Load a GGUF file or a Hugging Face folder (config.json + *.safetensors) onto the CPU. Files are
- * memory-mapped while loading; weights are converted to fp32. (kvc_model_load_device: other devices.) */
+ * memory-mapped while loading; weight matrices stay in the file's type (F16, BF16, Q4_0 ... Q8_0, the
+ * K-quants: KVC_WEIGHTS_NATIVE), see kvc_model_load_ex. (kvc_model_load_device: other devices.) */
 KVC_API kvc_status kvc_model_load(const char *path, kvc_model **out);
+/* How weight matrices are held: NATIVE in the file's type where the device's kernels take it (the
+ * CPU: every type the loader reads; other devices convert to their own), FP32 converted to fp32 (the
+ * reference mode, and what kvc_model_load did before native weights). */
+enum { KVC_WEIGHTS_NATIVE = 0, KVC_WEIGHTS_FP32 = 1 };
+KVC_API kvc_status kvc_model_load_ex(const char *path, int32_t device, int32_t weights, kvc_model **out);
+/* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32 as loaded, and how many weight matrices (fused groups count
+ * once) are held in their file's type. */
+KVC_API int32_t kvc_model_weights(const kvc_model *model, int32_t *n_native);
 KVC_API void kvc_model_free(kvc_model *model);
 KVC_API kvc_status kvc_model_get_config(const kvc_model *model, kvc_config *out);
 /* Bytes of weights held by the model. */
@@ -394,6 +403,13 @@ KVC_API kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, in
                                         const int64_t *past_len, float scale, float *out);
 /* Dequantise `n` values of GGUF tensor type `ggml_type` from `src` into fp32. */
 KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, size_t src_bytes, float *dst, int64_t n);
+/* C[m,n] = A[m,k] W[n,k]^T with W in its file's format (n rows of k values of ggml type `ggml_type`, the
+ * bytes of a GGUF tensor [k, n]; k a whole number of blocks): the native-weight GEMM. path: 0 as the
+ * engine picks (integer / decoding GEMV up to a few rows, else the blocked GEMM), 1 the blocked GEMM
+ * (decoding in its packing step), 2 the GEMV, 3 the GEMV with the plain-C integer dot products.
+ * KVC_ERR_UNSUPPORTED for a type the CPU does not keep natively. */
+KVC_API kvc_status kvc_kernel_matmul_native(int32_t ggml_type, const float *a, const void *w, float *c, int64_t m,
+                                            int64_t n, int64_t k, int32_t path);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Devices. Every device runs the same engine through its backend (docs/ARCHITECTURE.md):            */

@@ -211,6 +211,7 @@ static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int
     out->data = t->data;
     out->row_bytes = row_bytes;
     out->type = t->type;
+    out->ggml_type = t->type;
     return KVC_OK;
 }
 
@@ -248,7 +249,12 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
     return KVC_OK;
 }
 
-kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, kvc_model **out) {
+static int32_t tensor_type(const void *file, const char *name) {
+    const gguf_tensor *t = gguf_find_tensor(file, name);
+    return t && ggml_type_supported(t->type) ? t->type : -1;
+}
+
+kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, int32_t weights, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_gguf: out is NULL");
     *out = NULL;
     gguf_file *f = NULL;
@@ -257,7 +263,7 @@ kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, kvc_model **ou
     kvc_model *m = NULL;
     float linear_scale = 1.0f;
     kvc_status st = read_config(f, &cfg, &linear_scale);
-    if (st == KVC_OK) st = kvc_model_create(&cfg, "gguf", path, be, &m);
+    if (st == KVC_OK) st = kvc_model_create(&cfg, "gguf", path, be, weights, 0, tensor_type, f, &m);
     if (st == KVC_OK) st = load_weights(f, m, linear_scale);
     if (st == KVC_OK) st = kvc_model_finish(m);
     if (st != KVC_OK) {

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 
 #include "json.h"
+#include "gguf.h"
 #include "model.h"
 #include "safetensors.h"
 
@@ -512,6 +513,7 @@ static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int3
     src.data = t->data;
     src.row_bytes = t->nbytes / (size_t)src.rows;
     src.ctx = t;
+    src.ggml_type = t->dtype == ST_F32 ? GGML_T_F32 : t->dtype == ST_F16 ? GGML_T_F16 : GGML_T_BF16;
     return kvc_model_put(m, role, layer, &src);
 }
 
@@ -533,7 +535,15 @@ static kvc_status load_weights(const weights *w, kvc_model *m) {
 
 /* ---------------------------------------------------------------------------------------------- */
 
-kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, kvc_model **out) {
+/* The ggml type of a 16/32-bit safetensors tensor (their bytes are ggml's F32/F16/BF16 rows). */
+static int32_t tensor_type(const void *file, const char *name) {
+    kvc_status st;
+    const st_tensor *t = find(file, name, &st);
+    if (!t) return -1;
+    return t->dtype == ST_F32 ? GGML_T_F32 : t->dtype == ST_F16 ? GGML_T_F16 : t->dtype == ST_BF16 ? GGML_T_BF16 : -1;
+}
+
+kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: out is NULL");
     *out = NULL;
     if (!dir || !*dir) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: empty folder name");
@@ -566,7 +576,7 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, kvc_model **out) 
         const st_tensor *head = find(&w, "lm_head.weight", &st);
         cfg.tied_embeddings = head == NULL;
     }
-    if (st == KVC_OK) st = kvc_model_create(&cfg, "safetensors", dir, be, &m);
+    if (st == KVC_OK) st = kvc_model_create(&cfg, "safetensors", dir, be, wmode, 1, tensor_type, &w, &m);
     if (st == KVC_OK) st = load_weights(&w, m);
     if (st == KVC_OK) st = kvc_model_finish(m);
     weights_close(&w);

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "dequant.h"
 #include "gguf.h"
 #include "model.h"
 
@@ -63,18 +64,46 @@ static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const 
         kvc_buf **p = realloc(m->bufs, cap * sizeof *p);
         if (!p) return kvc_fail(KVC_ERR_NOMEM, "out of memory: model buffer list");
         m->bufs = p;
+        int32_t *t = realloc(m->buf_dtypes, cap * sizeof *t);
+        if (!t) return kvc_fail(KVC_ERR_NOMEM, "out of memory: model buffer list");
+        m->buf_dtypes = t;
         m->cap_bufs = cap;
     }
     kvc_buf *b = NULL;
     KVC_TRY(m->be->alloc(dtype, n, KVC_MEM_WEIGHTS, what, &b));
+    m->buf_dtypes[m->n_bufs] = dtype;
     m->bufs[m->n_bufs++] = b;
-    m->weight_bytes += (size_t)n * kvc_dtype_size(dtype);
+    size_t bytes = (size_t)n * kvc_dtype_size(dtype);
+    if (kvc_dtype_is_wtype(dtype)) KVC_TRY(ggml_nbytes(dtype - KVC_WTYPE_BASE, n, &bytes));
+    m->weight_bytes += bytes;
     *view = kvc_view_of(b, 0, ld);
     return KVC_OK;
 }
 
+static const char *role_name(kvc_weight_role role, int hf);
+
+/* The dtype a weight matrix (a fused group of `n` roles of one layer, all [*, cols]) is held in. */
+static int32_t group_dtype(const kvc_model *m, int32_t weights, int hf, kvc_type_fn type_of, const void *file,
+                           const kvc_weight_role *roles, int n, int32_t layer, int64_t cols) {
+    const kvc_backend *be = m->be;
+    if (weights != KVC_WEIGHTS_NATIVE || !type_of || !be->weight_type_ok) return be->weight_dtype;
+    int32_t t = -1;
+    for (int i = 0; i < n; i++) {
+        char name[128];
+        if (layer >= 0)
+            snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)layer, role_name(roles[i], hf));
+        else
+            snprintf(name, sizeof name, "%s", role_name(roles[i], hf));
+        const int32_t ti = type_of(file, name);
+        if (ti < 0 || (i > 0 && ti != t)) return be->weight_dtype; /* absent, or parts of mixed types */
+        t = ti;
+    }
+    if (t == GGML_T_F32 || !be->weight_type_ok(t) || cols % ggml_block_elems(t)) return be->weight_dtype;
+    return KVC_WTYPE(t);
+}
+
 kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
-                            kvc_model **out) {
+                            int32_t weights, int hf, kvc_type_fn type_of, const void *file, kvc_model **out) {
     *out = NULL;
     KVC_TRY(check_config(cfg));
     kvc_model *m = calloc(1, sizeof *m);
@@ -82,36 +111,45 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
     pthread_mutex_init(&m->host_lock, NULL);
     m->cfg = *cfg;
     m->be = be;
+    m->weights = weights;
     snprintf(m->format, sizeof m->format, "%s", format);
     kvc_status st = KVC_OK;
     if (be->check_model) st = be->check_model(cfg);
     if (st == KVC_OK && !(m->path = strdup(path ? path : ""))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: model path");
     const int64_t D = cfg->hidden, F = cfg->ffn, V = cfg->vocab, half = cfg->head_dim / 2;
     const int64_t qkv = (int64_t)(cfg->n_heads + 2 * cfg->n_kv_heads) * cfg->head_dim, qd = (int64_t)cfg->n_heads * cfg->head_dim;
-    const int32_t wt = be->weight_dtype;
+    if (st == KVC_OK && weights != KVC_WEIGHTS_NATIVE && weights != KVC_WEIGHTS_FP32)
+        st = kvc_fail(KVC_ERR_ARG, "weights must be native (%d) or fp32 (%d), got %d", KVC_WEIGHTS_NATIVE, KVC_WEIGHTS_FP32, weights);
+    static const kvc_weight_role R_TOK[] = {KVC_W_TOK}, R_HEAD[] = {KVC_W_LM_HEAD}, R_QKV[] = {KVC_W_Q, KVC_W_K, KVC_W_V},
+                                 R_O[] = {KVC_W_O}, R_GU[] = {KVC_W_GATE, KVC_W_UP}, R_DOWN[] = {KVC_W_DOWN};
+#define WT(roles, layer, cols) group_dtype(m, weights, hf, type_of, file, roles, (int)(sizeof roles / sizeof roles[0]), layer, cols)
+#define NATIVE(dt) (m->n_native += kvc_dtype_is_wtype(dt), (dt))
+    int32_t wt;
     if (st == KVC_OK && !(m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: layer table");
     if (st == KVC_OK && !(m->rope_inv_freq = calloc((size_t)half, sizeof(float))))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
-    if (st == KVC_OK) st = own(m, wt, V * D, D, "token embedding", &m->tok_embd);
+    if (st == KVC_OK) st = own(m, NATIVE(WT(R_TOK, -1, D)), V * D, D, "token embedding", &m->tok_embd);
     if (st == KVC_OK) st = own(m, KVC_F32, D, D, "output norm", &m->out_norm);
     if (st == KVC_OK) st = own(m, KVC_F32, half, half, "RoPE frequencies", &m->inv_freq);
     if (st == KVC_OK) {
         if (cfg->tied_embeddings) m->lm_head = m->tok_embd;
-        else st = own(m, wt, V * D, D, "lm_head", &m->lm_head);
+        else st = own(m, NATIVE(WT(R_HEAD, -1, D)), V * D, D, "lm_head", &m->lm_head);
     }
     for (int32_t l = 0; l < cfg->n_layers && st == KVC_OK; l++) {
         kvc_layer_weights *L = &m->layers[l];
         st = own(m, KVC_F32, D, D, "attention norm", &L->attn_norm);
-        if (st == KVC_OK) st = own(m, wt, qkv * D, D, "q|k|v weights", &L->wqkv);
+        if (st == KVC_OK) wt = NATIVE(WT(R_QKV, l, D)), st = own(m, wt, qkv * D, D, "q|k|v weights", &L->wqkv);
         if (st == KVC_OK && cfg->qkv_bias) st = own(m, KVC_F32, qkv, qkv, "q|k|v bias", &L->bqkv);
         if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, "q norm", &L->q_norm);
         if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, "k norm", &L->k_norm);
-        if (st == KVC_OK) st = own(m, wt, D * qd, qd, "o weights", &L->wo);
+        if (st == KVC_OK) wt = NATIVE(WT(R_O, l, qd)), st = own(m, wt, D * qd, qd, "o weights", &L->wo);
         if (st == KVC_OK) st = own(m, KVC_F32, D, D, "MLP norm", &L->ffn_norm);
-        if (st == KVC_OK) st = own(m, wt, 2 * F * D, D, "gate|up weights", &L->wgu);
-        if (st == KVC_OK) st = own(m, wt, D * F, F, "down weights", &L->wdown);
+        if (st == KVC_OK) wt = NATIVE(WT(R_GU, l, D)), st = own(m, wt, 2 * F * D, D, "gate|up weights", &L->wgu);
+        if (st == KVC_OK) wt = NATIVE(WT(R_DOWN, l, F)), st = own(m, wt, D * F, F, "down weights", &L->wdown);
     }
+#undef WT
+#undef NATIVE
     if (st != KVC_OK) {
         kvc_model_free(m);
         return st;
@@ -161,6 +199,15 @@ static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64
     case KVC_W_DOWN: *rows = D; *cols = F; break;
     case KVC_W_Q_NORM: case KVC_W_K_NORM: *cols = c->head_dim; break;
     }
+}
+
+/* A role's tensor name: the file-level ones in full, the per-layer ones after "blk.N." / "model.layers.N.". */
+static const char *role_name(kvc_weight_role role, int hf) {
+    if (role == KVC_W_TOK) return hf ? "model.embed_tokens.weight" : "token_embd.weight";
+    if (role == KVC_W_LM_HEAD) return hf ? "lm_head.weight" : "output.weight";
+    for (int i = 0; i < KVC_LAYER_TENSORS; i++)
+        if (kvc_layer_tensors[i].role == role) return hf ? kvc_layer_tensors[i].hf : kvc_layer_tensors[i].gguf;
+    return "";
 }
 
 kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void *file) {
@@ -221,6 +268,12 @@ static void release_pages(const void *data, size_t bytes) {
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
+static int32_t buf_dtype(const kvc_model *m, const kvc_buf *b) {
+    for (size_t i = 0; i < m->n_bufs; i++)
+        if (m->bufs[i] == b) return m->buf_dtypes[i];
+    return -1;
+}
+
 kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src) {
     kvc_view v = {0};
     int64_t rows = 0, cols = 0;
@@ -228,6 +281,10 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
     if (src->rows != rows || src->cols != cols)
         return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is [%lld, %lld], the config implies [%lld, %lld]", src->name,
                         (long long)src->rows, (long long)src->cols, (long long)rows, (long long)cols);
+    const int32_t dtype = buf_dtype(m, v.buf);
+    const int native = kvc_dtype_is_wtype(dtype);
+    if (native && (src->ggml_type != dtype - KVC_WTYPE_BASE || !src->data))
+        return kvc_fail(KVC_ERR_INTERNAL, "tensor '%s': its type changed between planning and loading", src->name);
     int64_t step = CHUNK_FLOATS / cols;
     if (step < 1) step = 1;
     if (step > rows) step = rows;
@@ -245,8 +302,11 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
                     break;
                 }
         }
-        /* a vector's one row is the whole [1, cols] range of its view */
-        if (st == KVC_OK) st = m->be->upload(kvc_view_at(v, r0, 0), nr, cols, chunk, KVC_F32);
+        /* a vector's one row is the whole [1, cols] range of its view; a native weight takes the file's
+         * bytes (decoded above only to check them) */
+        if (st == KVC_OK && native)
+            st = m->be->upload(kvc_view_at(v, r0, 0), nr, cols, (const char *)src->data + (size_t)r0 * src->row_bytes, dtype);
+        else if (st == KVC_OK) st = m->be->upload(kvc_view_at(v, r0, 0), nr, cols, chunk, KVC_F32);
         if (st == KVC_OK && src->data) release_pages((const char *)src->data + (size_t)r0 * src->row_bytes, (size_t)nr * src->row_bytes);
     }
     kvc_free(chunk);
@@ -302,6 +362,7 @@ void kvc_model_free(kvc_model *m) {
     for (size_t i = 0; i < m->n_bufs; i++) m->be->free(m->bufs[i]);
     kvc_backend_unlock(m->be);
     free(m->bufs);
+    free(m->buf_dtypes);
     free(m->layers);
     kvc_free(m->rope_factors);
     free(m->rope_inv_freq);
@@ -324,7 +385,7 @@ static kvc_host_weights *host_view(const kvc_model *m) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
 #define HOST(view) host_at(be, (view))
-    if (!HOST(m->tok_embd)) return NULL;
+    if (!HOST(m->tok_embd) || m->n_native > 0) return NULL; /* a native matrix anywhere: the fp32 twin */
     kvc_host_weights *h = calloc(1, sizeof *h);
     if (h) h->layers = calloc((size_t)c->n_layers, sizeof *h->layers);
     if (!h || !h->layers) {
@@ -362,8 +423,9 @@ kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
     pthread_mutex_lock(&m->host_lock);
     kvc_status st = KVC_OK;
     if (!m->host && !(m->host = host_view(m))) {
-        /* a device model: a CPU copy of the file, once (4 bytes per parameter of host memory) */
-        if (!m->host_twin) st = kvc_model_load(m->path, &m->host_twin);
+        /* a device model or native weights: an fp32 CPU copy of the file, once (4 bytes per parameter
+         * of host memory) */
+        if (!m->host_twin) st = kvc_model_load_ex(m->path, KVC_DEVICE_CPU, KVC_WEIGHTS_FP32, &m->host_twin);
         if (st == KVC_OK && !(m->host = host_view(m->host_twin)))
             st = kvc_fail(KVC_ERR_NOMEM, "out of memory: host weights");
     }
@@ -374,7 +436,7 @@ kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
 
 kvc_model *kvc_model_host_model(kvc_model *m) { return m->host_twin ? m->host_twin : m; }
 
-kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **out) {
+kvc_status kvc_model_load_ex(const char *path, int32_t device, int32_t weights, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_model_load: out is NULL");
     *out = NULL;
     if (!path || !*path) return kvc_fail(KVC_ERR_ARG, "model path is empty");
@@ -385,9 +447,18 @@ kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **o
         return kvc_fail(KVC_ERR_IO, "model path '%s' does not exist: give a .gguf file or a Hugging Face folder", path);
     /* A device's scratch and stream are shared: a load must not interleave with another thread's forward. */
     kvc_backend_lock(be);
-    kvc_status status = S_ISDIR(st.st_mode) ? kvc_load_hf(path, be, out) : kvc_load_gguf(path, be, out);
+    kvc_status status = S_ISDIR(st.st_mode) ? kvc_load_hf(path, be, weights, out) : kvc_load_gguf(path, be, weights, out);
     kvc_backend_unlock(be);
     return status;
+}
+
+kvc_status kvc_model_load_device(const char *path, int32_t device, kvc_model **out) {
+    return kvc_model_load_ex(path, device, KVC_WEIGHTS_NATIVE, out);
+}
+
+int32_t kvc_model_weights(const kvc_model *m, int32_t *n_native) {
+    if (n_native) *n_native = m ? m->n_native : 0;
+    return m ? m->weights : KVC_WEIGHTS_NATIVE;
 }
 
 kvc_status kvc_model_load(const char *path, kvc_model **out) { return kvc_model_load_device(path, KVC_DEVICE_CPU, out); }

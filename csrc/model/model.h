@@ -49,7 +49,10 @@ struct kvc_model {
     float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, or NULL */
     float *rope_inv_freq;     /* host [d/2] */
     size_t weight_bytes;
+    int32_t weights;          /* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32, as asked at load */
+    int32_t n_native;         /* matrices kept in their file's type */
     kvc_buf **bufs;           /* the backend buffers the model owns */
+    int32_t *buf_dtypes;      /* and their dtypes (a buffer is opaque to the engine) */
     size_t n_bufs, cap_bufs;
     struct gguf_file *meta;   /* GGUF metadata kept for the tokenizer; NULL for HF folders */
     /* host fp32 weights on demand (kvc_model_host_weights): a CPU model's own buffers, or a CPU copy of
@@ -93,12 +96,20 @@ typedef struct kvc_src {
     size_t row_bytes;  /* bytes of one row in the file */
     int32_t type;      /* the loader's own type code */
     const void *ctx;   /* the loader's own description of the tensor */
+    int32_t ggml_type; /* the file's type as a ggml type id (safetensors F32/F16/BF16 too), -1 if none */
 } kvc_src;
 
+/* A loader's answer to "what type is tensor `name` stored in": a ggml type id, or -1 (absent, or a
+ * type with no ggml equivalent). kvc_model_create asks it to keep weights in their file's type. */
+typedef int32_t (*kvc_type_fn)(const void *file, const char *name);
+
 /* Validate `cfg` (positive sizes, H % Hkv == 0, at most KVC_MAX_KV_HEADS KV heads, the backend's own
- * limits, ...) and create a model on `be` with every weight buffer allocated (uninitialised). */
+ * limits, ...) and create a model on `be` with every weight buffer allocated (uninitialised). With
+ * weights == KVC_WEIGHTS_NATIVE, a matrix (or fused group: q|k|v, gate|up) whose tensors share one
+ * file type the backend takes (weight_type_ok) keeps that type; every other goes to be->weight_dtype.
+ * type_of(file, name) gives a tensor's type, named the Hugging Face way when hf, else the GGUF way. */
 kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
-                            kvc_model **out);
+                            int32_t weights, int hf, kvc_type_fn type_of, const void *file, kvc_model **out);
 /* Stream tensor src into the weight of role `role` (layer: for per-layer roles). */
 kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src);
 /* The model's host array of d/2 RoPE factors (GGUF rope_freqs.weight, linear scaling), allocated on first
@@ -115,7 +126,7 @@ kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out);
 kvc_model *kvc_model_host_model(kvc_model *m);
 
 /* Format-specific loaders onto a backend (model/gguf_model.c, model/hf_model.c). */
-kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, kvc_model **out);
-kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, kvc_model **out);
+kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, int32_t weights, kvc_model **out);
+kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t weights, kvc_model **out);
 
 #endif

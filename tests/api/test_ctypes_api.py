@@ -8,7 +8,11 @@ from capi import PressConfig, lib
 
 def test_ctypes_forward_matches_module(default_gguf, default_model, rng):
     m = C.c_void_p()
-    assert lib.kvc_model_load(default_gguf.encode(), C.byref(m)) == 0, lib.kvc_last_error()
+    # fp32 weights (KVC_WEIGHTS_FP32 = 1), as the module's reference model: last-token logits of native
+    # weights go through the integer GEMV (tests/model/test_native_weights.py)
+    assert lib.kvc_model_load_ex(default_gguf.encode(), 0, 1, C.byref(m)) == 0, lib.kvc_last_error()
+    n_native = C.c_int32(-1)
+    assert lib.kvc_model_weights(m, C.byref(n_native)) == 1 and n_native.value == 0
     s = C.c_void_p()
     assert lib.kvc_session_new(m, 0, C.byref(s)) == 0
     ids = rng.integers(0, 49152, size=40).astype(np.int32)

@@ -372,7 +372,7 @@ def f32_twin(kw, tmp_path, name):
 def test_dequantised_weights_reach_the_forward(tmp_path, variant):
     qpath, fpath = f32_twin(VARIANTS[variant][0], tmp_path, variant)
     ids = [1, 5, 9, 3, 7, 2]
-    a = kvpress_c.load_model(qpath).logits(ids)
+    a = kvpress_c.load_model(qpath, weights="fp32").logits(ids)  # native weights: tests/model/test_native_weights.py
     b = kvpress_c.load_model(fpath).logits(ids)
     assert np.all(np.isfinite(a))
     np.testing.assert_array_equal(a, b)

@@ -139,11 +139,12 @@ def test_variants_load_through_ctypes(tiny, arch, dtype, tied, sharded):
                (8.0, 1.0, 4.0, 64)
     else:
         assert cfg.rope_scaling_factor == 0.0
-    # fp32 weights: 2 norms per layer + final, q/k/v/o, 3 MLP, embeddings (+ lm_head), biases
+    # native weights: matrices (4 layers of q/k/v/o and 3 MLP, embeddings, lm_head) keep the file's 2 or 4
+    # bytes a value; f32 norms (2 per layer + final), biases and rope_inv_freq[d/2]
     D, F, V, qd, kd = 64, 128, 256, 64, 32
-    per_layer = 2 * D + D * qd + 2 * D * kd + qd * D + 3 * D * F + (qd + 2 * kd) * (arch == "qwen2") + 2 * 16 * (arch == "qwen3")
-    floats = 4 * per_layer + D + V * D * (1 if tied else 2) + 8  # + rope_inv_freq[d/2]
-    assert nbytes == 4 * floats
+    matrix = 4 * (D * qd + 2 * D * kd + qd * D + 3 * D * F) + V * D * (1 if tied else 2)
+    vector = 4 * (2 * D + (qd + 2 * kd) * (arch == "qwen2") + 2 * 16 * (arch == "qwen3")) + D + 8  # + q/k norms [d]
+    assert nbytes == (2 if dtype in ("float16", "bfloat16") else 4) * matrix + 4 * vector
 
 
 def logits(path, ids):

@@ -44,6 +44,16 @@ class Layout:
     data_start: int = 0
 
 
+@dataclass
+class Lazy:
+    """Tensor bytes made when the file is written (write() streams them: a multi-GB file is never in memory)."""
+    nbytes: int
+    make: object  # () -> bytes-like of nbytes
+
+    def __len__(self):
+        return self.nbytes
+
+
 class GGUFFile:
     def __init__(self, version: int = 3, alignment: int | None = None):
         self.version = version
@@ -65,7 +75,7 @@ class GGUFFile:
     # -- tensors --------------------------------------------------------------------------------
     def tensor(self, name: str, ne: list[int], ggml_type: int, data: bytes):
         """ne in ggml order (contiguous dimension first)."""
-        self.tensors.append((name, list(ne), ggml_type, bytes(data)))
+        self.tensors.append((name, list(ne), ggml_type, data if isinstance(data, Lazy) else bytes(data)))
         return self
 
     def add_array(self, name: str, x: np.ndarray, type_name: str = "F32", rng=None):
@@ -75,6 +85,15 @@ class GGUFFile:
 
     # -- serialisation --------------------------------------------------------------------------
     def to_bytes(self) -> tuple[bytes, Layout]:
+        out, lay, offsets = self._header()
+        for (name, ne, t, data), off in zip(self.tensors, offsets):
+            assert len(out) - lay.data_start == off
+            out.extend(data.make() if isinstance(data, Lazy) else data)
+            out.extend(b"\0" * (-len(out) % (self.alignment or 32)))
+        return bytes(out), lay
+
+    def _header(self) -> tuple[bytearray, Layout, list]:
+        """Header, metadata, tensor infos and the padding up to the data; the data offsets."""
         out = bytearray()
         lay = Layout()
 
@@ -133,16 +152,23 @@ class GGUFFile:
         lay.info_end = len(out)
         out.extend(b"\0" * (-len(out) % align))
         lay.data_start = len(out)
-        for (name, ne, t, data), off in zip(self.tensors, offsets):
-            assert len(out) - lay.data_start == off
-            out.extend(data)
-            out.extend(b"\0" * (-len(out) % align))
-        return bytes(out), lay
+        return out, lay, offsets
 
     def write(self, path: str) -> Layout:
-        data, lay = self.to_bytes()
+        """Header first, then each tensor's bytes as they are made (Lazy tensors one at a time)."""
+        out, lay, offsets = self._header()
+        align = self.alignment or 32
         with open(path, "wb") as fh:
-            fh.write(data)
+            fh.write(out)
+            pos = 0
+            for (name, ne, t, data), off in zip(self.tensors, offsets):
+                assert pos == off
+                b = data.make() if isinstance(data, Lazy) else data
+                assert len(b) == len(data), name
+                fh.write(b)
+                pad = -len(b) % align
+                fh.write(b"\0" * pad)
+                pos += len(b) + pad
         return lay
 
 

@@ -128,3 +128,65 @@ def write_llama31_bf16(path: str, shapes: dict = LLAMA31_8B, seed: int = 0, shar
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def write_llama31_gguf(path: str, type_name: str = "Q4_0", shapes: dict = LLAMA31_8B, seed: int = 0) -> str:
+    """A Llama-3.1-shaped GGUF (theta 500000, untied head, no RoPE scaling) with random weights in a
+    32-value block type (Q4_0 or Q8_0: 4.5 or 8.5 GB for the 8B shapes), written tensor by tensor (the
+    writer streams: the file is never in memory) so that llama.cpp loads it too (an SPM-style vocabulary
+    of byte tokens and placeholders). Like write_llama31_bf16, matrices are rolled tiles of one pool of
+    random blocks (2^20 blocks; weights of std ~0.02); norms are 1."""
+    from gguf_writer import GGML, GGUFFile, Lazy, random_blocks, U32, F32, STRING, ARRAY, I32
+    s = shapes
+    D, F, hd, V, L = s["hidden"], s["ffn"], s["head_dim"], s["vocab"], s["layers"]
+    H, Hkv = s["heads"], s["kv_heads"]
+    tid, be, bb = GGML[type_name]
+    rng = np.random.default_rng(seed)
+    scale = {"Q4_0": 0.006, "Q8_0": 0.0004}[type_name]  # d of the blocks: values of std ~0.02
+    pool = np.frombuffer(random_blocks(rng, type_name, 1 << 20, scale=scale), np.uint8).reshape(-1, bb)
+    g = GGUFFile()
+    g.str("general.architecture", "llama")
+    g.str("general.name", "random-llama31-8b-shaped")
+    for k, v in {"block_count": L, "context_length": 131072, "embedding_length": D, "feed_forward_length": F,
+                 "attention.head_count": H, "attention.head_count_kv": Hkv, "rope.dimension_count": hd,
+                 "vocab_size": V}.items():
+        g.u32(f"llama.{k}", v)
+    g.f32("llama.rope.freq_base", 500000.0)
+    g.f32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    # vocabulary: <unk> <s> </s>, the 256 byte tokens, placeholders (types: 2 unknown, 3 control, 6 byte, 1 normal)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"t{i}" for i in range(V - 259)]
+    g.str("tokenizer.ggml.model", "llama")
+    g.arr("tokenizer.ggml.tokens", STRING, tokens)
+    g.arr("tokenizer.ggml.scores", F32, [0.0] * V)
+    g.arr("tokenizer.ggml.token_type", I32, [2, 3, 3] + [6] * 256 + [1] * (V - 259))
+    g.u32("tokenizer.ggml.bos_token_id", 1)
+    g.u32("tokenizer.ggml.eos_token_id", 2)
+
+    def matrix(name, rows, cols):
+        n = rows * cols // be
+        off = int(rng.integers(0, len(pool)))
+
+        def make():
+            reps = -(-n // len(pool))
+            return np.tile(np.roll(pool, off, axis=0), (reps, 1))[:n].tobytes()
+        g.tensor(name, [cols, rows], tid, Lazy(n * bb, make))
+
+    def norm(name):
+        g.tensor(name, [D], GGML["F32"][0], np.ones(D, np.float32).tobytes())
+
+    matrix("token_embd.weight", V, D)
+    norm("output_norm.weight")
+    matrix("output.weight", V, D)
+    for l in range(L):
+        p = f"blk.{l}."
+        norm(p + "attn_norm.weight")
+        matrix(p + "attn_q.weight", H * hd, D)
+        matrix(p + "attn_k.weight", Hkv * hd, D)
+        matrix(p + "attn_v.weight", Hkv * hd, D)
+        matrix(p + "attn_output.weight", D, H * hd)
+        norm(p + "ffn_norm.weight")
+        matrix(p + "ffn_gate.weight", F, D)
+        matrix(p + "ffn_up.weight", F, D)
+        matrix(p + "ffn_down.weight", D, F)
+    g.write(path)
+    return path

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../model/dequant.h"
 #include "host.h"
 
 /* ---- counters -------------------------------------------------------------------------------- */
@@ -35,10 +36,20 @@ void kvc_host_stats_reset_peak(kvc_host_stats *s) {
 
 /* ---- buffers ----------------------------------------------------------------------------------- */
 
+size_t kvc_hbuf_bytes(int32_t dtype, int64_t n) {
+    if (!kvc_dtype_is_wtype(dtype)) return (size_t)n * kvc_dtype_size(dtype);
+    size_t b = 0;
+    return ggml_nbytes(dtype - KVC_WTYPE_BASE, n, &b) == KVC_OK ? b : (size_t)-1;
+}
+
 kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
     *out = NULL;
     size_t bytes;
-    if (n < 0 || kvc_mul_ok((size_t)n, kvc_dtype_size(dtype), &bytes) != 0)
+    if (kvc_dtype_is_wtype(dtype)) {
+        if (n < 0 || (bytes = kvc_hbuf_bytes(dtype, n)) == (size_t)-1)
+            return kvc_fail(KVC_ERR_INTERNAL, "%s: %lld values are not whole %s blocks", what, (long long)n,
+                            ggml_type_name(dtype - KVC_WTYPE_BASE));
+    } else if (n < 0 || kvc_mul_ok((size_t)n, kvc_dtype_size(dtype), &bytes) != 0)
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: %s (%lld elements)", what, (long long)n);
     kvc_buf *b = calloc(1, sizeof *b);
     if (!b) return kvc_fail(KVC_ERR_NOMEM, "out of memory: %s", what);
@@ -70,6 +81,12 @@ static int float_dtype(int32_t t) { return t == KVC_F32 || t == KVC_BF16; }
 
 kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype) {
     const int32_t t = dst.buf->dtype;
+    if (kvc_dtype_is_wtype(t)) { /* the file's blocks, row by row */
+        if (src_dtype != t) return kvc_fail(KVC_ERR_INTERNAL, "upload: dtype %d into a native weight buffer of dtype %d", src_dtype, t);
+        const size_t rb = kvc_hbuf_bytes(t, cols);
+        for (int64_t r = 0; r < rows; r++) memcpy(kvc_hbuf_at(dst, r, 0), (const char *)src + (size_t)r * rb, rb);
+        return KVC_OK;
+    }
     if (float_dtype(t) ? src_dtype != KVC_F32 : src_dtype != t)
         return kvc_fail(KVC_ERR_INTERNAL, "upload: %d elements into a buffer of dtype %d", src_dtype, t);
     for (int64_t r = 0; r < rows; r++) {
@@ -87,6 +104,13 @@ kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void 
 
 kvc_status kvc_hbuf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype) {
     const int32_t t = src.buf->dtype;
+    if (kvc_dtype_is_wtype(t)) { /* decoded to f32 (the embedding's rows) */
+        if (dst_dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "download: a native weight buffer gives f32 only");
+        const size_t rb = kvc_hbuf_bytes(t, cols);
+        for (int64_t r = 0; r < rows; r++)
+            KVC_TRY(ggml_dequantize(t - KVC_WTYPE_BASE, kvc_hbuf_at(src, r, 0), rb, (float *)dst + r * cols, cols));
+        return KVC_OK;
+    }
     if (float_dtype(t) ? dst_dtype != KVC_F32 : dst_dtype != t)
         return kvc_fail(KVC_ERR_INTERNAL, "download: dtype %d from a buffer of dtype %d", dst_dtype, t);
     for (int64_t r = 0; r < rows; r++) {

@@ -34,6 +34,14 @@ void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_
 void kvc_cpu_gemm(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
                   int accumulate);
 void kvc_cpu_matmul(const float *a, const float *b, float *c, int64_t m, int64_t n, int64_t k); /* contiguous, C = */
+/* The same over a weight in any format the CPU takes (quant.h: f32 goes to kvc_cpu_gemm; native
+ * types: the integer / decoding GEMV for small m, else the blocked GEMM decoding in its packing). */
+struct kvc_wmat;
+void kvc_cpu_gemm_w(const float *a, int64_t lda, struct kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n,
+                    int64_t k, int accumulate);
+/* The blocked GEMM alone on such a weight, at any m (tests). */
+void kvc_cpu_gemm_packed(const float *a, int64_t lda, struct kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n,
+                         int64_t k, int accumulate);
 /* The built-in GEMM alone (no external BLAS). */
 void kvc_cpu_gemm_builtin(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
                           int64_t k, int accumulate);

@@ -8,6 +8,7 @@
 #include "../../core/hostmath.h"
 #include "cpu.h"
 #include "host.h"
+#include "quant.h"
 
 kvc_status kvc_host_embed(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x) {
     if (x.buf->dtype != KVC_F32 || ids.buf->dtype != KVC_I32)
@@ -37,7 +38,25 @@ kvc_status kvc_host_rmsnorm_v(kvc_view x, const kvc_view *add, kvc_view w, kvc_v
     return KVC_OK;
 }
 
+/* A native weight (KVC_WTYPE): its rows as the GEMM reads them, in place. */
+static kvc_status host_matmul_native(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate) {
+    const int32_t t = w.buf->dtype - KVC_WTYPE_BASE;
+    if (w.ld != k) return kvc_fail(KVC_ERR_INTERNAL, "matmul: weight rows must be contiguous");
+    kvc_frows A, C = {0};
+    KVC_TRY(kvc_frows_get(a, m, k, 1, &A));
+    kvc_status st = kvc_frows_get(c, m, n, accumulate, &C);
+    if (st == KVC_OK) {
+        kvc_cpu_gemm_w(A.p, A.ld, (kvc_wmat){kvc_hbuf_at(w, 0, 0), t, kvc_hbuf_bytes(w.buf->dtype, k)}, C.p, C.ld, m, n, k,
+                       accumulate);
+        kvc_frows_put(c, m, n, &C);
+    }
+    kvc_frows_drop(&A);
+    kvc_frows_drop(&C);
+    return st;
+}
+
 kvc_status kvc_host_matmul_v(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate) {
+    if (kvc_dtype_is_wtype(w.buf->dtype)) return host_matmul_native(a, w, c, m, n, k, accumulate);
     kvc_frows A, W, C = {0};
     KVC_TRY(kvc_frows_get(a, m, k, 1, &A));
     kvc_status st = kvc_frows_get(w, n, k, 1, &W);
@@ -162,6 +181,7 @@ static kvc_status cpu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *w
     return kvc_hbuf_alloc(&g_cpu_stats, dtype, n, cat, what, out);
 }
 static const float *cpu_host_f32(const kvc_buf *b) { return b && b->dtype == KVC_F32 ? (const float *)b->p : NULL; }
+static int cpu_weight_type_ok(int32_t ggml_type) { return kvc_cpu_wtype_ok(ggml_type); }
 static kvc_status cpu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_cpu_stats, KVC_F32, Hkv, d, out); }
 static size_t cpu_kv_bytes(int32_t Hkv, int32_t d, const int64_t *cap) { return kvc_hkv_arena_bytes(KVC_F32, Hkv, d, cap); }
 
@@ -171,6 +191,7 @@ static const kvc_backend g_cpu = {
     .device = KVC_DEVICE_CPU,
     .act_dtype = KVC_F32,
     .weight_dtype = KVC_F32,
+    .weight_type_ok = cpu_weight_type_ok,
     .mlp_rows = 256,
     .serialize = 0,
     .device_name = cpu_name,

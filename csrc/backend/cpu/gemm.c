@@ -42,7 +42,9 @@
 #include <string.h>
 
 #include "../../core/backend.h"
+#include "../../model/dequant.h"
 #include "cpu.h"
+#include "quant.h"
 
 #ifndef SKINNY_M
 #define SKINNY_M 12 /* rows of A up to which the unpacked dot-product path runs */
@@ -281,23 +283,41 @@ void kvc_cpu_transpose(const float *src, int64_t lds, int64_t rows, int64_t cols
 /* panel of the row block passes under it. Threads split the panels of each row block; they write  */
 /* disjoint columns of C, so no barrier is needed between blocks.                                  */
 
-static void gemm_blocked(const float *a, int64_t lda, const float *b, float *c, int64_t ldc, int64_t m, int64_t n,
+/* Pack panel jp, columns [p0, p0 + kc), of weight w into bp[p][j] (lanes >= nr are masked by the
+ * microkernel). Native weights are decoded to fp32 here, kc values of nr rows, then transposed: the
+ * one place the blocked GEMM sees their format. */
+static void pack_panel(kvc_wmat w, int64_t k, int64_t jp, int nr, int64_t p0, int64_t kc, float *bp, float *tmp) {
+    if (w.type == 0) {
+        kvc_cpu_transpose((const float *)w.p + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
+        return;
+    }
+    for (int j = 0; j < nr; j++)
+        kvc_cpu_wdecode(w.type, (const char *)w.p + (size_t)(jp * KVC_NR + j) * w.row_bytes, p0, kc, tmp + j * kc);
+    kvc_cpu_transpose(tmp, kc, nr, kc, bp, KVC_NR);
+}
+
+static void gemm_blocked(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n,
                          int64_t k, int accumulate) {
-    const int64_t kc_max = ceil_div(k, ceil_div(k, KC_MAX)); /* equal chunks, no thin leftover */
+    /* equal chunks, no thin leftover; whole blocks of a native type (KC_MAX is a multiple of 256) */
+    const int64_t be = w.type ? ggml_block_elems(w.type) : 1;
+    int64_t kc_max = ceil_div(ceil_div(k, ceil_div(k, KC_MAX)), be) * be;
+    if (kc_max > KC_MAX) kc_max = KC_MAX / be * be;
     const int64_t npan = ceil_div(n, KVC_NR);
+    /* a native panel is decoded once per row block: larger row blocks decode less often */
+    const int64_t mc_rows = w.type ? 4 * MC : MC;
     const int par = (double)m * n * k >= MIN_PAR_FLOPS && !omp_in_parallel();
 #pragma omp parallel num_threads(kvc_cpu_threads()) if (par)
     {
         float bp[KC_MAX * KVC_NR] __attribute__((aligned(64)));
-        for (int64_t i0 = 0; i0 < m; i0 += MC) {
-            const int64_t mc = imin(MC, m - i0), mpan = ceil_div(mc, KVC_MR);
+        float tmp[w.type ? KC_MAX * KVC_NR : 1];
+        for (int64_t i0 = 0; i0 < m; i0 += mc_rows) {
+            const int64_t mc = imin(mc_rows, m - i0), mpan = ceil_div(mc, KVC_MR);
 #pragma omp for schedule(static) nowait
             for (int64_t jp = 0; jp < npan; jp++) {
                 const int nr = (int)imin(KVC_NR, n - jp * KVC_NR);
                 for (int64_t p0 = 0; p0 < k; p0 += kc_max) {
                     const int64_t kc = imin(kc_max, k - p0);
-                    /* bp[p][j] = B[jp * NR + j][p0 + p]; lanes >= nr are masked by the microkernel */
-                    kvc_cpu_transpose(b + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
+                    pack_panel(w, k, jp, nr, p0, kc, bp, tmp);
                     for (int64_t ip = 0; ip < mpan; ip++) {
                         const int64_t i = i0 + ip * KVC_MR;
                         kvc_cpu_ukr((int)imin(KVC_MR, i0 + mc - i), nr, kc, a + i * lda + p0, lda, bp, KVC_NR,
@@ -320,5 +340,23 @@ void kvc_cpu_gemm_builtin(const float *a, int64_t lda, const float *b, float *c,
     if (m <= SKINNY_M)
         gemm_skinny(a, lda, b, c, ldc, m, n, k, accumulate);
     else
-        gemm_blocked(a, lda, b, c, ldc, m, n, k, accumulate);
+        gemm_blocked(a, lda, (kvc_wmat){b, 0, (size_t)k * sizeof(float)}, c, ldc, m, n, k, accumulate);
+}
+
+void kvc_cpu_gemm_w(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                    int accumulate) {
+    if (w.type == 0) {
+        kvc_cpu_gemm(a, lda, (const float *)w.p, c, ldc, m, n, k, accumulate);
+        return;
+    }
+    if (m <= 0 || n <= 0) return;
+    if (m <= SKINNY_M)
+        kvc_cpu_qgemv(a, lda, w, c, ldc, m, n, k, accumulate);
+    else
+        gemm_blocked(a, lda, w, c, ldc, m, n, k, accumulate);
+}
+
+void kvc_cpu_gemm_packed(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                         int accumulate) {
+    if (m > 0 && n > 0 && k > 0) gemm_blocked(a, lda, w, c, ldc, m, n, k, accumulate);
 }

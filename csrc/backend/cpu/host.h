@@ -43,8 +43,13 @@ kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t 
 void kvc_hbuf_free(kvc_buf *b);
 kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype);
 kvc_status kvc_hbuf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype);
+/* Bytes of n elements of dtype (native weight types: whole blocks, n a multiple of the block), or
+ * (size_t)-1 when n is not. */
+size_t kvc_hbuf_bytes(int32_t dtype, int64_t n);
 static inline char *kvc_hbuf_at(kvc_view v, int64_t r, int64_t c) {
-    return (char *)v.buf->p + (size_t)(v.off + r * v.ld + c) * kvc_dtype_size(v.buf->dtype);
+    const int64_t e = v.off + r * v.ld + c;
+    return (char *)v.buf->p + (kvc_dtype_is_wtype(v.buf->dtype) ? kvc_hbuf_bytes(v.buf->dtype, e)
+                                                                 : (size_t)e * kvc_dtype_size(v.buf->dtype));
 }
 
 kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d, kvc_kv **out);

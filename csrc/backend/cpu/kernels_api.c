@@ -5,7 +5,9 @@
 #include <math.h>
 
 #include "../../core/common.h"
+#include "../../model/dequant.h"
 #include "cpu.h"
+#include "quant.h"
 
 #define CHECK(cond, ...)                                   \
     do {                                                   \
@@ -17,6 +19,25 @@ kvc_status kvc_kernel_matmul(const float *a, const float *b, float *c, int64_t m
     CHECK(m > 0 && n > 0 && k > 0, "matmul: sizes must be positive (m=%lld n=%lld k=%lld)", (long long)m,
           (long long)n, (long long)k);
     kvc_cpu_matmul(a, b, c, m, n, k);
+    return KVC_OK;
+}
+
+kvc_status kvc_kernel_matmul_native(int32_t type, const float *a, const void *w, float *c, int64_t m, int64_t n, int64_t k,
+                                    int32_t path) {
+    CHECK(a && w && c, "matmul_native: a, w and c must not be NULL");
+    CHECK(m > 0 && n > 0 && k > 0, "matmul_native: sizes must be positive (m=%lld n=%lld k=%lld)", (long long)m,
+          (long long)n, (long long)k);
+    CHECK(path >= 0 && path <= 3, "matmul_native: path must be 0..3, got %d", path);
+    if (!kvc_cpu_wtype_ok(type))
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "matmul_native: ggml type %s (%d) is not kept natively on the CPU",
+                        ggml_type_name(type), type);
+    size_t row_bytes = 0;
+    KVC_TRY(ggml_nbytes(type, k, &row_bytes));
+    const kvc_wmat wm = {w, type, row_bytes};
+    if (path == 0) kvc_cpu_gemm_w(a, k, wm, c, n, m, n, k, 0);
+    else if (path == 1) kvc_cpu_gemm_packed(a, k, wm, c, n, m, n, k, 0);
+    else if (path == 2) kvc_cpu_qgemv(a, k, wm, c, n, m, n, k, 0);
+    else kvc_cpu_qgemv_ref(a, k, wm, c, n, m, n, k, 0);
     return KVC_OK;
 }
 

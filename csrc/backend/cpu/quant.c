@@ -1,0 +1,305 @@
+/* Native weights on the CPU: the integer dot products of the 32-value block types against int8
+ * activations, their plain-C references, and the decode GEMV (quant.h). Block layouts (ggml): Q4_0
+ * fp16 d + 16 bytes of nibbles, value (q - 8) d; Q4_1 d, m + nibbles, q d + m; Q5_0 d + u32 of fifth
+ * bits + nibbles, (q - 16) d; Q5_1 d, m, fifth bits, nibbles, q d + m; Q8_0 d + 32 int8, q d. In the
+ * nibble bytes, byte j holds element j (low) and j + 16 (high); fifth bit e is bit e of the u32.
+ *
+ * Every block's integer sum is sum(u * qa) over unsigned weight codes u (0..31, or q + 128 for Q8_0),
+ * so one instruction serves all types (VNNI vpdpbusd: u8 x s8 -> s32); the code's offset (-8, -16,
+ * -128) or Q4_1/Q5_1's m comes back through the activation block's s = d * sum(qa). */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../model/convert.h"
+#include "../../model/dequant.h"
+#include "../../model/gguf.h"
+#include "cpu.h"
+#include "quant.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#define KVC_QSIMD 1
+#endif
+
+#define MIN_PAR_BYTES (1 << 16) /* below this many weight bytes a GEMV runs on one thread */
+
+int kvc_cpu_wtype_int8(int32_t t) {
+    return t == GGML_T_Q4_0 || t == GGML_T_Q4_1 || t == GGML_T_Q5_0 || t == GGML_T_Q5_1 || t == GGML_T_Q8_0;
+}
+
+int kvc_cpu_wtype_ok(int32_t t) {
+    return kvc_cpu_wtype_int8(t) || t == GGML_T_F16 || t == GGML_T_BF16 || t == GGML_T_Q2_K || t == GGML_T_Q3_K ||
+           t == GGML_T_Q4_K || t == GGML_T_Q5_K || t == GGML_T_Q6_K;
+}
+
+static inline float half(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(KVC_QSIMD)
+    return _cvtsh_ss(h);
+#else
+    return kvc_f16_to_f32(h);
+#endif
+}
+
+/* ---- activations -------------------------------------------------------------------------------- */
+
+void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + b * 32;
+        int8_t *q = out.q + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            q[j] = (int8_t)nearbyintf(xb[j] * id); /* round to nearest even, as cvtps2dq */
+            sum += q[j];
+        }
+        out.d[b] = d;
+        out.s[b] = d * (float)sum;
+    }
+}
+
+/* ---- plain-C references ------------------------------------------------------------------------- */
+
+/* u[32]: the block's unsigned codes; *m: Q4_1/Q5_1's offset (else 0); returns d and the code bias */
+static float codes(int32_t t, const uint8_t *b, uint8_t *u, float *m, int *bias) {
+    *m = 0.f;
+    *bias = 0;
+    const uint8_t *qs;
+    uint32_t qh = 0;
+    switch (t) {
+    case GGML_T_Q4_0: qs = b + 2; *bias = 8; break;
+    case GGML_T_Q4_1: qs = b + 4; *m = half(b + 2); break;
+    case GGML_T_Q5_0: memcpy(&qh, b + 2, 4); qs = b + 6; *bias = 16; break;
+    case GGML_T_Q5_1: *m = half(b + 2); memcpy(&qh, b + 4, 4); qs = b + 8; break;
+    default: /* Q8_0 */
+        for (int j = 0; j < 32; j++) u[j] = (uint8_t)((int8_t)b[2 + j] + 128);
+        *bias = 128;
+        return half(b);
+    }
+    for (int j = 0; j < 16; j++) {
+        u[j] = (uint8_t)((qs[j] & 15) | (((qh >> j) & 1) << 4));
+        u[j + 16] = (uint8_t)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+    return half(b);
+}
+
+static float qdot_ref(int32_t t, const uint8_t *w, kvc_q8row a, int64_t nb) {
+    const size_t bb = ggml_block_bytes(t);
+    float acc = 0.f;
+    for (int64_t i = 0; i < nb; i++) {
+        uint8_t u[32];
+        float m;
+        int bias;
+        const float d = codes(t, w + i * bb, u, &m, &bias);
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) s += (int32_t)u[j] * a.q[i * 32 + j];
+        acc += d * a.d[i] * (float)s + (m - (float)bias * d) * a.s[i];
+    }
+    return acc;
+}
+
+/* ---- AVX-512 VNNI ------------------------------------------------------------------------------- */
+#if defined(KVC_QSIMD)
+
+static inline __m256i nibbles(const uint8_t *qs) { /* 16 bytes -> 32 codes: low nibbles, then high */
+    const __m128i x = _mm_loadu_si128((const __m128i *)qs), f = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), f), _mm_and_si128(x, f));
+}
+static inline __m256i fifth(__m256i u, const uint8_t *qh) { /* OR in 16 where bit e of the u32 is set */
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return _mm256_or_si256(u, _mm256_maskz_mov_epi8((__mmask32)h, _mm256_set1_epi8(16)));
+}
+
+/* One type's loop: per block one vpdpbusd (unsigned codes x int8 activations), a conversion and an FMA
+ * with the block's scale product; the offset term (m - bias d_w) s_a goes to a scalar. Two blocks in
+ * flight. (Measured alternatives, no faster here: 16 blocks' scales as vectors through a gather, and
+ * four accumulator chains.) CODES(b) yields block b's 32 codes, HAS_M whether the type has an m (at
+ * byte 2), BIAS the code bias. */
+#define QDOT_BLOCK(acc, b, qa, dd)                                                                     \
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(dd),                                                          \
+                          _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), CODES(b),      \
+                                                                 _mm256_loadu_si256((const __m256i *)(qa)))), acc)
+#define QDOT_OFF(HAS_M, BIAS, b, d0, sa) (((HAS_M) ? half((b) + 2) : 0.f) - (float)(BIAS) * (d0)) * (sa)
+#define QDOT_LOOP(HAS_M, BIAS)                                                                         \
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                     \
+    float off = 0.f;                                                                                   \
+    int64_t i = 0;                                                                                     \
+    for (; i + 2 <= nb; i += 2) {                                                                      \
+        const uint8_t *b0 = w + i * BB, *b1 = b0 + BB;                                                 \
+        const float d0 = half(b0), d1 = half(b1);                                                      \
+        QDOT_BLOCK(acc0, b0, a.q + i * 32, d0 * a.d[i]);                                               \
+        QDOT_BLOCK(acc1, b1, a.q + i * 32 + 32, d1 * a.d[i + 1]);                                      \
+        off += QDOT_OFF(HAS_M, BIAS, b0, d0, a.s[i]) + QDOT_OFF(HAS_M, BIAS, b1, d1, a.s[i + 1]);                                \
+    }                                                                                                  \
+    for (; i < nb; i++) {                                                                              \
+        const uint8_t *b0 = w + i * BB;                                                                \
+        const float d0 = half(b0);                                                                     \
+        QDOT_BLOCK(acc0, b0, a.q + i * 32, d0 * a.d[i]);                                               \
+        off += QDOT_OFF(HAS_M, BIAS, b0, d0, a.s[i]);                                                             \
+    }                                                                                                  \
+    const __m256 s = _mm256_add_ps(acc0, acc1);                                                        \
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));                     \
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                                            \
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) + off;
+
+#define C_Q4_0(b) nibbles((b) + 2)
+#define C_Q4_1(b) nibbles((b) + 4)
+#define C_Q5_0(b) fifth(nibbles((b) + 6), (b) + 2)
+#define C_Q5_1(b) fifth(nibbles((b) + 8), (b) + 4)
+#define C_Q8_0(b) _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((b) + 2)), _mm256_set1_epi8((char)0x80))
+
+#define CODES C_Q4_0
+static float qdot_q4_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 18 }; QDOT_LOOP(0, 8) }
+#undef CODES
+#define CODES C_Q4_1
+static float qdot_q4_1(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 20 }; QDOT_LOOP(1, 0) }
+#undef CODES
+#define CODES C_Q5_0
+static float qdot_q5_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 22 }; QDOT_LOOP(0, 16) }
+#undef CODES
+#define CODES C_Q5_1
+static float qdot_q5_1(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 24 }; QDOT_LOOP(1, 0) }
+#undef CODES
+#define CODES C_Q8_0
+static float qdot_q8_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 34 }; QDOT_LOOP(0, 128) }
+#undef CODES
+
+#endif
+
+float kvc_cpu_qdot(int32_t t, const void *w, kvc_q8row a, int64_t k, int ref) {
+    const int64_t nb = k / 32;
+#if defined(KVC_QSIMD)
+    if (!ref) switch (t) {
+        case GGML_T_Q4_0: return qdot_q4_0(w, a, nb);
+        case GGML_T_Q4_1: return qdot_q4_1(w, a, nb);
+        case GGML_T_Q5_0: return qdot_q5_0(w, a, nb);
+        case GGML_T_Q5_1: return qdot_q5_1(w, a, nb);
+        case GGML_T_Q8_0: return qdot_q8_0(w, a, nb);
+        default: break;
+        }
+#endif
+    (void)ref;
+    return qdot_ref(t, w, a, nb);
+}
+
+void kvc_cpu_wdecode(int32_t t, const void *w, int64_t c0, int64_t nc, float *dst) {
+#if defined(__AVX512F__) && defined(__F16C__)
+    /* 16-bit floats widen exactly: 16 at a time here, the tail below */
+    if (t == GGML_T_F16 || t == GGML_T_BF16) {
+        const uint16_t *h = (const uint16_t *)w + c0;
+        int64_t i = 0;
+        for (; i + 16 <= nc; i += 16) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
+            _mm512_storeu_ps(dst + i, t == GGML_T_F16 ? _mm512_cvtph_ps(x)
+                                                      : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+        }
+        for (; i < nc; i++) dst[i] = t == GGML_T_F16 ? kvc_f16_to_f32(h[i]) : kvc_bf16_to_f32(h[i]);
+        return;
+    }
+#endif
+    const int64_t be = ggml_block_elems(t);
+    const size_t bb = ggml_block_bytes(t);
+    /* whole blocks of a row checked at load: cannot fail */
+    (void)ggml_dequantize(t, (const char *)w + (size_t)(c0 / be) * bb, (size_t)(nc / be) * bb, dst, nc);
+}
+
+/* ---- the decode GEMV ---------------------------------------------------------------------------- */
+
+/* Scratch that lives as long as its thread (the OpenMP pool's threads persist): grown, never freed
+ * per call, so a decode step allocates nothing once warm. */
+static void *tls_grow(void **p, size_t *cap, size_t bytes) {
+    if (bytes > *cap) {
+        void *q = realloc(*p, bytes);
+        if (!q) return NULL;
+        *p = q;
+        *cap = bytes;
+    }
+    return *p;
+}
+static _Thread_local void *t_act, *t_row, *t_rows;
+static _Thread_local size_t t_act_cap, t_row_cap, t_rows_cap;
+
+static float dot_f32(const float *x, const float *y, int64_t k) {
+    int64_t p = 0;
+    float s = 0.f;
+#if defined(KVC_SIMD)
+    vf a0 = V_ZERO(), a1 = V_ZERO();
+    for (; p + 2 * VL <= k; p += 2 * VL) {
+        a0 = V_FMA(V_LOAD(x + p), V_LOAD(y + p), a0);
+        a1 = V_FMA(V_LOAD(x + p + VL), V_LOAD(y + p + VL), a1);
+    }
+    s = V_HSUM(V_ADD(a0, a1));
+#endif
+    for (; p < k; p++) s += x[p] * y[p];
+    return s;
+}
+
+static void put(float *c, float v, int accumulate) { *c = accumulate ? *c + v : v; }
+
+static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                  int accumulate, int ref) {
+    const int par = (double)n * (double)w.row_bytes >= MIN_PAR_BYTES && !omp_in_parallel();
+    /* rows handed out in small chunks: on a busy machine a descheduled thread holds up one chunk, not
+     * its whole static share */
+    const int64_t chunk = n / (16 * kvc_cpu_threads()) > 16 ? n / (16 * kvc_cpu_threads()) : 16;
+    const int64_t nb = k / 32;
+    /* per row: k codes, nb scales and sums (a few KB); without them (out of memory) the fp32 path below
+     * is slower but exact */
+    char *q = kvc_cpu_wtype_int8(w.type) ? tls_grow(&t_act, &t_act_cap, (size_t)(m * (k + 8 * nb))) : NULL;
+    if (q) {
+        kvc_q8row *rows = tls_grow(&t_rows, &t_rows_cap, sizeof(kvc_q8row) * (size_t)m);
+        if (!rows) q = NULL;
+    }
+    if (q) {
+        kvc_q8row *rows = t_rows;
+        for (int64_t i = 0; i < m; i++) {
+            char *base = q + i * (k + 8 * nb);
+            rows[i] = (kvc_q8row){(float *)base, (float *)base + nb, (int8_t *)(base + 8 * nb)};
+            kvc_cpu_quantize_q8(a + i * lda, k, rows[i]);
+        }
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(kvc_cpu_threads()) if (par)
+        for (int64_t j = 0; j < n; j++) {
+            const char *row = (const char *)w.p + (size_t)j * w.row_bytes;
+            for (int64_t i = 0; i < m; i++) put(c + i * ldc + j, kvc_cpu_qdot(w.type, row, rows[i], k, ref), accumulate);
+        }
+        return;
+    }
+#pragma omp parallel num_threads(kvc_cpu_threads()) if (par)
+    {
+        float *r = tls_grow(&t_row, &t_row_cap, sizeof(float) * (size_t)k);
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t j = 0; j < n; j++) {
+            const char *row = (const char *)w.p + (size_t)j * w.row_bytes;
+            if (r) {
+                kvc_cpu_wdecode(w.type, row, 0, k, r);
+                for (int64_t i = 0; i < m; i++) put(c + i * ldc + j, dot_f32(a + i * lda, r, k), accumulate);
+            } else { /* no scratch row: one block at a time */
+                float blk[256];
+                const int64_t be = ggml_block_elems(w.type);
+                for (int64_t i = 0; i < m; i++) {
+                    float s = 0.f;
+                    for (int64_t p = 0; p < k; p += be) {
+                        kvc_cpu_wdecode(w.type, row, p, be, blk);
+                        s += dot_f32(a + i * lda + p, blk, be);
+                    }
+                    put(c + i * ldc + j, s, accumulate);
+                }
+            }
+        }
+    }
+}
+
+void kvc_cpu_qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                   int accumulate) {
+    qgemv(a, lda, w, c, ldc, m, n, k, accumulate, 0);
+}
+
+void kvc_cpu_qgemv_ref(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                       int accumulate) {
+    qgemv(a, lda, w, c, ldc, m, n, k, accumulate, 1);
+}

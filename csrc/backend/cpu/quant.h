@@ -1,0 +1,50 @@
+/* Weights in their file's block format on the CPU (native weights): the one table of what the GEMM
+ * and GEMV do per ggml type, the activation quantiser and the integer dot products.
+ *
+ * Decode (m <= a few rows) reads every weight once per token, so it is bound by the bytes read: the
+ * activation row is quantised once to 32-value int8 blocks (kvc_q8row) and each weight row is dotted
+ * against it block by block in integers, as llama.cpp does (q4_0 . q8_0 and friends); types without
+ * an integer kernel (the K-quants, F16, BF16) decode each weight row to fp32 and take an fp32 dot.
+ * Prefill (the blocked GEMM) decodes weight panels to fp32 in its packing step (gemm.c), so the
+ * microkernel is the fp32 one. Every integer kernel has a plain-C twin, the reference the tests
+ * compare it with (kvc_cpu_qdot with ref = 1). Internal to backend/cpu. */
+#ifndef KVC_CPU_QUANT_H
+#define KVC_CPU_QUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* A weight matrix as the GEMM reads it: row j at p + j * row_bytes, of ggml type `type` (0: f32). */
+typedef struct kvc_wmat {
+    const void *p;
+    int32_t type;
+    size_t row_bytes;
+} kvc_wmat;
+
+/* A quantised activation row of k values, k / 32 blocks: x[32 b + j] ~ d[b] q[32 b + j], and s[b] =
+ * d[b] sum_j q[32 b + j] (the offset terms of Q4_1 / Q5_1 and the bias of the unsigned encodings).
+ * Scales apart from the codes, so the kernel loads 16 blocks' scales as one vector. */
+typedef struct kvc_q8row {
+    float *d, *s;
+    int8_t *q;
+} kvc_q8row;
+
+/* 1 if the CPU GEMM takes weights of this ggml type as stored (backend table: weight_type_ok). */
+int kvc_cpu_wtype_ok(int32_t type);
+/* 1 if the type has an integer dot product against kvc_q8row (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). */
+int kvc_cpu_wtype_int8(int32_t type);
+/* Quantise k values (k % 32 == 0) to k / 32 blocks: d = max|x| / 127, q = round-to-nearest-even(x / d). */
+void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out);
+/* sum over k values of weight row w (k / 32 blocks of `type`) times the activation blocks a: the
+ * vectorised kernel, or with ref = 1 the plain-C reference. Only for kvc_cpu_wtype_int8 types. */
+float kvc_cpu_qdot(int32_t type, const void *w, kvc_q8row a, int64_t k, int ref);
+/* Decode values [c0, c0 + nc) of weight row w to fp32 (c0 and nc whole blocks). */
+void kvc_cpu_wdecode(int32_t type, const void *w, int64_t c0, int64_t nc, float *dst);
+/* C[m, n] (+)= A[m, k] W[n, k]^T for small m (decode): the row-streaming path of native weights. */
+void kvc_cpu_qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                   int accumulate);
+/* The same with the plain-C integer dot products (tests). */
+void kvc_cpu_qgemv_ref(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
+                       int accumulate);
+
+#endif

@@ -1,0 +1,134 @@
+"""Native weights (load_model(weights="native"), the default): matrices stay in the file's type on the CPU.
+
+- Prefill of more than a few tokens runs the blocked GEMM, which decodes the weights in its packing step
+  to the same fp32 values the fp32 mode holds, then the same microkernel: logits equal fp32 mode's to fp32
+  rounding (measured: bit-identical on this machine; bound 1e-5 of the largest logit).
+- Decode (and prompts of up to 12 tokens) runs the integer GEMV: activations quantised to int8 blocks, as
+  llama.cpp does. Logits then differ from fp32 mode by what that quantisation costs; the bounds below are
+  measured on the default model (SmolLM2-135M Q4_1) and tiny random models, and the native error is held
+  to llama.cpp's own error against the same fp32 reference (llama-cpp-python, logits_all=True).
+- Memory: the weights take the file's bytes (plus fp32 norms), Model.memory() reports them.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import kvpress_c
+from gguf_writer import tiny_model
+
+QUANT = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q4_1", "ffn_down": "Q5_1", "token_embd": "Q5_0", "output": "F16"}
+KQUANT = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_K", "ffn_gate": "Q6_K",
+          "ffn_up": "Q6_K", "ffn_down": "Q3_K", "token_embd": "Q2_K", "output": "BF16"}
+MIXED_QKV = {"attn_q": "Q4_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "ffn_gate": "Q4_1", "ffn_up": "Q4_1"}
+TINY = {"quant": dict(types=QUANT, tied=False, hidden=64, ffn=128),
+        "kquant": dict(types=KQUANT, tied=False, hidden=256, ffn=256, heads=4, kv_heads=2),
+        "mixed_qkv": dict(types=MIXED_QKV, hidden=64, ffn=128)}
+
+
+def rel(a, b):
+    return float(np.abs(a.astype(np.float64) - b).max() / np.abs(b).max())
+
+
+def decode_logits(model, ids):
+    s = model.new_session(len(ids))
+    return np.stack([s.forward(np.asarray(ids[i:i + 1], np.int32), logits="last").reshape(-1) for i in range(len(ids))])
+
+
+@pytest.fixture(scope="module", params=list(TINY))
+def tiny_pair(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("native") / f"{request.param}.gguf")
+    tiny_model(seed=3, vocab=96, **TINY[request.param]).write(path)
+    return request.param, kvpress_c.load_model(path), kvpress_c.load_model(path, weights="fp32")
+
+
+def test_tiny_models_keep_their_types_and_prefill_matches_fp32(tiny_pair, rng):
+    name, native, fp32 = tiny_pair
+    assert native.config["weights"] == "native" and fp32.config["weights"] == "fp32"
+    assert fp32.config["native_matrices"] == 0
+    L = native.config["n_layers"]
+    # tok, lm_head and per layer q|k|v, o, gate|up, down; mixed_qkv: its q|k|v mixes types (converted to
+    # fp32), its other matrices are F32 (nothing to keep): only gate|up stays Q4_1
+    assert native.config["native_matrices"] == (L if name == "mixed_qkv" else 2 + 4 * L)
+    assert native.config["weight_bytes"] < fp32.config["weight_bytes"]
+    ids = rng.integers(0, 96, int(rng.integers(20, 60)))
+    a, b = native.logits(ids), fp32.logits(ids)
+    assert np.all(np.isfinite(a)) and rel(a, b) < 1e-5
+
+
+def test_tiny_models_decode_close_to_fp32(tiny_pair, rng):
+    """Integer GEMV on every 32-value block type; K-quants, F16, BF16 decode rows to fp32 (exact)."""
+    name, native, fp32 = tiny_pair
+    ids = rng.integers(0, 96, 24)
+    a, b = decode_logits(native, ids), decode_logits(fp32, ids)
+    assert np.all(np.isfinite(a))
+    print(f"{name}: decode max relative difference native vs fp32 {rel(a, b):.2e}")
+    # measured over 5 seeds: quant <= 3.3e-2, mixed_qkv <= 1.3e-2 (int8 activations); kquant
+    # <= 2.1e-6 (K-quants, F16, BF16 decode rows to fp32: only summation order differs)
+    assert rel(a, b) < (2e-5 if name == "kquant" else 0.1), name
+
+
+def test_default_model_native_against_fp32_and_llama_cpp(default_model_native, default_model, default_gguf, rng):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    n = 48
+    ids = rng.integers(100, default_model.config["vocab"] - 100, n).astype(np.int32)
+    ref = default_model.logits(ids)  # fp32 mode: dequantised weights, fp32 activations
+    # prefill (48 tokens): the blocked GEMM decodes the blocks to the fp32 values
+    assert rel(default_model_native.logits(ids), ref) < 1e-5
+    # decode: int8 activations against the blocks, token by token
+    ours = decode_logits(default_model_native, ids)
+    llm = llama_cpp.Llama(model_path=default_gguf, n_ctx=128, n_threads=os.cpu_count(), n_batch=1, n_ubatch=1,
+                          logits_all=True, verbose=False)
+    for t in ids:
+        llm.eval([int(t)])
+    theirs = np.asarray(llm.scores[:n], np.float64)
+    err_ours, err_theirs = np.abs(ours - ref).mean(), np.abs(theirs - ref).mean()
+    top_ours = (ours.argmax(1) == ref.argmax(1)).mean()
+    top_theirs = (theirs.argmax(1) == ref.argmax(1)).mean()
+    print(f"decode vs fp32: mean |diff| ours {err_ours:.4f} llama.cpp {err_theirs:.4f}; max ours "
+          f"{np.abs(ours - ref).max():.3f} llama.cpp {np.abs(theirs - ref).max():.3f}; top-1 ours {top_ours:.3f} "
+          f"llama.cpp {top_theirs:.3f}; ours vs llama.cpp mean {np.abs(ours - theirs).mean():.4f}")
+    # measured (logits of std ~3.7): mean |diff| 0.175 ours, 0.180 llama.cpp; max 2.1 / 1.9; top-1 0.90 / 0.89
+    assert err_ours < 1.5 * err_theirs and err_ours < 0.3
+    assert np.abs(ours - ref).max() < 4.0
+    assert top_ours >= top_theirs - 0.1
+
+
+def test_memory_and_bytes(default_model_native, default_model, default_gguf):
+    size = os.path.getsize(default_gguf)
+    nat, f32 = default_model_native.config["weight_bytes"], default_model.config["weight_bytes"]
+    # the file's blocks plus fp32 norms and RoPE frequencies; fp32 mode holds 4 bytes per parameter
+    assert 0.9 * size < nat <= size and f32 > 5 * nat
+    mem = default_model_native.memory()
+    assert set(mem) == {"weights", "cache", "scratch", "rss"} and mem["weights"] == nat
+    s = default_model_native.new_session(64)
+    s.forward(np.arange(1, 33, dtype=np.int32), logits="last")
+    assert default_model_native.memory()["cache"] > 0
+
+
+def test_weights_argument_errors(default_gguf):
+    with pytest.raises(ValueError, match="native"):
+        kvpress_c.load_model(default_gguf, weights="int4")
+
+
+def test_judgeq_gradient_on_native_model(default_model_native, default_model, rng):
+    """Judge Q's backward reads fp32 host weights: a native model loads an fp32 copy once, on demand,
+    and gives the fp32 model's loss and gradient."""
+    from kvpress_c import judgeq
+    V = default_model.config["vocab"]
+    prompt, response = rng.integers(0, V, 40), rng.integers(0, V, 8)
+    E = (0.05 * rng.standard_normal((4, default_model.config["hidden"]))).astype(np.float32)
+    l_nat, g_nat = judgeq.loss_and_grad(default_model_native, prompt, response, E)
+    l_f32, g_f32 = judgeq.loss_and_grad(default_model, prompt, response, E)
+    assert abs(l_nat - l_f32) <= 1e-5 * abs(l_f32)
+    assert np.abs(g_nat - g_f32).max() <= 1e-5 * np.abs(g_f32).max()
+
+
+def test_pipeline_reports_memory(default_model_native):
+    from kvpress_c import Pipeline, SnapKVPress
+    context = "The quick brown fox jumps over the lazy dog. " * 12
+    r = Pipeline(default_model_native)(context, question="What jumps?", press=SnapKVPress(compression_ratio=0.5),
+                                       max_new_tokens=4)
+    mem = r.stats["memory"]
+    assert mem["weights"] == default_model_native.config["weight_bytes"] and mem["rss"] > mem["weights"]
