@@ -91,7 +91,8 @@ def test_default_model_native_against_fp32_and_llama_cpp(default_model_native, d
           f"llama.cpp {top_theirs:.3f}; ours vs llama.cpp mean {np.abs(ours - theirs).mean():.4f}")
     # measured (logits of std ~3.7): mean |diff| 0.175 ours, 0.180 llama.cpp; max 2.1 / 1.9; top-1 0.90 / 0.89
     assert err_ours < 1.5 * err_theirs and err_ours < 0.3
-    assert np.abs(ours - ref).max() < 4.0
+    # the max is a tail statistic of 48 x 49152 logits: over 7 more seeds ours 1.08-4.15, llama.cpp 1.37-5.07
+    assert np.abs(ours - ref).max() < 8.0
     assert top_ours >= top_theirs - 0.1
 
 
