@@ -287,6 +287,20 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         float *scores, int64_t *keep, int64_t *n_keep);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* KVzip (arXiv 2505.23416): context-reconstruction scores after a full prefill (csrc/press/kvzip.c) */
+
+/* The session holds the full cache of its s->pos context tokens. The q_len reconstruction tokens `ids`
+ * (prompt + the chunk [start, end) of the context) run on it; scores[L, Hkv, end - start] receive each
+ * chunk row's most attention from them (softmax over the min(n_sink, start) sinks, the chunk and the
+ * causal reconstruction rows; plus: KVzip+ normalisation). Their rows are dropped again afterwards. */
+KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
+                                           int64_t end, int32_t n_sink, int32_t plus, float *scores);
+/* Evict the int(L Hkv n ratio) lowest of scores[L, Hkv, n] over all layers (layerwise: int(Hkv n ratio)
+ * per layer), the first n_sink rows of every head kept, from the session's full cache of n rows. */
+KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio,
+                                           int32_t layerwise, int32_t n_sink);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */
 
 typedef struct kvc_take_config {

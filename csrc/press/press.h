@@ -99,6 +99,9 @@ kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config 
                                const int64_t *len, int32_t window, int64_t layer_total, float *const *scores,
                                int64_t *const *keep, int64_t *n_keep);
 
+/* W_o^T [H d, D] of the layer (lr->wo) on the host as fp32, through the backend's matmul. */
+kvc_status kvc_wo_transposed(const kvc_layer_rows *lr, float *wt);
+
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):
  * keep[h] receives them sorted, n_keep[h] their count. len[h]: rows per head; window: the protected
@@ -111,5 +114,11 @@ int kvc_press_per_head_topk(const kvc_press_config *p);
 
 /* ---- take.c ---- */
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg, float *logits);
+
+/* ---- kvzip.c ---- */
+kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                           int32_t n_sink, int32_t plus, float *scores);
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
+                           int32_t n_sink);
 
 #endif
