@@ -209,3 +209,73 @@ def test_session_scores_match_float64_model(tiny_llama, rng, device, kind):
     # cpu: near-ties only (measured 1.0 on 10 seeds); emulated: bf16 moves near-ties
     print(f"{kind} {device}: mean Jaccard {np.mean(jac):.4f}")
     assert np.mean(jac) >= (0.99 if device == "cpu" else 0.9), np.round(jac, 3)
+
+
+# -- KVzip: the reconstruction forward on the full cache ---------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("plus", [False, True])
+def test_kvzip_scores_match_float64_model(tiny_llama, rng, device, plus):
+    """Random context and reconstruction ids and a random chunk: kvzip_score against the reference on a
+    float64 NumPy model's queries/keys (the reconstruction rows appended after the context's), then the
+    eviction of random scores against kvzip_kept (global and layerwise); the cache holds the context again."""
+    from kvpress_scorers_reference import kvzip_kept, kvzip_scores
+    n, m = int(rng.integers(60, 120)), int(rng.integers(20, 50))
+    ctx, rep = rng.integers(3, 256, size=n), rng.integers(3, 256, size=m)
+    start = int(rng.integers(0, 10))
+    end = int(rng.integers(start + 5, n + 1))
+    from np_llama import NpLlama
+    ref = NpLlama(tiny_llama)
+    cache = ref.empty_cache()
+    ref.forward(ref.embed(ctx), np.arange(n), cache)
+    want = []
+
+    def grab(l, q, attn, o, resid, past, cache):
+        K = np.stack([cache[l][h]["k"] for h in range(ref.Hkv)])
+        V = np.stack([cache[l][h]["v"] for h in range(ref.Hkv)])
+        h = ref.rmsnorm(resid, ref.W(f"model.layers.{l}.input_layernorm.weight")) if plus else None
+        want.append(kvzip_scores(q, K, V, n, start, end, 4, h, ref.W(f"model.layers.{l}.self_attn.o_proj.weight")))
+
+    ref.forward(ref.embed(rep), n + np.arange(m), cache, hook=grab)
+    model = kvpress_c.load_model(tiny_llama, device=device)
+    s = model.new_session()
+    s.forward(ctx.astype(np.int32), logits="last")
+    got = s.kvzip_score(rep.astype(np.int32), start, end, n_sink=4, plus=plus).astype(np.float64)
+    assert (s.cache_lengths() == n).all() and s.position == n
+    # measured max relative error: cpu (fp32 engine vs fp64 model) ~3e-7; emulated (bf16 K/V/q) ~1e-2
+    err = np.abs(got - np.stack(want)).max() / np.abs(np.stack(want)).max()
+    print(f"KVzip{'+' if plus else ''} {device}: seed-run scores rel err {err:.2e}")
+    assert err < (1e-5 if device == "cpu" else 5e-2), err
+    # the eviction: distinct random scores, so the kept sets are exact
+    L, Hkv = model.config["n_layers"], model.config["n_kv_heads"]
+    for layerwise in (False, True):
+        sc = rng.random((L, Hkv, n)).astype(np.float32)
+        e = model.new_session()
+        e.forward(ctx.astype(np.int32), logits="last")
+        e.kvzip_evict(sc, 0.6, layerwise=layerwise, n_sink=4)
+        kept = kvzip_kept(sc.astype(np.float64), 0.6, 4, layerwise)
+        for l in range(L):
+            for h in range(Hkv):
+                assert e.cache_positions(l, h).tolist() == kept[l][h].tolist(), (layerwise, l, h)
+
+
+def test_kvzip_press_settings_and_errors(default_model):
+    import kvpress
+    ours, theirs = kvpress_c.KVzipPress(), kvpress.KVzipPress()
+    for f in dataclasses.fields(theirs):
+        assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    for bad in (dict(compression_ratio=1.0), dict(compression_ratio=-0.1), dict(chunk_size=0), dict(n_sink=-1)):
+        with pytest.raises(ValueError):
+            kvpress_c.KVzipPress(**bad)
+    s = default_model.new_session()
+    ids = np.asarray(default_model.encode("Some context to compress. " * 4), dtype=np.int32)
+    with pytest.raises(ValueError, match="full cache"):  # nothing prefilled
+        s.kvzip_score(ids, 0, 4)
+    s.forward(ids, logits="last")
+    with pytest.raises(ValueError, match="outside"):
+        s.kvzip_score(ids, 0, len(ids) + 1)
+    with pytest.raises(ValueError, match="shape"):
+        s.kvzip_evict(np.zeros((1, 1, 1), np.float32), 0.5)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        s.kvzip_evict(np.zeros((default_model.config["n_layers"], default_model.config["n_kv_heads"], len(ids)),
+                               np.float32), 1.5)

@@ -130,3 +130,43 @@ def non_causal_attn_scores(q, K, V, chunk=256):
     p = np.pad(s, ((0, 0), (1, 1)))
     s = (p[:, :-2] + p[:, 1:-1] + p[:, 2:]) / 3
     return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
+
+
+def kvzip_scores(q, K, V, n_ctx, start, end, n_sink=4, h=None, Wo=None):
+    """KVzip's scores of the context rows [start, end) from the reconstruction queries q [m, H, d] (after
+    RoPE) of the m rows appended after the n_ctx context rows; K, V [Hkv, n_ctx + m, d]. Each query's
+    softmax runs over the min(n_sink, start) sinks, the chunk and the reconstruction rows up to itself;
+    a row's score is its largest weight over the queries and the query heads of its group [Hkv, end - start].
+    KVzip+ (h [m, D] the normed hidden states, Wo [D, H d]): each weight divided by ||h_i|| and multiplied
+    by ||v W_o[:, head]||_2 of its query head."""
+    m, H, d = q.shape
+    Hkv, g = K.shape[0], H // K.shape[0]
+    sink = min(n_sink, start)
+    cols = np.r_[np.arange(sink), np.arange(start, end), n_ctx + np.arange(m)]
+    out = np.zeros((Hkv, end - start))
+    for hq in range(H):
+        kh = hq // g
+        s = q[:, hq] @ K[kh, cols].T / np.sqrt(d)
+        causal = np.arange(len(cols))[None, :] < (sink + end - start + np.arange(m) + 1)[:, None]
+        s = np.where(causal, s, -np.inf)
+        a = np.exp(s - s.max(axis=1, keepdims=True))
+        a = (a / a.sum(axis=1, keepdims=True))[:, sink:sink + end - start]
+        if h is not None:
+            wov = np.linalg.norm(V[kh, start:end] @ Wo[:, hq * d:(hq + 1) * d].T, axis=-1)
+            a = a / np.linalg.norm(h, axis=-1)[:, None] * wov[None, :]
+        out[kh] = np.maximum(out[kh], a.max(axis=0))
+    return out
+
+
+def kvzip_kept(scores, ratio, n_sink=4, layerwise=False):
+    """KVzip's eviction of scores [L, Hkv, n]: the int(numel ratio) lowest over everything (layerwise: of
+    each layer) go, the first n_sink rows of every head ranked above all; kept[l][h] sorted rows."""
+    s = scores.copy()
+    s[..., :n_sink] = s.max() + 1
+    L, Hkv, n = s.shape
+    pruned = np.zeros(s.shape, dtype=bool)
+    for part in (range(L) if layerwise else [None]):
+        flat = (s[part] if layerwise else s).ravel()
+        idx = np.argsort(flat, kind="stable")[:int(flat.size * ratio)]
+        (pruned[part] if layerwise else pruned).ravel()[idx] = True
+    return [[np.flatnonzero(~pruned[l, h]) for h in range(Hkv)] for l in range(L)]
