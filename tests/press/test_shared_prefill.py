@@ -82,8 +82,10 @@ def test_run_many_equals_one_press_at_a_time(default_model):
     from kvpress_c.demo import needle_prompt
     context, question, _ = needle_prompt(default_model, n_tokens=500, seed=3)
     pipe = kvpress_c.Pipeline(default_model)
-    # these two share the prefill through a full-cache copy (soft rows; probes of a one-chunk prompt)
-    full_copy = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64), kvpress_c.TAKEPress(budget=64)]
+    # these share the prefill through a full-cache copy (soft rows; probes of a one-chunk prompt)
+    # (KVzip always scores the full cache after the prefill)
+    full_copy = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64), kvpress_c.TAKEPress(budget=64),
+                         kvpress_c.KVzipPress(compression_ratio=0.7)]
     for aware in (False, True):
         presses = _presses() + full_copy()
         many = pipe.run_many(context, question, presses=presses, max_new_tokens=8, query_aware=aware)
