@@ -63,11 +63,11 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
 
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     float *qh = malloc(sizeof(float) * (size_t)(q * qd));
-    double *logit = malloc(sizeof(double) * (size_t)ncol), *hinv = malloc(sizeof(double) * (size_t)q);
+    double *hinv = malloc(sizeof(double) * (size_t)q);
     double *wov = t->plus ? malloc(sizeof(double) * (size_t)(H * m)) : NULL;
     float *resid = t->plus ? malloc(sizeof(float) * (size_t)(q * D)) : NULL, *w = t->plus ? malloc(sizeof(float) * (size_t)D) : NULL;
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
-    kvc_status st = qh && logit && hinv && (!t->plus || (wov && resid && w)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    kvc_status st = qh && hinv && (!t->plus || (wov && resid && w)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
     if (st == KVC_OK) st = kvc_press_layer_rows(&lr, len, t->plus, k, v, &block);
     if (st == KVC_OK) st = s->be->download(ctx->q, q, qd, qh, KVC_F32);
     for (int64_t i = 0; i < q; i++) hinv[i] = 1.0;
@@ -88,27 +88,50 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     }
     float *out = t->out + (size_t)l * Hkv * m;
     for (int64_t r = 0; r < (int64_t)Hkv * m; r++) out[r] = 0.0f;
-    for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
-        const int32_t h = hq / g;
-        const float *K = k[h];
-        for (int64_t i = 0; i < q; i++) {
-            const float *qi = qh + i * qd + (int64_t)hq * d;
-            const int64_t nc = sink + m + i + 1; /* causal over the reconstruction rows */
-            double mx = -DBL_MAX, sum = 0;
-            for (int64_t j = 0; j < nc; j++) {
-                const int64_t row = j < sink ? j : j < sink + m ? t->start + j - sink : n_ctx + j - sink - m;
-                double dot = 0;
-                for (int32_t e = 0; e < d; e++) dot += (double)qi[e] * K[row * d + e];
-                logit[j] = dot * scale;
-                mx = logit[j] > mx ? logit[j] : mx;
+    int failed = 0;
+    if (st == KVC_OK) {
+        /* query heads in parallel; each keeps its own maxima and merges them into its KV head's */
+#pragma omp parallel
+        {
+            double *lg = malloc(sizeof(double) * (size_t)ncol);
+            float *best = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+            const int ok = lg && best;
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
             }
-            for (int64_t j = 0; j < nc; j++) sum += exp(logit[j] - mx);
-            for (int64_t r = 0; r < m; r++) {
-                double a = exp(logit[sink + r] - mx) / sum * hinv[i];
-                if (t->plus) a *= wov[hq * m + r];
-                if ((float)a > out[h * m + r]) out[h * m + r] = (float)a;
+#pragma omp for schedule(dynamic)
+            for (int32_t hq = 0; hq < H; hq++) {
+                if (!ok) continue;
+                const int32_t h = hq / g;
+                const float *K = k[h];
+                for (int64_t r = 0; r < m; r++) best[r] = 0.0f;
+                for (int64_t i = 0; i < q; i++) {
+                    const float *qi = qh + i * qd + (int64_t)hq * d;
+                    const int64_t nc = sink + m + i + 1; /* causal over the reconstruction rows */
+                    double mx = -DBL_MAX, sum = 0;
+                    for (int64_t j = 0; j < nc; j++) {
+                        const int64_t row = j < sink ? j : j < sink + m ? t->start + j - sink : n_ctx + j - sink - m;
+                        double dot = 0;
+                        for (int32_t e = 0; e < d; e++) dot += (double)qi[e] * K[row * d + e];
+                        lg[j] = dot * scale;
+                        mx = lg[j] > mx ? lg[j] : mx;
+                    }
+                    for (int64_t j = 0; j < nc; j++) sum += exp(lg[j] - mx);
+                    for (int64_t r = 0; r < m; r++) {
+                        double a = exp(lg[sink + r] - mx) / sum * hinv[i];
+                        if (t->plus) a *= wov[hq * m + r];
+                        if ((float)a > best[r]) best[r] = (float)a;
+                    }
+                }
+#pragma omp critical(kvzip_merge)
+                for (int64_t r = 0; r < m; r++)
+                    if (best[r] > out[h * m + r]) out[h * m + r] = best[r];
             }
+            free(lg);
+            free(best);
         }
+        if (failed) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
     }
     /* the reconstruction rows go: the layer holds the context again */
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
@@ -120,7 +143,6 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     kvc_free(block);
     free(qh);
-    free(logit);
     free(hinv);
     free(wov);
     free(resid);
