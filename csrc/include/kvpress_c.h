@@ -190,10 +190,11 @@ typedef enum kvc_scorer {
     KVC_SCORE_KEYDIFF = 7,   /* KeyDiff: -cos(k, mean of the normalised keys) */
     KVC_SCORE_LAGKV = 8,     /* LagKV: min-max normalised K/V std against the next partition, ranked */
     KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
-    KVC_SCORE_NONCAUSAL = 10 /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
+    KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
+    KVC_SCORE_LEVERAGE = 11   /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_NONCAUSAL
+#define KVC_SCORE_LAST KVC_SCORE_LEVERAGE
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -239,6 +240,7 @@ typedef struct kvc_press_config {
     float critical_eps;        /* CriticalKV: (score + eps) * |W_o v|_1 (1e-4) */
     float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
     int32_t attn_chunk;        /* NonCausalAttn chunk_size (256) */
+    int32_t sketch_dim;        /* LeverageScore sketch_dimension (48); its sketch is drawn from `seed` */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

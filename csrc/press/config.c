@@ -27,6 +27,7 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->critical_eps = 1e-4f;
     c->first_stage_ratio = 0.5f;
     c->attn_chunk = 256;
+    c->sketch_dim = 48;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -56,6 +57,7 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (c->lag_size < 1) return kvc_fail(KVC_ERR_ARG, "lag_size must be a positive integer, got %d", c->lag_size);
     if (c->n_future < 1) return kvc_fail(KVC_ERR_ARG, "n_future_positions must be a positive integer, got %d", c->n_future);
     if (!(c->epsilon >= 0 && isfinite(c->epsilon))) return kvc_fail(KVC_ERR_ARG, "epsilon must be finite and >= 0, got %g", c->epsilon);
+    if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
     if (c->critical) {
         if (!(c->critical_eps >= 0 && isfinite(c->critical_eps)))

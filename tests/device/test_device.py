@@ -479,10 +479,11 @@ SESSION_PRESSES = {
     "lagkv": dict(scorer=S["lagkv"], compression_ratio=0.5, lag_size=32),
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.9),
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, attn_chunk=128),
+    "leverage": dict(scorer=S["leverage"], compression_ratio=0.5, sketch_dim=16, seed=7),
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
 }
-UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn")  # same budget for every head: equal lengths
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

@@ -170,3 +170,45 @@ def kvzip_kept(scores, ratio, n_sink=4, layerwise=False):
         idx = np.argsort(flat, kind="stable")[:int(flat.size * ratio)]
         (pruned[part] if layerwise else pruned).ravel()[idx] = True
     return [[np.flatnonzero(~pruned[l, h]) for h in range(Hkv)] for l in range(L)]
+
+
+def gaussian_sketch(seed, layer, count):
+    """LeverageScore's sketch of a layer (docs/METHODS.md): splitmix64 from seed + (layer + 1) 0x9E37..15,
+    Box-Muller pairs; float32 [count]."""
+    M = (1 << 64) - 1
+    s = (seed + (layer + 1) * 0x9E3779B97F4A7C15) & M
+
+    def nxt():
+        nonlocal s
+        s = (s + 0x9E3779B97F4A7C15) & M
+        z = s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+
+    out = np.empty(count, dtype=np.float32)
+    for i in range(0, count, 2):
+        u1 = ((nxt() >> 11) + 1) * 2.0 ** -53
+        u2 = (nxt() >> 11) * 2.0 ** -53
+        r = np.sqrt(-2.0 * np.log(u1))
+        out[i] = r * np.cos(2 * np.pi * u2)
+        if i + 1 < count:
+            out[i + 1] = r * np.sin(2 * np.pi * u2)
+    return out
+
+
+def leverage_scores(K_pre, phi):
+    """LeverageScore: K_pre [Hkv, n, d] pre-RoPE keys, phi [Hkv, d, k] the sketch (already / sqrt(k)):
+    X = (K - mean) phi; score = X_r (X^T X + j I)^-1 X_r^T >= 0 (j = 1e-2, x10 until positive definite);
+    z-scored over every head and row (unbiased std, at least 1e-6). [Hkv, n]"""
+    out = []
+    for h in range(K_pre.shape[0]):
+        X = (K_pre[h] - K_pre[h].mean(axis=0)) @ phi[h].astype(np.float64)
+        G = X.T @ X
+        for t in range(5):
+            A = G + 1e-2 * 10 ** t * np.eye(G.shape[0])
+            if np.all(np.linalg.eigvalsh(A) > 0):
+                break
+        out.append(np.maximum((X * np.linalg.solve(A, X.T).T).sum(-1), 0))
+    s = np.stack(out)
+    return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
