@@ -191,10 +191,11 @@ typedef enum kvc_scorer {
     KVC_SCORE_LAGKV = 8,     /* LagKV: min-max normalised K/V std against the next partition, ranked */
     KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
     KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
-    KVC_SCORE_LEVERAGE = 11   /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
+    KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
+    KVC_SCORE_CUR = 12        /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_LEVERAGE
+#define KVC_SCORE_LAST KVC_SCORE_CUR
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -241,6 +242,9 @@ typedef struct kvc_press_config {
     float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
     int32_t attn_chunk;        /* NonCausalAttn chunk_size (256) */
     int32_t sketch_dim;        /* LeverageScore sketch_dimension (48); its sketch is drawn from `seed` */
+    int32_t cur_type;          /* CUR leverage_type: 0 key, 1 value, 2 kv_avg, 3 kv_product (3) */
+    int32_t cur_random;        /* CUR use_random_leverage: K and V times a [d, 20] sketch from `seed` (0) */
+    int32_t cur_window;        /* CUR local_window_size (16); 0: use_local_approximation off */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

@@ -28,6 +28,8 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->first_stage_ratio = 0.5f;
     c->attn_chunk = 256;
     c->sketch_dim = 48;
+    c->cur_type = 3;
+    c->cur_window = 16;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -57,6 +59,9 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (c->lag_size < 1) return kvc_fail(KVC_ERR_ARG, "lag_size must be a positive integer, got %d", c->lag_size);
     if (c->n_future < 1) return kvc_fail(KVC_ERR_ARG, "n_future_positions must be a positive integer, got %d", c->n_future);
     if (!(c->epsilon >= 0 && isfinite(c->epsilon))) return kvc_fail(KVC_ERR_ARG, "epsilon must be finite and >= 0, got %g", c->epsilon);
+    if (c->cur_type < 0 || c->cur_type > 3)
+        return kvc_fail(KVC_ERR_ARG, "leverage_type must be 'key', 'value', 'kv_avg' or 'kv_product' (0-3), got %d", c->cur_type);
+    if (c->cur_window < 0) return kvc_fail(KVC_ERR_ARG, "local_window_size must be a positive integer, got %d", c->cur_window);
     if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
     if (c->critical) {

@@ -480,10 +480,11 @@ SESSION_PRESSES = {
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.9),
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, attn_chunk=128),
     "leverage": dict(scorer=S["leverage"], compression_ratio=0.5, sketch_dim=16, seed=7),
+    "cur": dict(scorer=S["cur"], compression_ratio=0.5, n_sink=4, cur_random=1, seed=3),
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
 }
-UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage")  # same budget for every head: equal lengths
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

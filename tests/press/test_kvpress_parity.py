@@ -38,9 +38,9 @@ SCORE_RTOL = 1e-4   # our scores vs kvpress's: max |difference| / largest unprot
 NAMES = ["SnapKV", "PyramidKV", "StreamingLLM", "Knorm", "TOVA", "ObservedAttention", "AdaKV",
          # issue 16: kvpress's scorers
          "KeyDiff", "LagKV", "LagKV-cross", "ExpectedAttention", "AdaKV-ExpectedAttention", "CriticalKV", "CriticalAdaKV",
-         "NonCausalAttn", "LeverageScore"]
+         "NonCausalAttn", "LeverageScore", "CUR", "CUR-random"]
 # scorers that give protected rows (window, sinks, LagKV's reference partition) the top score
-TOP_PROTECTED = ("SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
+TOP_PROTECTED = ("CUR", "CUR-random", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
                  "AdaKV-ExpectedAttention", "CriticalKV")
 # kvpress's CriticalAdaKVPress transforms its inner press's scores inside compress(): what we capture of it is the
 # inner press's plain scores, which are neither our recorded scores (the two-stage ones, compared by "CriticalKV")
@@ -84,7 +84,10 @@ def make_press(lib, name, window, ratio):
             "ChunkKV": lambda: p.ChunkKVPress(p.SnapKVPress(**snap), chunk_length=20),
             # ours draws its sketch from `seed`; kvpress's torch.randn is handed the same (same_sketch)
             "LeverageScore": lambda: p.LeverageScorePress(compression_ratio=RATIO,
-                                                          **({"seed": SKETCH_SEED} if p is kvpress_c else {}))}[name]()
+                                                          **({"seed": SKETCH_SEED} if p is kvpress_c else {})),
+            "CUR": lambda: p.CURPress(compression_ratio=RATIO),
+            "CUR-random": lambda: p.CURPress(compression_ratio=RATIO, use_random_leverage=True,
+                                             **({"seed": SKETCH_SEED} if p is kvpress_c else {}))}[name]()
 
 
 SKETCH_SEED = 1234
@@ -92,18 +95,19 @@ SKETCH_SEED = 1234
 
 @contextlib.contextmanager
 def same_sketch(name, seed=SKETCH_SEED):
-    """LeverageScore draws a Gaussian sketch per layer with torch.randn(1, Hkv, d, k) (kvpress) or from `seed`
+    """LeverageScore (CURPress(use_random_leverage=True): torch.randn(d, 20)) draws a Gaussian sketch per layer
+    with torch.randn(1, Hkv, d, k) (kvpress) or from `seed`
     with the generator of docs/METHODS.md (ours). For parity torch.randn is replaced, while kvpress runs, by a
     function returning our sketch of the next layer (the calls come in layer order, one per layer; the shape
     is asserted); kvpress then scales it by 1/sqrt(k) as it scales its own."""
-    if name != "LeverageScore":
+    if name not in ("LeverageScore", "CUR-random"):
         yield
         return
     from kvpress_scorers_reference import gaussian_sketch
     layer = [0]
 
     def randn(*shape, device=None, dtype=None):
-        assert len(shape) == 4 and shape[0] == 1, f"unexpected torch.randn{shape} inside kvpress"
+        assert shape[0] == 1 if len(shape) == 4 else len(shape) == 2, f"unexpected torch.randn{shape} inside kvpress"
         z = gaussian_sketch(seed, layer[0], int(np.prod(shape))).reshape(shape)
         layer[0] += 1
         return torch.from_numpy(z).to(dtype=dtype or torch.float32)

@@ -212,3 +212,21 @@ def leverage_scores(K_pre, phi):
         out.append(np.maximum((X * np.linalg.solve(A, X.T).T).sum(-1), 0))
     s = np.stack(out)
     return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
+
+
+def cur_scores(K, V, n_sink=4, kind="kv_product", G=None, window=16):
+    """CurDKV (kvpress's CURPress) on K, V [Hkv, n, d] (post-RoPE keys as cached): squared row norms (of K G
+    and V G with a sketch G [d, r]); with a window, each divided by its block's sum (blocks of `window` rows
+    from row 0); combined per kind, normalised over the rows; the first n_sink rows score 1. [Hkv, n]"""
+    if G is not None:
+        K, V = K @ G, V @ G
+    k2, v2 = (K ** 2).sum(-1), (V ** 2).sum(-1)
+    if window:
+        n = k2.shape[1]
+        for x in (k2, v2):
+            for b in range(0, n, window):
+                x[:, b:b + window] /= x[:, b:b + window].sum(axis=1, keepdims=True)
+    s = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[kind]
+    s = s / s.sum(axis=1, keepdims=True)
+    s[:, :n_sink] = 1.0
+    return s
