@@ -192,10 +192,11 @@ typedef enum kvc_scorer {
     KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
     KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
     KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
-    KVC_SCORE_CUR = 12        /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
+    KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
+    KVC_SCORE_COMPACTOR = 13  /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_CUR
+#define KVC_SCORE_LAST KVC_SCORE_COMPACTOR
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -245,6 +246,9 @@ typedef struct kvc_press_config {
     int32_t cur_type;          /* CUR leverage_type: 0 key, 1 value, 2 kv_avg, 3 kv_product (3) */
     int32_t cur_random;        /* CUR use_random_leverage: K and V times a [d, 20] sketch from `seed` (0) */
     int32_t cur_window;        /* CUR local_window_size (16); 0: use_local_approximation off */
+    int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
+    int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
+    float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

@@ -30,6 +30,8 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->sketch_dim = 48;
     c->cur_type = 3;
     c->cur_window = 16;
+    c->cmp_sink_start = 8;
+    c->cmp_sink_end = 4;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -62,6 +64,9 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (c->cur_type < 0 || c->cur_type > 3)
         return kvc_fail(KVC_ERR_ARG, "leverage_type must be 'key', 'value', 'kv_avg' or 'kv_product' (0-3), got %d", c->cur_type);
     if (c->cur_window < 0) return kvc_fail(KVC_ERR_ARG, "local_window_size must be a positive integer, got %d", c->cur_window);
+    if (c->cmp_sink_start < 0 || c->cmp_sink_end < 0)
+        return kvc_fail(KVC_ERR_ARG, "sink_size_start and sink_size_end must be >= 0, got %d and %d", c->cmp_sink_start, c->cmp_sink_end);
+    if (!isfinite(c->cmp_blend)) return kvc_fail(KVC_ERR_ARG, "blending must be finite, got %g", c->cmp_blend);
     if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
     if (c->critical) {

@@ -291,14 +291,20 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
 
 /* ---- NonCausalAttn ---- */
 
-static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                   const int64_t *len, float *const *scores) {
+/* Whether the layer holds exactly this call's rows (a prefill with no past): what the prefill-only scorers need. */
+static int plain_prefill(const kvc_layer_ctx *ctx, const int64_t *len, int32_t Hkv) {
+    for (int32_t h = 0; h < Hkv; h++)
+        if (ctx->past_len[h] != 0 || len[h] != ctx->n) return 0;
+    return 1;
+}
+
+/* NonCausalAttn's z-scores of the prefill's rows [r0, r0 + n) alone (Compactor scores a middle slice),
+ * written to scores[h][r0 + r]. */
+static kvc_status noncausal_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const int64_t n = ctx->n, qd = (int64_t)H * d, C = cfg->attn_chunk;
-    for (int32_t h = 0; h < Hkv; h++)
-        if (ctx->past_len[h] != 0 || len[h] != n)
-            return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    const int64_t qd = (int64_t)H * d, C = cfg->attn_chunk;
     float *qt = malloc(sizeof(float) * (size_t)C * (size_t)qd), *qh = malloc(sizeof(float) * (size_t)C * d);
     float *dots = malloc(sizeof(float) * (size_t)C * (size_t)C);
     double *acc = calloc((size_t)Hkv * (size_t)n, sizeof(double));
@@ -307,11 +313,11 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     for (int64_t c0 = 0; c0 < n && st == KVC_OK; c0 += C) {
         const int64_t m = n - c0 < C ? n - c0 : C; /* real rows of this chunk; C - m padded */
-        st = lr->be->download(kvc_view_at(ctx->q, c0, 0), m, qd, qt, KVC_F32);
+        st = lr->be->download(kvc_view_at(ctx->q, r0 + c0, 0), m, qd, qt, KVC_F32);
         for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
             const int32_t h = hq / g;
             for (int64_t i = 0; i < m; i++) memcpy(qh + i * d, qt + i * qd + (int64_t)hq * d, sizeof(float) * d);
-            kvc_host_gemm_nt(qh, d, k[h] + c0 * d, dots, m, m, m, d, 0);
+            kvc_host_gemm_nt(qh, d, k[h] + (r0 + c0) * d, dots, m, m, m, d, 0);
             /* each real query's softmax over the real keys (q.k) and the C - m padded ones (-1e-9), in place */
 #pragma omp parallel for schedule(static)
             for (int64_t i = 0; i < m; i++) {
@@ -338,7 +344,7 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
         double *a = acc + (size_t)h * n;
         for (int64_t r = 0; r < n; r++) {
             double vn = 0;
-            for (int32_t i = 0; i < d; i++) vn += (double)v[h][r * d + i] * v[h][r * d + i];
+            for (int32_t i = 0; i < d; i++) vn += (double)v[h][(r0 + r) * d + i] * v[h][(r0 + r) * d + i];
             a[r] *= sqrt(vn);
         }
         double prev = 0;
@@ -354,13 +360,20 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
     for (int64_t i = 0; i < (int64_t)Hkv * n && st == KVC_OK; i++) ss += (acc[i] - mean) * (acc[i] - mean);
     const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        for (int64_t r = 0; r < n; r++) scores[h][r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
     kvc_free(block);
     free(qt);
     free(qh);
     free(dots);
     free(acc);
     return st;
+}
+
+static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                   const int64_t *len, float *const *scores) {
+    if (!plain_prefill(ctx, len, lr->mc->n_kv_heads))
+        return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    return noncausal_range(lr, ctx, cfg, len, 0, ctx->n, scores);
 }
 
 /* ---- LeverageScore ---- */
@@ -454,14 +467,11 @@ static kvc_status leverage_head(const double *x, int64_t n, int32_t d, const flo
     return st;
 }
 
-static kvc_status leverage_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                  const int64_t *len, float *const *scores) {
+/* LeverageScore's z-scores of the prefill's rows [r0, r0 + n) alone, written to scores[h][r0 + r]. */
+static kvc_status leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                 const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t Hkv = c->n_kv_heads, d = c->head_dim, half = d / 2, kk = cfg->sketch_dim;
-    const int64_t n = ctx->n;
-    for (int32_t h = 0; h < Hkv; h++)
-        if (ctx->past_len[h] != 0 || len[h] != n)
-            return kvc_fail(KVC_ERR_ARG, "LeverageScorePress scores a prefill with no past in the cache (kvpress: prefill only)");
     double freq[128];
     if (lr->inv_freq) {
         for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
@@ -488,8 +498,8 @@ static kvc_status leverage_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
             }
         }
         for (int64_t r = 0; r < n; r++) { /* RoPE undone at the row's position */
-            const double pos = (double)(ctx->pos ? ctx->pos[r] : r);
-            const float *kr = k[h] + r * d;
+            const double pos = (double)(ctx->pos ? ctx->pos[r0 + r] : r0 + r);
+            const float *kr = k[h] + (r0 + r) * d;
             for (int32_t j = 0; j < half; j++) {
                 int32_t a, b;
                 rope_pair(c->rope_pairing, d, j, &a, &b);
@@ -507,12 +517,51 @@ static kvc_status leverage_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     for (int64_t i = 0; st == KVC_OK && i < (int64_t)Hkv * n; i++) ss += (acc[i] - mean) * (acc[i] - mean);
     const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        for (int64_t r = 0; r < n; r++) scores[h][r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
     kvc_free(block);
     free(hf);
     free(phi);
     free(x);
     free(acc);
+    return st;
+}
+
+static kvc_status leverage_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, float *const *scores) {
+    if (!plain_prefill(ctx, len, lr->mc->n_kv_heads))
+        return kvc_fail(KVC_ERR_ARG, "LeverageScorePress scores a prefill with no past in the cache (kvpress: prefill only)");
+    return leverage_range(lr, ctx, cfg, len, 0, ctx->n, scores);
+}
+
+/* ---- Compactor: blend * LeverageScore + NonCausalAttn over the rows between the sinks ---- */
+
+static kvc_status compactor_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                   const int64_t *len, float *const *scores) {
+    const int32_t Hkv = lr->mc->n_kv_heads;
+    const int64_t n = ctx->n;
+    if (!plain_prefill(ctx, len, Hkv))
+        return kvc_fail(KVC_ERR_ARG, "CompactorPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    const int64_t left = cfg->cmp_sink_start < n ? cfg->cmp_sink_start : n;
+    const int64_t right = cfg->cmp_sink_end < n - left ? cfg->cmp_sink_end : n - left, m = n - left - right;
+    if (m < 2)
+        return kvc_fail(KVC_ERR_ARG, "CompactorPress needs at least 2 rows between its %lld + %lld sinks, got %lld tokens",
+                        (long long)left, (long long)right, (long long)n);
+    float *lev[KVC_MAX_KV_HEADS] = {0}, *block = malloc(sizeof(float) * (size_t)Hkv * (size_t)n);
+    if (!block) return kvc_fail(KVC_ERR_NOMEM, "out of memory: Compactor");
+    for (int32_t h = 0; h < Hkv; h++) lev[h] = block + (size_t)h * n;
+    kvc_status st = leverage_range(lr, ctx, cfg, len, left, m, lev);
+    if (st == KVC_OK) st = noncausal_range(lr, ctx, cfg, len, left, m, scores);
+    float mx = -INFINITY;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t r = left; r < left + m; r++) {
+            scores[h][r] = cfg->cmp_blend * lev[h][r] + scores[h][r];
+            mx = scores[h][r] > mx ? scores[h][r] : mx;
+        }
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) { /* the sinks: the layer's maximum (kvpress pads with it) */
+        for (int64_t r = 0; r < left; r++) scores[h][r] = mx;
+        for (int64_t r = left + m; r < n; r++) scores[h][r] = mx;
+    }
+    free(block);
     return st;
 }
 
@@ -596,6 +645,7 @@ kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
     if (cfg->scorer == KVC_SCORE_NONCAUSAL) return noncausal_scores(lr, ctx, cfg, len, scores);
     if (cfg->scorer == KVC_SCORE_LEVERAGE) return leverage_scores(lr, ctx, cfg, len, scores);
     if (cfg->scorer == KVC_SCORE_CUR) return cur_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_COMPACTOR) return compactor_scores(lr, ctx, cfg, len, scores);
     const int want_v = cfg->scorer == KVC_SCORE_LAGKV;
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = kvc_press_layer_rows(lr, len, want_v, k, v, &block);

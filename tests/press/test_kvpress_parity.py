@@ -38,9 +38,9 @@ SCORE_RTOL = 1e-4   # our scores vs kvpress's: max |difference| / largest unprot
 NAMES = ["SnapKV", "PyramidKV", "StreamingLLM", "Knorm", "TOVA", "ObservedAttention", "AdaKV",
          # issue 16: kvpress's scorers
          "KeyDiff", "LagKV", "LagKV-cross", "ExpectedAttention", "AdaKV-ExpectedAttention", "CriticalKV", "CriticalAdaKV",
-         "NonCausalAttn", "LeverageScore", "CUR", "CUR-random"]
+         "NonCausalAttn", "LeverageScore", "CUR", "CUR-random", "Compactor"]
 # scorers that give protected rows (window, sinks, LagKV's reference partition) the top score
-TOP_PROTECTED = ("CUR", "CUR-random", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
+TOP_PROTECTED = ("CUR", "CUR-random", "Compactor", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
                  "AdaKV-ExpectedAttention", "CriticalKV")
 # kvpress's CriticalAdaKVPress transforms its inner press's scores inside compress(): what we capture of it is the
 # inner press's plain scores, which are neither our recorded scores (the two-stage ones, compared by "CriticalKV")
@@ -57,7 +57,7 @@ EXACT_TIES = ("LagKV",)
 # model's layer 0 (cond(X^T X) ~ 3e6) kvpress's float32 z-scores differ from the same computation in float64 by 2.2e-3
 # of the largest (measured with kvpress's own compute_leverage_scores on the same keys and sketch; other layers
 # <= 3e-4). There the score tolerance and the near-tie tolerance are that rounding of kvpress's, not ours.
-FP32_SCORE_RTOL = {"LeverageScore": 5e-3}
+FP32_SCORE_RTOL = {"LeverageScore": 5e-3, "Compactor": 5e-3}
 LAG = 32
 
 
@@ -86,6 +86,9 @@ def make_press(lib, name, window, ratio):
             "LeverageScore": lambda: p.LeverageScorePress(compression_ratio=RATIO,
                                                           **({"seed": SKETCH_SEED} if p is kvpress_c else {})),
             "CUR": lambda: p.CURPress(compression_ratio=RATIO),
+            # 64: several non-causal chunks over the rows between the sinks
+            "Compactor": lambda: p.CompactorPress(compression_ratio=RATIO, chunk_size=64,
+                                                  **({"seed": SKETCH_SEED} if p is kvpress_c else {})),
             "CUR-random": lambda: p.CURPress(compression_ratio=RATIO, use_random_leverage=True,
                                              **({"seed": SKETCH_SEED} if p is kvpress_c else {}))}[name]()
 
@@ -100,7 +103,7 @@ def same_sketch(name, seed=SKETCH_SEED):
     with the generator of docs/METHODS.md (ours). For parity torch.randn is replaced, while kvpress runs, by a
     function returning our sketch of the next layer (the calls come in layer order, one per layer; the shape
     is asserted); kvpress then scales it by 1/sqrt(k) as it scales its own."""
-    if name not in ("LeverageScore", "CUR-random"):
+    if name not in ("LeverageScore", "CUR-random", "Compactor"):
         yield
         return
     from kvpress_scorers_reference import gaussian_sketch
