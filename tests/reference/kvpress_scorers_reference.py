@@ -230,3 +230,16 @@ def cur_scores(K, V, n_sink=4, kind="kv_product", G=None, window=16):
     s = s / s.sum(axis=1, keepdims=True)
     s[:, :n_sink] = 1.0
     return s
+
+
+def compactor_scores(q, K_pre, K, V, phi, blending, start=8, end=4, chunk=256):
+    """Compactor: between the first `start` and last `end` rows, blending x leverage_scores(K_pre, phi) +
+    non_causal_attn_scores, both over those rows only; the sink rows get the maximum. q [n, H, d], K_pre, K, V
+    [Hkv, n, d]. [Hkv, n]"""
+    n = K.shape[1]
+    a = min(start, n)
+    b = n - min(end, max(0, n - a))
+    mid = blending * leverage_scores(K_pre[:, a:b], phi) + non_causal_attn_scores(q[a:b], K[:, a:b], V[:, a:b], chunk)
+    out = np.full((K.shape[0], n), mid.max())
+    out[:, a:b] = mid
+    return out
