@@ -21,6 +21,9 @@ def _presses():
         kvpress_c.ExpectedAttentionPress(budget=40),
         kvpress_c.CriticalAdaKVPress(kvpress_c.ExpectedAttentionPress(budget=40, use_vnorm=False)),
         kvpress_c.NonCausalAttnPress(budget=40, chunk_size=64),
+        kvpress_c.LeverageScorePress(budget=40, sketch_dimension=16, seed=3),
+        kvpress_c.CURPress(budget=40, use_random_leverage=True, seed=3),
+        kvpress_c.CompactorPress(budget=40, chunk_size=64, seed=3),
         kvpress_c.TADAPress(kvpress_c.EDIEPress(budget=40, window_size=16)),
         kvpress_c.TAKEPress(budget=40, chunk_size=64),
     ]
