@@ -16,6 +16,8 @@
 #include "../core/hostmath.h"
 #include "press.h"
 
+#define KVZIP_TILE 64 /* reconstruction queries per GEMM */
+
 typedef struct kvzip_state {
     int64_t start, end, n_ctx;
     int32_t n_sink, plus;
@@ -88,14 +90,25 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     }
     float *out = t->out + (size_t)l * Hkv * m;
     for (int64_t r = 0; r < (int64_t)Hkv * m; r++) out[r] = 0.0f;
+    /* each KV head's scored columns gathered: the sinks, the chunk, the reconstruction rows [ncol, d] */
+    float *kc = st == KVC_OK ? malloc(sizeof(float) * (size_t)Hkv * (size_t)ncol * d) : NULL;
+    if (st == KVC_OK && !kc) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t j = 0; j < ncol; j++) {
+            const int64_t row = j < sink ? j : j < sink + m ? t->start + j - sink : n_ctx + j - sink - m;
+            memcpy(kc + ((size_t)h * ncol + j) * d, k[h] + row * d, sizeof(float) * (size_t)d);
+        }
     int failed = 0;
     if (st == KVC_OK) {
-        /* query heads in parallel; each keeps its own maxima and merges them into its KV head's */
+        /* query heads in parallel, queries in tiles (one GEMM + softmax rows each, causal over the
+         * reconstruction rows); each head keeps its own maxima and merges them into its KV head's */
 #pragma omp parallel
         {
-            double *lg = malloc(sizeof(double) * (size_t)ncol);
+            float *qt = malloc(sizeof(float) * KVZIP_TILE * (size_t)d);
+            float *pr = malloc(sizeof(float) * KVZIP_TILE * (size_t)ncol);
             float *best = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
-            const int ok = lg && best;
+            int64_t vis[KVZIP_TILE];
+            const int ok = qt && pr && best;
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -104,35 +117,32 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
             for (int32_t hq = 0; hq < H; hq++) {
                 if (!ok) continue;
                 const int32_t h = hq / g;
-                const float *K = k[h];
                 for (int64_t r = 0; r < m; r++) best[r] = 0.0f;
-                for (int64_t i = 0; i < q; i++) {
-                    const float *qi = qh + i * qd + (int64_t)hq * d;
-                    const int64_t nc = sink + m + i + 1; /* causal over the reconstruction rows */
-                    double mx = -DBL_MAX, sum = 0;
-                    for (int64_t j = 0; j < nc; j++) {
-                        const int64_t row = j < sink ? j : j < sink + m ? t->start + j - sink : n_ctx + j - sink - m;
-                        double dot = 0;
-                        for (int32_t e = 0; e < d; e++) dot += (double)qi[e] * K[row * d + e];
-                        lg[j] = dot * scale;
-                        mx = lg[j] > mx ? lg[j] : mx;
+                for (int64_t i0 = 0; i0 < q; i0 += KVZIP_TILE) {
+                    const int64_t tq = q - i0 < KVZIP_TILE ? q - i0 : KVZIP_TILE, cols = sink + m + i0 + tq;
+                    for (int64_t i = 0; i < tq; i++) {
+                        memcpy(qt + i * d, qh + (i0 + i) * qd + (int64_t)hq * d, sizeof(float) * (size_t)d);
+                        vis[i] = sink + m + i0 + i + 1;
                     }
-                    for (int64_t j = 0; j < nc; j++) sum += exp(lg[j] - mx);
-                    for (int64_t r = 0; r < m; r++) {
-                        double a = exp(lg[sink + r] - mx) / sum * hinv[i];
-                        if (t->plus) a *= wov[hq * m + r];
-                        if ((float)a > best[r]) best[r] = (float)a;
-                    }
+                    kvc_host_probs_rows(qt, tq, kc + (size_t)h * ncol * d, cols, d, (float)scale, vis, pr);
+                    for (int64_t i = 0; i < tq; i++)
+                        for (int64_t r = 0; r < m; r++) {
+                            double a = (double)pr[i * cols + sink + r] * hinv[i0 + i];
+                            if (t->plus) a *= wov[hq * m + r];
+                            if ((float)a > best[r]) best[r] = (float)a;
+                        }
                 }
 #pragma omp critical(kvzip_merge)
                 for (int64_t r = 0; r < m; r++)
                     if (best[r] > out[h * m + r]) out[h * m + r] = best[r];
             }
-            free(lg);
+            free(qt);
+            free(pr);
             free(best);
         }
         if (failed) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
     }
+    free(kc);
     /* the reconstruction rows go: the layer holds the context again */
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(n_ctx > 0 ? n_ctx : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
