@@ -40,6 +40,11 @@ def presses_ours(ratio):
         "CriticalAdaKV(ExpectedAttention)": k.CriticalAdaKVPress(
             k.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
         "NonCausalAttn": k.NonCausalAttnPress(compression_ratio=ratio),
+        "LeverageScore": k.LeverageScorePress(compression_ratio=ratio),
+        "CUR": k.CURPress(compression_ratio=ratio),
+        "Compactor": k.CompactorPress(compression_ratio=ratio),
+        # its own prefill: the full one, then the reconstruction forwards (kvpress: 2-3x the prefill)
+        "KVzip": k.KVzipPress(compression_ratio=ratio),
     }
 
 
@@ -64,6 +69,10 @@ def presses_kvpress(ratio):
         "CriticalAdaKV(ExpectedAttention)": kp.CriticalAdaKVPress(
             kp.ExpectedAttentionPress(compression_ratio=ratio, use_vnorm=False)),
         "NonCausalAttn": kp.NonCausalAttnPress(compression_ratio=ratio),
+        "LeverageScore": kp.LeverageScorePress(compression_ratio=ratio),
+        "CUR": kp.CURPress(compression_ratio=ratio),
+        "Compactor": kp.CompactorPress(compression_ratio=ratio),
+        "KVzip": kp.KVzipPress(compression_ratio=ratio),
     }
 
 
@@ -72,19 +81,33 @@ def time_ours(model, ids, press, repeat):
     best, in_press = float("inf"), 0.0
     for _ in range(repeat):
         s = model.new_session(0)
-        if press is not None:
+        own = press is not None and not press.attach_to_session  # a press with its own prefill (KVzip)
+        if press is not None and not own:
             s.set_press(**press.c_config())
         t0 = time.perf_counter()
-        s.forward(ids, logits="last")
+        if own:
+            press.prefill(s, ids, {})
+        else:
+            s.forward(ids, logits="last")
         t = time.perf_counter() - t0
         if t < best:
             best, in_press = t, s.press_seconds
     return best, s.cache_bytes, in_press
 
 
-def time_kvpress(hf, ids, press, repeat, eager):
+def time_kvpress(hf, ids, press, repeat, eager, tokenizer=None):
+    import contextlib
+    from types import SimpleNamespace
+    from unittest import mock
+
     import torch
     from transformers import DynamicCache
+    # kvpress's KVzipPress reads AutoTokenizer.from_pretrained(name_or_path), which a GGUF folder lacks: it is
+    # handed the model's tokenizer (its compression runs when its context manager exits, inside the timing)
+    patch = contextlib.nullcontext()
+    if tokenizer is not None:
+        from kvpress.presses import kvzip_press
+        patch = mock.patch.object(kvzip_press, "AutoTokenizer", SimpleNamespace(from_pretrained=lambda *a, **k: tokenizer))
     best = float("inf")
     for _ in range(repeat):
         cache = DynamicCache()
@@ -93,7 +116,7 @@ def time_kvpress(hf, ids, press, repeat, eager):
             if press is None:
                 hf(ids, past_key_values=cache, logits_to_keep=1)
             else:
-                with press(hf):
+                with patch, press(hf):
                     hf(ids, past_key_values=cache, logits_to_keep=1)
         best = min(best, time.perf_counter() - t0)
     return best
@@ -152,7 +175,10 @@ def main(argv=None):
                 eager = name == "ObservedAttention"
                 hf = hf_eager if eager else hf_sdpa
                 hf_base = time_kvpress(hf, tids, None, args.repeat, eager) if eager else kv_base
-                tk = time_kvpress(hf, tids, theirs_p[name], args.repeat, eager)
+                tok = None
+                if name == "KVzip":
+                    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+                tk = time_kvpress(hf, tids, theirs_p[name], args.repeat, eager, tok)
                 row.update(kvpress_s=tk, kvpress_overhead=tk / hf_base - 1, speedup=tk / t)
             rows.append(row)
             print(f"  {name}: ours {t:.2f} s" + (f", kvpress {row['kvpress_s']:.2f} s" if "kvpress_s" in row else ""),

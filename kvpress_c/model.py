@@ -72,11 +72,7 @@ class Model:
     def tokenizer(self):
         """The model's tokenizer (built lazily from tokenizer.json or the GGUF vocabulary)."""
         if self._tokenizer is None:
-            from .tokenizer import Tokenizer
-            if self.config["format"] == "gguf":
-                self._tokenizer = Tokenizer.from_gguf_metadata(self._core.metadata())
-            else:
-                self._tokenizer = Tokenizer.from_hf_folder(self.path)
+            self._tokenizer = tokenizer_of(self._core)
         return self._tokenizer
 
     def memory(self) -> dict:
@@ -169,6 +165,15 @@ class Model:
         c = self.config
         return (f"Model('{self.path}', {c['arch']}, {c['n_layers']} layers, hidden {c['hidden']}, "
                 f"{c['n_heads']}/{c['n_kv_heads']} heads, vocab {c['vocab']}, {c['format']})")
+
+
+def tokenizer_of(core) -> "Tokenizer":
+    """The tokenizer of a core model (_core.Model, e.g. a session's .model): from the GGUF vocabulary or
+    the Hugging Face folder's tokenizer.json."""
+    from .tokenizer import Tokenizer
+    if core.config["format"] == "gguf":
+        return Tokenizer.from_gguf_metadata(core.metadata())
+    return Tokenizer.from_hf_folder(core.path)
 
 
 def warn_past_context(model: "Model", n_tokens: int) -> bool:

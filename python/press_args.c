@@ -7,9 +7,10 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                "gqa_max", "pool_then_reduce", "n_sink", "seed", "alpha_safeguard", "safeguard",
                                "pyramid_beta", "record_scores", "chunk_length", "reuse_layers", "edie_alpha",
                                "drop_window",
-                               /* issue 16 scorers */
+                               /* kvpress's scorers */
                                "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon",
-                               "critical", "critical_eps", "first_stage_ratio", "attn_chunk", NULL};
+                               "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
+                               "cmp_sink_start", "cmp_sink_end", "cmp_blend", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -18,14 +19,16 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffi", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiif", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
                                                &c->chunk_length, &c->reuse_layers, &c->edie_alpha, &c->drop_window,
                                                &c->lag_size, &c->cross_scoring, &c->n_future, &c->use_covariance,
                                                &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
-                                               &c->first_stage_ratio, &c->attn_chunk);
+                                               &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
+                                               &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
+                                               &c->cmp_blend);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;
@@ -33,7 +36,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     return 0;
 }
 
-/* ---- decoding presses (issue 16b): the decoding fields, the rest is the base press's ---- */
+/* ---- decoding presses: the decoding fields, the rest is the base press's ---- */
 int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *c) {
     kvc_decoding_config_defaults(c);
     PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
@@ -157,12 +160,13 @@ static int add_codes(PyObject *m, const char *name, const char *const *keys, con
 
 int kvc_py_press_constants(PyObject *m) {
     static const char *scorers[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie",
-                                    /* issue 16 scorers */
-                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn"};
+                                    /* kvpress's scorers */
+                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor"};
     static const int scorer_codes[] = {KVC_SCORE_STREAMING, KVC_SCORE_KNORM, KVC_SCORE_RANDOM, KVC_SCORE_TOVA,
                                        KVC_SCORE_OBSERVED, KVC_SCORE_SNAPKV, KVC_SCORE_EDIE,
-                                       /* issue 16 scorers */
-                                       KVC_SCORE_KEYDIFF, KVC_SCORE_LAGKV, KVC_SCORE_EXPECTED, KVC_SCORE_NONCAUSAL};
+                                       /* kvpress's scorers */
+                                       KVC_SCORE_KEYDIFF, KVC_SCORE_LAGKV, KVC_SCORE_EXPECTED, KVC_SCORE_NONCAUSAL,
+                                       KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR};
     static const char *allocations[] = {"uniform", "pyramid", "adakv", "layer"};
     static const int allocation_codes[] = {KVC_ALLOC_UNIFORM, KVC_ALLOC_PYRAMID, KVC_ALLOC_ADAKV, KVC_ALLOC_LAYER};
     static const char *safeguards[] = {"floor", "protect"};

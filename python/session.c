@@ -260,7 +260,7 @@ static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject
     Py_RETURN_NONE;
 }
 
-/* issue 16b wrappers: add_press(**settings) (ComposedPress), set_layer_ratios(ratios) (PerLayerCompressionPress) */
+/* wrappers: add_press(**settings) (ComposedPress), set_layer_ratios(ratios) (PerLayerCompressionPress) */
 static PyObject *Session_add_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) != 0) {
@@ -553,6 +553,71 @@ static PyObject *Session_prefill_take(SessionObject *self, PyObject *args, PyObj
     return (PyObject *)logits;
 }
 
+static PyObject *Session_kvzip_score(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "start", "end", "n_sink", "plus", NULL};
+    PyObject *ids_obj;
+    long long start, end;
+    int n_sink = 4, plus = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLL|ip", kwlist, &ids_obj, &start, &end, &n_sink, &plus)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (end <= start) {
+        PyErr_Format(PyExc_ValueError, "kvzip_score: empty chunk [%lld, %lld)", start, end);
+        return NULL;
+    }
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *ids = kvc_py_ids(ids_obj);
+    if (!ids) return NULL;
+    npy_intp dims[3] = {cfg.n_layers, cfg.n_kv_heads, (npy_intp)(end - start)};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
+    if (!out) {
+        Py_DECREF(ids);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_kvzip_score(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0), start, end,
+                                 n_sink, plus, (float *)PyArray_DATA(out));
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(ids);
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        return kvc_py_raise(st);
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *Session_kvzip_evict(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"scores", "compression_ratio", "layerwise", "n_sink", NULL};
+    PyObject *sc_obj;
+    double ratio;
+    int layerwise = 0, n_sink = 4;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|pi", kwlist, &sc_obj, &ratio, &layerwise, &n_sink)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *sc = (PyArrayObject *)PyArray_FROMANY(sc_obj, NPY_FLOAT32, 3, 3, NPY_ARRAY_C_CONTIGUOUS);
+    if (!sc) return NULL;
+    const int64_t n = kvc_session_position(self->session);
+    if (PyArray_DIM(sc, 0) != cfg.n_layers || PyArray_DIM(sc, 1) != cfg.n_kv_heads || PyArray_DIM(sc, 2) != n) {
+        PyErr_Format(PyExc_ValueError, "kvzip_evict: scores must have shape (%d, %d, %lld)", cfg.n_layers,
+                     cfg.n_kv_heads, (long long)n);
+        Py_DECREF(sc);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_kvzip_evict(self->session, (const float *)PyArray_DATA(sc), ratio, layerwise, n_sink);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(sc);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decode_graphs(SessionObject *self, PyObject *arg) {
     if (kvc_py_check_session(self) < 0) return NULL;
     const int on = PyObject_IsTrue(arg);
@@ -640,6 +705,12 @@ static PyMethodDef Session_methods[] = {
      "copy_cache_from(src): this empty session takes an exact copy of src's cache and position (same model\n"
      "and device); its attached press stays."},
     {"truncate", (PyCFunction)Session_truncate, METH_VARARGS, "truncate(lengths[L, Hkv], position): cut the cache back."},
+    {"kvzip_score", (PyCFunction)(void (*)(void))Session_kvzip_score, METH_VARARGS | METH_KEYWORDS,
+     "kvzip_score(ids, start, end, n_sink=4, plus=False) -> float32 [L, Hkv, end - start]: KVzip's scores of the\n"
+     "context rows [start, end) from the reconstruction tokens ids, run on the session's full context cache\n"
+     "(their rows are dropped again)."},
+    {"kvzip_evict", (PyCFunction)(void (*)(void))Session_kvzip_evict, METH_VARARGS | METH_KEYWORDS,
+     "kvzip_evict(scores[L, Hkv, n], compression_ratio, layerwise=False, n_sink=4): KVzip's eviction of the full cache."},
     {"set_decode_graphs", (PyCFunction)Session_set_decode_graphs, METH_O,
      "set_decode_graphs(on): replay decode steps as a graph (devices with graphs: cuda, emulated); the first\n"
      "step after a capture is needed runs eagerly. graph_info says how many steps ran as a graph."},

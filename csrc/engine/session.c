@@ -273,6 +273,20 @@ kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t 
     return kvc_take_prefill(s, ids, n, cfg, logits);
 }
 
+/* ---- KVzip (press/kvzip.c) ---- */
+
+kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                                   int32_t n_sink, int32_t plus, float *scores) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_score: null session");
+    return kvc_kvzip_score(s, ids, q_len, start, end, n_sink, plus, scores);
+}
+
+kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
+                                   int32_t n_sink) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
+    return kvc_kvzip_evict(s, scores, compression_ratio, layerwise, n_sink);
+}
+
 /* ---- decode graphs ---- */
 
 kvc_status kvc_session_set_decode_graphs(kvc_session *s, int32_t on) {

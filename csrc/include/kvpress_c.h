@@ -195,14 +195,17 @@ typedef enum kvc_scorer {
     KVC_SCORE_OBSERVED = 4,  /* H2O one-shot: attention summed over prompt queries / queries that see it */
     KVC_SCORE_SNAPKV = 5,    /* window queries' attention, pooled, GQA-reduced */
     KVC_SCORE_EDIE = 6,      /* error-driven upper bound with mid-range weighting (EDIE) */
-    /* ---- issue 16, kvpress's scorers (docs/METHODS.md "kvpress scorers"); computed on the host ---- */
+    /* ---- kvpress's scorers (docs/METHODS.md "kvpress scorers"); computed on the host ---- */
     KVC_SCORE_KEYDIFF = 7,   /* KeyDiff: -cos(k, mean of the normalised keys) */
     KVC_SCORE_LAGKV = 8,     /* LagKV: min-max normalised K/V std against the next partition, ranked */
     KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
-    KVC_SCORE_NONCAUSAL = 10 /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
+    KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
+    KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
+    KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
+    KVC_SCORE_COMPACTOR = 13  /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_NONCAUSAL
+#define KVC_SCORE_LAST KVC_SCORE_COMPACTOR
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -237,7 +240,7 @@ typedef struct kvc_press_config {
     float edie_alpha;          /* EDIE: U = a / (1 + alpha - a) * (|v|_1 + |o|_1) */
     int32_t drop_window;       /* the window rows are scoring queries only (Judge Q soft tokens, an
                                   answer for the oracle): they are evicted, the budget is over the rest */
-    /* ---- issue 16, kvpress's scorers (n_sink above is theirs too: LagKV, ExpectedAttention) ---- */
+    /* ---- kvpress's scorers (n_sink above is theirs too: LagKV, ExpectedAttention) ---- */
     int32_t lag_size;          /* LagKV partition length (128) */
     int32_t cross_scoring;     /* LagKV: 1 keeps the raw partition scores (comparable across partitions) */
     int32_t n_future;          /* ExpectedAttention n_future_positions (512) */
@@ -248,6 +251,13 @@ typedef struct kvc_press_config {
     float critical_eps;        /* CriticalKV: (score + eps) * |W_o v|_1 (1e-4) */
     float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
     int32_t attn_chunk;        /* NonCausalAttn chunk_size (256) */
+    int32_t sketch_dim;        /* LeverageScore sketch_dimension (48); its sketch is drawn from `seed` */
+    int32_t cur_type;          /* CUR leverage_type: 0 key, 1 value, 2 kv_avg, 3 kv_product (3) */
+    int32_t cur_random;        /* CUR use_random_leverage: K and V times a [d, 20] sketch from `seed` (0) */
+    int32_t cur_window;        /* CUR local_window_size (16); 0: use_local_approximation off */
+    int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
+    int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
+    float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
@@ -296,7 +306,7 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         float *scores, int64_t *keep, int64_t *n_keep);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress; issue 16b)                       */
+/* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress)                                */
 
 /* ComposedPress: after the attached press compresses a layer, this press compresses what it kept (same
  * queries, the layer's remaining rows), and so on down the chain in the order added. Needs an attached
@@ -330,7 +340,7 @@ KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, con
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress; issue 16b).      */
+/* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress).                  */
 /* A decoding press rides on every forward call of a session after its first (the prefill): each call */
 /* is one kvpress "decoding step" (a single token, or a question of several). Every                   */
 /* compression_interval steps each layer is compressed, right after its attention, to target_size rows */
@@ -354,6 +364,20 @@ KVC_API kvc_status kvc_decoding_config_check(const kvc_decoding_config *cfg);
 KVC_API kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg);
 /* Layer compressions the decoding press made since it was attached or the session reset. */
 KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* KVzip (arXiv 2505.23416): context-reconstruction scores after a full prefill (csrc/press/kvzip.c) */
+
+/* The session holds the full cache of its s->pos context tokens. The q_len reconstruction tokens `ids`
+ * (prompt + the chunk [start, end) of the context) run on it; scores[L, Hkv, end - start] receive each
+ * chunk row's most attention from them (softmax over the min(n_sink, start) sinks, the chunk and the
+ * causal reconstruction rows; plus: KVzip+ normalisation). Their rows are dropped again afterwards. */
+KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
+                                           int64_t end, int32_t n_sink, int32_t plus, float *scores);
+/* Evict the int(L Hkv n ratio) lowest of scores[L, Hkv, n] over all layers (layerwise: int(Hkv n ratio)
+ * per layer), the first n_sink rows of every head kept, from the session's full cache of n rows. */
+KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio,
+                                           int32_t layerwise, int32_t n_sink);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */

@@ -19,7 +19,7 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->pyramid_beta = 20;
     c->reuse_layers = 1;
     c->edie_alpha = 0.1f;
-    /* issue 16 scorers: kvpress defaults */
+    /* kvpress's scorers: their defaults */
     c->lag_size = 128;
     c->n_future = 512;
     c->use_covariance = 1;
@@ -27,6 +27,11 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->critical_eps = 1e-4f;
     c->first_stage_ratio = 0.5f;
     c->attn_chunk = 256;
+    c->sketch_dim = 48;
+    c->cur_type = 3;
+    c->cur_window = 16;
+    c->cmp_sink_start = 8;
+    c->cmp_sink_end = 4;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -52,10 +57,17 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (c->safeguard != KVC_SAFEGUARD_FLOOR && c->safeguard != KVC_SAFEGUARD_PROTECT)
         return kvc_fail(KVC_ERR_ARG, "unknown safeguard %d", c->safeguard);
     if (!(c->edie_alpha > 0 && c->edie_alpha < 100)) return kvc_fail(KVC_ERR_ARG, "EDIE alpha must be in (0, 100), got %g", c->edie_alpha);
-    /* issue 16 scorers */
+    /* kvpress's scorers */
     if (c->lag_size < 1) return kvc_fail(KVC_ERR_ARG, "lag_size must be a positive integer, got %d", c->lag_size);
     if (c->n_future < 1) return kvc_fail(KVC_ERR_ARG, "n_future_positions must be a positive integer, got %d", c->n_future);
     if (!(c->epsilon >= 0 && isfinite(c->epsilon))) return kvc_fail(KVC_ERR_ARG, "epsilon must be finite and >= 0, got %g", c->epsilon);
+    if (c->cur_type < 0 || c->cur_type > 3)
+        return kvc_fail(KVC_ERR_ARG, "leverage_type must be 'key', 'value', 'kv_avg' or 'kv_product' (0-3), got %d", c->cur_type);
+    if (c->cur_window < 0) return kvc_fail(KVC_ERR_ARG, "local_window_size must be a positive integer, got %d", c->cur_window);
+    if (c->cmp_sink_start < 0 || c->cmp_sink_end < 0)
+        return kvc_fail(KVC_ERR_ARG, "sink_size_start and sink_size_end must be >= 0, got %d and %d", c->cmp_sink_start, c->cmp_sink_end);
+    if (!isfinite(c->cmp_blend)) return kvc_fail(KVC_ERR_ARG, "blending must be finite, got %g", c->cmp_blend);
+    if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
     if (c->critical) {
         if (!(c->critical_eps >= 0 && isfinite(c->critical_eps)))

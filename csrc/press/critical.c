@@ -18,7 +18,7 @@
 #define EYE_ROWS 256
 
 /* W_o^T [qd, D] on the host from the layer's o_proj weight, through be->matmul. */
-static kvc_status wo_transposed(const kvc_layer_rows *lr, float *wt) {
+kvc_status kvc_wo_transposed(const kvc_layer_rows *lr, float *wt) {
     const kvc_backend *be = lr->be;
     const int64_t qd = (int64_t)lr->mc->n_heads * lr->mc->head_dim, D = lr->mc->hidden;
     float *eye = calloc((size_t)EYE_ROWS * (size_t)qd, sizeof(float));
@@ -50,7 +50,7 @@ static kvc_status wov_norms(const kvc_layer_rows *lr, const int64_t *len, double
     float *wt = malloc(sizeof(float) * (size_t)qd * (size_t)D), *prod = malloc(sizeof(float) * EYE_ROWS * (size_t)D);
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = wt && prod ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CriticalKV |W_o v|");
-    if (st == KVC_OK) st = wo_transposed(lr, wt);
+    if (st == KVC_OK) st = kvc_wo_transposed(lr, wt);
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         memset(norm[h], 0, sizeof(double) * (size_t)len[h]);

@@ -1,4 +1,4 @@
-/* kvpress's scorers of issue 16 that run on the host, whatever the device (docs/METHODS.md, "kvpress
+/* kvpress's scorers that run on the host, whatever the device (docs/METHODS.md, "kvpress
  * scorers"): the layer's rows and this call's queries are brought to the host as fp32 (a memcpy on the
  * CPU backend), as ObservedAttention does (observed.c), and scored in double where a sum is long:
  *  - KeyDiff: -cos(k, anchor), anchor = mean over the head's rows of k / ||k||;
@@ -291,14 +291,20 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
 
 /* ---- NonCausalAttn ---- */
 
-static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                   const int64_t *len, float *const *scores) {
+/* Whether the layer holds exactly this call's rows (a prefill with no past): what the prefill-only scorers need. */
+static int plain_prefill(const kvc_layer_ctx *ctx, const int64_t *len, int32_t Hkv) {
+    for (int32_t h = 0; h < Hkv; h++)
+        if (ctx->past_len[h] != 0 || len[h] != ctx->n) return 0;
+    return 1;
+}
+
+/* NonCausalAttn's z-scores of the prefill's rows [r0, r0 + n) alone (Compactor scores a middle slice),
+ * written to scores[h][r0 + r]. */
+static kvc_status noncausal_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const int64_t n = ctx->n, qd = (int64_t)H * d, C = cfg->attn_chunk;
-    for (int32_t h = 0; h < Hkv; h++)
-        if (ctx->past_len[h] != 0 || len[h] != n)
-            return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    const int64_t qd = (int64_t)H * d, C = cfg->attn_chunk;
     float *qt = malloc(sizeof(float) * (size_t)C * (size_t)qd), *qh = malloc(sizeof(float) * (size_t)C * d);
     float *dots = malloc(sizeof(float) * (size_t)C * (size_t)C);
     double *acc = calloc((size_t)Hkv * (size_t)n, sizeof(double));
@@ -307,11 +313,11 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     for (int64_t c0 = 0; c0 < n && st == KVC_OK; c0 += C) {
         const int64_t m = n - c0 < C ? n - c0 : C; /* real rows of this chunk; C - m padded */
-        st = lr->be->download(kvc_view_at(ctx->q, c0, 0), m, qd, qt, KVC_F32);
+        st = lr->be->download(kvc_view_at(ctx->q, r0 + c0, 0), m, qd, qt, KVC_F32);
         for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
             const int32_t h = hq / g;
             for (int64_t i = 0; i < m; i++) memcpy(qh + i * d, qt + i * qd + (int64_t)hq * d, sizeof(float) * d);
-            kvc_host_gemm_nt(qh, d, k[h] + c0 * d, dots, m, m, m, d, 0);
+            kvc_host_gemm_nt(qh, d, k[h] + (r0 + c0) * d, dots, m, m, m, d, 0);
             /* each real query's softmax over the real keys (q.k) and the C - m padded ones (-1e-9), in place */
 #pragma omp parallel for schedule(static)
             for (int64_t i = 0; i < m; i++) {
@@ -338,7 +344,7 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
         double *a = acc + (size_t)h * n;
         for (int64_t r = 0; r < n; r++) {
             double vn = 0;
-            for (int32_t i = 0; i < d; i++) vn += (double)v[h][r * d + i] * v[h][r * d + i];
+            for (int32_t i = 0; i < d; i++) vn += (double)v[h][(r0 + r) * d + i] * v[h][(r0 + r) * d + i];
             a[r] *= sqrt(vn);
         }
         double prev = 0;
@@ -354,7 +360,7 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
     for (int64_t i = 0; i < (int64_t)Hkv * n && st == KVC_OK; i++) ss += (acc[i] - mean) * (acc[i] - mean);
     const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        for (int64_t r = 0; r < n; r++) scores[h][r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
     kvc_free(block);
     free(qt);
     free(qh);
@@ -363,11 +369,283 @@ static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx
     return st;
 }
 
+static kvc_status noncausal_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                   const int64_t *len, float *const *scores) {
+    if (!plain_prefill(ctx, len, lr->mc->n_kv_heads))
+        return kvc_fail(KVC_ERR_ARG, "NonCausalAttnPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    return noncausal_range(lr, ctx, cfg, len, 0, ctx->n, scores);
+}
+
+/* ---- LeverageScore ---- */
+
+/* The Gaussian sketch of a layer, count values N(0, 1) as float: splitmix64 from the state
+ * seed + (layer + 1) * 0x9E3779B97F4A7C15, pairs by Box-Muller (u1 = (x1 >> 11 + 1) 2^-53, u2 = (x2 >> 11) 2^-53,
+ * r = sqrt(-2 ln u1): r cos(2 pi u2), r sin(2 pi u2)). tests/reference/kvpress_scorers_reference.py has the same. */
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void gaussian_sketch(uint64_t seed, int32_t layer, int64_t count, float *out) {
+    uint64_t s = seed + (uint64_t)(layer + 1) * 0x9E3779B97F4A7C15ull;
+    for (int64_t i = 0; i < count; i += 2) {
+        const double u1 = (double)((splitmix64(&s) >> 11) + 1) * 0x1p-53, u2 = (double)(splitmix64(&s) >> 11) * 0x1p-53;
+        const double r = sqrt(-2.0 * log(u1)), a = 2.0 * M_PI * u2;
+        out[i] = (float)(r * cos(a));
+        if (i + 1 < count) out[i + 1] = (float)(r * sin(a));
+    }
+}
+
+/* Lower Cholesky factor of the k x k matrix a (in place); 0 when not positive definite. */
+static int cholesky(double *a, int32_t k) {
+    for (int32_t j = 0; j < k; j++) {
+        double dj = a[j * k + j];
+        for (int32_t t = 0; t < j; t++) dj -= a[j * k + t] * a[j * k + t];
+        if (!(dj > 0)) return 0;
+        dj = sqrt(dj);
+        a[j * k + j] = dj;
+        for (int32_t i = j + 1; i < k; i++) {
+            double v = a[i * k + j];
+            for (int32_t t = 0; t < j; t++) v -= a[i * k + t] * a[j * k + t];
+            a[i * k + j] = v / dj;
+        }
+    }
+    return 1;
+}
+
+/* One head's leverage of its n pre-RoPE keys x [n, d] (double) under the sketch phi [d, kk]:
+ * X = (x - mean) phi, score_r = max(0, X_r (X^T X + j I)^-1 X_r^T), j = 1e-2 then 10x (5 tries, as kvpress). */
+static kvc_status leverage_head(const double *x, int64_t n, int32_t d, const float *phi, int32_t kk, double *out) {
+    double *X = malloc(sizeof(double) * (size_t)n * kk), *G = malloc(sizeof(double) * (size_t)kk * kk);
+    double *L = malloc(sizeof(double) * (size_t)kk * kk), *mean = calloc((size_t)d, sizeof(double)), *y = malloc(sizeof(double) * kk);
+    kvc_status st = X && G && L && mean && y ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: LeverageScore");
+    for (int64_t r = 0; st == KVC_OK && r < n; r++)
+        for (int32_t i = 0; i < d; i++) mean[i] += x[r * d + i] / (double)n;
+    for (int64_t r = 0; st == KVC_OK && r < n; r++)
+        for (int32_t j = 0; j < kk; j++) {
+            double v = 0;
+            for (int32_t i = 0; i < d; i++) v += (x[r * d + i] - mean[i]) * phi[i * kk + j];
+            X[r * kk + j] = v;
+        }
+    for (int32_t a = 0; st == KVC_OK && a < kk; a++)
+        for (int32_t b = 0; b <= a; b++) {
+            double v = 0;
+            for (int64_t r = 0; r < n; r++) v += X[r * kk + a] * X[r * kk + b];
+            G[a * kk + b] = G[b * kk + a] = v;
+        }
+    int ok = 0;
+    for (int t = 0; st == KVC_OK && t < 5 && !ok; t++) {
+        const double jit = 1e-2 * pow(10.0, t);
+        memcpy(L, G, sizeof(double) * (size_t)kk * kk);
+        for (int32_t a = 0; a < kk; a++) L[a * kk + a] += jit;
+        ok = cholesky(L, kk);
+    }
+    if (st == KVC_OK && !ok) st = kvc_fail(KVC_ERR_INTERNAL, "LeverageScore: Cholesky of the sketched Gram matrix failed after 5 jitters (as kvpress raises)");
+    for (int64_t r = 0; st == KVC_OK && r < n; r++) { /* y = L^-T L^-1 X_r, score = X_r . y */
+        const double *xr = X + r * kk;
+        for (int32_t i = 0; i < kk; i++) {
+            double v = xr[i];
+            for (int32_t t = 0; t < i; t++) v -= L[i * kk + t] * y[t];
+            y[i] = v / L[i * kk + i];
+        }
+        for (int32_t i = kk - 1; i >= 0; i--) {
+            double v = y[i];
+            for (int32_t t = i + 1; t < kk; t++) v -= L[t * kk + i] * y[t];
+            y[i] = v / L[i * kk + i];
+        }
+        double sc = 0;
+        for (int32_t i = 0; i < kk; i++) sc += xr[i] * y[i];
+        out[r] = sc > 0 ? sc : 0;
+    }
+    free(X);
+    free(G);
+    free(L);
+    free(mean);
+    free(y);
+    return st;
+}
+
+/* LeverageScore's z-scores of the prefill's rows [r0, r0 + n) alone, written to scores[h][r0 + r]. */
+static kvc_status leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                 const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
+    const kvc_config *c = lr->mc;
+    const int32_t Hkv = c->n_kv_heads, d = c->head_dim, half = d / 2, kk = cfg->sketch_dim;
+    double freq[128];
+    if (lr->inv_freq) {
+        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
+    } else {
+        float f[128];
+        KVC_TRY(kvc_kernel_rope_freqs(c, f));
+        for (int32_t j = 0; j < half; j++) freq[j] = f[j];
+    }
+    float *hf = malloc(sizeof(float) * (size_t)Hkv * d * kk), *phi = malloc(sizeof(float) * (size_t)d * kk);
+    double *x = malloc(sizeof(double) * (size_t)n * d), *acc = malloc(sizeof(double) * (size_t)Hkv * n);
+    float *k[KVC_MAX_KV_HEADS], *block = NULL;
+    kvc_status st = hf && phi && x && acc ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: LeverageScore");
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 0, k, NULL, &block);
+    /* kvpress's sketch [Hkv, d, kk] is over HF's (half-split) dimensions: with adjacent pairs, ours are permuted */
+    if (st == KVC_OK) gaussian_sketch(cfg->seed, ctx->layer, (int64_t)Hkv * d * kk, hf);
+    const float scale = (float)(1.0 / sqrt((double)kk));
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        for (int32_t j = 0; j < half; j++) {
+            int32_t a, b;
+            rope_pair(c->rope_pairing, d, j, &a, &b);
+            for (int32_t t = 0; t < kk; t++) {
+                phi[a * kk + t] = hf[((int64_t)h * d + j) * kk + t] * scale;
+                phi[b * kk + t] = hf[((int64_t)h * d + j + half) * kk + t] * scale;
+            }
+        }
+        for (int64_t r = 0; r < n; r++) { /* RoPE undone at the row's position */
+            const double pos = (double)(ctx->pos ? ctx->pos[r0 + r] : r0 + r);
+            const float *kr = k[h] + (r0 + r) * d;
+            for (int32_t j = 0; j < half; j++) {
+                int32_t a, b;
+                rope_pair(c->rope_pairing, d, j, &a, &b);
+                const double cs = cos(pos * freq[j]), sn = sin(pos * freq[j]);
+                x[r * d + a] = kr[a] * cs + kr[b] * sn;
+                x[r * d + b] = -kr[a] * sn + kr[b] * cs;
+            }
+        }
+        st = leverage_head(x, n, d, phi, kk, acc + (size_t)h * n);
+    }
+    /* z-score over every head and row (torch's unbiased std, at least 1e-6) */
+    double mean = 0, ss = 0;
+    const double cnt = (double)Hkv * n;
+    for (int64_t i = 0; st == KVC_OK && i < (int64_t)Hkv * n; i++) mean += acc[i] / cnt;
+    for (int64_t i = 0; st == KVC_OK && i < (int64_t)Hkv * n; i++) ss += (acc[i] - mean) * (acc[i] - mean);
+    const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+    kvc_free(block);
+    free(hf);
+    free(phi);
+    free(x);
+    free(acc);
+    return st;
+}
+
+static kvc_status leverage_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, float *const *scores) {
+    if (!plain_prefill(ctx, len, lr->mc->n_kv_heads))
+        return kvc_fail(KVC_ERR_ARG, "LeverageScorePress scores a prefill with no past in the cache (kvpress: prefill only)");
+    return leverage_range(lr, ctx, cfg, len, 0, ctx->n, scores);
+}
+
+/* ---- Compactor: blend * LeverageScore + NonCausalAttn over the rows between the sinks ---- */
+
+static kvc_status compactor_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                   const int64_t *len, float *const *scores) {
+    const int32_t Hkv = lr->mc->n_kv_heads;
+    const int64_t n = ctx->n;
+    if (!plain_prefill(ctx, len, Hkv))
+        return kvc_fail(KVC_ERR_ARG, "CompactorPress scores a prefill with no past in the cache (kvpress: prefill only)");
+    const int64_t left = cfg->cmp_sink_start < n ? cfg->cmp_sink_start : n;
+    const int64_t right = cfg->cmp_sink_end < n - left ? cfg->cmp_sink_end : n - left, m = n - left - right;
+    if (m < 2)
+        return kvc_fail(KVC_ERR_ARG, "CompactorPress needs at least 2 rows between its %lld + %lld sinks, got %lld tokens",
+                        (long long)left, (long long)right, (long long)n);
+    float *lev[KVC_MAX_KV_HEADS] = {0}, *block = malloc(sizeof(float) * (size_t)Hkv * (size_t)n);
+    if (!block) return kvc_fail(KVC_ERR_NOMEM, "out of memory: Compactor");
+    for (int32_t h = 0; h < Hkv; h++) lev[h] = block + (size_t)h * n;
+    kvc_status st = leverage_range(lr, ctx, cfg, len, left, m, lev);
+    if (st == KVC_OK) st = noncausal_range(lr, ctx, cfg, len, left, m, scores);
+    float mx = -INFINITY;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t r = left; r < left + m; r++) {
+            scores[h][r] = cfg->cmp_blend * lev[h][r] + scores[h][r];
+            mx = scores[h][r] > mx ? scores[h][r] : mx;
+        }
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) { /* the sinks: the layer's maximum (kvpress pads with it) */
+        for (int64_t r = 0; r < left; r++) scores[h][r] = mx;
+        for (int64_t r = left + m; r < n; r++) scores[h][r] = mx;
+    }
+    free(block);
+    return st;
+}
+
+/* ---- CUR (CurDKV) ---- */
+
+#define CUR_SKETCH 20 /* kvpress's r */
+
+/* x2[r] = ||x_r||^2, or ||x_r G||^2 with the sketch g [d, CUR_SKETCH] (NULL: none); then, with a window w,
+ * divided by the sum over its block of w rows (blocks from row 0, the last one zero-padded). */
+static void cur_norms(const float *x, int64_t n, int32_t d, const float *g, int32_t w, double *x2) {
+    for (int64_t r = 0; r < n; r++) {
+        double s = 0;
+        if (g) {
+            for (int32_t j = 0; j < CUR_SKETCH; j++) {
+                double p = 0;
+                for (int32_t i = 0; i < d; i++) p += (double)x[r * d + i] * g[i * CUR_SKETCH + j];
+                s += p * p;
+            }
+        } else {
+            for (int32_t i = 0; i < d; i++) s += (double)x[r * d + i] * x[r * d + i];
+        }
+        x2[r] = s;
+    }
+    for (int64_t b = 0; w > 0 && b < n; b += w) {
+        const int64_t e = b + w < n ? b + w : n;
+        double s = 0;
+        for (int64_t r = b; r < e; r++) s += x2[r];
+        for (int64_t r = b; r < e; r++) x2[r] /= s;
+    }
+}
+
+static kvc_status cur_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                             const int64_t *len, float *const *scores) {
+    const kvc_config *c = lr->mc;
+    const int32_t Hkv = c->n_kv_heads, d = c->head_dim, half = d / 2;
+    int64_t maxlen = 1;
+    for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
+    float *gh = cfg->cur_random ? malloc(sizeof(float) * (size_t)d * CUR_SKETCH) : NULL;
+    float *gk = cfg->cur_random ? malloc(sizeof(float) * (size_t)d * CUR_SKETCH) : NULL;
+    double *k2 = malloc(sizeof(double) * (size_t)maxlen), *v2 = malloc(sizeof(double) * (size_t)maxlen);
+    float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
+    kvc_status st = k2 && v2 && (!cfg->cur_random || (gh && gk)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CUR");
+    if (st == KVC_OK && cfg->cur_random) {
+        /* kvpress's G = randn(d, 20) / sqrt(20) over HF's dimensions: V's are ours; K's rows follow RoPE's pairs */
+        gaussian_sketch(cfg->seed, ctx->layer, (int64_t)d * CUR_SKETCH, gh);
+        const float sq = (float)sqrt((double)CUR_SKETCH);
+        for (int32_t i = 0; i < d * CUR_SKETCH; i++) gh[i] /= sq; /* randn / sqrt(r) in float, as torch */
+        for (int32_t j = 0; j < half; j++) {
+            int32_t a, b;
+            rope_pair(c->rope_pairing, d, j, &a, &b);
+            memcpy(gk + (int64_t)a * CUR_SKETCH, gh + (int64_t)j * CUR_SKETCH, sizeof(float) * CUR_SKETCH);
+            memcpy(gk + (int64_t)b * CUR_SKETCH, gh + (int64_t)(j + half) * CUR_SKETCH, sizeof(float) * CUR_SKETCH);
+        }
+    }
+    if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        const int64_t n = len[h];
+        cur_norms(k[h], n, d, gk, cfg->cur_window, k2);
+        cur_norms(v[h], n, d, gh, cfg->cur_window, v2);
+        double tot = 0;
+        for (int64_t r = 0; r < n; r++) {
+            const double s = cfg->cur_type == 0 ? k2[r] : cfg->cur_type == 1 ? v2[r]
+                           : cfg->cur_type == 2 ? (k2[r] + v2[r]) / 2 : k2[r] * v2[r];
+            k2[r] = s;
+            tot += s;
+        }
+        for (int64_t r = 0; r < n; r++) scores[h][r] = r < cfg->n_sink ? 1.0f : (float)(k2[r] / tot);
+    }
+    kvc_free(block);
+    free(gh);
+    free(gk);
+    free(k2);
+    free(v2);
+    return st;
+}
+
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores) {
     const int32_t Hkv = lr->mc->n_kv_heads, d = lr->mc->head_dim;
     if (cfg->scorer == KVC_SCORE_EXPECTED) return expected_scores(lr, ctx, cfg, len, scores);
     if (cfg->scorer == KVC_SCORE_NONCAUSAL) return noncausal_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_LEVERAGE) return leverage_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_CUR) return cur_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_COMPACTOR) return compactor_scores(lr, ctx, cfg, len, scores);
     const int want_v = cfg->scorer == KVC_SCORE_LAGKV;
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = kvc_press_layer_rows(lr, len, want_v, k, v, &block);

@@ -31,7 +31,7 @@ typedef struct kvc_press {
     const kvc_backend *be;
     kvc_buf *dev_scores;   /* the backend's score buffer, f32 [Hkv, dev_ld] */
     int64_t dev_ld;
-    /* issue 16b wrappers */
+    /* wrappers */
     double *layer_ratios;  /* [L] PerLayerCompressionPress: each layer's compression_ratio, or NULL */
     struct kvc_press *next; /* ComposedPress: the press that compresses this one's result next, or NULL */
     int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
@@ -109,10 +109,12 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
 kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
                               const int64_t *const *keep, const int64_t *n_keep, double *out);
 
-/* ---- host_scorers.c: issue 16's scorers on the host (KeyDiff, LagKV, ExpectedAttention, NonCausalAttn) ---- */
+/* ---- host_scorers.c: kvpress's scorers on the host (KeyDiff, LagKV, ExpectedAttention, NonCausalAttn) ---- */
 static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
-           scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL;
+           scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
+           scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
+           scorer == KVC_SCORE_COMPACTOR;
 }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);
@@ -121,6 +123,9 @@ kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
 kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,
                                const int64_t *len, int32_t window, int64_t layer_total, float *const *scores,
                                int64_t *const *keep, int64_t *n_keep);
+
+/* W_o^T [H d, D] of the layer (lr->wo) on the host as fp32, through the backend's matmul. */
+kvc_status kvc_wo_transposed(const kvc_layer_rows *lr, float *wt);
 
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):
@@ -158,5 +163,11 @@ kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ct
 
 /* ---- take.c ---- */
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg, float *logits);
+
+/* ---- kvzip.c ---- */
+kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                           int32_t n_sink, int32_t plus, float *scores);
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
+                           int32_t n_sink);
 
 #endif

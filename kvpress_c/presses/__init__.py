@@ -21,6 +21,10 @@ from .expected_attention import ExpectedAttentionPress
 from .keydiff import KeyDiffPress
 from .lagkv import LagKVPress
 from .non_causal_attention import NonCausalAttnPress
+from .kvzip import KVzipPress
+from .leverage import LeverageScorePress
+from .cur import CURPress
+from .compactor import CompactorPress
 # compression while decoding
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
@@ -41,7 +45,7 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress",
+           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]

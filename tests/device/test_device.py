@@ -479,10 +479,14 @@ SESSION_PRESSES = {
     "lagkv": dict(scorer=S["lagkv"], compression_ratio=0.5, lag_size=32),
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.9),
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, attn_chunk=128),
+    "leverage": dict(scorer=S["leverage"], compression_ratio=0.5, sketch_dim=16, seed=7),
+    "cur": dict(scorer=S["cur"], compression_ratio=0.5, n_sink=4, cur_random=1, seed=3),
+    "compactor": dict(scorer=S["compactor"], compression_ratio=0.5, attn_chunk=128, sketch_dim=16, seed=5,
+                      cmp_sink_start=8, cmp_sink_end=4, cmp_blend=0.5),
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
 }
-UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn")  # same budget for every head: equal lengths
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))
@@ -509,7 +513,10 @@ def test_session_press_kept_rows_match_cpu(cpu_model, dev_model, rng, name):
         # ChunkKV layer reused its group's rows and scored nothing, on both)
         assert len(sg.press_scores(l, 0)) == len(sc.press_scores(l, 0))
         assert np.isfinite(sg.press_error(l)) == np.isfinite(sc.press_error(l))
-        if np.isfinite(sc.press_error(l)):
+        # the leverage scorers solve with X^T X (cond up to ~1e6 on random weights): bf16 keys move their ranking
+        # more than others', so their eviction loss is compared where the layer kept the same rows
+        same = all(js[-1 - h] == 1.0 for h in range(cpu.config["n_kv_heads"]))
+        if np.isfinite(sc.press_error(l)) and (name not in ("leverage", "compactor") or same):
             assert abs(sg.press_error(l) - sc.press_error(l)) < 0.2 * sc.press_error(l) + 1e-3
     if name == "streaming":
         assert min(js) == 1.0
@@ -627,6 +634,33 @@ def test_copy_cache_from_on_the_device(cpu_model, dev_model, rng):
     assert rel(dst.forward(step, logits="all"), src.forward(step, logits="all")) < 1e-3
     with pytest.raises(ValueError, match="different models"):
         cpu_model.new_session().copy_cache_from(src)
+
+
+@pytest.mark.parametrize("plus", [False, True])
+def test_kvzip_scores_and_eviction_match_cpu(cpu_model, dev_model, rng, plus):
+    """KVzip (issue 16): the reconstruction forward on the full cache (its rows dropped again), its scores and the
+    global eviction, on the device against the CPU."""
+    cpu, gpu = cpu_model, dev_model
+    ids = rng.integers(3, cpu.config["vocab"], size=300).astype(np.int32)
+    rep = np.r_[rng.integers(3, cpu.config["vocab"], size=8), ids[10:300]].astype(np.int32)
+    sc, sg = cpu.new_session(), gpu.new_session()
+    sc.forward(ids, logits="last")
+    sg.forward(ids, logits="last")
+    zc = sc.kvzip_score(rep, 10, 300, n_sink=4, plus=plus)
+    zg = sg.kvzip_score(rep, 10, 300, n_sink=4, plus=plus)
+    assert sg.position == sc.position == len(ids) and (sg.cache_lengths() == len(ids)).all()
+    print(f"KVzip{'+' if plus else ''} scores rel err {rel(zg, zc):.3g}")
+    # bf16 storage through a 300-token random-weight forward, then a max over peaked softmax rows: measured
+    # 0.021 .. 0.079 over 8 runs x 3 shapes x 2 (the largest on hd64); the kept sets are what the test holds to
+    assert rel(zg, zc) < 0.15, rel(zg, zc)
+    full = np.zeros((cpu.config["n_layers"], cpu.config["n_kv_heads"], len(ids)), np.float32)
+    sc.kvzip_evict(full + np.pad(zc, ((0, 0), (0, 0), (10, 0))), 0.7)
+    sg.kvzip_evict(full + np.pad(zg, ((0, 0), (0, 0), (10, 0))), 0.7)
+    assert sg.cache_lengths().sum() == sc.cache_lengths().sum()
+    js = [jaccard(sg.cache_positions(l, h), sc.cache_positions(l, h))
+          for l in range(cpu.config["n_layers"]) for h in range(cpu.config["n_kv_heads"])]
+    assert np.mean(js) > 0.9, js  # bf16 swaps near-ties of the global ranking
+    assert np.isfinite(sg.forward(np.array([5], np.int32), logits="last")).all()
 
 
 @pytest.mark.parametrize("budget,chunk", [(64, 128), (200, 1000)])

@@ -209,3 +209,226 @@ def test_session_scores_match_float64_model(tiny_llama, rng, device, kind):
     # cpu: near-ties only (measured 1.0 on 10 seeds); emulated: bf16 moves near-ties
     print(f"{kind} {device}: mean Jaccard {np.mean(jac):.4f}")
     assert np.mean(jac) >= (0.99 if device == "cpu" else 0.9), np.round(jac, 3)
+
+
+# -- KVzip: the reconstruction forward on the full cache ---------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("plus", [False, True])
+def test_kvzip_scores_match_float64_model(tiny_llama, rng, device, plus):
+    """Random context and reconstruction ids and a random chunk: kvzip_score against the reference on a
+    float64 NumPy model's queries/keys (the reconstruction rows appended after the context's), then the
+    eviction of random scores against kvzip_kept (global and layerwise); the cache holds the context again."""
+    from kvpress_scorers_reference import kvzip_kept, kvzip_scores
+    n, m = int(rng.integers(60, 120)), int(rng.integers(20, 50))
+    ctx, rep = rng.integers(3, 256, size=n), rng.integers(3, 256, size=m)
+    start = int(rng.integers(0, 10))
+    end = int(rng.integers(start + 5, n + 1))
+    from np_llama import NpLlama
+    ref = NpLlama(tiny_llama)
+    cache = ref.empty_cache()
+    ref.forward(ref.embed(ctx), np.arange(n), cache)
+    want = []
+
+    def grab(l, q, attn, o, resid, past, cache):
+        K = np.stack([cache[l][h]["k"] for h in range(ref.Hkv)])
+        V = np.stack([cache[l][h]["v"] for h in range(ref.Hkv)])
+        h = ref.rmsnorm(resid, ref.W(f"model.layers.{l}.input_layernorm.weight")) if plus else None
+        want.append(kvzip_scores(q, K, V, n, start, end, 4, h, ref.W(f"model.layers.{l}.self_attn.o_proj.weight")))
+
+    ref.forward(ref.embed(rep), n + np.arange(m), cache, hook=grab)
+    model = kvpress_c.load_model(tiny_llama, device=device)
+    s = model.new_session()
+    s.forward(ctx.astype(np.int32), logits="last")
+    got = s.kvzip_score(rep.astype(np.int32), start, end, n_sink=4, plus=plus).astype(np.float64)
+    assert (s.cache_lengths() == n).all() and s.position == n
+    # measured max relative error: cpu (fp32 engine vs fp64 model) ~3e-7; emulated (bf16 K/V/q) ~1e-2
+    err = np.abs(got - np.stack(want)).max() / np.abs(np.stack(want)).max()
+    print(f"KVzip{'+' if plus else ''} {device}: seed-run scores rel err {err:.2e}")
+    assert err < (1e-5 if device == "cpu" else 5e-2), err
+    # the eviction: distinct random scores, so the kept sets are exact
+    L, Hkv = model.config["n_layers"], model.config["n_kv_heads"]
+    for layerwise in (False, True):
+        sc = rng.random((L, Hkv, n)).astype(np.float32)
+        e = model.new_session()
+        e.forward(ctx.astype(np.int32), logits="last")
+        e.kvzip_evict(sc, 0.6, layerwise=layerwise, n_sink=4)
+        kept = kvzip_kept(sc.astype(np.float64), 0.6, 4, layerwise)
+        for l in range(L):
+            for h in range(Hkv):
+                assert e.cache_positions(l, h).tolist() == kept[l][h].tolist(), (layerwise, l, h)
+
+
+def test_kvzip_press_settings_and_errors(default_model):
+    import kvpress
+    ours, theirs = kvpress_c.KVzipPress(), kvpress.KVzipPress()
+    for f in dataclasses.fields(theirs):
+        assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    for bad in (dict(compression_ratio=1.0), dict(compression_ratio=-0.1), dict(chunk_size=0), dict(n_sink=-1)):
+        with pytest.raises(ValueError):
+            kvpress_c.KVzipPress(**bad)
+    s = default_model.new_session()
+    ids = np.asarray(default_model.encode("Some context to compress. " * 4), dtype=np.int32)
+    with pytest.raises(ValueError, match="full cache"):  # nothing prefilled
+        s.kvzip_score(ids, 0, 4)
+    s.forward(ids, logits="last")
+    with pytest.raises(ValueError, match="outside"):
+        s.kvzip_score(ids, 0, len(ids) + 1)
+    with pytest.raises(ValueError, match="shape"):
+        s.kvzip_evict(np.zeros((1, 1, 1), np.float32), 0.5)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        s.kvzip_evict(np.zeros((default_model.config["n_layers"], default_model.config["n_kv_heads"], len(ids)),
+                               np.float32), 1.5)
+
+
+# -- LeverageScore: the sketch from the seed ---------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_leverage_scores_match_float64_model(tiny_llama, rng, device):
+    """A whole prefill: every layer's recorded scores and kept rows against the reference on the float64 NumPy
+    model's pre-RoPE keys and the documented sketch of (seed, layer)."""
+    from np_llama import NpLlama
+    from kvpress_scorers_reference import gaussian_sketch, leverage_scores
+    ids = rng.integers(3, 256, size=150)
+    seed = int(rng.integers(0, 2 ** 32))
+    ref = NpLlama(tiny_llama)
+    pre = []
+
+    def grab(l, q, attn, o, resid, past, cache):
+        xn = ref.rmsnorm(resid, ref.W(f"model.layers.{l}.input_layernorm.weight"))
+        k = xn @ ref.W(f"model.layers.{l}.self_attn.k_proj.weight").T
+        pre.append(k.reshape(len(ids), ref.Hkv, ref.d).transpose(1, 0, 2))
+
+    ref.forward(ref.embed(ids), np.arange(len(ids)), ref.empty_cache(), hook=grab)
+    press = kvpress_c.LeverageScorePress(compression_ratio=0.6, sketch_dimension=16, seed=seed)
+    s = kvpress_c.load_model(tiny_llama, device=device).new_session()
+    s.set_press(record_scores=True, **press.c_config())
+    s.forward(ids.astype(np.int32), logits="last")
+    jac, worst = [], 0.0
+    for l, K in enumerate(pre):
+        phi = gaussian_sketch(seed, l, ref.Hkv * ref.d * 16).reshape(ref.Hkv, ref.d, 16) / np.float32(np.sqrt(16))
+        want = leverage_scores(K, phi)
+        ours = np.stack([s.press_scores(l, h) for h in range(ref.Hkv)]).astype(np.float64)
+        # measured max relative error over 4 runs: cpu <= 1.0e-6 (fp32 keys); emulated (bf16 K) 1.3e-2 .. 1.8e-2
+        err = np.abs(ours - want).max() / np.abs(want).max()
+        assert err < (1e-4 if device == "cpu" else 1e-1), f"layer {l}: {err:.3g}"
+        worst = max(worst, err)
+        for h in range(ref.Hkv):
+            got, top = set(s.cache_positions(l, h).tolist()), set(topk_rows(want[h], n_kept_ratio(len(ids), 0.6)).tolist())
+            jac.append(len(got & top) / len(got | top))
+    print(f"LeverageScore {device}: scores rel err {worst:.2e}, mean Jaccard {np.mean(jac):.4f}")
+    assert np.mean(jac) >= (0.99 if device == "cpu" else 0.8), np.round(jac, 3)
+
+
+def test_leverage_settings_and_errors(default_model):
+    import kvpress
+    ours, theirs = kvpress_c.LeverageScorePress(), kvpress.LeverageScorePress()
+    for f in dataclasses.fields(theirs):
+        assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    with pytest.raises(ValueError, match="sketch_dimension"):
+        kvpress_c.LeverageScorePress(compression_ratio=0.5, sketch_dimension=0)
+    with pytest.raises(ValueError, match="seed"):
+        kvpress_c.LeverageScorePress(compression_ratio=0.5, seed=-1)
+    s = default_model.new_session()
+    ids = np.asarray(default_model.encode("Leverage needs a plain prefill. " * 4), dtype=np.int32)
+    s.forward(ids, logits="last")
+    s.set_press(**kvpress_c.LeverageScorePress(compression_ratio=0.5).c_config())
+    with pytest.raises(ValueError, match="prefill"):
+        s.forward(ids, logits="last")
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("kind,random_,local", [("kv_product", False, True), ("key", True, True),
+                                                ("value", False, False), ("kv_avg", True, False)])
+def test_cur_scores_match_float64_model(tiny_llama, rng, device, kind, random_, local):
+    """CURPress on a whole prefill: each layer's scores and kept rows against the reference on the float64
+    NumPy model's cached K and V (and the documented sketch of (seed, layer) with use_random_leverage)."""
+    from kvpress_scorers_reference import cur_scores, gaussian_sketch
+    ids = rng.integers(3, 256, size=int(rng.integers(100, 160)))
+    seed = int(rng.integers(0, 2 ** 32))
+    ref, layers = reference_layers(tiny_llama, ids)
+    press = kvpress_c.CURPress(compression_ratio=0.6, leverage_type=kind, use_random_leverage=random_,
+                               use_local_approximation=local, seed=seed)
+    s = kvpress_c.load_model(tiny_llama, device=device).new_session()
+    s.set_press(record_scores=True, **press.c_config())
+    s.forward(ids.astype(np.int32), logits="last")
+    jac, worst = [], 0.0
+    for l, (q, K, V, Wo) in enumerate(layers):
+        G = gaussian_sketch(seed, l, ref.d * 20).reshape(ref.d, 20) / np.float32(np.sqrt(20)) if random_ else None
+        want = cur_scores(K, V, 4, kind, None if G is None else G.astype(np.float64), 16 if local else 0)
+        ours = np.stack([s.press_scores(l, h) for h in range(ref.Hkv)]).astype(np.float64)
+        err = np.abs(ours - want)[:, 4:].max() / np.abs(want[:, 4:]).max()
+        worst = max(worst, err)
+        # measured max relative error over 2 runs x 4 settings: cpu <= 9e-7; emulated (bf16 K/V) <= 1.6e-2
+        assert err < (1e-4 if device == "cpu" else 1e-1), f"layer {l}: {err:.3g}"
+        for h in range(ref.Hkv):
+            got, top = set(s.cache_positions(l, h).tolist()), set(topk_rows(want[h], n_kept_ratio(len(ids), 0.6)).tolist())
+            jac.append(len(got & top) / len(got | top))
+    print(f"CUR {kind} random={random_} local={local} {device}: scores rel err {worst:.2e}, mean Jaccard {np.mean(jac):.4f}")
+    assert np.mean(jac) >= (0.99 if device == "cpu" else 0.8), np.round(jac, 3)
+
+
+def test_cur_settings_and_errors():
+    import kvpress
+    ours, theirs = kvpress_c.CURPress(), kvpress.CURPress()
+    for f in dataclasses.fields(theirs):
+        assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    for bad in (dict(leverage_type="keys"), dict(local_window_size=0), dict(num_sinks=-1), dict(seed=-2)):
+        with pytest.raises(ValueError):
+            kvpress_c.CURPress(compression_ratio=0.5, **bad)
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_compactor_scores_match_float64_model(tiny_llama, rng, device):
+    """CompactorPress on a whole prefill: each layer's scores and kept rows against the reference on the float64
+    NumPy model's queries, pre-RoPE and cached keys, values and the documented sketch."""
+    from np_llama import NpLlama
+    from kvpress_scorers_reference import compactor_scores, gaussian_sketch
+    ids = rng.integers(3, 256, size=int(rng.integers(100, 160)))
+    seed = int(rng.integers(0, 2 ** 32))
+    ref = NpLlama(tiny_llama)
+    layers = []
+
+    def grab(l, q, attn, o, resid, past, cache):
+        xn = ref.rmsnorm(resid, ref.W(f"model.layers.{l}.input_layernorm.weight"))
+        pre = (xn @ ref.W(f"model.layers.{l}.self_attn.k_proj.weight").T).reshape(len(ids), ref.Hkv, ref.d)
+        K = np.stack([cache[l][h]["k"] for h in range(ref.Hkv)])
+        V = np.stack([cache[l][h]["v"] for h in range(ref.Hkv)])
+        layers.append((q.copy(), pre.transpose(1, 0, 2), K, V))
+
+    ref.forward(ref.embed(ids), np.arange(len(ids)), ref.empty_cache(), hook=grab)
+    press = kvpress_c.CompactorPress(compression_ratio=0.6, chunk_size=32, sketch_dimension=16, seed=seed)
+    s = kvpress_c.load_model(tiny_llama, device=device).new_session()
+    s.set_press(record_scores=True, **press.c_config())
+    s.forward(ids.astype(np.int32), logits="last")
+    jac, worst = [], 0.0
+    for l, (q, pre, K, V) in enumerate(layers):
+        phi = gaussian_sketch(seed, l, ref.Hkv * ref.d * 16).reshape(ref.Hkv, ref.d, 16) / np.float32(np.sqrt(16))
+        want = compactor_scores(q, pre, K, V, phi, 0.6, 8, 4, 32)
+        ours = np.stack([s.press_scores(l, h) for h in range(ref.Hkv)]).astype(np.float64)
+        err = np.abs(ours - want).max() / np.abs(want).max()
+        worst = max(worst, err)
+        # measured max relative error over 3 runs: cpu <= 2.3e-6; emulated (bf16 q/K/V) <= 2.2e-2
+        assert err < (1e-4 if device == "cpu" else 1e-1), f"layer {l}: {err:.3g}"
+        for h in range(ref.Hkv):
+            got, top = set(s.cache_positions(l, h).tolist()), set(topk_rows(want[h], n_kept_ratio(len(ids), 0.6)).tolist())
+            jac.append(len(got & top) / len(got | top))
+    print(f"Compactor {device}: scores rel err {worst:.2e}, mean Jaccard {np.mean(jac):.4f}")
+    assert np.mean(jac) >= (0.99 if device == "cpu" else 0.8), np.round(jac, 3)
+
+
+def test_compactor_settings_and_errors(default_model):
+    import kvpress
+    ours, theirs = kvpress_c.CompactorPress(), kvpress.CompactorPress()
+    for f in dataclasses.fields(theirs):
+        if not f.name.startswith("_"):
+            assert getattr(ours, f.name) == getattr(theirs, f.name), f.name
+    assert kvpress_c.CompactorPress(compression_ratio=0.7).c_config()["cmp_blend"] == pytest.approx(0.7)
+    assert kvpress_c.CompactorPress(budget=10).c_config()["cmp_blend"] == pytest.approx(0.35)
+    for bad in (dict(sink_size_start=-1), dict(chunk_size=0), dict(sketch_dimension=0), dict(blending="x")):
+        with pytest.raises(ValueError):
+            kvpress_c.CompactorPress(compression_ratio=0.5, **bad)
+    s = default_model.new_session()
+    s.set_press(**kvpress_c.CompactorPress(compression_ratio=0.5).c_config())
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        s.forward(np.arange(10, 23, dtype=np.int32), logits="last")

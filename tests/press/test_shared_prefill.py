@@ -21,6 +21,9 @@ def _presses():
         kvpress_c.ExpectedAttentionPress(budget=40),
         kvpress_c.CriticalAdaKVPress(kvpress_c.ExpectedAttentionPress(budget=40, use_vnorm=False)),
         kvpress_c.NonCausalAttnPress(budget=40, chunk_size=64),
+        kvpress_c.LeverageScorePress(budget=40, sketch_dimension=16, seed=3),
+        kvpress_c.CURPress(budget=40, use_random_leverage=True, seed=3),
+        kvpress_c.CompactorPress(budget=40, chunk_size=64, seed=3),
         kvpress_c.TADAPress(kvpress_c.EDIEPress(budget=40, window_size=16)),
         kvpress_c.TAKEPress(budget=40, chunk_size=64),
     ]
@@ -82,8 +85,10 @@ def test_run_many_equals_one_press_at_a_time(default_model):
     from kvpress_c.demo import needle_prompt
     context, question, _ = needle_prompt(default_model, n_tokens=500, seed=3)
     pipe = kvpress_c.Pipeline(default_model)
-    # these two share the prefill through a full-cache copy (soft rows; probes of a one-chunk prompt)
-    full_copy = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64), kvpress_c.TAKEPress(budget=64)]
+    # these share the prefill through a full-cache copy (soft rows; probes of a one-chunk prompt)
+    # (KVzip always scores the full cache after the prefill)
+    full_copy = lambda: [kvpress_c.JudgeQPress.default_for(default_model, budget=64), kvpress_c.TAKEPress(budget=64),
+                         kvpress_c.KVzipPress(compression_ratio=0.7)]
     for aware in (False, True):
         presses = _presses() + full_copy()
         many = pipe.run_many(context, question, presses=presses, max_new_tokens=8, query_aware=aware)

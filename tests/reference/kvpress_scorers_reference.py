@@ -130,3 +130,116 @@ def non_causal_attn_scores(q, K, V, chunk=256):
     p = np.pad(s, ((0, 0), (1, 1)))
     s = (p[:, :-2] + p[:, 1:-1] + p[:, 2:]) / 3
     return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
+
+
+def kvzip_scores(q, K, V, n_ctx, start, end, n_sink=4, h=None, Wo=None):
+    """KVzip's scores of the context rows [start, end) from the reconstruction queries q [m, H, d] (after
+    RoPE) of the m rows appended after the n_ctx context rows; K, V [Hkv, n_ctx + m, d]. Each query's
+    softmax runs over the min(n_sink, start) sinks, the chunk and the reconstruction rows up to itself;
+    a row's score is its largest weight over the queries and the query heads of its group [Hkv, end - start].
+    KVzip+ (h [m, D] the normed hidden states, Wo [D, H d]): each weight divided by ||h_i|| and multiplied
+    by ||v W_o[:, head]||_2 of its query head."""
+    m, H, d = q.shape
+    Hkv, g = K.shape[0], H // K.shape[0]
+    sink = min(n_sink, start)
+    cols = np.r_[np.arange(sink), np.arange(start, end), n_ctx + np.arange(m)]
+    out = np.zeros((Hkv, end - start))
+    for hq in range(H):
+        kh = hq // g
+        s = q[:, hq] @ K[kh, cols].T / np.sqrt(d)
+        causal = np.arange(len(cols))[None, :] < (sink + end - start + np.arange(m) + 1)[:, None]
+        s = np.where(causal, s, -np.inf)
+        a = np.exp(s - s.max(axis=1, keepdims=True))
+        a = (a / a.sum(axis=1, keepdims=True))[:, sink:sink + end - start]
+        if h is not None:
+            wov = np.linalg.norm(V[kh, start:end] @ Wo[:, hq * d:(hq + 1) * d].T, axis=-1)
+            a = a / np.linalg.norm(h, axis=-1)[:, None] * wov[None, :]
+        out[kh] = np.maximum(out[kh], a.max(axis=0))
+    return out
+
+
+def kvzip_kept(scores, ratio, n_sink=4, layerwise=False):
+    """KVzip's eviction of scores [L, Hkv, n]: the int(numel ratio) lowest over everything (layerwise: of
+    each layer) go, the first n_sink rows of every head ranked above all; kept[l][h] sorted rows."""
+    s = scores.copy()
+    s[..., :n_sink] = s.max() + 1
+    L, Hkv, n = s.shape
+    pruned = np.zeros(s.shape, dtype=bool)
+    for part in (range(L) if layerwise else [None]):
+        flat = (s[part] if layerwise else s).ravel()
+        idx = np.argsort(flat, kind="stable")[:int(flat.size * ratio)]
+        (pruned[part] if layerwise else pruned).ravel()[idx] = True
+    return [[np.flatnonzero(~pruned[l, h]) for h in range(Hkv)] for l in range(L)]
+
+
+def gaussian_sketch(seed, layer, count):
+    """LeverageScore's sketch of a layer (docs/METHODS.md): splitmix64 from seed + (layer + 1) 0x9E37..15,
+    Box-Muller pairs; float32 [count]."""
+    M = (1 << 64) - 1
+    s = (seed + (layer + 1) * 0x9E3779B97F4A7C15) & M
+
+    def nxt():
+        nonlocal s
+        s = (s + 0x9E3779B97F4A7C15) & M
+        z = s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+        return z ^ (z >> 31)
+
+    out = np.empty(count, dtype=np.float32)
+    for i in range(0, count, 2):
+        u1 = ((nxt() >> 11) + 1) * 2.0 ** -53
+        u2 = (nxt() >> 11) * 2.0 ** -53
+        r = np.sqrt(-2.0 * np.log(u1))
+        out[i] = r * np.cos(2 * np.pi * u2)
+        if i + 1 < count:
+            out[i + 1] = r * np.sin(2 * np.pi * u2)
+    return out
+
+
+def leverage_scores(K_pre, phi):
+    """LeverageScore: K_pre [Hkv, n, d] pre-RoPE keys, phi [Hkv, d, k] the sketch (already / sqrt(k)):
+    X = (K - mean) phi; score = X_r (X^T X + j I)^-1 X_r^T >= 0 (j = 1e-2, x10 until positive definite);
+    z-scored over every head and row (unbiased std, at least 1e-6). [Hkv, n]"""
+    out = []
+    for h in range(K_pre.shape[0]):
+        X = (K_pre[h] - K_pre[h].mean(axis=0)) @ phi[h].astype(np.float64)
+        G = X.T @ X
+        for t in range(5):
+            A = G + 1e-2 * 10 ** t * np.eye(G.shape[0])
+            if np.all(np.linalg.eigvalsh(A) > 0):
+                break
+        out.append(np.maximum((X * np.linalg.solve(A, X.T).T).sum(-1), 0))
+    s = np.stack(out)
+    return (s - s.mean()) / max(s.std(ddof=1), 1e-6)
+
+
+def cur_scores(K, V, n_sink=4, kind="kv_product", G=None, window=16):
+    """CurDKV (kvpress's CURPress) on K, V [Hkv, n, d] (post-RoPE keys as cached): squared row norms (of K G
+    and V G with a sketch G [d, r]); with a window, each divided by its block's sum (blocks of `window` rows
+    from row 0); combined per kind, normalised over the rows; the first n_sink rows score 1. [Hkv, n]"""
+    if G is not None:
+        K, V = K @ G, V @ G
+    k2, v2 = (K ** 2).sum(-1), (V ** 2).sum(-1)
+    if window:
+        n = k2.shape[1]
+        for x in (k2, v2):
+            for b in range(0, n, window):
+                x[:, b:b + window] /= x[:, b:b + window].sum(axis=1, keepdims=True)
+    s = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2, "kv_product": k2 * v2}[kind]
+    s = s / s.sum(axis=1, keepdims=True)
+    s[:, :n_sink] = 1.0
+    return s
+
+
+def compactor_scores(q, K_pre, K, V, phi, blending, start=8, end=4, chunk=256):
+    """Compactor: between the first `start` and last `end` rows, blending x leverage_scores(K_pre, phi) +
+    non_causal_attn_scores, both over those rows only; the sink rows get the maximum. q [n, H, d], K_pre, K, V
+    [Hkv, n, d]. [Hkv, n]"""
+    n = K.shape[1]
+    a = min(start, n)
+    b = n - min(end, max(0, n - a))
+    mid = blending * leverage_scores(K_pre[:, a:b], phi) + non_causal_attn_scores(q[a:b], K[:, a:b], V[:, a:b], chunk)
+    out = np.full((K.shape[0], n), mid.max())
+    out[:, a:b] = mid
+    return out

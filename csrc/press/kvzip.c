@@ -1,0 +1,245 @@
+/* KVzip (arXiv 2505.23416; docs/METHODS.md "KVzip"): query-agnostic scores from context reconstruction.
+ *
+ * After the context's full prefill, a "repeat the context" prompt followed by a chunk of the context
+ * runs through the model on the full cache, as TAKE's probes do (take.c): a layer hook scores the layer
+ * right after its attention, then drops the prompt's rows, and the position goes back. A context row's
+ * score is the most attention any reconstruction query of its KV head's group gives it, the softmax
+ * taken over the sinks, the chunk and the causal reconstruction rows only (kvpress's KVzipPress).
+ * KVzip+ divides each query's row by ||h|| (the normed hidden state) and multiplies each column by
+ * ||v W_o|| of that query head. The eviction (kvc_kvzip_evict) then removes the lowest scores over
+ * every layer and head at once (or per layer), the sinks kept. */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/hostmath.h"
+#include "press.h"
+
+#define KVZIP_TILE 64 /* reconstruction queries per GEMM */
+
+typedef struct kvzip_state {
+    int64_t start, end, n_ctx;
+    int32_t n_sink, plus;
+    float *out; /* [L, Hkv, end - start] */
+} kvzip_state;
+
+/* ||v W_o^T[hq]||_2 of the chunk rows [start, end) of every query head: wov[hq][j - start] */
+static kvc_status chunk_wov_norms(const kvc_layer_rows *lr, float *const *v, int64_t start, int64_t end,
+                                  double *wov) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, g = H / c->n_kv_heads, d = c->head_dim;
+    const int64_t D = c->hidden, m = end - start;
+    if (!lr->wo.buf) return kvc_fail(KVC_ERR_ARG, "KVzip+ needs the model's output projection");
+    float *wt = malloc(sizeof(float) * (size_t)H * d * (size_t)D);
+    double *acc = malloc(sizeof(double) * (size_t)D);
+    kvc_status st = wt && acc ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip+ |v W_o|");
+    if (st == KVC_OK) st = kvc_wo_transposed(lr, wt);
+    for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
+        const float *B = wt + (int64_t)hq * d * D; /* [d, D] */
+        for (int64_t r = 0; r < m; r++) {
+            const float *row = v[hq / g] + (start + r) * d;
+            memset(acc, 0, sizeof(double) * (size_t)D);
+            for (int32_t i = 0; i < d; i++)
+                for (int64_t j = 0; j < D; j++) acc[j] += (double)row[i] * B[i * D + j];
+            double s = 0;
+            for (int64_t j = 0; j < D; j++) s += acc[j] * acc[j];
+            wov[hq * m + r] = sqrt(s);
+        }
+    }
+    free(wt);
+    free(acc);
+    return st;
+}
+
+static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
+    kvzip_state *t = user;
+    const kvc_config *c = &s->model->cfg;
+    const int32_t l = ctx->layer, H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
+    const int64_t q = ctx->n, qd = (int64_t)H * d, D = c->hidden, n_ctx = t->n_ctx;
+    const int64_t sink = t->n_sink < t->start ? t->n_sink : t->start, m = t->end - t->start;
+    const int64_t ncol = sink + m + q;
+    const double scale = 1.0 / sqrt((double)d);
+    const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo};
+    const int64_t *len = s->cache.layers[l].len;
+
+    float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
+    float *qh = malloc(sizeof(float) * (size_t)(q * qd));
+    double *hinv = malloc(sizeof(double) * (size_t)q);
+    double *wov = t->plus ? malloc(sizeof(double) * (size_t)(H * m)) : NULL;
+    float *resid = t->plus ? malloc(sizeof(float) * (size_t)(q * D)) : NULL, *w = t->plus ? malloc(sizeof(float) * (size_t)D) : NULL;
+    int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
+    kvc_status st = qh && hinv && (!t->plus || (wov && resid && w)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    if (st == KVC_OK) st = kvc_press_layer_rows(&lr, len, t->plus, k, v, &block);
+    if (st == KVC_OK) st = s->be->download(ctx->q, q, qd, qh, KVC_F32);
+    for (int64_t i = 0; i < q; i++) hinv[i] = 1.0;
+    if (st == KVC_OK && t->plus) { /* 1 / ||RMSNorm(x) w|| per query, |v W_o| per chunk row and query head */
+        st = s->be->download(ctx->resid, q, D, resid, KVC_F32);
+        if (st == KVC_OK) st = s->be->download(s->model->layers[l].attn_norm, 1, D, w, KVC_F32);
+        for (int64_t i = 0; i < q && st == KVC_OK; i++) {
+            double ms = 0, nn = 0;
+            for (int64_t j = 0; j < D; j++) ms += (double)resid[i * D + j] * resid[i * D + j];
+            const double r = 1.0 / sqrt(ms / (double)D + c->rms_eps);
+            for (int64_t j = 0; j < D; j++) {
+                const double x = resid[i * D + j] * r * w[j];
+                nn += x * x;
+            }
+            hinv[i] = 1.0 / sqrt(nn);
+        }
+        if (st == KVC_OK) st = chunk_wov_norms(&lr, v, t->start, t->end, wov);
+    }
+    float *out = t->out + (size_t)l * Hkv * m;
+    for (int64_t r = 0; r < (int64_t)Hkv * m; r++) out[r] = 0.0f;
+    /* each KV head's scored columns gathered: the sinks, the chunk, the reconstruction rows [ncol, d] */
+    float *kc = st == KVC_OK ? malloc(sizeof(float) * (size_t)Hkv * (size_t)ncol * d) : NULL;
+    if (st == KVC_OK && !kc) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        for (int64_t j = 0; j < ncol; j++) {
+            const int64_t row = j < sink ? j : j < sink + m ? t->start + j - sink : n_ctx + j - sink - m;
+            memcpy(kc + ((size_t)h * ncol + j) * d, k[h] + row * d, sizeof(float) * (size_t)d);
+        }
+    int failed = 0;
+    if (st == KVC_OK) {
+        /* query heads in parallel, queries in tiles (one GEMM + softmax rows each, causal over the
+         * reconstruction rows); each head keeps its own maxima and merges them into its KV head's */
+#pragma omp parallel
+        {
+            float *qt = malloc(sizeof(float) * KVZIP_TILE * (size_t)d);
+            float *pr = malloc(sizeof(float) * KVZIP_TILE * (size_t)ncol);
+            float *best = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+            int64_t vis[KVZIP_TILE];
+            const int ok = qt && pr && best;
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(dynamic)
+            for (int32_t hq = 0; hq < H; hq++) {
+                if (!ok) continue;
+                const int32_t h = hq / g;
+                for (int64_t r = 0; r < m; r++) best[r] = 0.0f;
+                for (int64_t i0 = 0; i0 < q; i0 += KVZIP_TILE) {
+                    const int64_t tq = q - i0 < KVZIP_TILE ? q - i0 : KVZIP_TILE, cols = sink + m + i0 + tq;
+                    for (int64_t i = 0; i < tq; i++) {
+                        memcpy(qt + i * d, qh + (i0 + i) * qd + (int64_t)hq * d, sizeof(float) * (size_t)d);
+                        vis[i] = sink + m + i0 + i + 1;
+                    }
+                    kvc_host_probs_rows(qt, tq, kc + (size_t)h * ncol * d, cols, d, (float)scale, vis, pr);
+                    for (int64_t i = 0; i < tq; i++)
+                        for (int64_t r = 0; r < m; r++) {
+                            double a = (double)pr[i * cols + sink + r] * hinv[i0 + i];
+                            if (t->plus) a *= wov[hq * m + r];
+                            if ((float)a > best[r]) best[r] = (float)a;
+                        }
+                }
+#pragma omp critical(kvzip_merge)
+                for (int64_t r = 0; r < m; r++)
+                    if (best[r] > out[h * m + r]) out[h * m + r] = best[r];
+            }
+            free(qt);
+            free(pr);
+            free(best);
+        }
+        if (failed) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    }
+    free(kc);
+    /* the reconstruction rows go: the layer holds the context again */
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(n_ctx > 0 ? n_ctx : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+        for (int64_t r = 0; st == KVC_OK && r < n_ctx; r++) keep[h][r] = r;
+        n_keep[h] = n_ctx;
+    }
+    if (st == KVC_OK) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+    for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
+    kvc_free(block);
+    free(qh);
+    free(hinv);
+    free(wov);
+    free(resid);
+    free(w);
+    return st;
+}
+
+/* Whether every layer and head holds exactly the session's s->pos rows (the full cache of the context). */
+static int holds_full_cache(const kvc_session *s) {
+    const kvc_config *c = &s->model->cfg;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        for (int32_t h = 0; h < c->n_kv_heads; h++)
+            if (kvc_session_cache_len(s, l, h) != s->pos) return 0;
+    return 1;
+}
+
+kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                           int32_t n_sink, int32_t plus, float *scores) {
+    const kvc_config *c = &s->model->cfg;
+    const int64_t n_ctx = s->pos;
+    if (!ids || !scores) return kvc_fail(KVC_ERR_ARG, "kvzip_score: null argument");
+    if (n_ctx < 1 || !holds_full_cache(s))
+        return kvc_fail(KVC_ERR_ARG, "kvzip_score: the session must hold the full cache of the context (prefill it "
+                        "without a press first)");
+    if (q_len < 2) return kvc_fail(KVC_ERR_ARG, "kvzip_score: the reconstruction prompt needs at least 2 tokens");
+    if (start < 0 || end <= start || end > n_ctx)
+        return kvc_fail(KVC_ERR_ARG, "kvzip_score: chunk [%lld, %lld) outside the %lld context rows", (long long)start,
+                        (long long)end, (long long)n_ctx);
+    if (n_sink < 0) return kvc_fail(KVC_ERR_ARG, "n_sink must be >= 0, got %d", n_sink);
+    for (int64_t i = 0; i < q_len; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab) return kvc_fail(KVC_ERR_ARG, "token %d outside the vocabulary", ids[i]);
+    kvzip_state t = {start, end, n_ctx, n_sink, plus != 0, scores};
+    kvc_layer_hook saved_hook = s->hook;
+    void *saved_user = s->hook_user;
+    s->hook = kvzip_hook;
+    s->hook_user = &t;
+    kvc_status st = kvc_forward_ex(s, ids, q_len, NULL, 0, KVC_ROW_NONE, NULL);
+    s->hook = saved_hook;
+    s->hook_user = saved_user;
+    if (st == KVC_OK) s->pos = n_ctx;
+    else s->needs_reset = 1;
+    return st;
+}
+
+typedef struct { float s; int64_t i; } scored_row;
+
+static int by_score(const void *a, const void *b) {
+    const scored_row *x = a, *y = b;
+    if (x->s != y->s) return x->s < y->s ? -1 : 1;
+    return x->i < y->i ? -1 : x->i > y->i;
+}
+
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, int32_t layerwise, int32_t n_sink) {
+    const kvc_config *c = &s->model->cfg;
+    const int32_t L = c->n_layers, Hkv = c->n_kv_heads;
+    const int64_t n = s->pos, per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
+    if (!scores) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null scores");
+    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
+    if (n < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
+    scored_row *rows = malloc(sizeof(scored_row) * (size_t)total);
+    char *pruned = calloc((size_t)total, 1);
+    kvc_status st = rows && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+    float mx = -FLT_MAX;
+    for (int64_t r = 0; st == KVC_OK && r < total; r++) mx = scores[r] > mx ? scores[r] : mx;
+    for (int64_t r = 0; st == KVC_OK && r < total; r++) /* the sinks rank above everything (kvpress: max + 1) */
+        rows[r] = (scored_row){r % n < n_sink ? mx + 1.0f : scores[r], r};
+    /* kvpress: int(numel * ratio) lowest over all layers, or int(Hkv n ratio) per layer */
+    for (int32_t part = 0; st == KVC_OK && part < (layerwise ? L : 1); part++) {
+        scored_row *p = rows + (layerwise ? part * per_layer : 0);
+        const int64_t m = layerwise ? per_layer : total, k = (int64_t)((double)m * ratio);
+        qsort(p, (size_t)m, sizeof *p, by_score);
+        for (int64_t r = 0; r < k; r++) pruned[p[r].i] = 1;
+    }
+    int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)n))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+    for (int32_t l = 0; l < L && st == KVC_OK; l++) {
+        for (int32_t h = 0; h < Hkv; h++) {
+            n_keep[h] = 0;
+            for (int64_t r = 0; r < n; r++)
+                if (!pruned[(int64_t)l * per_layer + (int64_t)h * n + r]) keep[h][n_keep[h]++] = r;
+        }
+        st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+    }
+    if (st != KVC_OK) s->needs_reset = 1;
+    for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
+    free(rows);
+    free(pruned);
+    return st;
+}
