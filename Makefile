@@ -23,13 +23,19 @@ $(VENV)/.test-ray: $(VENV)/.test
 	$(PIP) install -q "ray>=2.40" nbclient nbformat ipykernel
 	touch $@
 
+# llama.cpp (llama-cpp-python, built from source: several minutes on 2 cores, once) for the native-weight
+# logits test and the CPU benchmark's peer
+$(VENV)/.test-llamacpp: $(VENV)/.test-ray
+	$(PIP) install -q llama-cpp-python==0.3.36
+	touch $@
+
 # Compile the C core and the extension in place (fast to iterate; `pip install .` also works).
 build: $(VENV)/.base
 	$(PY) setup.py -q build_ext --inplace
 
 install: build
 
-install-test: $(VENV)/.test-ray build
+install-test: $(VENV)/.test-llamacpp build
 
 demo: install
 	$(PY) -m kvpress_c demo
