@@ -99,6 +99,9 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress", "default_model_path", "core_library_path", "set_num_threads",
+           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "ComposedPress",
+           "PerLayerCompressionPress", "BlockPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
+           "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",
            "DEVICES", "device_available", "device_info", "memory_stats", "cuda_available", "cuda_info",
            "cuda_memory_stats", "__version__"]

@@ -298,6 +298,19 @@ static int plain_prefill(const kvc_layer_ctx *ctx, const int64_t *len, int32_t H
     return 1;
 }
 
+/* scores[h][r0 + r] = the z-score of acc[h n + r] over every head and row (torch's unbiased std, at least
+ * 1e-6): NonCausalAttn's and LeverageScore's last step */
+static void zscore(const double *acc, int32_t Hkv, int64_t n, int64_t r0, float *const *scores) {
+    const double cnt = (double)Hkv * (double)n;
+    double mean = 0, ss = 0;
+    for (int64_t i = 0; i < (int64_t)Hkv * n; i++) mean += acc[i];
+    mean /= cnt;
+    for (int64_t i = 0; i < (int64_t)Hkv * n; i++) ss += (acc[i] - mean) * (acc[i] - mean);
+    const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
+    for (int32_t h = 0; h < Hkv; h++)
+        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+}
+
 /* NonCausalAttn's z-scores of the prefill's rows [r0, r0 + n) alone (Compactor scores a middle slice),
  * written to scores[h][r0 + r]. */
 static kvc_status noncausal_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
@@ -339,7 +352,6 @@ static kvc_status noncausal_range(const kvc_layer_rows *lr, const kvc_layer_ctx 
             }
         }
     }
-    double mean = 0, ss = 0;
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         double *a = acc + (size_t)h * n;
         for (int64_t r = 0; r < n; r++) {
@@ -352,15 +364,9 @@ static kvc_status noncausal_range(const kvc_layer_rows *lr, const kvc_layer_ctx 
             const double cur = a[r], next = r + 1 < n ? a[r + 1] : 0.0;
             a[r] = (prev + cur + next) / 3.0;
             prev = cur;
-            mean += a[r];
         }
     }
-    const double cnt = (double)Hkv * (double)n;
-    mean /= cnt;
-    for (int64_t i = 0; i < (int64_t)Hkv * n && st == KVC_OK; i++) ss += (acc[i] - mean) * (acc[i] - mean);
-    const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+    if (st == KVC_OK) zscore(acc, Hkv, n, r0, scores);
     kvc_free(block);
     free(qt);
     free(qh);
@@ -510,14 +516,7 @@ static kvc_status leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *
         }
         st = leverage_head(x, n, d, phi, kk, acc + (size_t)h * n);
     }
-    /* z-score over every head and row (torch's unbiased std, at least 1e-6) */
-    double mean = 0, ss = 0;
-    const double cnt = (double)Hkv * n;
-    for (int64_t i = 0; st == KVC_OK && i < (int64_t)Hkv * n; i++) mean += acc[i] / cnt;
-    for (int64_t i = 0; st == KVC_OK && i < (int64_t)Hkv * n; i++) ss += (acc[i] - mean) * (acc[i] - mean);
-    const double sd = fmax(cnt > 1 ? sqrt(ss / (cnt - 1)) : 0.0, 1e-6);
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        for (int64_t r = 0; r < n; r++) scores[h][r0 + r] = (float)((acc[(size_t)h * n + r] - mean) / sd);
+    if (st == KVC_OK) zscore(acc, Hkv, n, r0, scores);
     kvc_free(block);
     free(hf);
     free(phi);

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ALLOCATIONS, SAFEGUARDS, BasePress, ScorerPress, c_check, check_number
+from .base import ALLOCATIONS, SAFEGUARDS, ScorerPress, c_check, check_number, WrapperPress
 
 
 @dataclass
-class AdaKVPress(BasePress):
+class AdaKVPress(WrapperPress):
     """Ada-KV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
     Allocation"): head-wise budgets from one layer-wide top-k over the inner press's scores. Heads
     end with different lengths; the cache is ragged, so memory is really freed.
@@ -27,14 +27,6 @@ class AdaKVPress(BasePress):
         if self.safeguard not in SAFEGUARDS:
             raise ValueError(f"safeguard must be 'protect' (kvpress) or 'floor' (Ada-KV code), got {self.safeguard!r}")
         c_check(self.c_config())
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @property
-    def budget(self):
-        return self.press.budget
 
     def c_config(self) -> dict:
         cfg = self.press.c_config()

@@ -98,6 +98,18 @@ class BasePress:
         return cfg.get("budget", 0) == 0 and cfg.get("compression_ratio", 0.0) == 0
 
 
+class WrapperPress(BasePress):
+    """A press around another (`self.press`) whose compression ratio and budget are the inner press's."""
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    @property
+    def budget(self):
+        return self.press.budget
+
+
 @dataclass
 class ScorerPress(BasePress):
     """A press that scores every cached token and keeps the top ones per KV head.

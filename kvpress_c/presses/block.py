@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import BasePress, ScorerPress, c_check, check_int
+from .base import ScorerPress, c_check, check_int, WrapperPress
 
 
 @dataclass
-class BlockPress(BasePress):
+class BlockPress(WrapperPress):
     """kvpress BlockPress (block-wise prompt processing of the KeyDiff paper, Park et al., 2025, "KeyDiff:
     Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in Resource-Constrained
     Environments"), simulated after the forward as in kvpress: each head starts from its first n_kept
@@ -23,14 +23,6 @@ class BlockPress(BasePress):
                              f"RandomPress, not {type(self.press).__name__}")
         check_int("block_size", self.block_size, minimum=1)
         c_check(self.c_config())
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @property
-    def budget(self):
-        return self.press.budget
 
     def c_config(self) -> dict:
         return self.press.c_config()

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import BasePress, ScorerPress, c_check, check_int
+from .base import ScorerPress, c_check, check_int, WrapperPress
 
 
 @dataclass
-class ChunkKVPress(BasePress):
+class ChunkKVPress(WrapperPress):
     """ChunkKV (Liu et al., 2025, "ChunkKV: Semantic-Preserving KV Cache Compression for Efficient
     Long-Context LLM Inference"): the inner press's scores summed over the layer's KV heads, averaged
     per chunk of `chunk_length` tokens; whole chunks are kept (one selection shared by the heads).
@@ -30,14 +30,6 @@ class ChunkKVPress(BasePress):
         check_int("chunk_length", self.chunk_length, minimum=1)  # 0 would mean "no chunks" in C
         check_int("reuse_layers", self.reuse_layers, minimum=1)
         c_check(self.c_config())
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @property
-    def budget(self):
-        return self.press.budget
 
     def c_config(self) -> dict:
         cfg = self.press.c_config()

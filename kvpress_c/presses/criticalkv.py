@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ALLOCATIONS, BasePress, ScorerPress, c_check, check_number
+from .base import ALLOCATIONS, ScorerPress, c_check, check_number, WrapperPress
 
 
 @dataclass
-class CriticalKVPress(BasePress):
+class CriticalKVPress(WrapperPress):
     """CriticalKV (Feng et al., 2025, "Identify Critical KV Cache in LLM Inference from an Output
     Perturbation Perspective"): a two-stage selection over the wrapped press's scores. Each head first
     keeps its top `first_stage_ratio` share of the budget by those scores, then the rest by
@@ -26,14 +26,6 @@ class CriticalKVPress(BasePress):
         check_number("epsilon", self.epsilon)
         check_number("first_stage_ratio", self.first_stage_ratio)
         c_check(self.c_config())
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @property
-    def budget(self):
-        return self.press.budget
 
     def c_config(self) -> dict:
         cfg = self.press.c_config()

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import BasePress, ScorerPress, c_check
+from .base import ScorerPress, c_check, WrapperPress
 
 
 @dataclass
-class KeyRerotationPress(BasePress):
+class KeyRerotationPress(WrapperPress):
     """kvpress KeyRerotationPress (as in Hugging Face's SinkCache and FINCH, Corallo and Papotti, 2024):
     `press` chooses the kept tokens; their keys are then re-rotated to positions 0 .. n_kept - 1, so the
     compressed cache has no gaps in RoPE space. New tokens keep their original positions (as in kvpress).
@@ -17,14 +17,6 @@ class KeyRerotationPress(BasePress):
         if not isinstance(self.press, ScorerPress):
             raise ValueError("KeyRerotationPress wraps a scorer press, e.g. KeyRerotationPress(KnormPress(compression_ratio=0.5))")
         c_check(self.c_config())
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @property
-    def budget(self):
-        return self.press.budget
 
     def c_config(self) -> dict:
         return self.press.c_config()

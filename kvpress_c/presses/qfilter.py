@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import ScorerPress, c_check
+from .base import ScorerPress
 
 QFILTERS_URL = "https://huggingface.co/collections/nthngdy/q-filters-67a4994dcb302a3d37f3d119"
 

@@ -5,12 +5,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _core
-from .base import ALLOCATIONS, BasePress, ScorerPress, c_check, kept_per_head
+from .base import ALLOCATIONS, ScorerPress, c_check, kept_per_head, WrapperPress
 from .edie import EDIEPress
 
 
 @dataclass
-class TADAPress(BasePress):
+class TADAPress(WrapperPress):
     """TADA (task-aware layer budgets; EDIE-TADA-error-driven-eviction.txt): per layer,
     E_layer = (1 - cos(R, R + O)) * E_internal, with E_internal the inner scorer's scores summed over
     heads and past tokens (EDIE's error bound when the inner press is EDIEPress). Running means over
@@ -27,14 +27,6 @@ class TADAPress(BasePress):
         if not isinstance(self.press, ScorerPress):
             raise ValueError("TADAPress wraps a scorer press, e.g. TADAPress(EDIEPress(budget=128))")
         c_check(self.c_config())
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
-
-    @property
-    def budget(self):
-        return self.press.budget
 
     def reset(self) -> None:
         """Forget the error statistics (the next context is allocated uniformly)."""

@@ -835,8 +835,8 @@ def test_head_rmsnorm(rng, device, n, heads, d):
 
 
 def test_attention_window_starts(rng, device):
-    n, H, Hkv, d = 70, 8, 2, 64
-    past = np.array([90, 3], np.int64)
+    n, H, d = 70, 8, 64
+    past = np.array([90, 3], np.int64)  # 2 KV heads
     start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
     q = bf16(rng.standard_normal((n, H, d)))
     ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]

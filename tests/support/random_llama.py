@@ -136,7 +136,7 @@ def write_llama31_gguf(path: str, type_name: str = "Q4_0", shapes: dict = LLAMA3
     writer streams: the file is never in memory) so that llama.cpp loads it too (an SPM-style vocabulary
     of byte tokens and placeholders). Like write_llama31_bf16, matrices are rolled tiles of one pool of
     random blocks (2^20 blocks; weights of std ~0.02); norms are 1."""
-    from gguf_writer import GGML, GGUFFile, Lazy, random_blocks, U32, F32, STRING, ARRAY, I32
+    from gguf_writer import GGML, GGUFFile, Lazy, random_blocks, F32, STRING, I32
     s = shapes
     D, F, hd, V, L = s["hidden"], s["ffn"], s["head_dim"], s["vocab"], s["layers"]
     H, Hkv = s["heads"], s["kv_heads"]
