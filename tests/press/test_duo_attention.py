@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kvpress_c
+from press_runs import prefill_and_greedy  # noqa: E402
 
 SINK, RECENT = 4, 24
 
@@ -32,17 +33,7 @@ def tiny(tmp_path_factory):
 
 
 def kept_ours(model, press, ids, n_new=8):
-    s = model.new_session()
-    s.set_press(**press.c_config())
-    press.before_prefill(s, len(ids), model.config)
-    logits = s.forward(np.asarray(ids, np.int32), logits="last")
-    s.set_press(None)
-    kept = [[set(s.cache_positions(l, h).tolist()) for h in range(model.config["n_kv_heads"])]
-            for l in range(model.config["n_layers"])]
-    out = []
-    for _ in range(n_new):
-        out.append(int(np.argmax(logits)))
-        logits = s.forward(np.array([out[-1]], np.int32))
+    kept, out, _, s = prefill_and_greedy(model, press, ids, n_new)
     return kept, out, s
 
 

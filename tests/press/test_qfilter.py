@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
 from test_wrapper_parity import full_cache_keys, match_rows  # noqa: E402
+from press_runs import prefill_and_greedy  # noqa: E402
 
 
 def write_filters(path, shape, rng):
@@ -22,19 +23,7 @@ def write_filters(path, shape, rng):
     return f
 
 
-def ours(model, press, ids, n_new=8):
-    s = model.new_session()
-    s.set_press(**press.c_config())
-    press.before_prefill(s, len(ids), model.config)
-    logits = [s.forward(np.asarray(ids, np.int32), logits="last")]
-    s.set_press(None)
-    kept = [[set(s.cache_positions(l, h).tolist()) for h in range(model.config["n_kv_heads"])]
-            for l in range(model.config["n_layers"])]
-    out = []
-    for _ in range(n_new):
-        out.append(int(np.argmax(logits[-1])))
-        logits.append(s.forward(np.array([out[-1]], np.int32)))
-    return kept, out, logits, s
+ours = prefill_and_greedy
 
 
 @pytest.fixture(scope="module")

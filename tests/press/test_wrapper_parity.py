@@ -17,6 +17,7 @@ kvpress = pytest.importorskip("kvpress")
 
 import kvpress_c  # noqa: E402
 from test_kvpress_parity import full_cache_keys, match_rows  # noqa: E402
+from press_runs import prefill_and_greedy  # noqa: E402
 
 N_NEW = 10
 
@@ -55,18 +56,7 @@ def run_kvpress(hf, press, ids, full_keys):
 
 
 def run_ours(model, press, ids):
-    s = model.new_session()
-    s.set_press(**press.c_config())
-    press.before_prefill(s, len(ids), model.config)
-    logits = s.forward(np.asarray(ids, np.int32), logits="last")
-    s.set_press(None)
-    kept = [[set(s.cache_positions(l, h).tolist()) for h in range(model.config["n_kv_heads"])]
-            for l in range(model.config["n_layers"])]
-    out = []
-    for _ in range(N_NEW):
-        out.append(int(np.argmax(logits)))
-        logits = s.forward(np.array([out[-1]], np.int32))
-    return kept, out
+    return prefill_and_greedy(model, press, ids, N_NEW)[:2]
 
 
 def parity(hf, model, ids, keys, kind, ratio, window):
