@@ -513,10 +513,12 @@ def test_session_press_kept_rows_match_cpu(cpu_model, dev_model, rng, name):
         # ChunkKV layer reused its group's rows and scored nothing, on both)
         assert len(sg.press_scores(l, 0)) == len(sc.press_scores(l, 0))
         assert np.isfinite(sg.press_error(l)) == np.isfinite(sc.press_error(l))
-        # the leverage scorers solve with X^T X (cond up to ~1e6 on random weights): bf16 keys move their ranking
-        # more than others', so their eviction loss is compared where the layer kept the same rows
+        # the leverage scorers solve with X^T X (cond up to ~1e6 on random weights), and NonCausalAttn z-scores a
+        # whole layer's heads together: bf16 keys move their ranking more than others' (a clean-clone CI run saw
+        # NonCausalAttn's hd64 layer-0 loss at 13.56 vs 11.29 with other rows kept), so their eviction loss is
+        # compared where the layer kept the same rows
         same = all(js[-1 - h] == 1.0 for h in range(cpu.config["n_kv_heads"]))
-        if np.isfinite(sc.press_error(l)) and (name not in ("leverage", "compactor") or same):
+        if np.isfinite(sc.press_error(l)) and (name not in ("leverage", "compactor", "non_causal_attn") or same):
             assert abs(sg.press_error(l) - sc.press_error(l)) < 0.2 * sc.press_error(l) + 1e-3
     if name == "streaming":
         assert min(js) == 1.0
