@@ -513,12 +513,12 @@ def test_session_press_kept_rows_match_cpu(cpu_model, dev_model, rng, name):
         # ChunkKV layer reused its group's rows and scored nothing, on both)
         assert len(sg.press_scores(l, 0)) == len(sc.press_scores(l, 0))
         assert np.isfinite(sg.press_error(l)) == np.isfinite(sc.press_error(l))
-        # the leverage scorers solve with X^T X (cond up to ~1e6 on random weights), and NonCausalAttn z-scores a
-        # whole layer's heads together: bf16 keys move their ranking more than others' (a clean-clone CI run saw
-        # NonCausalAttn's hd64 layer-0 loss at 13.56 vs 11.29 with other rows kept), so their eviction loss is
-        # compared where the layer kept the same rows
+        # the eviction loss is a function of the rows kept: compared where the layer kept the same rows on both
+        # devices. bf16 keys may flip near-ties of the ranking (the Jaccard above holds them to it), and a flipped
+        # row moves the loss by more than rounding: seen on hd64, NonCausalAttn 13.56 vs 11.29 and
+        # ObservedAttention 15.97 vs 12.99 at layer 0 with other rows kept
         same = all(js[-1 - h] == 1.0 for h in range(cpu.config["n_kv_heads"]))
-        if np.isfinite(sc.press_error(l)) and (name not in ("leverage", "compactor", "non_causal_attn") or same):
+        if np.isfinite(sc.press_error(l)) and same:
             assert abs(sg.press_error(l) - sc.press_error(l)) < 0.2 * sc.press_error(l) + 1e-3
     if name == "streaming":
         assert min(js) == 1.0
