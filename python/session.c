@@ -314,10 +314,10 @@ static PyObject *Session_set_block_size(SessionObject *self, PyObject *arg) {
 
 static PyObject *Session_set_key_channels(SessionObject *self, PyObject *args) {
     double ratio;
-    int window;
-    if (!PyArg_ParseTuple(args, "di", &ratio, &window)) return NULL;
+    int window, free_channels = 1;
+    if (!PyArg_ParseTuple(args, "di|p", &ratio, &window, &free_channels)) return NULL;
     if (kvc_py_check_session(self) < 0) return NULL;
-    kvc_status st = kvc_session_set_key_channels(self->session, ratio, window);
+    kvc_status st = kvc_session_set_key_channels(self->session, ratio, window, free_channels);
     if (st != KVC_OK) return kvc_py_raise(st);
     Py_RETURN_NONE;
 }
@@ -683,7 +683,8 @@ static PyMethodDef Session_methods[] = {
     {"set_block_size", (PyCFunction)Session_set_block_size, METH_O,
      "set_block_size(b): the attached press selects block by block (BlockPress); 0 turns it off."},
     {"set_key_channels", (PyCFunction)Session_set_key_channels, METH_VARARGS,
-     "set_key_channels(ratio, window): ThinK key-channel pruning by the attached press (channels zeroed)."},
+     "set_key_channels(ratio, window, free_channels=True): ThinK key-channel pruning by the attached press\n"
+     "(free_channels: pruned keys stored with the kept channels only; False: channels zeroed in place)."},
     {"set_key_filters", (PyCFunction)Session_set_key_filters, METH_O,
      "set_key_filters(filters[L, Hkv, d]): Q-filter scores -<k, filter> for the attached press (QFilterPress)."},
     {"set_kvzap", (PyCFunction)Session_set_kvzap, METH_VARARGS,

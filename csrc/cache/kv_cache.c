@@ -43,9 +43,9 @@ void kvc_cache_free(kvc_cache *c) {
     memset(c, 0, sizeof *c);
 }
 
-/* Bytes of a layer with cap[h] rows per head: the backend's arena and the positions. */
-static size_t layer_bytes(const kvc_cache *c, const int64_t *cap) {
-    size_t b = c->be->kv_arena_bytes(c->n_kv, c->d, cap);
+/* Bytes of a layer with cap[h] rows per head: the backend's arena (as it is now) and the positions. */
+static size_t layer_bytes(const kvc_cache *c, const kvc_layer_cache *L, const int64_t *cap) {
+    size_t b = c->be->kv_bytes(L->kv);
     for (int32_t h = 0; h < c->n_kv; h++) b += (size_t)cap[h] * sizeof(int64_t);
     return b;
 }
@@ -113,13 +113,13 @@ static kvc_status layer_resize(kvc_cache *c, int32_t l, const int64_t *cap, cons
         free(npos);
         return KVC_ERR_NOMEM;
     }
-    const size_t nb = layer_bytes(c, cap);
     kvc_status st = c->be->kv_resize(L->kv, cap, rows, src ? F->kv : NULL);
     if (st != KVC_OK) {
         kvc_free(npos[0]);
         free(npos);
         return st;
     }
+    const size_t nb = layer_bytes(c, L, cap);
     for (int32_t h = 0; h < c->n_kv; h++)
         if (rows[h] > 0) memcpy(npos[h], F->pos[h], sizeof(int64_t) * (size_t)rows[h]);
     account(c, L, nb);
@@ -186,11 +186,11 @@ kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *
         if (!positions_new(c, cap, npos)) st = KVC_ERR_NOMEM;
     }
     if (st == KVC_OK) {
-        const size_t nb = layer_bytes(c, cap);
         st = c->be->kv_gather(L->kv, keep, n_keep, cap);
         if (st != KVC_OK) {
             kvc_free(npos[0]);
         } else {
+            const size_t nb = layer_bytes(c, L, cap);
             for (int32_t h = 0; h < Hkv; h++)
                 for (int64_t i = 0; i < n_keep[h]; i++) npos[h][i] = L->pos[h][keep[h][i]];
             account(c, L, nb);
@@ -201,6 +201,14 @@ kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *
     free(cap);
     free(npos);
     return st;
+}
+
+kvc_status kvc_cache_prune_keys(kvc_cache *c, int32_t layer, int32_t dk, const int32_t *kidx) {
+    kvc_layer_cache *L = &c->layers[layer];
+    KVC_TRY(c->be->kv_prune_keys(L->kv, dk, kidx));
+    account(c, L, layer_bytes(c, L, L->cap));
+    c->compactions++; /* the dropped channels cannot come back either */
+    return KVC_OK;
 }
 
 kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src) {
@@ -223,6 +231,7 @@ kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_le
                             (long long)new_len[h]);
     KVC_TRY(c->be->kv_set_lens(L->kv, new_len));
     for (int32_t h = 0; h < c->n_kv; h++) L->len[h] = new_len[h];
+    account(c, L, layer_bytes(c, L, L->cap)); /* cutting into ThinK-pruned rows rebuilds the arena */
     return KVC_OK;
 }
 
@@ -239,5 +248,6 @@ void kvc_cache_drop_from(kvc_cache *c, int32_t last, int64_t pos0) {
         for (int32_t h = 0; h < c->n_kv; h++)
             while (L->len[h] > 0 && L->pos[h][L->len[h] - 1] >= pos0) L->len[h]--;
         c->be->kv_set_lens(L->kv, L->len); /* the host lengths are the truth; the device follows */
+        account(c, L, layer_bytes(c, L, L->cap));
     }
 }

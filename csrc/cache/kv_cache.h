@@ -43,6 +43,9 @@ void kvc_cache_note_append(kvc_cache *c, int32_t layer, const int64_t *pos, int6
  * with `reserve` spare rows per head. */
 kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *keep, const int64_t *n_keep,
                              int64_t reserve);
+/* ThinK: the keys of every row `layer` holds keep only the dk channels kidx[h dk ..] of head h, stored
+ * that narrow (backend.h, kv_prune_keys); the layer's bytes drop. */
+kvc_status kvc_cache_prune_keys(kvc_cache *c, int32_t layer, int32_t dk, const int32_t *kidx);
 /* Make dst (same shape and backend) an exact copy of src, every arena sized to what src holds; on failure
  * dst is left empty. */
 kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src);

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 2
+#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -62,6 +62,13 @@ enum {
 
 typedef struct kvc_buf kvc_buf;     /* one allocation of elements of one dtype */
 typedef struct kvc_kv kvc_kv;       /* one layer's K/V: Hkv heads, each [cap, d] rows, its own length */
+/* Key-channel pruning (ThinK, kv_prune_keys): a layer's store may hold a prefix of np[h] rows per head
+ * whose keys keep only dk of the d channels (the same dk for every head, channel indices per head): those
+ * rows take dk values of K instead of d, and attention gathers the query to the kept channels for them
+ * (exact: the dropped channels are zeros). Rows appended later are full. Every K/V entry keeps the prefix:
+ * resize and gather carry it (a kept row stays pruned), set_lens below it shrinks it (rebuilding the
+ * arena), kv_read gives pruned rows with zeros in the dropped channels, kv_write to them keeps the kept
+ * channels only, and the scorers see them as kv_read does. */
 typedef struct kvc_graph kvc_graph; /* captured work, replayed (graph_*) */
 
 /* A matrix inside a buffer: row r starts at element off + r * ld. Sizes travel with the calls. */
@@ -151,8 +158,8 @@ typedef struct kvc_backend {
      * on the host and mirrors the lengths here with kv_set_lens) ---- */
     kvc_status (*kv_new)(int32_t Hkv, int32_t d, kvc_kv **out);
     void (*kv_free)(kvc_kv *kv);
-    /* Storage bytes of an arena of cap[h] rows per head. */
-    size_t (*kv_arena_bytes)(int32_t Hkv, int32_t d, const int64_t *cap);
+    /* Storage bytes of the store's arena now (the memory report; pruned keys count dk values a row). */
+    size_t (*kv_bytes)(const kvc_kv *kv);
     /* A new arena of cap[h] rows per head holding rows [0, rows[h]) of src (kv itself when NULL), lengths
      * rows[h]; the old arena is freed. */
     kvc_status (*kv_resize)(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
@@ -160,6 +167,11 @@ typedef struct kvc_backend {
      * n_keep[h] (compaction: the old arena is freed, memory really drops). */
     kvc_status (*kv_gather)(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
     kvc_status (*kv_set_lens)(kvc_kv *kv, const int64_t *len);
+    /* ThinK: every row held (rows [0, len[h]) of each head) keeps only the dk channels kidx[h dk ..]
+     * (increasing, 1 <= dk <= d) of its key, in a new arena (the old one is freed: memory really drops).
+     * Rows pruned before are re-pruned from their zero-filled form, so the result is exactly the d-channel
+     * keys with the other channels zeroed. */
+    kvc_status (*kv_prune_keys)(kvc_kv *kv, int32_t dk, const int32_t *kidx);
     /* rows [row0, row0 + rows) of head h from / to host f32 (either of k, v may be NULL) */
     kvc_status (*kv_write)(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
     kvc_status (*kv_read)(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);

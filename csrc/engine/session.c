@@ -204,13 +204,14 @@ kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float
     return KVC_OK;
 }
 
-kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window) {
+kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels) {
     kvc_press *p = NULL;
     KVC_TRY(last_press(s, &p));
     if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "key_channel_compression_ratio must be in [0, 1), got %g", ratio);
     if (window < 1) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 1, got %d", window);
     p->key_channel_ratio = ratio;
     p->channel_window = window;
+    p->channel_free = free_channels != 0;
     return KVC_OK;
 }
 

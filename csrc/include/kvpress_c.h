@@ -325,9 +325,11 @@ KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *k
  * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
 KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
 /* ThinKPress: after the press's token eviction, each KV head's int(d x ratio) key channels of lowest
- * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are set to
- * zero in every cached row, as kvpress does: the K store keeps its head dim (no memory is freed). */
-KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window);
+ * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are
+ * dropped from every cached row. free_channels 1: the rows are stored with the kept channels only (the
+ * K store shrinks; attention reads them exactly); 0: the channels are set to zero in place, as kvpress
+ * does (the K store keeps its head dim, no memory is freed). Rows appended later keep every channel. */
+KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels);
 /* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
  * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
 KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);

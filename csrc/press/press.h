@@ -37,8 +37,9 @@ typedef struct kvc_press {
     int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
     int64_t *head_keep;    /* [L * Hkv] given rows per head (DuoAttention; -1: all), or NULL */
     int64_t block_size;    /* BlockPress: select block by block over kept + block (0: off) */
-    double key_channel_ratio; /* ThinKPress: fraction of key channels zeroed per KV head (0: off) */
+    double key_channel_ratio; /* ThinKPress: fraction of key channels dropped per KV head (0: off) */
     int32_t channel_window;   /* ThinKPress: window queries that score the channels */
+    int32_t channel_free;     /* ThinKPress: 1 stores the kept channels only (memory freed), 0 zeroes in place */
     float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
     struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
 } kvc_press;

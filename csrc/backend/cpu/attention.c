@@ -16,7 +16,10 @@
  * processed in parallel (each with its own m, l and partial output), then merged: with 3 KV heads
  * on 2 cores, or one long sequence, the heads alone would leave cores idle. There the scores are dot
  * products over d, 4 keys at a time (transposing a K tile would cost as much as the few rows' work).
- * Scratch lives on the stack (about 150 KB per thread at d = 256) except the decode partials. */
+ * Scratch lives on the stack (about 180 KB per thread at d = 256) except the decode partials.
+ * ThinK-pruned rows (pr, cpu.h): the first np[h] keys of a head hold dk channels; their tiles score the
+ * query's kept channels (Qp) against them, the later tiles the whole query against full keys, inside the
+ * same online softmax (exact: the dropped channels of a pruned key are zeros). */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -140,24 +143,35 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, 
 /* head's column of start, else NULL). Accumulates into O[rows][d], m[rows], l[rows].             */
 /* Scores: `dot` computes each as a dot product over d (few rows: decode); otherwise the K tile is */
 /* transposed so the microkernel computes rows x keys in registers (prefill).                     */
+/* Pruned keys: keys [0, np) are Kp [np, dk] scored with Qp [rows, dk]; K then holds keys from np on. */
+typedef struct pruned_keys {
+    const float *Qp, *Kp;
+    int dk;
+    int64_t np;
+} pruned_keys;
+
 static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const float *K, const float *V,
-                   int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke, int dot, float *O, float *m,
-                   float *l) {
+                   const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke, int dot,
+                   float *O, float *m, float *l) {
     float KT[DMAX * TK], S[ROWS_MAX * TK];
     /* the window: nothing below the first query's start; rows of later queries start later still */
     const int64_t lo_first = lo ? lo[i0 * Hkv] : 0, lo_last = lo ? lo[(i0 + (rows - 1) / gc) * Hkv] : 0;
+    const int64_t np = pk ? pk->np : 0;
     if (kb < lo_first) kb = lo_first;
-    for (int64_t k0 = kb; k0 < ke; k0 += TK) {
-        const int tk = (int)(ke - k0 < TK ? ke - k0 : TK);
+    for (int64_t k0 = kb; k0 < ke;) {
+        const int64_t end = k0 < np && np < ke ? np : ke; /* a tile never straddles the pruned prefix's end */
+        const int tk = (int)(end - k0 < TK ? end - k0 : TK);
+        const int pruned = k0 < np, ds = pruned ? pk->dk : d;
+        const float *Qs = pruned ? pk->Qp : Q, *Ks = pruned ? pk->Kp + k0 * ds : K + (k0 - np) * d;
         if (dot) {
-            scores_dot(Q, rows, d, K + k0 * d, tk, S);
+            scores_dot(Qs, rows, ds, Ks, tk, S);
         } else {
-            kvc_cpu_transpose(K + k0 * d, d, tk, d, KT, TK); /* KT[e][j] = K[k0 + j][e]: keys become lanes */
+            kvc_cpu_transpose(Ks, ds, tk, ds, KT, TK); /* KT[e][j] = K[k0 + j][e]: keys become lanes */
             for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
                 const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
                 for (int j0 = 0; j0 < tk; j0 += KVC_NR) {
                     const int nr = tk - j0 < KVC_NR ? tk - j0 : KVC_NR;
-                    kvc_cpu_ukr(mr, nr, d, Q + r0 * d, d, KT + j0, TK, S + r0 * TK + j0, TK, 0);
+                    kvc_cpu_ukr(mr, nr, ds, Qs + r0 * ds, ds, KT + j0, TK, S + r0 * TK + j0, TK, 0);
                 }
             }
         }
@@ -176,7 +190,22 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
         }
         softmax_step(S, rows, tk, m, l, O, d);
         update_pv(S, rows, tk, V + k0 * d, d, O);
+        k0 += tk;
     }
+}
+
+/* The pruned-key view of head h for rows whose scaled queries are Q [rows, d]: Qp = their kept channels. */
+static const pruned_keys *prune_view(const kvc_cpu_pruned *pr, int32_t h, const float *Q, int rows, int d, float *Qp,
+                                     pruned_keys *pk) {
+    if (!pr || pr->np[h] == 0) return NULL;
+    const int32_t *ix = pr->kidx + (size_t)h * pr->dk;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < pr->dk; j++) Qp[r * pr->dk + j] = Q[r * d + ix[j]];
+    pk->Qp = Qp;
+    pk->Kp = pr->kp[h];
+    pk->dk = pr->dk;
+    pk->np = pr->np[h];
+    return pk;
 }
 
 /* Copy `rows` query rows (row r = query i0 + r / gc, head hq0 + r % gc) scaled into Q. */
@@ -193,7 +222,7 @@ static void gather_q(const float *q, int64_t ldq, int32_t d, int32_t hq0, int32_
 
 static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                               const float *const *k, const float *const *v, const int64_t *past_len,
-                              const int64_t *start, float scale, float *out, int64_t ldo) {
+                              const int64_t *start, const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rmax = QBUF / d < ROWS_MAX ? QBUF / d : ROWS_MAX;
     const int32_t gc = g < rmax ? g : rmax; /* query heads per task */
@@ -205,17 +234,19 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
     /* later query tiles see more keys: hand them out first */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_cpu_threads()) if (par)
     for (int64_t t = 0; t < tasks; t++) {
-        float Q[QBUF], O[QBUF], m[ROWS_MAX], l[ROWS_MAX];
+        float Q[QBUF], Qp[QBUF], O[QBUF], m[ROWS_MAX], l[ROWS_MAX];
+        pruned_keys pk;
         const int64_t qt = qtiles - 1 - t / per_tile;
         const int32_t h = (int32_t)(t % per_tile / gchunks), g0 = (int32_t)(t % per_tile % gchunks * gc);
         const int32_t gn = g - g0 < gc ? g - g0 : gc;
         const int64_t i0 = qt * tq, mq = n - i0 < tq ? n - i0 : tq;
         const int rows = (int)(mq * gn);
         gather_q(q, ldq, d, h * g + g0, gn, i0, rows, scale, Q);
+        const pruned_keys *pkh = prune_view(pr, h, Q, rows, d, Qp, &pk);
         memset(O, 0, sizeof(float) * rows * d);
         for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-        attend(Q, rows, gn, i0, d, k[h], v[h], past_len[h], start ? start + h : NULL, Hkv, 0, past_len[h] + i0 + mq, 0, O,
-               m, l);
+        attend(Q, rows, gn, i0, d, k[h], v[h], pkh, past_len[h], start ? start + h : NULL, Hkv, 0, past_len[h] + i0 + mq,
+               0, O, m, l);
         for (int r = 0; r < rows; r++) {
             float *dst = out + (i0 + r / gn) * ldo + ((int64_t)h * g + g0 + r % gn) * d;
             const float inv = 1.f / l[r]; /* l >= 1: the row's own max contributes exp(0) */
@@ -231,7 +262,7 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
 
 static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                             const float *const *k, const float *const *v, const int64_t *past_len,
-                            const int64_t *start, float scale, float *out, int64_t ldo) {
+                            const int64_t *start, const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
     if (rows > ROWS_MAX || rows * d > QBUF) return 0;
@@ -260,12 +291,14 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
             while (first[h + 1] <= t) h++;
             const int64_t kb = (start ? start[h] : 0) + (t - first[h]) * ch, len = past_len[h] + n;
             const int64_t ke = kb + ch < len ? kb + ch : len;
-            float Q[QBUF];
+            float Q[QBUF], Qp[QBUF];
+            pruned_keys pk;
             float *O = part + t * stride, *m = O + rows * d, *l = m + rows;
             gather_q(q, ldq, d, h * g, g, 0, rows, scale, Q);
+            const pruned_keys *pkh = prune_view(pr, h, Q, rows, d, Qp, &pk);
             memset(O, 0, sizeof(float) * rows * d);
             for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-            attend(Q, rows, g, 0, d, k[h], v[h], past_len[h], start ? start + h : NULL, Hkv, kb, ke, 1, O, m, l);
+            attend(Q, rows, g, 0, d, k[h], v[h], pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, 1, O, m, l);
         }
         /* merge: rescale each chunk to the largest max of its row */
 #pragma omp for schedule(static)
@@ -298,7 +331,7 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
 
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                        const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
-                       float scale, float *out, int64_t ldo) {
-    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, k, v, past_len, start, scale, out, ldo)) return;
-    attention_prefill(q, ldq, n, H, Hkv, d, k, v, past_len, start, scale, out, ldo);
+                       const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
+    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, k, v, past_len, start, pr, scale, out, ldo)) return;
+    attention_prefill(q, ldq, n, H, Hkv, d, k, v, past_len, start, pr, scale, out, ldo);
 }

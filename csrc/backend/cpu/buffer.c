@@ -156,17 +156,23 @@ void kvc_frows_drop(kvc_frows *f) {
 }
 
 /* ---- K/V stores ---------------------------------------------------------------------------------
- * One arena per layer: each head's K [cap, d] then V [cap, d], 64-byte aligned slices. */
+ * One arena per layer: each head's pruned keys Kp [np, dk], full keys K [cap - np, d], then V [cap, d],
+ * 64-byte aligned slices (host.h). */
 
 static size_t slice_bytes(int32_t dtype, int32_t d, int64_t cap) {
     return ((size_t)cap * (size_t)d * kvc_dtype_size(dtype) + 63) & ~(size_t)63;
 }
 
-size_t kvc_hkv_arena_bytes(int32_t dtype, int32_t Hkv, int32_t d, const int64_t *cap) {
+static size_t arena_bytes(int32_t dtype, int32_t Hkv, int32_t d, int32_t dk, const int64_t *cap, const int64_t *np) {
     size_t b = 0;
-    for (int32_t h = 0; h < Hkv; h++) b += 2 * slice_bytes(dtype, d, cap[h]);
+    for (int32_t h = 0; h < Hkv; h++) {
+        const int64_t p = np ? np[h] : 0;
+        b += slice_bytes(dtype, dk, p) + slice_bytes(dtype, d, cap[h] - p) + slice_bytes(dtype, d, cap[h]);
+    }
     return b;
 }
+
+size_t kvc_hkv_bytes(const kvc_kv *kv) { return kv->bytes; }
 
 kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d, kvc_kv **out) {
     *out = NULL;
@@ -178,9 +184,11 @@ kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d
     kv->stats = st;
     kv->k = calloc((size_t)Hkv, sizeof *kv->k);
     kv->v = calloc((size_t)Hkv, sizeof *kv->v);
+    kv->kp = calloc((size_t)Hkv, sizeof *kv->kp);
     kv->len = calloc((size_t)Hkv, sizeof *kv->len);
     kv->cap = calloc((size_t)Hkv, sizeof *kv->cap);
-    if (!kv->k || !kv->v || !kv->len || !kv->cap) {
+    kv->np = calloc((size_t)Hkv, sizeof *kv->np);
+    if (!kv->k || !kv->v || !kv->kp || !kv->len || !kv->cap || !kv->np) {
         kvc_hkv_free(kv);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store");
     }
@@ -202,104 +210,89 @@ void kvc_hkv_free(kvc_kv *kv) {
     arena_release(kv);
     free(kv->k);
     free(kv->v);
+    free(kv->kp);
     free(kv->len);
     free(kv->cap);
+    free(kv->np);
+    free(kv->kidx);
     free(kv);
 }
 
-/* A new arena with cap[h] rows per head; slices into k, v (caller-provided arrays). */
-static kvc_status arena_new(const kvc_kv *kv, const int64_t *cap, void **arena, size_t *bytes, void **k, void **v) {
-    *bytes = kvc_hkv_arena_bytes(kv->dtype, kv->Hkv, kv->d, cap);
-    *arena = NULL;
-    if (*bytes == 0) {
-        for (int32_t h = 0; h < kv->Hkv; h++) k[h] = v[h] = NULL;
-        return KVC_OK;
-    }
-    *arena = kvc_malloc(*bytes, "KV cache");
-    if (!*arena) return KVC_ERR_NOMEM;
-    char *p = *arena;
+/* A layout being built: the arena and its slices, the pruned rows and channels it will have. */
+typedef struct layout {
+    void *arena;
+    size_t bytes;
+    void **k, **v, **kp;
+    int64_t *np;
+    int32_t dk;
+    int32_t *kidx; /* owned until adopted */
+} layout;
+
+static void layout_drop(layout *L) {
+    kvc_free(L->arena);
+    free(L->k); /* v and kp point into the same array */
+    free(L->np);
+    free(L->kidx);
+    memset(L, 0, sizeof *L);
+}
+
+/* L->np, dk and kidx set: allocate the arena for cap[h] rows per head and point the slices into it. */
+static kvc_status layout_alloc(const kvc_kv *kv, const int64_t *cap, layout *L) {
+    L->bytes = arena_bytes(kv->dtype, kv->Hkv, kv->d, L->dk, cap, L->np);
+    if (L->bytes == 0) return KVC_OK;
+    L->arena = kvc_malloc(L->bytes, "KV cache");
+    if (!L->arena) return KVC_ERR_NOMEM;
+    char *p = L->arena;
     for (int32_t h = 0; h < kv->Hkv; h++) {
-        const size_t s = slice_bytes(kv->dtype, kv->d, cap[h]);
-        k[h] = p;
-        v[h] = p + s;
-        p += 2 * s;
+        const size_t sp = slice_bytes(kv->dtype, L->dk, L->np[h]), sk = slice_bytes(kv->dtype, kv->d, cap[h] - L->np[h]);
+        L->kp[h] = p;
+        L->k[h] = p + sp;
+        L->v[h] = p + sp + sk;
+        p += sp + sk + slice_bytes(kv->dtype, kv->d, cap[h]);
     }
     return KVC_OK;
 }
 
-static void arena_adopt(kvc_kv *kv, void *arena, size_t bytes, void **k, void **v, const int64_t *cap,
-                        const int64_t *len) {
-    kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, (int64_t)bytes); /* before the old one goes: the peak sees both */
+/* Start a layout with dk kept channels (kidx [Hkv dk], copied; dk 0: none). */
+static kvc_status layout_new(const kvc_kv *kv, int32_t dk, const int32_t *kidx, layout *L) {
+    memset(L, 0, sizeof *L);
+    const size_t H = (size_t)kv->Hkv;
+    L->k = calloc(3 * H, sizeof *L->k);
+    L->np = calloc(H, sizeof *L->np);
+    L->dk = dk;
+    if (dk > 0) L->kidx = malloc(sizeof(int32_t) * H * (size_t)dk);
+    if (!L->k || !L->np || (dk > 0 && !L->kidx)) {
+        layout_drop(L);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store");
+    }
+    L->v = L->k + H;
+    L->kp = L->k + 2 * H;
+    if (dk > 0) memcpy(L->kidx, kidx, sizeof(int32_t) * H * (size_t)dk);
+    return KVC_OK;
+}
+
+static void layout_adopt(kvc_kv *kv, layout *L, const int64_t *cap, const int64_t *len) {
+    kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, (int64_t)L->bytes); /* before the old one goes: the peak sees both */
     arena_release(kv);
-    kv->arena = arena;
-    kv->bytes = bytes;
+    kv->arena = L->arena;
+    kv->bytes = L->bytes;
+    int64_t pruned = 0;
     for (int32_t h = 0; h < kv->Hkv; h++) {
-        kv->k[h] = k[h];
-        kv->v[h] = v[h];
+        kv->k[h] = L->k[h];
+        kv->v[h] = L->v[h];
+        kv->kp[h] = L->np[h] > 0 ? L->kp[h] : NULL;
+        kv->np[h] = L->np[h];
         kv->cap[h] = cap[h];
         kv->len[h] = len[h];
+        pruned += L->np[h];
     }
-}
-
-/* kv's new arena of cap[h] rows per head holds, per head, rows [0, n[h]) of from (keep NULL) or the rows
- * keep[h][0 .. n[h]) of from; the old arena goes. */
-static kvc_status rebuild(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const int64_t *const *keep, const int64_t *n) {
-    const int32_t Hkv = kv->Hkv;
-    void **k = calloc((size_t)Hkv, sizeof *k), **v = calloc((size_t)Hkv, sizeof *v);
-    void *arena = NULL;
-    size_t bytes = 0;
-    kvc_status st = (!k || !v) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store") : arena_new(kv, cap, &arena, &bytes, k, v);
-    if (st == KVC_OK) {
-        const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
-        for (int32_t h = 0; h < Hkv; h++) {
-            if (!keep) {
-                if (n[h] == 0) continue;
-                memcpy(k[h], from->k[h], (size_t)n[h] * es);
-                memcpy(v[h], from->v[h], (size_t)n[h] * es);
-                continue;
-            }
-            for (int64_t i = 0; i < n[h]; i++) {
-                memcpy((char *)k[h] + (size_t)i * es, (const char *)from->k[h] + (size_t)keep[h][i] * es, es);
-                memcpy((char *)v[h] + (size_t)i * es, (const char *)from->v[h] + (size_t)keep[h][i] * es, es);
-            }
-        }
-        arena_adopt(kv, arena, bytes, k, v, cap, n);
-    }
-    free(k);
-    free(v);
-    return st;
-}
-
-kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
-    const kvc_kv *from = src ? src : kv;
-    for (int32_t h = 0; h < kv->Hkv; h++)
-        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->len[h])
-            return kvc_fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld rows of %lld into %lld", h,
-                            (long long)rows[h], (long long)from->len[h], (long long)cap[h]);
-    return rebuild(kv, from, cap, NULL, rows);
-}
-
-kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
-    for (int32_t h = 0; h < kv->Hkv; h++) {
-        if (n_keep[h] < 0 || n_keep[h] > kv->len[h] || n_keep[h] > cap[h])
-            return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
-                            (long long)kv->len[h]);
-        for (int64_t i = 0; i < n_keep[h]; i++)
-            if (keep[h][i] < 0 || keep[h][i] >= kv->len[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
-                return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
-                                (long long)kv->len[h]);
-    }
-    return rebuild(kv, kv, cap, keep, n_keep);
-}
-
-kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
-    for (int32_t h = 0; h < kv->Hkv; h++) {
-        if (len[h] < 0 || len[h] > kv->cap[h])
-            return kvc_fail(KVC_ERR_INTERNAL, "K/V lengths: head %d gets %lld rows of %lld", h, (long long)len[h],
-                            (long long)kv->cap[h]);
-        kv->len[h] = len[h];
-    }
-    return KVC_OK;
+    free(kv->kidx);
+    kv->dk = pruned > 0 ? L->dk : 0; /* no pruned row left: the plain layout again */
+    kv->kidx = pruned > 0 ? L->kidx : NULL;
+    if (pruned == 0) free(L->kidx);
+    L->arena = NULL;
+    L->kidx = NULL;
+    layout_drop(L);
 }
 
 static void put_row(int32_t dtype, void *dst, const float *src, int32_t d) {
@@ -316,12 +309,148 @@ static void get_row(int32_t dtype, const void *src, float *dst, int32_t d) {
         memcpy(dst, src, sizeof(float) * (size_t)d);
 }
 
+/* Key row r of head h as d f32 channels (a pruned row: zeros in the dropped channels). */
+static void key_get(const kvc_kv *kv, int32_t h, int64_t r, float *out) {
+    const size_t es = kvc_dtype_size(kv->dtype);
+    if (r >= kv->np[h]) {
+        get_row(kv->dtype, (const char *)kv->k[h] + (size_t)(r - kv->np[h]) * kv->d * es, out, kv->d);
+        return;
+    }
+    float tmp[1024]; /* dk <= d <= 256 (the attention kernel's limit); 1024 leaves room */
+    const int32_t dk = kv->dk, *ix = kv->kidx + (size_t)h * dk;
+    get_row(kv->dtype, (const char *)kv->kp[h] + (size_t)r * dk * es, tmp, dk);
+    memset(out, 0, sizeof(float) * (size_t)kv->d);
+    for (int32_t j = 0; j < dk; j++) out[ix[j]] = tmp[j];
+}
+
+/* Store the d-channel key row `row` as row r of head h of layout L (a pruned row keeps its channels). */
+static void key_put(const kvc_kv *kv, const layout *L, int32_t h, int64_t r, const float *row) {
+    const size_t es = kvc_dtype_size(kv->dtype);
+    if (r >= L->np[h]) {
+        put_row(kv->dtype, (char *)L->k[h] + (size_t)(r - L->np[h]) * kv->d * es, row, kv->d);
+        return;
+    }
+    float tmp[1024];
+    const int32_t dk = L->dk, *ix = L->kidx + (size_t)h * dk;
+    for (int32_t j = 0; j < dk; j++) tmp[j] = row[ix[j]];
+    put_row(kv->dtype, (char *)L->kp[h] + (size_t)r * dk * es, tmp, dk);
+}
+
+/* kv's new arena (layout L: its np and channels set) of cap[h] rows per head holds, per head, rows
+ * [0, n[h]) of from (keep NULL) or the rows keep[h][0 .. n[h]) of from; the old arena goes. Rows whose
+ * key layout stays are copied as stored; the others pass through f32 (exact: bf16 -> f32 -> bf16). */
+static kvc_status rebuild(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const int64_t *const *keep,
+                          const int64_t *n, layout *L) {
+    if (layout_alloc(kv, cap, L) != KVC_OK) {
+        layout_drop(L);
+        return KVC_ERR_NOMEM;
+    }
+    const size_t es = kvc_dtype_size(kv->dtype), ev = es * (size_t)kv->d;
+    float row[1024];
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        const int same_ch = from->dk == L->dk &&
+                            (L->dk == 0 || !memcmp(from->kidx + (size_t)h * L->dk, L->kidx + (size_t)h * L->dk,
+                                                   sizeof(int32_t) * (size_t)L->dk));
+        for (int64_t i = 0; i < n[h]; i++) {
+            const int64_t s = keep ? keep[h][i] : i;
+            memcpy((char *)L->v[h] + (size_t)i * ev, (const char *)from->v[h] + (size_t)s * ev, ev);
+            const int sp = s < from->np[h], dp = i < L->np[h];
+            if (!sp && !dp)
+                memcpy((char *)L->k[h] + (size_t)(i - L->np[h]) * ev, (const char *)from->k[h] + (size_t)(s - from->np[h]) * ev, ev);
+            else if (sp && dp && same_ch)
+                memcpy((char *)L->kp[h] + (size_t)i * L->dk * es, (const char *)from->kp[h] + (size_t)s * L->dk * es,
+                       (size_t)L->dk * es);
+            else {
+                key_get(from, h, s, row);
+                key_put(kv, L, h, i, row);
+            }
+        }
+    }
+    layout_adopt(kv, L, cap, n);
+    return KVC_OK;
+}
+
+kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
+    const kvc_kv *from = src ? src : kv;
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->len[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld rows of %lld into %lld", h,
+                            (long long)rows[h], (long long)from->len[h], (long long)cap[h]);
+    layout L;
+    KVC_TRY(layout_new(kv, from->dk, from->kidx, &L)); /* the pruned prefix goes along */
+    for (int32_t h = 0; h < kv->Hkv; h++) L.np[h] = rows[h] < from->np[h] ? rows[h] : from->np[h];
+    return rebuild(kv, from, cap, NULL, rows, &L);
+}
+
+kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        if (n_keep[h] < 0 || n_keep[h] > kv->len[h] || n_keep[h] > cap[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
+                            (long long)kv->len[h]);
+        for (int64_t i = 0; i < n_keep[h]; i++)
+            if (keep[h][i] < 0 || keep[h][i] >= kv->len[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
+                return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
+                                (long long)kv->len[h]);
+    }
+    layout L;
+    KVC_TRY(layout_new(kv, kv->dk, kv->kidx, &L));
+    for (int32_t h = 0; h < kv->Hkv; h++) /* kept rows from the pruned prefix stay pruned (a prefix still) */
+        for (int64_t i = 0; i < n_keep[h] && keep[h][i] < kv->np[h]; i++) L.np[h] = i + 1;
+    return rebuild(kv, kv, cap, keep, n_keep, &L);
+}
+
+kvc_status kvc_hkv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
+    if (dk < 1 || dk > kv->d || kv->d > 1024) return kvc_fail(KVC_ERR_INTERNAL, "K/V prune: %d kept channels of %d", dk, kv->d);
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        for (int32_t j = 0; j < dk; j++) {
+            const int32_t c = kidx[(size_t)h * dk + j];
+            if (c < 0 || c >= kv->d || (j > 0 && c <= kidx[(size_t)h * dk + j - 1]))
+                return kvc_fail(KVC_ERR_INTERNAL, "K/V prune: head %d channels are not increasing inside [0, %d)", h, kv->d);
+        }
+    layout L;
+    KVC_TRY(layout_new(kv, dk, kidx, &L));
+    for (int32_t h = 0; h < kv->Hkv; h++) L.np[h] = kv->len[h];
+    int64_t *cap = malloc(sizeof(int64_t) * (size_t)kv->Hkv), *len = malloc(sizeof(int64_t) * (size_t)kv->Hkv);
+    kvc_status st = (!cap || !len) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V prune") : KVC_OK;
+    if (st == KVC_OK) {
+        memcpy(cap, kv->cap, sizeof(int64_t) * (size_t)kv->Hkv);
+        memcpy(len, kv->len, sizeof(int64_t) * (size_t)kv->Hkv);
+        st = rebuild(kv, kv, cap, NULL, len, &L);
+    } else {
+        layout_drop(&L);
+    }
+    free(cap);
+    free(len);
+    return st;
+}
+
+kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
+    int into_pruned = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        if (len[h] < 0 || len[h] > kv->cap[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "K/V lengths: head %d gets %lld rows of %lld", h, (long long)len[h],
+                            (long long)kv->cap[h]);
+        into_pruned |= len[h] < kv->np[h];
+    }
+    if (into_pruned) { /* the pruned prefix shrinks: later rows are full again, so the arena is rebuilt */
+        int64_t *cap = malloc(sizeof(int64_t) * (size_t)kv->Hkv);
+        if (!cap) return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V lengths");
+        memcpy(cap, kv->cap, sizeof(int64_t) * (size_t)kv->Hkv);
+        const kvc_status st = kvc_hkv_resize(kv, cap, len, NULL);
+        free(cap);
+        return st;
+    }
+    for (int32_t h = 0; h < kv->Hkv; h++) kv->len[h] = len[h];
+    return KVC_OK;
+}
+
 kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
     if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
         return kvc_fail(KVC_ERR_INTERNAL, "K/V write outside head %d's %lld rows", h, (long long)kv->cap[h]);
     const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
+    const layout self = {.k = kv->k, .v = kv->v, .kp = kv->kp, .np = kv->np, .dk = kv->dk, .kidx = kv->kidx};
     for (int64_t r = 0; r < rows; r++) {
-        if (k) put_row(kv->dtype, (char *)kv->k[h] + (size_t)(row0 + r) * es, k + r * kv->d, kv->d);
+        if (k) key_put(kv, &self, h, row0 + r, k + r * kv->d); /* a pruned row keeps its channels only */
         if (v) put_row(kv->dtype, (char *)kv->v[h] + (size_t)(row0 + r) * es, v + r * kv->d, kv->d);
     }
     return KVC_OK;
@@ -332,7 +461,7 @@ kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows,
         return kvc_fail(KVC_ERR_INTERNAL, "K/V read outside head %d's %lld rows", h, (long long)kv->len[h]);
     const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
     for (int64_t r = 0; r < rows; r++) {
-        if (k) get_row(kv->dtype, (const char *)kv->k[h] + (size_t)(row0 + r) * es, k + r * kv->d, kv->d);
+        if (k) key_get(kv, h, row0 + r, k + r * kv->d);
         if (v) get_row(kv->dtype, (const char *)kv->v[h] + (size_t)(row0 + r) * es, v + r * kv->d, kv->d);
     }
     return KVC_OK;
@@ -347,48 +476,64 @@ kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, 
     if (src.buf->dtype != kv->dtype)
         return kvc_fail(KVC_ERR_INTERNAL, "K/V append: rows of dtype %d into a store of dtype %d", src.buf->dtype, kv->dtype);
     const size_t es = kvc_dtype_size(kv->dtype);
-    for (int32_t h = 0; h < Hkv; h++)
+    for (int32_t h = 0; h < Hkv; h++) /* appended rows are full (len >= np: set_lens keeps it so) */
         for (int64_t i = 0; i < n; i++) {
-            const size_t row = (size_t)(kv->len[h] + i) * d * es;
-            memcpy((char *)kv->k[h] + row, kvc_hbuf_at(src, i, kcol + (int64_t)h * d), (size_t)d * es);
-            memcpy((char *)kv->v[h] + row, kvc_hbuf_at(src, i, vcol + (int64_t)h * d), (size_t)d * es);
+            memcpy((char *)kv->k[h] + (size_t)(kv->len[h] - kv->np[h] + i) * d * es,
+                   kvc_hbuf_at(src, i, kcol + (int64_t)h * d), (size_t)d * es);
+            memcpy((char *)kv->v[h] + (size_t)(kv->len[h] + i) * d * es, kvc_hbuf_at(src, i, vcol + (int64_t)h * d),
+                   (size_t)d * es);
         }
     for (int32_t h = 0; h < Hkv; h++) kv->len[h] += n;
     return KVC_OK;
 }
 
-kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, kvc_kv_f32 *out) {
+kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, int split, kvc_kv_f32 *out) {
     memset(out, 0, sizeof *out);
-    const int32_t Hkv = kv->Hkv, d = kv->d;
+    const int32_t Hkv = kv->Hkv, d = kv->d, dk = kv->dk;
     out->k = calloc((size_t)Hkv, sizeof *out->k);
     out->v = calloc((size_t)Hkv, sizeof *out->v);
-    if (!out->k || !out->v) {
+    out->kp = calloc((size_t)Hkv, sizeof *out->kp);
+    if (!out->k || !out->v || !out->kp) {
         kvc_kv_f32_drop(kv, out);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V view");
     }
-    if (kv->dtype == KVC_F32) {
+    if (kv->dtype == KVC_F32 && (dk == 0 || split)) {
         for (int32_t h = 0; h < Hkv; h++) {
             out->k[h] = kv->k[h];
             out->v[h] = kv->v[h];
+            out->kp[h] = kv->kp[h];
         }
         return KVC_OK;
     }
-    size_t rows = 0;
-    for (int32_t h = 0; h < Hkv; h++) rows += (size_t)kv->len[h];
-    out->copy = kvc_malloc(sizeof(float) * (rows ? rows : 1) * (size_t)d * (want_v ? 2 : 1), "f32 copy of a K/V store");
+    /* copies: keys (expanded, or pruned and full apart: dk + d floats at most per row) and values */
+    size_t floats = 0;
+    for (int32_t h = 0; h < Hkv; h++) floats += (size_t)kv->len[h] * ((size_t)d + (size_t)dk + (want_v ? (size_t)d : 0));
+    out->copy = kvc_malloc(sizeof(float) * (floats ? floats : 1), "f32 copy of a K/V store");
     if (!out->copy) {
         kvc_kv_f32_drop(kv, out);
         return KVC_ERR_NOMEM;
     }
     float *p = out->copy;
     for (int32_t h = 0; h < Hkv; h++) {
-        out->k[h] = p;
-        p += (size_t)kv->len[h] * d;
+        const int64_t len = kv->len[h], np = kv->np[h] < len ? kv->np[h] : len;
+        if (split) {
+            out->kp[h] = p;
+            for (int64_t r = 0; r < np; r++)
+                get_row(kv->dtype, (const char *)kv->kp[h] + (size_t)r * dk * kvc_dtype_size(kv->dtype), p + r * dk, dk);
+            p += (size_t)np * dk;
+            out->k[h] = p;
+            for (int64_t r = np; r < len; r++) key_get(kv, h, r, p + (size_t)(r - np) * d);
+            p += (size_t)(len - np) * d;
+        } else {
+            out->k[h] = p;
+            kvc_hkv_read(kv, h, 0, len, p, NULL);
+            p += (size_t)len * d;
+        }
         if (want_v) {
             out->v[h] = p;
-            p += (size_t)kv->len[h] * d;
+            kvc_hkv_read(kv, h, 0, len, NULL, p);
+            p += (size_t)len * d;
         }
-        kvc_hkv_read(kv, h, 0, kv->len[h], (float *)out->k[h], want_v ? (float *)out->v[h] : NULL);
     }
     return KVC_OK;
 }
@@ -397,6 +542,7 @@ void kvc_kv_f32_drop(const kvc_kv *kv, kvc_kv_f32 *f) {
     (void)kv;
     free(f->k);
     free(f->v);
+    free(f->kp);
     kvc_free(f->copy);
     memset(f, 0, sizeof *f);
 }

@@ -24,9 +24,17 @@ void kvc_cpu_head_rmsnorm(float *x, int64_t ld, int64_t n, int32_t heads, int32_
 /* causal GQA attention over a ragged cache: query i of head hq (row i of q, stride ldq) reads KV head
  * hq / (H / Hkv), whose rows k[h], v[h] are [past_len[h] + n, d], and sees the first past_len[h] + i + 1,
  * from row start[i * Hkv + h] on when start is not NULL (a sliding window) */
+/* ThinK-pruned key rows (NULL: none): rows r < np[h] of head h have their keys in kp[h] [np[h], dk],
+ * channels kidx[h dk ..]; k[h] then starts at row np[h]. Their scores use the query's kept channels. */
+typedef struct kvc_cpu_pruned {
+    int32_t dk;
+    const int32_t *kidx;
+    const int64_t *np;
+    const float *const *kp;
+} kvc_cpu_pruned;
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                        const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
-                       float scale, float *out, int64_t ldo);
+                       const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
 /* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is

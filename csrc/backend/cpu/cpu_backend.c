@@ -116,11 +116,12 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
     for (int32_t h = 0; h < Hkv; h++) past[h] = kv->len[h] - n;
     kvc_kv_f32 kf;
     kvc_frows Q = {0}, O = {0};
-    kvc_status st = kvc_kv_f32_get(kv, 1, &kf);
+    kvc_status st = kvc_kv_f32_get(kv, 1, 1, &kf);
     if (st == KVC_OK) st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);
     if (st == KVC_OK) {
-        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, lo, scale, O.p, O.ld);
+        const kvc_cpu_pruned pr = {kv->dk, kv->kidx, kv->np, kf.kp};
+        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, lo, kv->dk > 0 ? &pr : NULL, scale, O.p, O.ld);
         kvc_frows_put(out, n, (int64_t)H * d, &O);
     }
     kvc_frows_drop(&Q);
@@ -183,7 +184,6 @@ static kvc_status cpu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *w
 static const float *cpu_host_f32(const kvc_buf *b) { return b && b->dtype == KVC_F32 ? (const float *)b->p : NULL; }
 static int cpu_weight_type_ok(int32_t ggml_type) { return kvc_cpu_wtype_ok(ggml_type); }
 static kvc_status cpu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_cpu_stats, KVC_F32, Hkv, d, out); }
-static size_t cpu_kv_bytes(int32_t Hkv, int32_t d, const int64_t *cap) { return kvc_hkv_arena_bytes(KVC_F32, Hkv, d, cap); }
 
 static const kvc_backend g_cpu = {
     .version = KVC_BACKEND_VERSION,
@@ -207,10 +207,11 @@ static const kvc_backend g_cpu = {
     .host_f32 = cpu_host_f32,
     .kv_new = cpu_kv_new,
     .kv_free = kvc_hkv_free,
-    .kv_arena_bytes = cpu_kv_bytes,
+    .kv_bytes = kvc_hkv_bytes,
     .kv_resize = kvc_hkv_resize,
     .kv_gather = kvc_hkv_gather,
     .kv_set_lens = kvc_hkv_set_lens,
+    .kv_prune_keys = kvc_hkv_prune_keys,
     .kv_write = kvc_hkv_write,
     .kv_read = kvc_hkv_read,
     .embed = kvc_host_embed,

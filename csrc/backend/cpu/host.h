@@ -25,14 +25,21 @@ struct kvc_buf {
     kvc_host_stats *stats; /* NULL: wrapped memory the buffer does not own */
 };
 
+/* Per head, the arena holds [Kp: np rows of dk kept key channels][K: cap - np full rows][V: cap rows]:
+ * rows r < np[h] are ThinK-pruned keys (channels kidx[h dk ..], increasing), rows r >= np[h] full keys
+ * at K row r - np[h]. dk == 0: no pruned rows (np all 0, kp NULL). */
 struct kvc_kv {
     int32_t Hkv, d, dtype;
     void *arena;
     size_t bytes;
     kvc_host_stats *stats;
-    void **k, **v;   /* [Hkv] head slices [cap, d] of the arena (dtype elements) */
+    void **k, **v;   /* [Hkv] head slices of the arena (dtype elements): K [cap - np, d], V [cap, d] */
+    void **kp;       /* [Hkv] pruned key slices [np, dk] */
     int64_t *len;    /* [Hkv] */
     int64_t *cap;    /* [Hkv] */
+    int64_t *np;     /* [Hkv] pruned rows (a prefix) */
+    int32_t dk;      /* kept key channels of the pruned rows */
+    int32_t *kidx;   /* [Hkv dk] their channel indices (NULL when dk == 0) */
 };
 
 void kvc_host_stats_add(kvc_host_stats *s, int32_t cat, int64_t bytes);
@@ -54,7 +61,8 @@ static inline char *kvc_hbuf_at(kvc_view v, int64_t r, int64_t c) {
 
 kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d, kvc_kv **out);
 void kvc_hkv_free(kvc_kv *kv);
-size_t kvc_hkv_arena_bytes(int32_t dtype, int32_t Hkv, int32_t d, const int64_t *cap);
+size_t kvc_hkv_bytes(const kvc_kv *kv);
+kvc_status kvc_hkv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);
 kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
 kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
 kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len);
@@ -89,12 +97,14 @@ void kvc_frows_put(kvc_view v, int64_t rows, int64_t cols, kvc_frows *f);
 void kvc_frows_drop(kvc_frows *f);
 
 /* f32 pointers to the first len[h] rows of every head of kv (in place for f32, converted copies for
- * bf16); kvc_kv_f32_drop releases the copies. */
+ * bf16); kvc_kv_f32_drop releases the copies. Pruned rows: with split == 0 they come expanded to d
+ * channels (zeros in the dropped ones: what the scorers read); with split, k[h] points at the full rows
+ * (row np[h] on) and kp[h] at the pruned rows [np[h], dk] (what the attention reads). */
 typedef struct kvc_kv_f32 {
-    const float **k, **v;
+    const float **k, **v, **kp;
     float *copy;
 } kvc_kv_f32;
-kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, kvc_kv_f32 *out);
+kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, int split, kvc_kv_f32 *out);
 void kvc_kv_f32_drop(const kvc_kv *kv, kvc_kv_f32 *f);
 
 /* The table entries of a host backend: they work on f32 and bf16 storage alike (cpu_backend.c). */

@@ -310,7 +310,7 @@ kvc_status kvc_host_score_v(const kvc_score_args *a) {
         return kvc_fail(KVC_ERR_ARG, "the press window (%lld) needs that many queries in this call (%lld)", (long long)m,
                         (long long)a->n);
     kvc_kv_f32 kf;
-    KVC_TRY(kvc_kv_f32_get(a->kv, a->scorer == KVC_SCORE_EDIE, &kf));
+    KVC_TRY(kvc_kv_f32_get(a->kv, a->scorer == KVC_SCORE_EDIE, 0, &kf));
     kvc_frows q = {0}, at = {0}, sc = {0};
     float **srow = calloc((size_t)Hkv, sizeof *srow);
     kvc_status st = srow ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: press scores");

@@ -139,6 +139,11 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
     if (start.buf) /* t_check_model refuses such models; this guards the kernel table's contract */
         return fail(KVC_ERR_UNSUPPORTED, "sliding-window attention is not implemented in the CUDA kernels yet");
     const int32_t Hkv = kv->Hkv, d = kv->d;
+    bf16 **kd = kv->kd;
+    if (kv->dk) { /* ThinK-pruned rows: the kernels read them expanded to d channels (kv_pruned.cu) */
+        const bf16 *heads[KVC_MAX_KV];
+        KVC_TRY(kv_keys_full(kv, heads, &kd));
+    }
     if (n == 1 && !(flags & KVC_ATTN_FORCE_PREFILL)) {
         /* split-K decode over every row the device lengths say (they include this call's row) */
         const size_t bytes = sizeof(float) * decode_partial_floats(H, d, DECODE_SPLITS);
@@ -152,15 +157,15 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
             KVC_TRY(scratch(g_partial, bytes, "decode scratch"));
             g_generation++;
         }
-        return attention_decode(at<bf16>(q), H, Hkv, d, kv->kd, kv->vd, kv->lend, scale, at<bf16>(out),
+        return attention_decode(at<bf16>(q), H, Hkv, d, kd, kv->vd, kv->lend, scale, at<bf16>(out),
                                 g_partial.as<float>(), DECODE_SPLITS);
     }
     /* the prefill kernels read past = len - n per head */
     CU_TRY(cudaMemcpyAsync(kv->pastd, kv->lend, sizeof(int32_t) * Hkv, cudaMemcpyDeviceToDevice, g.stream), "attention");
     KVC_TRY(add_lens(kv->pastd, Hkv, -(int32_t)n));
     if (attention_mma_enabled())
-        return attention_prefill_mma(at<bf16>(q), q.ld, n, H, Hkv, d, kv->kd, kv->vd, kv->pastd, scale, at<bf16>(out), out.ld);
-    return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, kv->kd, kv->vd, kv->pastd, scale, at<bf16>(out), out.ld);
+        return attention_prefill_mma(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, scale, at<bf16>(out), out.ld);
+    return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, scale, at<bf16>(out), out.ld);
 }
 
 static kvc_status t_swiglu(kvc_view gu, int64_t rows, int64_t F) {
@@ -199,7 +204,7 @@ static kvc_status t_graph_capture(kvc_graph **gp, kvc_status (*run)(void *), voi
         return fail(KVC_ERR_NOMEM, "out of memory: graph");
     }
     ng->exec = exec;
-    ng->generation = g_generation;
+    ng->generation = g_generation + kv_layout_generation; /* both only grow */
     if (*gp) {
         cudaGraphExecDestroy((*gp)->exec);
         free(*gp);
@@ -209,7 +214,7 @@ static kvc_status t_graph_capture(kvc_graph **gp, kvc_status (*run)(void *), voi
 }
 
 static kvc_status t_graph_launch(kvc_graph *gr) {
-    if (gr->generation != g_generation) return KVC_ERR_UNSUPPORTED; /* capture again */
+    if (gr->generation != g_generation + kv_layout_generation) return KVC_ERR_UNSUPPORTED; /* capture again */
     CU_TRY(cudaGraphLaunch(gr->exec, g.stream), "decode step (graph)");
     CU_TRY(cudaStreamSynchronize(g.stream), "decode step (graph)");
     return KVC_OK;
@@ -276,10 +281,11 @@ static kvc_backend make_table(void) {
     t.host_f32 = t_host_f32;
     t.kv_new = kv_new;
     t.kv_free = kv_free;
-    t.kv_arena_bytes = kv_arena_bytes;
+    t.kv_bytes = kv_bytes;
     t.kv_resize = kv_resize;
     t.kv_gather = kv_gather;
     t.kv_set_lens = kv_set_lens;
+    t.kv_prune_keys = kv_prune_keys;
     t.kv_write = kv_write;
     t.kv_read = kv_read;
     t.embed = t_embed;

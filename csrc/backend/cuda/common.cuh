@@ -107,11 +107,21 @@ struct kvc_kv {
     size_t bytes;
     bf16 *kh[KVC_MAX_KV], *vh[KVC_MAX_KV]; /* head slices (device pointers, host copy) */
     int64_t cap[KVC_MAX_KV];               /* rows of room per head (the core keeps the lengths) */
-    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], lend [Hkv], pastd [Hkv] */
+    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], kxd [Hkv], lend [Hkv], pastd [Hkv] */
     size_t tables_bytes;
     bf16 **kd, **vd;
     int32_t *lend;  /* device lengths: the kernels read them; kv_append moves them on the device */
     int32_t *pastd; /* lend - n of a prefill call (scratch) */
+    /* ThinK-pruned rows (core/backend.h; kv_pruned.cu): rows r < np[h] keep dk key channels in kph[h]
+     * [np, dk]; kh[h] then holds rows from np[h] on, and the device table kd[h] = kh[h] - np[h] d, so the
+     * append kernel still writes row len at kd[h] + len d. dk 0: none. */
+    int64_t np[KVC_MAX_KV];
+    bf16 *kph[KVC_MAX_KV];
+    int32_t dk;
+    int32_t *kidx; /* host [Hkv dk] kept channels */
+    int32_t *invd; /* device [Hkv d] (in the arena): channel -> its slot among the kept, or -1 */
+    bf16 **kxd;    /* device table [Hkv] (in tables): each head's keys expanded to d channels (kv_keys_full) */
+    bf16 *kxh[KVC_MAX_KV]; /* its host copy: uploaded when it changes, never during a capture */
 };
 
 namespace kvc {
@@ -129,7 +139,24 @@ kvc_status scratch(Buf &b, size_t bytes, const char *what);
 /* kv.cu */
 kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out);
 void kv_free(kvc_kv *kv);
-size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap);
+size_t kv_bytes(const kvc_kv *kv);
+kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);
+/* the head pointers (full rows shifted by np[h] d) and lengths to the device tables */
+kvc_status kv_upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *np, const int64_t *len);
+/* kv_pruned.cu: the layout changes of a store with pruned rows, through the host (rows as f32): a new arena
+ * of cap[h] rows per head holding rows keep[h][0 .. n[h]) of from (keep NULL: rows [0, n[h])), the first
+ * np_new[h] of them pruned to the dk channels kidx (dk 0: none) */
+kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const int64_t *const *keep, const int64_t *n,
+                      const int64_t *np_new, int32_t dk, const int32_t *kidx);
+kvc_status kv_read_pruned(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kv_write_pruned(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
+/* The keys of every head of a pruned store expanded to d channels (zeros in the dropped ones) in scratch,
+ * rows < the device lengths (graph-safe for a fixed layout): host pointers to each head (heads) and the
+ * device table of them (table). */
+kvc_status kv_keys_full(const kvc_kv *kv, const bf16 **heads, bf16 ***table);
+/* bumped whenever a pruned layout or its expansion scratch moves: graphs captured before replay stale
+ * kernel parameters, so they are captured again */
+extern uint64_t kv_layout_generation;
 kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
 kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
 kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len);

@@ -17,7 +17,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     if (!kv) return fail(KVC_ERR_NOMEM, "out of memory: K/V store");
     kv->Hkv = Hkv;
     kv->d = d;
-    kv->tables_bytes = (size_t)Hkv * (2 * sizeof(bf16 *) + 2 * sizeof(int32_t));
+    kv->tables_bytes = (size_t)Hkv * (3 * sizeof(bf16 *) + 2 * sizeof(int32_t));
     kvc_status st = dalloc(&kv->tables, kv->tables_bytes, MEM_CACHE, "K/V tables");
     if (st != KVC_OK) {
         free(kv);
@@ -25,7 +25,8 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     }
     kv->kd = (bf16 **)kv->tables;
     kv->vd = kv->kd + Hkv;
-    kv->lend = (int32_t *)(kv->vd + Hkv);
+    kv->kxd = kv->vd + Hkv;
+    kv->lend = (int32_t *)(kv->kxd + Hkv);
     kv->pastd = kv->lend + Hkv;
     if (cudaMemsetAsync(kv->tables, 0, kv->tables_bytes, g.stream) != cudaSuccess) {
         st = cuda_fail(cudaGetLastError(), "K/V tables");
@@ -41,26 +42,35 @@ void kv_free(kvc_kv *kv) {
     cudaStreamSynchronize(g.stream);
     if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
     if (kv->tables) dfree(kv->tables, kv->tables_bytes, MEM_CACHE);
+    free(kv->kidx);
     free(kv);
 }
 
 static size_t slice(int32_t d, int64_t cap) { return ((size_t)cap * d * sizeof(bf16) + 255) & ~(size_t)255; }
 
-size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap) {
+static size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap) {
     size_t b = 0;
     for (int32_t h = 0; h < Hkv; h++) b += 2 * slice(d, cap[h]);
     return b;
 }
 
-/* the head pointers and the lengths len[h] to the device tables */
-static kvc_status upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *len) {
+size_t kv_bytes(const kvc_kv *kv) { return kv->bytes; }
+
+kvc_status kv_upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *np, const int64_t *len) {
     int32_t len32[KVC_MAX_KV];
-    for (int32_t h = 0; h < kv->Hkv; h++) len32[h] = (int32_t)len[h];
-    CU_TRY(cudaMemcpyAsync(kv->kd, kh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
+    bf16 *kshift[KVC_MAX_KV];
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        len32[h] = (int32_t)len[h];
+        kshift[h] = kh[h] ? kh[h] - (np ? np[h] : 0) * kv->d : nullptr; /* row r >= np at kd[h] + r d */
+    }
+    CU_TRY(cudaMemcpyAsync(kv->kd, kshift, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
     CU_TRY(cudaMemcpyAsync(kv->vd, vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
     CU_TRY(cudaMemcpyAsync(kv->lend, len32, sizeof(int32_t) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V lengths");
     CU_TRY(cudaStreamSynchronize(g.stream), "K/V tables"); /* len32 lives on this stack frame */
     return KVC_OK;
+}
+static kvc_status upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *len) {
+    return kv_upload_tables(kv, kh, vh, nullptr, len);
 }
 
 /* A new arena for cap[h] rows; on success the slices go to nk, nv. */
@@ -98,8 +108,15 @@ static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 *
     for (int32_t h = 0; h < kv->Hkv; h++) {
         kv->kh[h] = nk[h];
         kv->vh[h] = nv[h];
+        kv->kph[h] = nullptr;
+        kv->np[h] = 0;
         kv->cap[h] = cap[h];
     }
+    if (kv->dk) kv_layout_generation++; /* a pruned layout went */
+    free(kv->kidx);
+    kv->kidx = nullptr;
+    kv->invd = nullptr;
+    kv->dk = 0;
     return KVC_OK;
 }
 
@@ -111,6 +128,11 @@ kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const 
         if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->cap[h])
             return fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld of %lld rows into %lld", h, (long long)rows[h],
                         (long long)from->cap[h], (long long)cap[h]);
+    if (from->dk) { /* the pruned prefix goes along */
+        int64_t np[KVC_MAX_KV];
+        for (int32_t h = 0; h < kv->Hkv; h++) np[h] = rows[h] < from->np[h] ? rows[h] : from->np[h];
+        return kv_restage(kv, from, cap, nullptr, rows, np, from->dk, from->kidx);
+    }
     void *arena;
     size_t bytes;
     bf16 *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
@@ -140,6 +162,14 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
                 return fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
                             (long long)kv->cap[h]);
         total += n_keep[h];
+    }
+    if (kv->dk) { /* kept rows of the pruned prefix stay pruned */
+        int64_t np[KVC_MAX_KV];
+        for (int32_t h = 0; h < kv->Hkv; h++) {
+            np[h] = 0;
+            while (np[h] < n_keep[h] && keep[h][np[h]] < kv->np[h]) np[h]++;
+        }
+        return kv_restage(kv, kv, cap, keep, n_keep, np, kv->dk, kv->kidx);
     }
     int32_t *rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
     if (!rows) return fail(KVC_ERR_NOMEM, "out of memory: compaction rows");
@@ -179,18 +209,29 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
 }
 
 kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
+    int into_pruned = 0;
     for (int32_t h = 0; h < kv->Hkv; h++) {
         if (len[h] < 0 || len[h] > kv->cap[h])
             return fail(KVC_ERR_INTERNAL, "K/V lengths: head %d gets %lld rows of %lld", h, (long long)len[h],
                         (long long)kv->cap[h]);
+        into_pruned |= len[h] < kv->np[h];
     }
-    return upload_tables(kv, kv->kh, kv->vh, len);
+    if (into_pruned) { /* the pruned prefix shrinks (later rows are full again): a new arena */
+        int64_t np[KVC_MAX_KV], cap[KVC_MAX_KV];
+        for (int32_t h = 0; h < kv->Hkv; h++) {
+            np[h] = len[h] < kv->np[h] ? len[h] : kv->np[h];
+            cap[h] = kv->cap[h];
+        }
+        return kv_restage(kv, kv, cap, nullptr, len, np, kv->dk, kv->kidx);
+    }
+    return kv_upload_tables(kv, kv->kh, kv->vh, kv->np, len);
 }
 
 kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
     if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
         return fail(KVC_ERR_INTERNAL, "K/V write outside head %d's %lld rows", h, (long long)kv->cap[h]);
     if (rows == 0) return KVC_OK;
+    if (kv->dk) return kv_write_pruned(kv, h, row0, rows, k, v);
     const int64_t n = rows * kv->d;
     KVC_TRY(scratch(g_stage, sizeof(float) * n, "K/V write staging"));
     for (int pass = 0; pass < 2; pass++) {
@@ -207,6 +248,7 @@ kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, floa
     if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
         return fail(KVC_ERR_INTERNAL, "K/V read outside head %d's %lld rows", h, (long long)kv->cap[h]);
     if (rows == 0) return KVC_OK;
+    if (kv->dk) return kv_read_pruned(kv, h, row0, rows, k, v);
     const int64_t n = rows * kv->d;
     KVC_TRY(scratch(g_stage, sizeof(float) * n, "K/V read staging"));
     for (int pass = 0; pass < 2; pass++) {

@@ -210,6 +210,10 @@ static kvc_status emu_kv_set_lens(kvc_kv *kv, const int64_t *len) {
     NOT_IN_GRAPH("setting K/V lengths");
     return kvc_hkv_set_lens(kv, len);
 }
+static kvc_status emu_kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
+    NOT_IN_GRAPH("a K/V key-channel pruning");
+    return kvc_hkv_prune_keys(kv, dk, kidx);
+}
 static kvc_status emu_kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
     NOT_IN_GRAPH("a K/V write");
     return kvc_hkv_write(kv, h, row0, rows, k, v);
@@ -247,7 +251,6 @@ static kvc_status emu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     KVC_TRY(fault("kv_new"));
     return kvc_hkv_new(&g_stats, KVC_BF16, Hkv, d, out);
 }
-static size_t emu_kv_bytes(int32_t Hkv, int32_t d, const int64_t *cap) { return kvc_hkv_arena_bytes(KVC_BF16, Hkv, d, cap); }
 
 static const kvc_backend g_emulated = {
     .version = KVC_BACKEND_VERSION,
@@ -270,10 +273,11 @@ static const kvc_backend g_emulated = {
     .host_f32 = emu_host_f32,
     .kv_new = emu_kv_new,
     .kv_free = kvc_hkv_free,
-    .kv_arena_bytes = emu_kv_bytes,
+    .kv_bytes = kvc_hkv_bytes,
     .kv_resize = emu_kv_resize,
     .kv_gather = emu_kv_gather,
     .kv_set_lens = emu_kv_set_lens,
+    .kv_prune_keys = emu_kv_prune_keys,
     .kv_write = emu_kv_write,
     .kv_read = emu_kv_read,
     .embed = emu_embed,

@@ -1,0 +1,265 @@
+/* ThinK-pruned K rows in the CUDA K/V store (core/backend.h, "Key-channel pruning"; the layout is in
+ * common.cuh): per head one arena slice of np rows x dk kept channels, then the full rows, then V. Layout
+ * changes of a pruned store (prune, growth, compaction, truncation into the prefix) go through the host
+ * as f32 rows (bf16 -> f32 -> bf16 is exact); they happen once per compressed layer or on a geometric
+ * growth. The kernels read pruned rows expanded to d channels (zeros in the dropped ones) into a scratch
+ * of the layer's rows (kv_keys_full): the cache keeps the freed bytes, one layer's keys are expanded at a
+ * time. Compile-only in this project's CI (no GPU): the CPU backend is the reference it follows. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.cuh"
+
+namespace kvc {
+
+uint64_t kv_layout_generation = 0;
+static Buf g_stage_p, g_kexp; /* row conversions, expanded keys (one layer at a time) */
+
+static size_t slice_p(int32_t d, int64_t rows) { return ((size_t)rows * d * sizeof(bf16) + 255) & ~(size_t)255; }
+
+/* n f32 values from the host into bf16 device memory, and back */
+static kvc_status put_f32(const float *src, bf16 *dst, int64_t n) {
+    if (n <= 0) return KVC_OK;
+    KVC_TRY(scratch(g_stage_p, sizeof(float) * (size_t)n, "K/V staging"));
+    CU_TRY(cudaMemcpyAsync(g_stage_p.p, src, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, g.stream), "K/V write");
+    KVC_TRY(f32_to_bf16(g_stage_p.as<float>(), dst, n));
+    CU_TRY(cudaStreamSynchronize(g.stream), "K/V write");
+    return KVC_OK;
+}
+static kvc_status get_f32(const bf16 *src, float *dst, int64_t n) {
+    if (n <= 0) return KVC_OK;
+    KVC_TRY(scratch(g_stage_p, sizeof(float) * (size_t)n, "K/V staging"));
+    KVC_TRY(bf16_to_f32(src, g_stage_p.as<float>(), n));
+    CU_TRY(cudaMemcpyAsync(dst, g_stage_p.p, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, g.stream), "K/V read");
+    CU_TRY(cudaStreamSynchronize(g.stream), "K/V read");
+    return KVC_OK;
+}
+
+/* rows [row0, row0 + rows) of head h: pruned ones expanded (zeros in the dropped channels) */
+kvc_status kv_read_pruned(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
+    const int32_t d = kv->d, dk = kv->dk;
+    if (v) KVC_TRY(get_f32(kv->vh[h] + row0 * d, v, rows * d));
+    if (!k) return KVC_OK;
+    const int64_t np = kv->np[h], pe = row0 + rows < np ? row0 + rows : np; /* pruned rows [row0, pe) */
+    if (pe > row0) {
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)(pe - row0) * dk);
+        if (!tmp) return fail(KVC_ERR_NOMEM, "out of memory: K/V read");
+        const kvc_status st = get_f32(kv->kph[h] + row0 * dk, tmp, (pe - row0) * dk);
+        if (st == KVC_OK) {
+            const int32_t *ix = kv->kidx + (size_t)h * dk;
+            memset(k, 0, sizeof(float) * (size_t)(pe - row0) * d);
+            for (int64_t r = 0; r < pe - row0; r++)
+                for (int32_t j = 0; j < dk; j++) k[r * d + ix[j]] = tmp[r * dk + j];
+        }
+        free(tmp);
+        KVC_TRY(st);
+    }
+    const int64_t f0 = pe > row0 ? pe : row0; /* full rows [f0, row0 + rows) */
+    return get_f32(kv->kh[h] + (f0 - np) * d, k + (f0 - row0) * d, (row0 + rows - f0) * d);
+}
+
+/* the same rows written: a pruned row keeps its kept channels only */
+kvc_status kv_write_pruned(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
+    const int32_t d = kv->d, dk = kv->dk;
+    if (v) KVC_TRY(put_f32(v, kv->vh[h] + row0 * d, rows * d));
+    if (!k) return KVC_OK;
+    const int64_t np = kv->np[h], pe = row0 + rows < np ? row0 + rows : np;
+    if (pe > row0) {
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)(pe - row0) * dk);
+        if (!tmp) return fail(KVC_ERR_NOMEM, "out of memory: K/V write");
+        const int32_t *ix = kv->kidx + (size_t)h * dk;
+        for (int64_t r = 0; r < pe - row0; r++)
+            for (int32_t j = 0; j < dk; j++) tmp[r * dk + j] = k[r * d + ix[j]];
+        const kvc_status st = put_f32(tmp, kv->kph[h] + row0 * dk, (pe - row0) * dk);
+        free(tmp);
+        KVC_TRY(st);
+    }
+    const int64_t f0 = pe > row0 ? pe : row0;
+    return put_f32(k + (f0 - row0) * d, kv->kh[h] + (f0 - np) * d, (row0 + rows - f0) * d);
+}
+
+/* the device lengths, on the host */
+static kvc_status host_lens(const kvc_kv *kv, int64_t *len) {
+    int32_t l32[KVC_MAX_KV];
+    CU_TRY(cudaMemcpyAsync(l32, kv->lend, sizeof(int32_t) * kv->Hkv, cudaMemcpyDeviceToHost, g.stream), "K/V lengths");
+    CU_TRY(cudaStreamSynchronize(g.stream), "K/V lengths");
+    for (int32_t h = 0; h < kv->Hkv; h++) len[h] = l32[h];
+    return KVC_OK;
+}
+
+kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const int64_t *const *keep, const int64_t *n,
+                      const int64_t *np_new, int32_t dk, const int32_t *kidx) {
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    int64_t np[KVC_MAX_KV], any = 0;
+    for (int32_t h = 0; h < Hkv; h++) any += np[h] = dk ? np_new[h] : 0;
+    if (!any) dk = 0; /* nothing pruned any more: the plain layout */
+    /* the arena: per head Kp [np, dk] | K [cap - np, d] | V [cap, d], then the channel map [Hkv, d] */
+    size_t bytes = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        if (cap[h] < 0 || cap[h] >= 2147483647 || np[h] > cap[h] || n[h] > cap[h])
+            return fail(KVC_ERR_INTERNAL, "K/V restage: head %d holds %lld rows (%lld pruned) in %lld", h,
+                        (long long)n[h], (long long)np[h], (long long)cap[h]);
+        bytes += slice_p(dk, np[h]) + slice_p(d, cap[h] - np[h]) + slice_p(d, cap[h]);
+    }
+    const size_t map_off = bytes;
+    if (dk) bytes += sizeof(int32_t) * (size_t)Hkv * d;
+    void *arena = nullptr;
+    if (bytes) KVC_TRY(dalloc(&arena, bytes, MEM_CACHE, "KV cache"));
+    bf16 *nkp[KVC_MAX_KV], *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
+    size_t off = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        nkp[h] = (bf16 *)((char *)arena + off);
+        nk[h] = (bf16 *)((char *)arena + off + slice_p(dk, np[h]));
+        nv[h] = (bf16 *)((char *)arena + off + slice_p(dk, np[h]) + slice_p(d, cap[h] - np[h]));
+        off += slice_p(dk, np[h]) + slice_p(d, cap[h] - np[h]) + slice_p(d, cap[h]);
+    }
+    int32_t *ixc = dk ? (int32_t *)malloc(sizeof(int32_t) * (size_t)Hkv * dk) : nullptr;
+    int32_t *inv = dk ? (int32_t *)malloc(sizeof(int32_t) * (size_t)Hkv * d) : nullptr;
+    int64_t maxn = 1;
+    for (int32_t h = 0; h < Hkv; h++) maxn = n[h] > maxn ? n[h] : maxn;
+    float *K = (float *)malloc(sizeof(float) * (size_t)maxn * d), *V = (float *)malloc(sizeof(float) * (size_t)maxn * d);
+    float *Kp = (float *)malloc(sizeof(float) * (size_t)maxn * (dk ? dk : 1));
+    kvc_status st = (!K || !V || !Kp || (dk && (!ixc || !inv))) ? fail(KVC_ERR_NOMEM, "out of memory: K/V restage") : KVC_OK;
+    if (st == KVC_OK && dk) {
+        memcpy(ixc, kidx, sizeof(int32_t) * (size_t)Hkv * dk);
+        for (int32_t h = 0; h < Hkv; h++) {
+            for (int32_t c = 0; c < d; c++) inv[(size_t)h * d + c] = -1;
+            for (int32_t j = 0; j < dk; j++) inv[(size_t)h * d + kidx[(size_t)h * dk + j]] = j;
+        }
+        if (cudaMemcpyAsync((char *)arena + map_off, inv, sizeof(int32_t) * (size_t)Hkv * d, cudaMemcpyHostToDevice,
+                            g.stream) != cudaSuccess)
+            st = cuda_fail(cudaGetLastError(), "K/V channel map");
+    }
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        for (int64_t i = 0; i < n[h] && st == KVC_OK; i++) { /* rows as f32 (a pruned source row expanded) */
+            const int64_t s = keep ? keep[h][i] : i;
+            if (from->dk) {
+                st = kv_read_pruned(from, h, s, 1, K + i * d, V + i * d);
+            } else {
+                st = get_f32(from->kh[h] + s * d, K + i * d, d);
+                if (st == KVC_OK) st = get_f32(from->vh[h] + s * d, V + i * d, d);
+            }
+        }
+        if (st != KVC_OK) break;
+        for (int64_t i = 0; i < np[h]; i++)
+            for (int32_t j = 0; j < dk; j++) Kp[i * dk + j] = K[i * d + kidx[(size_t)h * dk + j]];
+        st = put_f32(Kp, nkp[h], np[h] * dk);
+        if (st == KVC_OK) st = put_f32(K + np[h] * d, nk[h], (n[h] - np[h]) * d);
+        if (st == KVC_OK) st = put_f32(V, nv[h], n[h] * d);
+    }
+    if (st == KVC_OK) st = kv_upload_tables(kv, nk, nv, np, n);
+    if (st != KVC_OK) {
+        cudaStreamSynchronize(g.stream);
+        if (arena) dfree(arena, bytes, MEM_CACHE);
+        free(ixc);
+    } else {
+        if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
+        kv->arena = arena;
+        kv->bytes = bytes;
+        for (int32_t h = 0; h < Hkv; h++) {
+            kv->kh[h] = nk[h];
+            kv->vh[h] = nv[h];
+            kv->kph[h] = np[h] ? nkp[h] : nullptr;
+            kv->np[h] = np[h];
+            kv->cap[h] = cap[h];
+        }
+        free(kv->kidx);
+        kv->kidx = ixc;
+        kv->dk = dk;
+        kv->invd = dk ? (int32_t *)((char *)arena + map_off) : nullptr;
+        kv_layout_generation++;
+    }
+    free(inv);
+    free(K);
+    free(V);
+    free(Kp);
+    return st;
+}
+
+kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
+    if (dk < 1 || dk > kv->d) return fail(KVC_ERR_INTERNAL, "K/V prune: %d kept channels of %d", dk, kv->d);
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        for (int32_t j = 0; j < dk; j++) {
+            const int32_t c = kidx[(size_t)h * dk + j];
+            if (c < 0 || c >= kv->d || (j > 0 && c <= kidx[(size_t)h * dk + j - 1]))
+                return fail(KVC_ERR_INTERNAL, "K/V prune: head %d channels are not increasing inside [0, %d)", h, kv->d);
+        }
+    int64_t len[KVC_MAX_KV], cap[KVC_MAX_KV];
+    KVC_TRY(host_lens(kv, len));
+    for (int32_t h = 0; h < kv->Hkv; h++) cap[h] = kv->cap[h];
+    return kv_restage(kv, kv, cap, nullptr, len, len, dk, kidx); /* every row held becomes pruned */
+}
+
+/* Expansion: one block per (row, head); rows at or past the device length are left alone. */
+struct ExpandInfo {
+    const bf16 *kp[KVC_MAX_KV], *kf[KVC_MAX_KV];
+    bf16 *out[KVC_MAX_KV];
+    int64_t np[KVC_MAX_KV];
+};
+
+__global__ void expand_keys_kernel(const ExpandInfo ei, const int32_t *__restrict__ len, const int32_t *__restrict__ inv,
+                                   int32_t d, int32_t dk) {
+    const int32_t h = blockIdx.y;
+    const int64_t r = blockIdx.x;
+    if (r >= len[h]) return;
+    bf16 *o = ei.out[h] + r * d;
+    const int64_t np = ei.np[h];
+    for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+        if (r >= np) {
+            o[c] = ei.kf[h][(r - np) * d + c];
+        } else {
+            const int32_t j = inv[(size_t)h * d + c];
+            o[c] = j >= 0 ? ei.kp[h][r * dk + j] : __float2bfloat16(0.f);
+        }
+    }
+}
+
+kvc_status kv_keys_full(const kvc_kv *kvc, const bf16 **heads, bf16 ***table) {
+    kvc_kv *kv = (kvc_kv *)kvc; /* only its expansion table changes */
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    CU_TRY(cudaStreamIsCapturing(g.stream, &cs), "pruned keys");
+    size_t rows = 0;
+    int64_t maxcap = 1;
+    for (int32_t h = 0; h < Hkv; h++) {
+        rows += (size_t)kv->cap[h];
+        maxcap = kv->cap[h] > maxcap ? kv->cap[h] : maxcap;
+    }
+    const size_t need = sizeof(bf16) * (rows ? rows : 1) * d;
+    if (need > g_kexp.bytes) {
+        /* growing moves the scratch: illegal while a graph is being captured (the engine's eager first step
+         * sizes it), and graphs captured before read the old one */
+        if (cs != cudaStreamCaptureStatusNone)
+            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key scratch must grow during a graph capture: run one eager step first");
+        KVC_TRY(scratch(g_kexp, need, "pruned keys expanded"));
+        kv_layout_generation++;
+    }
+    ExpandInfo ei;
+    memset(&ei, 0, sizeof ei);
+    bf16 *outs[KVC_MAX_KV];
+    size_t off = 0;
+    int changed = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        outs[h] = g_kexp.as<bf16>() + off;
+        heads[h] = outs[h];
+        changed |= outs[h] != kv->kxh[h];
+        off += (size_t)kv->cap[h] * d;
+        ei.kp[h] = kv->kph[h];
+        ei.kf[h] = kv->kh[h];
+        ei.out[h] = outs[h];
+        ei.np[h] = kv->np[h];
+    }
+    if (changed) { /* the store's table of expanded heads (fixed address) follows the scratch */
+        if (cs != cudaStreamCaptureStatusNone)
+            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key table changed during a graph capture: run one eager step first");
+        memcpy(kv->kxh, outs, sizeof(bf16 *) * Hkv);
+        CU_TRY(cudaMemcpyAsync(kv->kxd, kv->kxh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
+    }
+    dim3 grid((unsigned)maxcap, (unsigned)Hkv);
+    expand_keys_kernel<<<grid, d < 128 ? d : 128, 0, g.stream>>>(ei, kv->lend, kv->invd, d, kv->dk);
+    LAUNCH_TRY("pruned keys expansion");
+    *table = kv->kxd;
+    return KVC_OK;
+}
+
+} // namespace kvc
