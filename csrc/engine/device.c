@@ -195,9 +195,13 @@ kvc_status kvc_device_kernel_head_rmsnorm(int32_t device, float *x, int64_t n, i
     return st;
 }
 
-kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                       const float *const *k, const float *const *v, const int64_t *past_len,
-                                       const int64_t *start, float scale, float *out, int32_t force_prefill) {
+/* The attention kernel over a store built from k, v; with pr_rows, rows [0, pr_rows[h]) of head h are then
+ * pruned to the dk key channels kidx[h dk ..] (kv_prune_keys keeps only those rows) and the later rows
+ * written again, in full. */
+static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                   const float *const *k, const float *const *v, const int64_t *past_len,
+                                   const int64_t *start, const int64_t *pr_rows, int32_t dk, const int32_t *kidx,
+                                   float scale, float *out, int32_t force_prefill) {
     CHECK(q && k && v && past_len && out, "attention: q, k, v, past_len and out must not be NULL");
     CHECK(n > 0 && H > 0 && Hkv > 0 && d > 0, "attention: sizes must be positive (n=%lld H=%d Hkv=%d d=%d)", (long long)n,
           H, Hkv, d);
@@ -234,6 +238,12 @@ kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n
     if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, &sc.kv);
     if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, len, zero, NULL);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) st = sc.be->kv_write(sc.kv, h, 0, len[h], k[h], v[h]);
+    if (st == KVC_OK && pr_rows) {
+        st = sc.be->kv_set_lens(sc.kv, pr_rows);
+        if (st == KVC_OK) st = sc.be->kv_prune_keys(sc.kv, dk, kidx);
+        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+            st = sc.be->kv_write(sc.kv, h, pr_rows[h], len[h] - pr_rows[h], k[h] + pr_rows[h] * d, v[h] + pr_rows[h] * d);
+    }
     if (st == KVC_OK) st = sc.be->kv_set_lens(sc.kv, len);
     if (st == KVC_OK)
         st = sc.be->attention(kvc_view_of(Q, 0, qd), n, H, sc.kv, scale, kvc_view_of(S, 0, Hkv), kvc_view_of(O, 0, qd),
@@ -241,6 +251,30 @@ kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n
     if (st == KVC_OK) st = sc.be->download(kvc_view_of(O, 0, qd), n, qd, out, KVC_F32);
     scope_end(&sc);
     return st;
+}
+
+kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                       const float *const *k, const float *const *v, const int64_t *past_len,
+                                       const int64_t *start, float scale, float *out, int32_t force_prefill) {
+    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, start, NULL, 0, NULL, scale, out, force_prefill);
+}
+
+kvc_status kvc_device_kernel_attention_pruned(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                              const float *const *k, const float *const *v, const int64_t *past_len,
+                                              const int64_t *pruned_rows, int32_t dk, const int32_t *kidx, float scale,
+                                              float *out, int32_t force_prefill) {
+    CHECK(pruned_rows && kidx, "attention_pruned: pruned_rows and kidx must not be NULL");
+    CHECK(dk >= 1 && dk <= d, "attention_pruned: dk = %d kept channels of %d", dk, d);
+    CHECK(Hkv > 0 && Hkv <= KVC_MAX_KV_HEADS, "attention_pruned: Hkv = %d", Hkv);
+    for (int32_t h = 0; h < Hkv; h++) {
+        CHECK(past_len && pruned_rows[h] >= 0 && pruned_rows[h] <= past_len[h] + n,
+              "attention_pruned: head %d prunes %lld rows", h, (long long)pruned_rows[h]);
+        for (int32_t j = 0; j < dk; j++)
+            CHECK(kidx[h * dk + j] >= 0 && kidx[h * dk + j] < d && (j == 0 || kidx[h * dk + j] > kidx[h * dk + j - 1]),
+                  "attention_pruned: head %d channels must increase inside [0, %d)", h, d);
+    }
+    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, NULL, pruned_rows, dk, kidx, scale, out,
+                            force_prefill);
 }
 
 kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,

@@ -496,6 +496,13 @@ KVC_API kvc_status kvc_device_kernel_attention(int32_t device, const float *q, i
                                                int32_t d, const float *const *k, const float *const *v,
                                                const int64_t *past_len, const int64_t *start, float scale, float *out,
                                                int32_t force_prefill);
+/* The same (no window) over a store whose rows [0, pruned_rows[h]) of KV head h keep only the dk key
+ * channels kidx[h * dk + j] (increasing; ThinK's freed layout, core/backend.h): the other channels of
+ * those rows of k are dropped, as if zero. */
+KVC_API kvc_status kvc_device_kernel_attention_pruned(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv,
+                                                      int32_t d, const float *const *k, const float *const *v,
+                                                      const int64_t *past_len, const int64_t *pruned_rows, int32_t dk,
+                                                      const int32_t *kidx, float scale, float *out, int32_t force_prefill);
 /* Top-k of each of `heads` score rows [heads, n]: keep[h * n + i], i < min(k[h], n), sorted rows (higher
  * score first, ties to the lower row, NaN lowest). */
 KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,

@@ -90,6 +90,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_rope": (_I, [_I32, F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
     "kvc_device_kernel_swiglu": (_I, [_I32, F32P, F32P, F32P, _I64, _I64]),
     "kvc_device_kernel_attention": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _V, _F, F32P, _I32]),
+    "kvc_device_kernel_attention_pruned": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, I64P, _I32, I32P, _F,
+                                               F32P, _I32]),
     "kvc_device_kernel_head_rmsnorm": (_I, [_I32, F32P, _I64, _I32, _I32, F32P, _F]),
     "kvc_device_kernel_topk": (_I, [_I32, F32P, _I32, _I64, I64P, I64P]),
     "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
