@@ -7,6 +7,7 @@ only (core/backend.h, kv_prune_keys). Checked here:
   ThinK), alone and composed with SnapKV, through decode steps that append full rows, a cache growth and
   a second compressed prefill (a second ThinK re-prunes the pruned rows), on the CPU and the emulated device;
 - the KV bytes after compression equal the layout's formula (pruned K rows take dk / d of a row);
+- truncation into the pruned rows, a copied session, and decode graphs (emulated) over pruned rows;
 - the emulated device's freed layout against the CPU's.
 """
 import ctypes as C
@@ -236,3 +237,51 @@ def test_emulated_freed_layout_against_cpu(model_path, rng):
     assert np.abs(diff[True] - diff[False]).max() < SAME["emulated"]
     bc, be = nbytes[True]
     assert be < bc and nbytes[True][1] < nbytes[False][1]
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_truncate_into_the_pruned_rows_and_fork(model_path, rng, device):
+    """Truncating into the pruned prefix (the store rebuilds: the rows appended after it are full again)
+    and forking a session (the copy carries the prefix) give the zeroing layout's logits, bytes following."""
+    model = model_on(model_path, device)
+    ids = rng.integers(3, SHAPE["vocab"], size=120)
+    steps = rng.integers(3, SHAPE["vocab"], size=12)
+    out, nbytes = {}, {}
+    for free in (False, True):
+        press = think(0.5, free)
+        s = model.new_session()
+        s.set_press(**press.c_config())
+        press.before_prefill(s, len(ids), model.config)
+        s.forward(ids.astype(np.int32), logits="none")
+        s.set_press(None)
+        lens = s.cache_lengths().copy()
+        lens[:, 0] = 100  # head 0 of every layer cut inside its pruned rows, head 1 kept whole
+        s.truncate(lens, 120)
+        nbytes[free] = s.cache_bytes
+        fork = model.new_session()
+        fork.copy_cache_from(s)
+        assert fork.cache_bytes <= s.cache_bytes  # the copy is sized to the rows held
+        out[free] = [s.forward(np.array([t], np.int32)) for t in steps]
+        out[free] += [fork.forward(np.array([t], np.int32)) for t in steps[::-1]]
+    assert rel(np.stack(out[True]), np.stack(out[False])) < SAME[device]
+    assert nbytes[True] < nbytes[False]
+
+
+def test_decode_graph_over_pruned_rows(model_path, rng):
+    """Emulated decode steps replayed from a graph over a cache with pruned rows equal the eager steps
+    (bound of tests/device/test_device.py's graph test, 1e-5), growth of the arenas included."""
+    model = model_on(model_path, "emulated")
+    ids = rng.integers(3, SHAPE["vocab"], size=100)
+    steps = rng.integers(3, SHAPE["vocab"], size=40)
+    out = []
+    for graphs in (True, False):
+        press = think(0.5, True, 0.5)
+        s = model.new_session()
+        s.set_press(**press.c_config())
+        press.before_prefill(s, len(ids), model.config)
+        s.forward(ids.astype(np.int32), logits="none")
+        s.set_press(None)
+        s.set_decode_graphs(graphs)
+        out.append(np.stack([s.forward(np.array([t], np.int32), logits="last") for t in steps]))
+        assert s.graph_info["error"] == "" and s.graph_info["graph_steps"] == (39 if graphs else 0)
+    assert rel(out[0], out[1]) < 1e-5
