@@ -115,8 +115,11 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
     }
     int32_t *ixc = dk ? (int32_t *)malloc(sizeof(int32_t) * (size_t)Hkv * dk) : nullptr;
     int32_t *inv = dk ? (int32_t *)malloc(sizeof(int32_t) * (size_t)Hkv * d) : nullptr;
-    int64_t maxn = 1;
-    for (int32_t h = 0; h < Hkv; h++) maxn = n[h] > maxn ? n[h] : maxn;
+    int64_t maxn = 1; /* source rows read per head */
+    for (int32_t h = 0; h < Hkv; h++) {
+        const int64_t m = keep ? (n[h] > 0 ? keep[h][n[h] - 1] + 1 : 0) : n[h];
+        maxn = m > maxn ? m : maxn;
+    }
     float *K = (float *)malloc(sizeof(float) * (size_t)maxn * d), *V = (float *)malloc(sizeof(float) * (size_t)maxn * d);
     float *Kp = (float *)malloc(sizeof(float) * (size_t)maxn * (dk ? dk : 1));
     kvc_status st = (!K || !V || !Kp || (dk && (!ixc || !inv))) ? fail(KVC_ERR_NOMEM, "out of memory: K/V restage") : KVC_OK;
@@ -131,15 +134,20 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
             st = cuda_fail(cudaGetLastError(), "K/V channel map");
     }
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        for (int64_t i = 0; i < n[h] && st == KVC_OK; i++) { /* rows as f32 (a pruned source row expanded) */
-            const int64_t s = keep ? keep[h][i] : i;
-            if (from->dk) {
-                st = kv_read_pruned(from, h, s, 1, K + i * d, V + i * d);
-            } else {
-                st = get_f32(from->kh[h] + s * d, K + i * d, d);
-                if (st == KVC_OK) st = get_f32(from->vh[h] + s * d, V + i * d, d);
-            }
+        /* the source rows [0, m) as f32 in one read (pruned rows expanded), then the kept ones packed in
+         * place (keep[h][i] >= i, increasing: no source is overwritten before it is read) */
+        const int64_t m = keep ? (n[h] > 0 ? keep[h][n[h] - 1] + 1 : 0) : n[h];
+        if (m > 0 && from->dk) {
+            st = kv_read_pruned(from, h, 0, m, K, V);
+        } else if (m > 0) {
+            st = get_f32(from->kh[h], K, m * d);
+            if (st == KVC_OK) st = get_f32(from->vh[h], V, m * d);
         }
+        for (int64_t i = 0; keep && st == KVC_OK && i < n[h]; i++)
+            if (keep[h][i] != i) {
+                memcpy(K + i * d, K + keep[h][i] * d, sizeof(float) * (size_t)d);
+                memcpy(V + i * d, V + keep[h][i] * d, sizeof(float) * (size_t)d);
+            }
         if (st != KVC_OK) break;
         for (int64_t i = 0; i < np[h]; i++)
             for (int32_t j = 0; j < dk; j++) Kp[i * dk + j] = K[i * d + kidx[(size_t)h * dk + j]];
