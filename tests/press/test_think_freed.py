@@ -285,3 +285,34 @@ def test_decode_graph_over_pruned_rows(model_path, rng):
         out.append(np.stack([s.forward(np.array([t], np.int32), logits="last") for t in steps]))
         assert s.graph_info["error"] == "" and s.graph_info["graph_steps"] == (39 if graphs else 0)
     assert rel(out[0], out[1]) < 1e-5
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_decoding_press_over_pruned_rows(model_path, rng, device):
+    """A decoding press (Knorm every 8 steps down to 60 rows) after ThinK: its scorer reads the pruned rows
+    as kv_read gives them (dropped channels zero) and its compactions keep kept pruned rows pruned; the
+    freed layout gives the zeroing layout's logits (fed the same tokens) and kept positions."""
+    model = model_on(model_path, device)
+    ids = rng.integers(3, SHAPE["vocab"], size=120)
+    dec = kvpress_c.DecodingPress(kvpress_c.KnormPress(), compression_interval=8, target_size=60)
+    res = {}
+    for free in (False, True):
+        press = think(0.5, free)
+        s = model.new_session()
+        s.set_press(**press.c_config())
+        press.before_prefill(s, len(ids), model.config)
+        logits = [s.forward(ids.astype(np.int32), logits="last")]
+        s.set_press(None)
+        s.set_decoding_press(**dec.decoding_config())
+        toks = res[False][1] if free else []
+        for i in range(30):
+            if not free:
+                toks.append(int(np.argmax(logits[-1])))
+            logits.append(s.forward(np.array([toks[i]], np.int32), logits="last"))
+        assert s.cache_lengths().max() < 120  # the decoding press compressed
+        pos = [s.cache_positions(l, h) for l in range(SHAPE["layers"]) for h in range(SHAPE["kv_heads"])]
+        res[free] = (np.stack(logits), toks, pos, s.cache_bytes)
+    assert rel(res[True][0], res[False][0]) < SAME[device]
+    for a, b in zip(res[True][2], res[False][2]):
+        np.testing.assert_array_equal(a, b)
+    assert res[True][3] < res[False][3]
