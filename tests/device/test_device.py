@@ -836,20 +836,22 @@ def test_head_rmsnorm(rng, device, n, heads, d):
     assert rel(ours, ref) < 2 * BF16_EPS  # one rounding of the output
 
 
-def test_attention_window_starts(rng, device):
-    n, H, d = 70, 8, 64
+@pytest.mark.parametrize("n,H,d,force_prefill", [(70, 8, 64, 0), (130, 4, 128, 0), (1, 8, 64, 0), (1, 4, 128, 1),
+                                                  (9, 6, 40, 0)])
+def test_attention_window_starts(rng, device, attention_kernel, n, H, d, force_prefill):
+    """Window starts (i64 [n, Hkv], nondecreasing per head) on the device against the CPU: the prefill
+    kernels (WMMA and mma at d 64 / 128, the generic one at d 40) and split-K decode (n = 1)."""
     past = np.array([90, 3], np.int64)  # 2 KV heads
     start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
     q = bf16(rng.standard_normal((n, H, d)))
     ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
     vs = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
-    if device == "cuda":  # not in the CUDA kernels yet: refused, never run as full attention
-        with pytest.raises(CError, match="sliding-window"):
-            run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device=device, start=start)
-        return
-    ours = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device=device, start=start)
+    ours = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, force_prefill, device=device,
+                         start=start)
     ref = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device="cpu", start=start)
-    assert rel(ours, ref) < 1e-2  # as test_attention_long_decode_split_k: bf16 output of the same sums
+    full = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device="cpu")
+    assert rel(full, ref) > 0.05  # the starts change the output: a kernel ignoring them would fail below
+    assert rel(ours, ref) < 1.5e-2  # as test_attention_ragged: bf16 probabilities and output of the same sums
 
 
 @pytest.mark.parametrize("arch,window,first", [("qwen3", None, 0), ("mistral", 6, 0), ("qwen3", 9, 2)])
@@ -860,10 +862,6 @@ def test_qwen3_and_window_models_match_cpu(tmp_path, rng, device, arch, window, 
     seed = int(rng.integers(1 << 31))
     path = write_tiny_model(str(tmp_path / arch), arch=arch, seed=seed, window=window, window_layers=first)
     cpu = kvpress_c.load_model(path)
-    if device == "cuda" and window:
-        with pytest.raises(NotImplementedError, match="sliding-window"):
-            kvpress_c.load_model(path, device=device)
-        return
     emu = kvpress_c.load_model(path, device=device)
     ids = rng.integers(3, cpu.config["vocab"], size=40).astype(np.int32)
     sc, se = cpu.new_session(), emu.new_session()
