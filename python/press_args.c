@@ -10,7 +10,9 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                /* kvpress's scorers */
                                "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon",
                                "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
-                               "cmp_sink_start", "cmp_sink_end", "cmp_blend", NULL};
+                               "cmp_sink_start", "cmp_sink_end", "cmp_blend",
+                               /* kvpress's wrappers that change the selection */
+                               "chunk_press", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -19,7 +21,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiif", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifi", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -28,7 +30,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
                                                &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
-                                               &c->cmp_blend);
+                                               &c->cmp_blend, &c->chunk_press);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;

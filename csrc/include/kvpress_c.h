@@ -258,6 +258,8 @@ typedef struct kvc_press_config {
     int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
     int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
     float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
+    /* ---- kvpress's wrappers that change the selection ---- */
+    int32_t chunk_press;       /* ChunkPress chunk_length: each chunk scored alone, its own top share (0: off) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

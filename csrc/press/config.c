@@ -87,6 +87,16 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
                         "budget: the two do not combine (use ChunkKVPress over SnapKVPress, or AdaKVPress alone)");
     if (c->allocation == KVC_ALLOC_PYRAMID && c->pyramid_beta < 1)
         return kvc_fail(KVC_ERR_ARG, "PyramidKV beta must be >= 1, got %d", c->pyramid_beta);
+    if (c->chunk_press < 0) return kvc_fail(KVC_ERR_ARG, "ChunkPress chunk_length must be a positive integer, got %d", c->chunk_press);
+    if (c->chunk_press > 0) {
+        if (!kvc_chunk_press_scorer(c->scorer))
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk from its own keys and values: wrap KnormPress, "
+                            "KeyDiffPress, LagKVPress, StreamingLLMPress or RandomPress (a scorer reading the queries, "
+                            "as kvpress runs it, would rotate each chunk's last queries to the prompt's last positions)");
+        if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
+            return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
+                            "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");
+    }
     if (c->budget > 0 && kvc_scorer_has_window(c->scorer) && c->budget < c->window)
         return kvc_fail(KVC_ERR_ARG, "budget (%lld) must be at least window_size (%d): the window is kept inside the budget",
                         (long long)c->budget, c->window);

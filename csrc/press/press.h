@@ -127,6 +127,18 @@ kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config 
 /* W_o^T [H d, D] of the layer (lr->wo) on the host as fp32, through the backend's matmul. */
 kvc_status kvc_wo_transposed(const kvc_layer_rows *lr, float *wt);
 
+/* ---- chunk_press.c: kvpress ChunkPress (FINCH's per-chunk selection) ---- */
+/* Scorers that read only the rows they score (no queries): a chunk copied alone is scored as kvpress does. */
+static inline int kvc_chunk_press_scorer(int32_t scorer) {
+    return scorer == KVC_SCORE_KNORM || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
+           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM;
+}
+/* Every chunk of cfg->chunk_press rows scored alone (a scratch K/V store of its rows), its own top
+ * max(1, int(rows (1 - ratio))) kept; scores[h] receives the chunks' scores side by side. */
+kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, kvc_buf **buf, int64_t *ld, float *const *scores,
+                                  int64_t *const *keep, int64_t *n_keep);
+
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):
  * keep[h] receives them sorted, n_keep[h] their count. len[h]: rows per head; window: the protected

@@ -31,6 +31,7 @@ from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
 # wrappers
 from .block import BlockPress
+from .chunk import ChunkPress
 from .composed import ComposedPress
 from .key_rerotation import KeyRerotationPress
 from .per_layer_compression import PerLayerCompressionPress
@@ -47,5 +48,5 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
            "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",
-           "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
+           "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ChunkPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]

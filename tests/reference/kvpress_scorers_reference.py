@@ -243,3 +243,20 @@ def compactor_scores(q, K_pre, K, V, phi, blending, start=8, end=4, chunk=256):
     out = np.full((K.shape[0], n), mid.max())
     out[:, a:b] = mid
     return out
+
+
+def chunk_press(score, K, V, chunk, ratio):
+    """kvpress ChunkPress: score(K_c, V_c) [Hkv, rows] on each chunk of `chunk` rows alone; each chunk keeps its
+    top max(1, int(rows (1 - ratio))) (higher score, then lower row). -> scores [Hkv, n], kept rows per head."""
+    Hkv, n, _ = K.shape
+    scores = np.zeros((Hkv, n))
+    kept = [[] for _ in range(Hkv)]
+    for i in range(0, n, chunk):
+        s = score(K[:, i:i + chunk], V[:, i:i + chunk])
+        rows = s.shape[1]
+        k = max(1, int(rows * (1 - ratio)))
+        scores[:, i:i + rows] = s
+        for h in range(Hkv):
+            order = sorted(range(rows), key=lambda r: (-s[h, r], r))[:k]
+            kept[h].extend(i + r for r in sorted(order))
+    return scores, [np.array(k, np.int64) for k in kept]
