@@ -32,6 +32,7 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->cur_window = 16;
     c->cmp_sink_start = 8;
     c->cmp_sink_end = 4;
+    c->finch_normalize = 1;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -96,6 +97,16 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
         if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
             return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
                             "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");
+    }
+    if (c->finch_chunk < 0) return kvc_fail(KVC_ERR_ARG, "FinchPress chunk_length must be a positive integer, got %d", c->finch_chunk);
+    if (c->finch_chunk > 0) {
+        if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->chunk_press > 0 || c->critical)
+            return kvc_fail(KVC_ERR_ARG, "FinchPress's chunked selection keeps compression_ratio of every chunk: no budget, "
+                            "Ada-KV, ChunkKV or CriticalKV with it");
+        if (!((double)c->finch_chunk > (double)kvc_press_window(c) / (1.0 - c->compression_ratio)))
+            return kvc_fail(KVC_ERR_ARG, "FinchPress chunk_length (%d) must exceed window_size / (1 - compression_ratio) "
+                            "(%d / %g): the last chunk must keep the whole window", c->finch_chunk, kvc_press_window(c),
+                            1.0 - c->compression_ratio);
     }
     if (c->budget > 0 && kvc_scorer_has_window(c->scorer) && c->budget < c->window)
         return kvc_fail(KVC_ERR_ARG, "budget (%lld) must be at least window_size (%d): the window is kept inside the budget",

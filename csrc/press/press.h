@@ -46,7 +46,7 @@ typedef struct kvc_press {
 /* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
 static inline int kvc_scorer_has_window(int32_t scorer) {
-    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE;
+    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE || scorer == KVC_SCORE_FINCH;
 }
 /* kvpress's int(n (1 - ratio)), at least 1; tokens a head of n rows keeps at a layer (kvc_press_kept). */
 int64_t kvc_n_kept_ratio(int64_t n, double compression_ratio);
@@ -114,10 +114,13 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
            scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
            scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
-           scorer == KVC_SCORE_COMPACTOR;
+           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH;
 }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);
+/* finch.c: FinchPress's scores (the window = the question after FINCH's delimiter) */
+kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                            const int64_t *len, float *const *scores);
 
 /* ---- critical.c: CriticalKV / CriticalAdaKV's two stages over host scores (rewritten in place) ---- */
 kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,
@@ -138,6 +141,10 @@ static inline int kvc_chunk_press_scorer(int32_t scorer) {
 kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                                   const int64_t *len, kvc_buf **buf, int64_t *ld, float *const *scores,
                                   int64_t *const *keep, int64_t *n_keep);
+/* Per-chunk selection (ChunkPress, FinchPress's chunk_length): every head's rows cut into chunks of `chunk`,
+ * each keeping its top max(1, int(rows (1 - ratio))) of scores[h] (ties: the lower row); keep[h] sorted. */
+kvc_status kvc_chunk_topk(int32_t Hkv, const int64_t *len, int64_t chunk, double ratio, const float *const *scores,
+                          int64_t *const *keep, int64_t *n_keep);
 
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):

@@ -255,6 +255,9 @@ PRESSES = {
     # ChunkPress: each chunk scored alone in a scratch K/V store of the device
     "chunk_press-knorm": dict(scorer=S["knorm"], compression_ratio=0.7, window=0, chunk_press=64),
     "chunk_press-keydiff": dict(scorer=S["keydiff"], compression_ratio=0.5, window=0, chunk_press=100),
+    # FinchPress: the question's attention, on the host from the device's rows and queries
+    "finch": dict(scorer=S["finch"], compression_ratio=0.5, window=12, kernel=1),
+    "finch-chunked": dict(scorer=S["finch"], compression_ratio=0.8, window=5, kernel=1, finch_chunk=128, finch_normalize=0),
 }
 NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
@@ -489,9 +492,10 @@ SESSION_PRESSES = {
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
     "chunk_press": dict(scorer=S["keydiff"], compression_ratio=0.6, chunk_press=64),
+    "finch": dict(scorer=S["finch"], compression_ratio=0.7, window=10, kernel=1, finch_chunk=100),
 }
 UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor",
-                   "chunk_press")  # same budget for every head: equal lengths
+                   "chunk_press", "finch")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

@@ -260,3 +260,22 @@ def chunk_press(score, K, V, chunk, ratio):
             order = sorted(range(rows), key=lambda r: (-s[h, r], r))[:k]
             kept[h].extend(i + r for r in sorted(order))
     return scores, [np.array(k, np.int64) for k in kept]
+
+
+def finch_scores(q, K, w, normalize=True):
+    """FinchPress: window query j (row n - w + j, the last w of q) takes its softmax over rows <= n - w + j, times
+    n - w + j when normalize; mean over the window, then over the KV head's query heads; window rows max + 1."""
+    Hkv, n, d = K.shape
+    H = q.shape[1]
+    g, past = H // Hkv, n - w
+    out = np.zeros((Hkv, n))
+    for h in range(Hkv):
+        for hq in range(h * g, (h + 1) * g):
+            for j in range(w):
+                logits = K[h, :past + j + 1] @ q[q.shape[0] - w + j, hq] / np.sqrt(d)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                out[h, :past] += p[:past] * ((past + j) if normalize else 1.0)
+    out[:, :past] /= w * g
+    out[:, past:] = out[:, :past].max() + 1
+    return out
