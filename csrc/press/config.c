@@ -33,6 +33,8 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->cmp_sink_start = 8;
     c->cmp_sink_end = 4;
     c->finch_normalize = 1;
+    c->lazy_threshold = 1.0f;
+    c->n_recent = 1024;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -97,6 +99,17 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
         if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
             return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
                             "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");
+    }
+    if (c->scorer == KVC_SCORE_SIMLAYERKV) {
+        if (!(c->lazy_threshold >= 0 && c->lazy_threshold <= 1))
+            return kvc_fail(KVC_ERR_ARG, "lazy_threshold should be in [0, 1], got %g", c->lazy_threshold);
+        if (c->n_recent <= c->window)
+            return kvc_fail(KVC_ERR_ARG, "n_recent (%d) must be larger than n_last (%d): a lazy layer keeps n_recent - n_last "
+                            "recent rows", c->n_recent, c->window);
+        if (c->budget > 0 || c->compression_ratio != 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 ||
+            c->chunk_press > 0 || c->critical || c->drop_window)
+            return kvc_fail(KVC_ERR_ARG, "SimLayerKV decides each layer's cache from its attention: it takes no "
+                            "compression_ratio, budget, allocation or chunks");
     }
     if (c->finch_chunk < 0) return kvc_fail(KVC_ERR_ARG, "FinchPress chunk_length must be a positive integer, got %d", c->finch_chunk);
     if (c->finch_chunk > 0) {

@@ -5,7 +5,8 @@
  * attention is spread over more rows, weigh as much as early ones. Score of a past row = the mean over the
  * window queries, then over the KV head's group of query heads; no pooling (kvpress's FinchPress has
  * none). The window rows get the layer's maximum + 1, so they are kept first. On the host over the
- * backend's rows (every device), in double precision. */
+ * backend's rows (every device), in double precision. SimLayerKV reads the same window attention, never
+ * normalised (its window is the last n_last queries). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,7 +43,7 @@ kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, 
                     mx = fmax(mx, logit[r]);
                 }
                 for (int64_t r = 0; r < vis; r++) sum += exp(logit[r] - mx);
-                const double weight = cfg->finch_normalize ? (double)(past + j) : 1.0;
+                const double weight = cfg->scorer == KVC_SCORE_FINCH && cfg->finch_normalize ? (double)(past + j) : 1.0;
                 for (int64_t r = 0; r < past; r++) acc[r] += exp(logit[r] - mx) / sum * weight;
             }
         for (int64_t r = 0; r < past; r++) {

@@ -46,7 +46,8 @@ typedef struct kvc_press {
 /* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
 static inline int kvc_scorer_has_window(int32_t scorer) {
-    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE || scorer == KVC_SCORE_FINCH;
+    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE || scorer == KVC_SCORE_FINCH ||
+           scorer == KVC_SCORE_SIMLAYERKV;
 }
 /* kvpress's int(n (1 - ratio)), at least 1; tokens a head of n rows keeps at a layer (kvc_press_kept). */
 int64_t kvc_n_kept_ratio(int64_t n, double compression_ratio);
@@ -114,13 +115,19 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
            scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
            scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
-           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH;
+           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH || scorer == KVC_SCORE_SIMLAYERKV;
 }
+/* Presses that act with neither a compression_ratio nor a budget. */
+static inline int kvc_press_decides_own_budget(const kvc_press_config *cfg) { return cfg->scorer == KVC_SCORE_SIMLAYERKV; }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);
-/* finch.c: FinchPress's scores (the window = the question after FINCH's delimiter) */
+/* finch.c: FinchPress's scores (the window = the question after FINCH's delimiter); SimLayerKV's window
+ * attention (unnormalised) too */
 kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                             const int64_t *len, float *const *scores);
+/* simlayerkv.c: from the window attention in scores, all rows (a busy layer) or sinks + recent (a lazy one) */
+kvc_status kvc_simlayer_select(const kvc_config *mc, const kvc_press_config *cfg, const int64_t *len,
+                               const float *const *scores, int64_t *const *keep, int64_t *n_keep);
 
 /* ---- critical.c: CriticalKV / CriticalAdaKV's two stages over host scores (rewritten in place) ---- */
 kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,

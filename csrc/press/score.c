@@ -64,6 +64,8 @@ kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
     if (cfg->chunk_press > 0) return kvc_chunk_press_select(lr, ctx, cfg, len, buf, ld, scores, keep, n_keep);
     KVC_TRY(kvc_score_layer(lr, ctx, cfg, w, len, buf, ld, scores));
     if (cfg->critical) return kvc_critical_select(lr, cfg, layer, L, len, w, layer_total, scores, keep, n_keep);
+    if (cfg->scorer == KVC_SCORE_SIMLAYERKV)
+        return kvc_simlayer_select(lr->mc, cfg, len, (const float *const *)scores, keep, n_keep);
     if (cfg->finch_chunk > 0)
         return kvc_chunk_topk(Hkv, len, cfg->finch_chunk, cfg->compression_ratio, (const float *const *)scores, keep, n_keep);
     if (cfg->drop_window) {

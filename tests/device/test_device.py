@@ -258,6 +258,8 @@ PRESSES = {
     # FinchPress: the question's attention, on the host from the device's rows and queries
     "finch": dict(scorer=S["finch"], compression_ratio=0.5, window=12, kernel=1),
     "finch-chunked": dict(scorer=S["finch"], compression_ratio=0.8, window=5, kernel=1, finch_chunk=128, finch_normalize=0),
+    # SimLayerKV: lazy here (random rows put ~0.2 of the last queries' attention on 4 sinks + 100 recent rows)
+    "simlayerkv": dict(scorer=S["simlayerkv"], window=3, kernel=1, n_sink=4, n_recent=100, lazy_threshold=0.05),
 }
 NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
@@ -493,9 +495,11 @@ SESSION_PRESSES = {
                            critical=1),
     "chunk_press": dict(scorer=S["keydiff"], compression_ratio=0.6, chunk_press=64),
     "finch": dict(scorer=S["finch"], compression_ratio=0.7, window=10, kernel=1, finch_chunk=100),
+    # threshold 0: every layer lazy on both devices (a mass within bf16 rounding of a threshold could go either way)
+    "simlayerkv": dict(scorer=S["simlayerkv"], window=1, kernel=1, n_sink=4, n_recent=150, lazy_threshold=0.0),
 }
 UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor",
-                   "chunk_press", "finch")  # same budget for every head: equal lengths
+                   "chunk_press", "finch", "simlayerkv")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

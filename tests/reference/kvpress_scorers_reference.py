@@ -279,3 +279,18 @@ def finch_scores(q, K, w, normalize=True):
     out[:, :past] /= w * g
     out[:, past:] = out[:, :past].max() + 1
     return out
+
+
+def simlayerkv_keep(q, K, threshold, n_last=1, n_recent=1024, n_initial=4):
+    """SimLayerKV on one layer: -> (the layer's attention mass on sinks + recent rows, kept rows [0, n) per head).
+    Mass = mean over query heads and the last n_last queries of their softmax weights on rows [0, n_initial) and
+    [n - n_last - n_recent, n - n_last); lazy when above threshold: keep [0, n_initial) and the last n_recent - n_last."""
+    Hkv, n, _ = K.shape
+    if threshold == 1.0 or n <= n_initial + n_recent + n_last:
+        return None, [np.arange(n)] * Hkv
+    att = finch_scores(q, K, n_last, normalize=False)[:, :n - n_last]
+    mass = (att[:, :n_initial].sum(1) + att[:, -n_recent:].sum(1)).mean()
+    rows = np.arange(n)
+    if mass > threshold:
+        rows = rows[(rows < n_initial) | (rows >= n - (n_recent - n_last))]
+    return mass, [rows] * Hkv
