@@ -8,7 +8,7 @@ from . import _core
 from ._paths import core_library_path, cublas_path, default_model_path, openblas_path
 from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
-from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
+from .presses import (AdaKVPress, BasePress, ChunkKVPress, EntropyGatedChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
                       ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress, LagKVPress,
                       NonCausalAttnPress, KVzipPress, LeverageScorePress, CURPress, CompactorPress, FinchPress,
@@ -100,7 +100,7 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "ComposedPress",
            "PerLayerCompressionPress", "BlockPress", "ChunkPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
            "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",

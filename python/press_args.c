@@ -13,7 +13,7 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                "cmp_sink_start", "cmp_sink_end", "cmp_blend",
                                /* kvpress's wrappers that change the selection */
                                "chunk_press", "finch_normalize", "finch_chunk", "lazy_threshold",
-                               "n_recent", NULL};
+                               "n_recent", "low_entropy_chunk", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -22,7 +22,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifipifi", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifipifii", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -33,7 +33,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
                                                &c->cmp_blend, &c->chunk_press,
                                                &c->finch_normalize, &c->finch_chunk, &c->lazy_threshold,
-                                               &c->n_recent);
+                                               &c->n_recent, &c->low_entropy_chunk);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;

@@ -267,6 +267,8 @@ typedef struct kvc_press_config {
     int32_t finch_chunk;       /* FinchPress chunk_length: the layer's scores cut in chunks, each its top share (0: off) */
     float lazy_threshold;      /* SimLayerKV: a layer is lazy when its attention mass on the kept rows exceeds this (1) */
     int32_t n_recent;          /* SimLayerKV: recent rows a lazy layer keeps, the window's included (1024) */
+    int32_t low_entropy_chunk; /* EntropyGatedChunkKV (with chunk_length): tokens a high-score, low-entropy chunk
+                                  keeps (0: plain ChunkKV) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

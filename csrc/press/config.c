@@ -111,6 +111,11 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
             return kvc_fail(KVC_ERR_ARG, "SimLayerKV decides each layer's cache from its attention: it takes no "
                             "compression_ratio, budget, allocation or chunks");
     }
+    if (c->low_entropy_chunk < 0)
+        return kvc_fail(KVC_ERR_ARG, "low_entropy_chunk_length must be >= 1, got %d", c->low_entropy_chunk);
+    if (c->low_entropy_chunk > 0 && !(c->chunk_length > c->low_entropy_chunk))
+        return kvc_fail(KVC_ERR_ARG, "EntropyGatedChunkKV requires chunk_length > low_entropy_chunk_length >= 1 (got %d and %d)",
+                        c->chunk_length, c->low_entropy_chunk);
     if (c->finch_chunk < 0) return kvc_fail(KVC_ERR_ARG, "FinchPress chunk_length must be a positive integer, got %d", c->finch_chunk);
     if (c->finch_chunk > 0) {
         if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->chunk_press > 0 || c->critical)

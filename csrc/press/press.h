@@ -137,6 +137,10 @@ kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config 
 /* W_o^T [H d, D] of the layer (lr->wo) on the host as fp32, through the backend's matmul. */
 kvc_status kvc_wo_transposed(const kvc_layer_rows *lr, float *wt);
 
+/* ---- entropy_chunk.c: EntropyGatedChunkKV's selection, one for the layer's heads (keep_rows sorted) ---- */
+kvc_status kvc_entropy_chunk_select(const kvc_press_config *p, int32_t n_kv, int64_t n, int64_t budget,
+                                    const float *const *scores, int64_t *keep_rows, int64_t *n_keep);
+
 /* ---- chunk_press.c: kvpress ChunkPress (FINCH's per-chunk selection) ---- */
 /* Scorers that read only the rows they score (no queries): a chunk copied alone is scored as kvpress does. */
 static inline int kvc_chunk_press_scorer(int32_t scorer) {

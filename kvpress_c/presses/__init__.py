@@ -3,6 +3,7 @@ KV head per layer, the papers' convention) instead of compression_ratio=."""
 from .adakv import AdaKVPress
 from .base import BasePress, ScorerPress
 from .chunkkv import ChunkKVPress
+from .entropy_gated_chunkkv import EntropyGatedChunkKVPress
 from .edie import EDIEPress
 from .judgeq import JudgeQPress, ResponseGuidedPress
 from .knorm import KnormPress
@@ -45,7 +46,7 @@ from .kvzap import KVzapPress
 from .qfilter import QFilterPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
-           "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
+           "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
            "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress",

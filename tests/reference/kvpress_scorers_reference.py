@@ -294,3 +294,35 @@ def simlayerkv_keep(q, K, threshold, n_last=1, n_recent=1024, n_initial=4):
     if mass > threshold:
         rows = rows[(rows < n_initial) | (rows >= n - (n_recent - n_last))]
     return mass, [rows] * Hkv
+
+
+def entropy_gated_chunk_keep(scores, chunk, low, budget):
+    """EntropyGatedChunkKV's kept rows (one set for every head) from per-head scores [Hkv, n], in float64."""
+    s = np.asarray(scores, np.float64).sum(0)
+    n = len(s)
+    bounds = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+
+    def entropy(x):
+        if len(x) == 1:
+            return 0.0
+        x = x - min(x.min(), 0.0)
+        p = x / (x.sum() + 1e-8)
+        return float(np.clip(-(p * np.log(p + 1e-8)).sum() / np.log(len(x)), 0.0, 1.0))
+    cs = np.array([s[a:b].mean() for a, b in bounds])
+    ce = np.array([entropy(s[a:b]) for a, b in bounds])
+    smed, emed = np.sort(cs)[(len(cs) - 1) // 2], np.sort(ce)[(len(ce) - 1) // 2]  # torch.median: the lower middle
+    keep = np.zeros(n, bool)
+    for i in sorted(range(len(bounds)), key=lambda i: (-cs[i], i)):
+        if budget <= 0:
+            break
+        a, b = bounds[i]
+        k = min(b - a, budget)
+        if cs[i] >= smed and ce[i] < emed:
+            k = min(k, low)
+        top = sorted(range(a, b), key=lambda r: (-s[r], r))[:k]
+        keep[top] = True
+        budget -= k
+    if budget > 0:
+        rest = [r for r in range(n) if not keep[r]]
+        keep[sorted(rest, key=lambda r: (-s[r], r))[:budget]] = True
+    return np.flatnonzero(keep)
