@@ -93,9 +93,8 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (c->chunk_press < 0) return kvc_fail(KVC_ERR_ARG, "ChunkPress chunk_length must be a positive integer, got %d", c->chunk_press);
     if (c->chunk_press > 0) {
         if (!kvc_chunk_press_scorer(c->scorer))
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk from its own keys and values: wrap KnormPress, "
-                            "KeyDiffPress, LagKVPress, StreamingLLMPress or RandomPress (a scorer reading the queries, "
-                            "as kvpress runs it, would rotate each chunk's last queries to the prompt's last positions)");
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk alone: wrap SnapKVPress, TOVAPress, KnormPress, "
+                            "KeyDiffPress, LagKVPress, StreamingLLMPress or RandomPress");
         if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
             return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
                             "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");

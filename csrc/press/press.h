@@ -142,10 +142,12 @@ kvc_status kvc_entropy_chunk_select(const kvc_press_config *p, int32_t n_kv, int
                                     const float *const *scores, int64_t *keep_rows, int64_t *n_keep);
 
 /* ---- chunk_press.c: kvpress ChunkPress (FINCH's per-chunk selection) ---- */
-/* Scorers that read only the rows they score (no queries): a chunk copied alone is scored as kvpress does. */
+/* Scorers ChunkPress runs as kvpress does on a chunk alone: those that read only its rows, and the window
+ * scorers (their queries: the chunk's last rows at the prompt's last positions, kvpress's). */
 static inline int kvc_chunk_press_scorer(int32_t scorer) {
     return scorer == KVC_SCORE_KNORM || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
-           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM;
+           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_SNAPKV ||
+           scorer == KVC_SCORE_TOVA;
 }
 /* Every chunk of cfg->chunk_press rows scored alone (a scratch K/V store of its rows), its own top
  * max(1, int(rows (1 - ratio))) kept; scores[h] receives the chunks' scores side by side. */

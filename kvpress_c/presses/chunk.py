@@ -11,8 +11,9 @@ class ChunkPress(WrapperPress):
     Key-Value Cache Compression for Large Language Models", TACL): the prompt's rows are cut into chunks of
     `chunk_length`; each chunk is scored alone by the inner press and keeps its own
     max(1, int(rows * (1 - compression_ratio))) rows, so the compression is spread evenly over the prompt.
-    The inner press scores from keys and values alone (Knorm, KeyDiff, LagKV, StreamingLLM, Random): the
-    C core refuses the others (docs/METHODS.md, "ChunkPress")."""
+    Inner presses: SnapKV and TOVA (each chunk scored by its last queries at the prompt's last positions, as
+    kvpress does), Knorm, KeyDiff, LagKV, StreamingLLM, Random; the C core refuses the others
+    (docs/METHODS.md, "ChunkPress")."""
     press: ScorerPress = None
     chunk_length: int = 1024
 

@@ -265,6 +265,8 @@ PRESSES = {
 }
 NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
+    # ChunkPress over SnapKV: each chunk's last queries (rows of this call) moved to the prompt's last positions
+    "chunk_press-snapkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=8, kernel=5, chunk_press=64),
 }
 PRESSES.update(NO_PAST)
 
@@ -496,13 +498,14 @@ SESSION_PRESSES = {
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
     "chunk_press": dict(scorer=S["keydiff"], compression_ratio=0.6, chunk_press=64),
+    "chunk_press-snapkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=8, chunk_press=64),
     "finch": dict(scorer=S["finch"], compression_ratio=0.7, window=10, kernel=1, finch_chunk=100),
     # threshold 0: every layer lazy on both devices (a mass within bf16 rounding of a threshold could go either way)
     "simlayerkv": dict(scorer=S["simlayerkv"], window=1, kernel=1, n_sink=4, n_recent=150, lazy_threshold=0.0),
     "chunkkv-entropy-gated": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16, chunk_length=10, low_entropy_chunk=4),
 }
 UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor",
-                   "chunk_press", "finch", "simlayerkv")  # same budget for every head: equal lengths
+                   "chunk_press", "chunk_press-snapkv", "finch", "simlayerkv")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))
