@@ -8,12 +8,13 @@ from . import _core
 from ._paths import core_library_path, cublas_path, default_model_path, openblas_path
 from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
-from .presses import (AdaKVPress, BasePress, ChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
+from .presses import (AdaKVPress, BasePress, ChunkKVPress, EntropyGatedChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
                       ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress, LagKVPress,
-                      NonCausalAttnPress, KVzipPress, LeverageScorePress, CURPress, CompactorPress)  # kvpress's scorers
+                      NonCausalAttnPress, KVzipPress, LeverageScorePress, CURPress, CompactorPress, FinchPress,
+                      SimLayerKVPress)  # kvpress's scorers
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress  # compression while decoding
-from .presses import BlockPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
+from .presses import BlockPress, ChunkPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
 from .presses import ThinKPress  # key channels
 from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # hub files, read from a local path
 
@@ -99,9 +100,9 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "ComposedPress",
-           "PerLayerCompressionPress", "BlockPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
+           "PerLayerCompressionPress", "BlockPress", "ChunkPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
            "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",
            "DEVICES", "device_available", "device_info", "memory_stats", "cuda_available", "cuda_info",
            "cuda_memory_stats", "__version__"]

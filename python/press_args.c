@@ -10,7 +10,10 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                /* kvpress's scorers */
                                "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon",
                                "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
-                               "cmp_sink_start", "cmp_sink_end", "cmp_blend", NULL};
+                               "cmp_sink_start", "cmp_sink_end", "cmp_blend",
+                               /* kvpress's wrappers that change the selection */
+                               "chunk_press", "finch_normalize", "finch_chunk", "lazy_threshold",
+                               "n_recent", "low_entropy_chunk", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -19,7 +22,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiif", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifipifii", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -28,7 +31,9 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
                                                &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
-                                               &c->cmp_blend);
+                                               &c->cmp_blend, &c->chunk_press,
+                                               &c->finch_normalize, &c->finch_chunk, &c->lazy_threshold,
+                                               &c->n_recent, &c->low_entropy_chunk);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;
@@ -161,12 +166,13 @@ static int add_codes(PyObject *m, const char *name, const char *const *keys, con
 int kvc_py_press_constants(PyObject *m) {
     static const char *scorers[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie",
                                     /* kvpress's scorers */
-                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor"};
+                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor", "finch", "simlayerkv"};
     static const int scorer_codes[] = {KVC_SCORE_STREAMING, KVC_SCORE_KNORM, KVC_SCORE_RANDOM, KVC_SCORE_TOVA,
                                        KVC_SCORE_OBSERVED, KVC_SCORE_SNAPKV, KVC_SCORE_EDIE,
                                        /* kvpress's scorers */
                                        KVC_SCORE_KEYDIFF, KVC_SCORE_LAGKV, KVC_SCORE_EXPECTED, KVC_SCORE_NONCAUSAL,
-                                       KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR};
+                                       KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR, KVC_SCORE_FINCH,
+                                       KVC_SCORE_SIMLAYERKV};
     static const char *allocations[] = {"uniform", "pyramid", "adakv", "layer"};
     static const int allocation_codes[] = {KVC_ALLOC_UNIFORM, KVC_ALLOC_PYRAMID, KVC_ALLOC_ADAKV, KVC_ALLOC_LAYER};
     static const char *safeguards[] = {"floor", "protect"};

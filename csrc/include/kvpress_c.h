@@ -202,10 +202,13 @@ typedef enum kvc_scorer {
     KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
     KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
     KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
-    KVC_SCORE_COMPACTOR = 13  /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
+    KVC_SCORE_COMPACTOR = 13, /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
+    KVC_SCORE_FINCH = 14,     /* FINCH: window queries' attention (each times the keys it sees - 1), unpooled */
+    KVC_SCORE_SIMLAYERKV = 15 /* SimLayerKV: a lazy layer (the last queries' attention on sinks + recent rows above a
+                                 threshold) keeps n_sink + n_recent - window rows, another every row */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_COMPACTOR
+#define KVC_SCORE_LAST KVC_SCORE_SIMLAYERKV
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -258,6 +261,14 @@ typedef struct kvc_press_config {
     int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
     int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
     float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
+    /* ---- kvpress's wrappers that change the selection ---- */
+    int32_t chunk_press;       /* ChunkPress chunk_length: each chunk scored alone, its own top share (0: off) */
+    int32_t finch_normalize;   /* FinchPress normalize_scores: window query j's attention times len - w + j (1) */
+    int32_t finch_chunk;       /* FinchPress chunk_length: the layer's scores cut in chunks, each its top share (0: off) */
+    float lazy_threshold;      /* SimLayerKV: a layer is lazy when its attention mass on the kept rows exceeds this (1) */
+    int32_t n_recent;          /* SimLayerKV: recent rows a lazy layer keeps, the window's included (1024) */
+    int32_t low_entropy_chunk; /* EntropyGatedChunkKV (with chunk_length): tokens a high-score, low-entropy chunk
+                                  keeps (0: plain ChunkKV) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

@@ -218,11 +218,16 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
         }
         return adakv_select(p, n_kv, len, scores, window, n_kept, keep, n_keep);
     }
-    const int chunk_fallback = p->budget == 0 && p->allocation == KVC_ALLOC_UNIFORM && len[0] < p->chunk_length;
+    const int chunk_fallback = p->budget == 0 && p->allocation == KVC_ALLOC_UNIFORM && len[0] < p->chunk_length &&
+                               p->low_entropy_chunk == 0;
     if (p->chunk_length > 0 && !chunk_fallback) { /* shorter than one chunk: per-head tokens, as kvpress */
         for (int32_t h = 1; h < n_kv; h++)
             if (len[h] != len[0]) return kvc_fail(KVC_ERR_ARG, "ChunkKV needs every head of a layer to hold the same tokens");
-        KVC_TRY(chunk_select(p, layer, n_layers, n_kv, len[0], scores, window, keep[0], &n_keep[0]));
+        if (p->low_entropy_chunk > 0) /* EntropyGatedChunkKV: a token budget over the whole cache */
+            KVC_TRY(kvc_entropy_chunk_select(p, n_kv, len[0], kvc_layer_budget(p, layer, n_layers, len[0]), scores, keep[0],
+                                             &n_keep[0]));
+        else
+            KVC_TRY(chunk_select(p, layer, n_layers, n_kv, len[0], scores, window, keep[0], &n_keep[0]));
         for (int32_t h = 1; h < n_kv; h++) {
             memcpy(keep[h], keep[0], sizeof(int64_t) * (size_t)n_keep[0]);
             n_keep[h] = n_keep[0];

@@ -32,6 +32,9 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->cur_window = 16;
     c->cmp_sink_start = 8;
     c->cmp_sink_end = 4;
+    c->finch_normalize = 1;
+    c->lazy_threshold = 1.0f;
+    c->n_recent = 1024;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -87,6 +90,41 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
                         "budget: the two do not combine (use ChunkKVPress over SnapKVPress, or AdaKVPress alone)");
     if (c->allocation == KVC_ALLOC_PYRAMID && c->pyramid_beta < 1)
         return kvc_fail(KVC_ERR_ARG, "PyramidKV beta must be >= 1, got %d", c->pyramid_beta);
+    if (c->chunk_press < 0) return kvc_fail(KVC_ERR_ARG, "ChunkPress chunk_length must be a positive integer, got %d", c->chunk_press);
+    if (c->chunk_press > 0) {
+        if (!kvc_chunk_press_scorer(c->scorer))
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk alone: wrap SnapKVPress, TOVAPress, KnormPress, "
+                            "KeyDiffPress, LagKVPress, StreamingLLMPress or RandomPress");
+        if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
+            return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
+                            "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");
+    }
+    if (c->scorer == KVC_SCORE_SIMLAYERKV) {
+        if (!(c->lazy_threshold >= 0 && c->lazy_threshold <= 1))
+            return kvc_fail(KVC_ERR_ARG, "lazy_threshold should be in [0, 1], got %g", c->lazy_threshold);
+        if (c->n_recent <= c->window)
+            return kvc_fail(KVC_ERR_ARG, "n_recent (%d) must be larger than n_last (%d): a lazy layer keeps n_recent - n_last "
+                            "recent rows", c->n_recent, c->window);
+        if (c->budget > 0 || c->compression_ratio != 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 ||
+            c->chunk_press > 0 || c->critical || c->drop_window)
+            return kvc_fail(KVC_ERR_ARG, "SimLayerKV decides each layer's cache from its attention: it takes no "
+                            "compression_ratio, budget, allocation or chunks");
+    }
+    if (c->low_entropy_chunk < 0)
+        return kvc_fail(KVC_ERR_ARG, "low_entropy_chunk_length must be >= 1, got %d", c->low_entropy_chunk);
+    if (c->low_entropy_chunk > 0 && !(c->chunk_length > c->low_entropy_chunk))
+        return kvc_fail(KVC_ERR_ARG, "EntropyGatedChunkKV requires chunk_length > low_entropy_chunk_length >= 1 (got %d and %d)",
+                        c->chunk_length, c->low_entropy_chunk);
+    if (c->finch_chunk < 0) return kvc_fail(KVC_ERR_ARG, "FinchPress chunk_length must be a positive integer, got %d", c->finch_chunk);
+    if (c->finch_chunk > 0) {
+        if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->chunk_press > 0 || c->critical)
+            return kvc_fail(KVC_ERR_ARG, "FinchPress's chunked selection keeps compression_ratio of every chunk: no budget, "
+                            "Ada-KV, ChunkKV or CriticalKV with it");
+        if (!((double)c->finch_chunk > (double)kvc_press_window(c) / (1.0 - c->compression_ratio)))
+            return kvc_fail(KVC_ERR_ARG, "FinchPress chunk_length (%d) must exceed window_size / (1 - compression_ratio) "
+                            "(%d / %g): the last chunk must keep the whole window", c->finch_chunk, kvc_press_window(c),
+                            1.0 - c->compression_ratio);
+    }
     if (c->budget > 0 && kvc_scorer_has_window(c->scorer) && c->budget < c->window)
         return kvc_fail(KVC_ERR_ARG, "budget (%lld) must be at least window_size (%d): the window is kept inside the budget",
                         (long long)c->budget, c->window);

@@ -645,6 +645,7 @@ kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
     if (cfg->scorer == KVC_SCORE_LEVERAGE) return leverage_scores(lr, ctx, cfg, len, scores);
     if (cfg->scorer == KVC_SCORE_CUR) return cur_scores(lr, ctx, cfg, len, scores);
     if (cfg->scorer == KVC_SCORE_COMPACTOR) return compactor_scores(lr, ctx, cfg, len, scores);
+    if (cfg->scorer == KVC_SCORE_FINCH || cfg->scorer == KVC_SCORE_SIMLAYERKV) return kvc_finch_scores(lr, ctx, cfg, len, scores);
     const int want_v = cfg->scorer == KVC_SCORE_LAGKV;
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = kvc_press_layer_rows(lr, len, want_v, k, v, &block);

@@ -47,7 +47,8 @@ typedef struct kvc_press {
 /* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
 static inline int kvc_scorer_has_window(int32_t scorer) {
-    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE;
+    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE || scorer == KVC_SCORE_FINCH ||
+           scorer == KVC_SCORE_SIMLAYERKV;
 }
 /* kvpress's int(n (1 - ratio)), at least 1; tokens a head of n rows keeps at a layer (kvc_press_kept). */
 int64_t kvc_n_kept_ratio(int64_t n, double compression_ratio);
@@ -115,10 +116,19 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
            scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
            scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
-           scorer == KVC_SCORE_COMPACTOR;
+           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH || scorer == KVC_SCORE_SIMLAYERKV;
 }
+/* Presses that act with neither a compression_ratio nor a budget. */
+static inline int kvc_press_decides_own_budget(const kvc_press_config *cfg) { return cfg->scorer == KVC_SCORE_SIMLAYERKV; }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);
+/* finch.c: FinchPress's scores (the window = the question after FINCH's delimiter); SimLayerKV's window
+ * attention (unnormalised) too */
+kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                            const int64_t *len, float *const *scores);
+/* simlayerkv.c: from the window attention in scores, all rows (a busy layer) or sinks + recent (a lazy one) */
+kvc_status kvc_simlayer_select(const kvc_config *mc, const kvc_press_config *cfg, const int64_t *len,
+                               const float *const *scores, int64_t *const *keep, int64_t *n_keep);
 
 /* ---- critical.c: CriticalKV / CriticalAdaKV's two stages over host scores (rewritten in place) ---- */
 kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,
@@ -127,6 +137,28 @@ kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config 
 
 /* W_o^T [H d, D] of the layer (lr->wo) on the host as fp32, through the backend's matmul. */
 kvc_status kvc_wo_transposed(const kvc_layer_rows *lr, float *wt);
+
+/* ---- entropy_chunk.c: EntropyGatedChunkKV's selection, one for the layer's heads (keep_rows sorted) ---- */
+kvc_status kvc_entropy_chunk_select(const kvc_press_config *p, int32_t n_kv, int64_t n, int64_t budget,
+                                    const float *const *scores, int64_t *keep_rows, int64_t *n_keep);
+
+/* ---- chunk_press.c: kvpress ChunkPress (FINCH's per-chunk selection) ---- */
+/* Scorers ChunkPress runs as kvpress does on a chunk alone: those that read only its rows, and the window
+ * scorers (their queries: the chunk's last rows at the prompt's last positions, kvpress's). */
+static inline int kvc_chunk_press_scorer(int32_t scorer) {
+    return scorer == KVC_SCORE_KNORM || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
+           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_SNAPKV ||
+           scorer == KVC_SCORE_TOVA;
+}
+/* Every chunk of cfg->chunk_press rows scored alone (a scratch K/V store of its rows), its own top
+ * max(1, int(rows (1 - ratio))) kept; scores[h] receives the chunks' scores side by side. */
+kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, kvc_buf **buf, int64_t *ld, float *const *scores,
+                                  int64_t *const *keep, int64_t *n_keep);
+/* Per-chunk selection (ChunkPress, FinchPress's chunk_length): every head's rows cut into chunks of `chunk`,
+ * each keeping its top max(1, int(rows (1 - ratio))) of scores[h] (ties: the lower row); keep[h] sorted. */
+kvc_status kvc_chunk_topk(int32_t Hkv, const int64_t *len, int64_t chunk, double ratio, const float *const *scores,
+                          int64_t *const *keep, int64_t *n_keep);
 
 /* ---- allocation.c ---- */
 /* Rows to keep per head for this layer from host scores (uniform, pyramid, Ada-KV, layer totals, ChunkKV):

@@ -323,7 +323,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     if (p->layer_ratios) layer_cfg.compression_ratio = p->layer_ratios[ctx->layer]; /* PerLayerCompressionPress */
     const kvc_press_config *cfg = &layer_cfg;
     if (cfg->reuse_layers > 1 && ctx->layer % cfg->reuse_layers == 0) p->reuse_len = 0; /* a new group */
-    if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep)
+    if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep && !kvc_press_decides_own_budget(cfg))
         return p->key_channel_ratio > 0 ? kvc_press_think(p, s, ctx) : KVC_OK;
     const int32_t Hkv = p->n_kv, layer = ctx->layer, w = kvc_press_window(cfg);
     const int64_t *len = s->cache.layers[layer].len;

@@ -61,8 +61,13 @@ kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
                                   const int64_t *len, int64_t layer_total, kvc_buf **buf, int64_t *ld,
                                   float *const *scores, int64_t *const *keep, int64_t *n_keep) {
     const int32_t Hkv = lr->mc->n_kv_heads, layer = ctx->layer, L = lr->mc->n_layers, w = kvc_press_window(cfg);
+    if (cfg->chunk_press > 0) return kvc_chunk_press_select(lr, ctx, cfg, len, buf, ld, scores, keep, n_keep);
     KVC_TRY(kvc_score_layer(lr, ctx, cfg, w, len, buf, ld, scores));
     if (cfg->critical) return kvc_critical_select(lr, cfg, layer, L, len, w, layer_total, scores, keep, n_keep);
+    if (cfg->scorer == KVC_SCORE_SIMLAYERKV)
+        return kvc_simlayer_select(lr->mc, cfg, len, (const float *const *)scores, keep, n_keep);
+    if (cfg->finch_chunk > 0)
+        return kvc_chunk_topk(Hkv, len, cfg->finch_chunk, cfg->compression_ratio, (const float *const *)scores, keep, n_keep);
     if (cfg->drop_window) {
         /* the window rows are scoring queries only: select among the rows before them, the window goes */
         int64_t before[KVC_MAX_KV_HEADS];

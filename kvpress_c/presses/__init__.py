@@ -3,6 +3,7 @@ KV head per layer, the papers' convention) instead of compression_ratio=."""
 from .adakv import AdaKVPress
 from .base import BasePress, ScorerPress
 from .chunkkv import ChunkKVPress
+from .entropy_gated_chunkkv import EntropyGatedChunkKVPress
 from .edie import EDIEPress
 from .judgeq import JudgeQPress, ResponseGuidedPress
 from .knorm import KnormPress
@@ -25,12 +26,15 @@ from .kvzip import KVzipPress
 from .leverage import LeverageScorePress
 from .cur import CURPress
 from .compactor import CompactorPress
+from .finch import FinchPress
+from .simlayerkv import SimLayerKVPress
 # compression while decoding
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
 # wrappers
 from .block import BlockPress
+from .chunk import ChunkPress
 from .composed import ComposedPress
 from .key_rerotation import KeyRerotationPress
 from .per_layer_compression import PerLayerCompressionPress
@@ -42,10 +46,10 @@ from .kvzap import KVzapPress
 from .qfilter import QFilterPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
-           "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
+           "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress",
+           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",
-           "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
+           "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ChunkPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]

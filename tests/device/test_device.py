@@ -252,9 +252,21 @@ PRESSES = {
     "lagkv-cross": dict(scorer=S["lagkv"], compression_ratio=0.5, window=0, lag_size=32, cross_scoring=1),
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.5, window=0),
     "expected_attention-no-cov": dict(scorer=S["expected_attention"], compression_ratio=0.9, window=0, use_covariance=0),
+    # ChunkPress: each chunk scored alone in a scratch K/V store of the device
+    "chunk_press-knorm": dict(scorer=S["knorm"], compression_ratio=0.7, window=0, chunk_press=64),
+    "chunk_press-keydiff": dict(scorer=S["keydiff"], compression_ratio=0.5, window=0, chunk_press=100),
+    # FinchPress: the question's attention, on the host from the device's rows and queries
+    "finch": dict(scorer=S["finch"], compression_ratio=0.5, window=12, kernel=1),
+    "finch-chunked": dict(scorer=S["finch"], compression_ratio=0.8, window=5, kernel=1, finch_chunk=128, finch_normalize=0),
+    # SimLayerKV: lazy here (random rows put ~0.2 of the last queries' attention on 4 sinks + 100 recent rows)
+    "simlayerkv": dict(scorer=S["simlayerkv"], window=3, kernel=1, n_sink=4, n_recent=100, lazy_threshold=0.05),
+    # EntropyGatedChunkKV: ChunkKV's chunks, spiky ones cut to their top tokens
+    "chunkkv-entropy-gated": dict(scorer=S["snapkv"], compression_ratio=0.7, window=16, chunk_length=10, low_entropy_chunk=4),
 }
 NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
+    # ChunkPress over SnapKV: each chunk's last queries (rows of this call) moved to the prompt's last positions
+    "chunk_press-snapkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=8, kernel=5, chunk_press=64),
 }
 PRESSES.update(NO_PAST)
 
@@ -301,7 +313,7 @@ def test_press_scores_and_kept_rows_match_cpu(rng, device, name):
         if name in ("streaming", "random"):
             np.testing.assert_array_equal(keep_dev[h], keep_cpu[h])
         else:  # bf16 scores may swap near-ties at the cut (ChunkKV swaps 10 rows at a time)
-            assert jaccard(keep_dev[h], keep_cpu[h]) > (0.8 if name == "chunkkv" else 0.9), name
+            assert jaccard(keep_dev[h], keep_cpu[h]) > (0.8 if name.startswith("chunkkv") else 0.9), name
 
 
 def test_press_missing_inputs_are_clear_errors(rng, device):
@@ -485,8 +497,15 @@ SESSION_PRESSES = {
                       cmp_sink_start=8, cmp_sink_end=4, cmp_blend=0.5),
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
+    "chunk_press": dict(scorer=S["keydiff"], compression_ratio=0.6, chunk_press=64),
+    "chunk_press-snapkv": dict(scorer=S["snapkv"], compression_ratio=0.5, window=8, chunk_press=64),
+    "finch": dict(scorer=S["finch"], compression_ratio=0.7, window=10, kernel=1, finch_chunk=100),
+    # threshold 0: every layer lazy on both devices (a mass within bf16 rounding of a threshold could go either way)
+    "simlayerkv": dict(scorer=S["simlayerkv"], window=1, kernel=1, n_sink=4, n_recent=150, lazy_threshold=0.0),
+    "chunkkv-entropy-gated": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16, chunk_length=10, low_entropy_chunk=4),
 }
-UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor")  # same budget for every head: equal lengths
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor",
+                   "chunk_press", "chunk_press-snapkv", "finch", "simlayerkv")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))
@@ -836,20 +855,22 @@ def test_head_rmsnorm(rng, device, n, heads, d):
     assert rel(ours, ref) < 2 * BF16_EPS  # one rounding of the output
 
 
-def test_attention_window_starts(rng, device):
-    n, H, d = 70, 8, 64
+@pytest.mark.parametrize("n,H,d,force_prefill", [(70, 8, 64, 0), (130, 4, 128, 0), (1, 8, 64, 0), (1, 4, 128, 1),
+                                                  (9, 6, 40, 0)])
+def test_attention_window_starts(rng, device, attention_kernel, n, H, d, force_prefill):
+    """Window starts (i64 [n, Hkv], nondecreasing per head) on the device against the CPU: the prefill
+    kernels (WMMA and mma at d 64 / 128, the generic one at d 40) and split-K decode (n = 1)."""
     past = np.array([90, 3], np.int64)  # 2 KV heads
     start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
     q = bf16(rng.standard_normal((n, H, d)))
     ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
     vs = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
-    if device == "cuda":  # not in the CUDA kernels yet: refused, never run as full attention
-        with pytest.raises(CError, match="sliding-window"):
-            run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device=device, start=start)
-        return
-    ours = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device=device, start=start)
+    ours = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, force_prefill, device=device,
+                         start=start)
     ref = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device="cpu", start=start)
-    assert rel(ours, ref) < 1e-2  # as test_attention_long_decode_split_k: bf16 output of the same sums
+    full = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device="cpu")
+    assert rel(full, ref) > 0.05  # the starts change the output: a kernel ignoring them would fail below
+    assert rel(ours, ref) < 1.5e-2  # as test_attention_ragged: bf16 probabilities and output of the same sums
 
 
 @pytest.mark.parametrize("arch,window,first", [("qwen3", None, 0), ("mistral", 6, 0), ("qwen3", 9, 2)])
@@ -860,10 +881,6 @@ def test_qwen3_and_window_models_match_cpu(tmp_path, rng, device, arch, window, 
     seed = int(rng.integers(1 << 31))
     path = write_tiny_model(str(tmp_path / arch), arch=arch, seed=seed, window=window, window_layers=first)
     cpu = kvpress_c.load_model(path)
-    if device == "cuda" and window:
-        with pytest.raises(NotImplementedError, match="sliding-window"):
-            kvpress_c.load_model(path, device=device)
-        return
     emu = kvpress_c.load_model(path, device=device)
     ids = rng.integers(3, cpu.config["vocab"], size=40).astype(np.int32)
     sc, se = cpu.new_session(), emu.new_session()

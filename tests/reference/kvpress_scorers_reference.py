@@ -243,3 +243,86 @@ def compactor_scores(q, K_pre, K, V, phi, blending, start=8, end=4, chunk=256):
     out = np.full((K.shape[0], n), mid.max())
     out[:, a:b] = mid
     return out
+
+
+def chunk_press(score, K, V, chunk, ratio):
+    """kvpress ChunkPress: score(K_c, V_c) [Hkv, rows] on each chunk of `chunk` rows alone; each chunk keeps its
+    top max(1, int(rows (1 - ratio))) (higher score, then lower row). -> scores [Hkv, n], kept rows per head."""
+    Hkv, n, _ = K.shape
+    scores = np.zeros((Hkv, n))
+    kept = [[] for _ in range(Hkv)]
+    for i in range(0, n, chunk):
+        s = score(K[:, i:i + chunk], V[:, i:i + chunk])
+        rows = s.shape[1]
+        k = max(1, int(rows * (1 - ratio)))
+        scores[:, i:i + rows] = s
+        for h in range(Hkv):
+            order = sorted(range(rows), key=lambda r: (-s[h, r], r))[:k]
+            kept[h].extend(i + r for r in sorted(order))
+    return scores, [np.array(k, np.int64) for k in kept]
+
+
+def finch_scores(q, K, w, normalize=True):
+    """FinchPress: window query j (row n - w + j, the last w of q) takes its softmax over rows <= n - w + j, times
+    n - w + j when normalize; mean over the window, then over the KV head's query heads; window rows max + 1."""
+    Hkv, n, d = K.shape
+    H = q.shape[1]
+    g, past = H // Hkv, n - w
+    out = np.zeros((Hkv, n))
+    for h in range(Hkv):
+        for hq in range(h * g, (h + 1) * g):
+            for j in range(w):
+                logits = K[h, :past + j + 1] @ q[q.shape[0] - w + j, hq] / np.sqrt(d)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                out[h, :past] += p[:past] * ((past + j) if normalize else 1.0)
+    out[:, :past] /= w * g
+    out[:, past:] = out[:, :past].max() + 1
+    return out
+
+
+def simlayerkv_keep(q, K, threshold, n_last=1, n_recent=1024, n_initial=4):
+    """SimLayerKV on one layer: -> (the layer's attention mass on sinks + recent rows, kept rows [0, n) per head).
+    Mass = mean over query heads and the last n_last queries of their softmax weights on rows [0, n_initial) and
+    [n - n_last - n_recent, n - n_last); lazy when above threshold: keep [0, n_initial) and the last n_recent - n_last."""
+    Hkv, n, _ = K.shape
+    if threshold == 1.0 or n <= n_initial + n_recent + n_last:
+        return None, [np.arange(n)] * Hkv
+    att = finch_scores(q, K, n_last, normalize=False)[:, :n - n_last]
+    mass = (att[:, :n_initial].sum(1) + att[:, -n_recent:].sum(1)).mean()
+    rows = np.arange(n)
+    if mass > threshold:
+        rows = rows[(rows < n_initial) | (rows >= n - (n_recent - n_last))]
+    return mass, [rows] * Hkv
+
+
+def entropy_gated_chunk_keep(scores, chunk, low, budget):
+    """EntropyGatedChunkKV's kept rows (one set for every head) from per-head scores [Hkv, n], in float64."""
+    s = np.asarray(scores, np.float64).sum(0)
+    n = len(s)
+    bounds = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+
+    def entropy(x):
+        if len(x) == 1:
+            return 0.0
+        x = x - min(x.min(), 0.0)
+        p = x / (x.sum() + 1e-8)
+        return float(np.clip(-(p * np.log(p + 1e-8)).sum() / np.log(len(x)), 0.0, 1.0))
+    cs = np.array([s[a:b].mean() for a, b in bounds])
+    ce = np.array([entropy(s[a:b]) for a, b in bounds])
+    smed, emed = np.sort(cs)[(len(cs) - 1) // 2], np.sort(ce)[(len(ce) - 1) // 2]  # torch.median: the lower middle
+    keep = np.zeros(n, bool)
+    for i in sorted(range(len(bounds)), key=lambda i: (-cs[i], i)):
+        if budget <= 0:
+            break
+        a, b = bounds[i]
+        k = min(b - a, budget)
+        if cs[i] >= smed and ce[i] < emed:
+            k = min(k, low)
+        top = sorted(range(a, b), key=lambda r: (-s[r], r))[:k]
+        keep[top] = True
+        budget -= k
+    if budget > 0:
+        rest = [r for r in range(n) if not keep[r]]
+        keep[sorted(rest, key=lambda r: (-s[r], r))[:budget]] = True
+    return np.flatnonzero(keep)

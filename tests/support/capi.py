@@ -44,7 +44,9 @@ class PressConfig(C.Structure):  # kvc_press_config
                 ("critical", C.c_int32), ("critical_eps", C.c_float), ("first_stage_ratio", C.c_float),
                 ("attn_chunk", C.c_int32), ("sketch_dim", C.c_int32),
                 ("cur_type", C.c_int32), ("cur_random", C.c_int32), ("cur_window", C.c_int32),
-                ("cmp_sink_start", C.c_int32), ("cmp_sink_end", C.c_int32), ("cmp_blend", C.c_float)]
+                ("cmp_sink_start", C.c_int32), ("cmp_sink_end", C.c_int32), ("cmp_blend", C.c_float),
+                ("chunk_press", C.c_int32), ("finch_normalize", C.c_int32), ("finch_chunk", C.c_int32),
+                ("lazy_threshold", C.c_float), ("n_recent", C.c_int32), ("low_entropy_chunk", C.c_int32)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double

@@ -81,7 +81,7 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
         if (what == 0)
             st = gemm(A, a2, B, a2, Cm, a1, 0, a0, a1, a2, 0.f);
         else
-            st = attention_prefill(A, a1 * a3, a0, (int32_t)a1, (int32_t)a2, (int32_t)a3, kd, vd, past,
+            st = attention_prefill(A, a1 * a3, a0, (int32_t)a1, (int32_t)a2, (int32_t)a3, kd, vd, past, nullptr,
                                    1.0f / sqrtf((float)a3), Cm, a1 * a3);
         cudaEventRecord(e1, g.stream);
         if (st == KVC_OK && cudaEventSynchronize(e1) != cudaSuccess) st = cuda_fail(cudaGetLastError(), "bench");
@@ -136,14 +136,16 @@ static kvc_status t_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t he
 static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
                               int32_t flags) {
     KVC_TRY(need(q.buf->dtype == KVC_BF16 && out.buf->dtype == KVC_BF16, "attention"));
-    if (start.buf) /* t_check_model refuses such models; this guards the kernel table's contract */
-        return fail(KVC_ERR_UNSUPPORTED, "sliding-window attention is not implemented in the CUDA kernels yet");
     const int32_t Hkv = kv->Hkv, d = kv->d;
     bf16 **kd = kv->kd;
     if (kv->dk) { /* ThinK-pruned rows: the kernels read them expanded to d channels (kv_pruned.cu) */
         const bf16 *heads[KVC_MAX_KV];
         KVC_TRY(kv_keys_full(kv, heads, &kd));
     }
+    /* a sliding window's first row per (query, KV head), read by the kernels from the device (graph-safe) */
+    if (start.buf && (start.buf->dtype != KVC_I64 || start.ld != Hkv))
+        return fail(KVC_ERR_INTERNAL, "attention: window starts must be i64 [n, Hkv]");
+    const int64_t *lo = start.buf ? at<int64_t>(start) : nullptr;
     if (n == 1 && !(flags & KVC_ATTN_FORCE_PREFILL)) {
         /* split-K decode over every row the device lengths say (they include this call's row) */
         const size_t bytes = sizeof(float) * decode_partial_floats(H, d, DECODE_SPLITS);
@@ -157,15 +159,15 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
             KVC_TRY(scratch(g_partial, bytes, "decode scratch"));
             g_generation++;
         }
-        return attention_decode(at<bf16>(q), H, Hkv, d, kd, kv->vd, kv->lend, scale, at<bf16>(out),
+        return attention_decode(at<bf16>(q), H, Hkv, d, kd, kv->vd, kv->lend, lo, scale, at<bf16>(out),
                                 g_partial.as<float>(), DECODE_SPLITS);
     }
     /* the prefill kernels read past = len - n per head */
     CU_TRY(cudaMemcpyAsync(kv->pastd, kv->lend, sizeof(int32_t) * Hkv, cudaMemcpyDeviceToDevice, g.stream), "attention");
     KVC_TRY(add_lens(kv->pastd, Hkv, -(int32_t)n));
     if (attention_mma_enabled())
-        return attention_prefill_mma(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, scale, at<bf16>(out), out.ld);
-    return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, scale, at<bf16>(out), out.ld);
+        return attention_prefill_mma(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, lo, scale, at<bf16>(out), out.ld);
+    return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, lo, scale, at<bf16>(out), out.ld);
 }
 
 static kvc_status t_swiglu(kvc_view gu, int64_t rows, int64_t F) {
@@ -244,9 +246,6 @@ static kvc_status t_check_model(const kvc_config *c) {
     if (c->head_dim % 8 != 0 || c->head_dim > 256)
         return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend needs head_dim to be a multiple of 8, at most 256 (got %d)",
                     c->head_dim);
-    if (c->sliding_window > 0)
-        return fail(KVC_ERR_UNSUPPORTED, "sliding-window attention (window %d from layer %d) is not implemented in the CUDA "
-                    "kernels yet: load this model with device='cpu' (or 'emulated')", c->sliding_window, c->window_first_layer);
     return KVC_OK;
 }
 

@@ -2,7 +2,8 @@
  *
  * Block (KV head h, up to 4 of its query heads, split s) reads rows [s*chunk, (s+1)*chunk) of head
  * h once for those query heads (GQA: the group shares every K/V load), chunk = ceil(len[h] / splits)
- * computed on the device from len (so a CUDA graph captured once serves every step, whatever the
+ * computed on the device from len (with a sliding window the rows [start[h], len[h]) are split
+ * instead, start read from the device too; so a CUDA graph captured once serves every step, whatever the
  * lengths: heads of different lengths are just different chunk sizes, no padding). Each of the 4
  * warps takes 4 keys at a time (loads first, then math, to keep memory busy); a lane owns the EPL
  * contiguous dimensions lane * EPL + t, so when d == 32 EPL a key row is one vector load per lane
@@ -42,7 +43,8 @@ template <int EPL> __device__ __forceinline__ void load_row(const bf16 *src, int
 template <int EPL> /* dims per lane: ceil(d / 32) rounded up to 2, 4 or 8 */
 __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__restrict__ q, int32_t H, int32_t g,
                                                                 int32_t d, const bf16 *const *kp, const bf16 *const *vp,
-                                                                const int32_t *__restrict__ len_arr, float scale,
+                                                                const int32_t *__restrict__ len_arr,
+                                                                const int64_t *__restrict__ start_arr, float scale,
                                                                 float *__restrict__ partial, int32_t splits) {
     __shared__ float sm_m[DW][DG], sm_l[DW][DG];
     __shared__ float sm_o[DW][DG][256];
@@ -53,8 +55,9 @@ __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__res
     const int ng = g - gc * DG < DG ? g - gc * DG : DG;
     const int s = blockIdx.y;
     const int64_t len = len_arr[h];
-    const int64_t chunk = (len + splits - 1) / splits;
-    const int64_t kb = (int64_t)s * chunk, ke = kb + chunk < len ? kb + chunk : len;
+    const int64_t lo = start_arr ? start_arr[h] : 0; /* the sliding window's first row */
+    const int64_t chunk = (len - lo + splits - 1) / splits;
+    const int64_t kb = lo + (int64_t)s * chunk, ke = kb + chunk < len ? kb + chunk : len;
     const bf16 *K = kp[h], *V = vp[h];
 
     float qv[DG][EPL], o[DG][EPL], m[DG], l[DG];
@@ -143,17 +146,17 @@ __global__ void decode_merge_kernel(const float *__restrict__ partial, int32_t d
 }
 
 kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
-                            const bf16 *const *vp, const int32_t *len, float scale, bf16 *out, float *partial,
-                            int32_t splits) {
+                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, bf16 *out,
+                            float *partial, int32_t splits) {
     if (d > 256) return fail(KVC_ERR_UNSUPPORTED, "CUDA decode attention: head_dim %d > 256", d);
     const int32_t grp = H / Hkv, gchunks = (grp + DG - 1) / DG;
     dim3 grid((unsigned)(Hkv * gchunks), (unsigned)splits);
     if (d <= 64)
-        decode_split_kernel<2><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, scale, partial, splits);
+        decode_split_kernel<2><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
     else if (d <= 128)
-        decode_split_kernel<4><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, scale, partial, splits);
+        decode_split_kernel<4><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
     else
-        decode_split_kernel<8><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, scale, partial, splits);
+        decode_split_kernel<8><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
     LAUNCH_TRY("attention (decode split)");
     decode_merge_kernel<<<(unsigned)H, d < 128 ? d : 128, 0, g.stream>>>(partial, d, splits, out);
     LAUNCH_TRY("attention (decode merge)");

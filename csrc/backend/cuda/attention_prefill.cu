@@ -6,7 +6,8 @@
  * 16 query rows: their scores, probabilities and output accumulator never leave the warp, so the
  * only block barriers are around the K/V tile loads. The output accumulator lives in shared memory
  * (fp32) between tiles because WMMA fragments have no row layout to rescale in registers.
- * Query i of KV head h sees cache rows < past[h] + i + 1. head_dim 64 and 128 take this kernel;
+ * Query i of KV head h sees cache rows < past[h] + i + 1, from start[i, h] on with a sliding window
+ * (the key loop begins at the tile of the block's first query's start). head_dim 64 and 128 take this kernel;
  * others a simple warp-per-query kernel (correct, slower). */
 #include <mma.h>
 
@@ -28,7 +29,8 @@ template <int D> struct FlashSmem {
 template <int D>
 __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n,
                                                             int32_t g, const bf16 *const *kp, const bf16 *const *vp,
-                                                            const int32_t *__restrict__ past_arr, float scale,
+                                                            const int32_t *__restrict__ past_arr,
+                                                            const int64_t *__restrict__ start, float scale,
                                                             bf16 *__restrict__ out, int64_t ldo) {
     using S = FlashSmem<D>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
     float *Ls = Ms + BR;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const PrefillBlock blk = prefill_block<BR>(n, g, kp, vp, past_arr);
+    const PrefillBlock blk = prefill_block<BR, BC>(n, g, kp, vp, past_arr, start);
     const int hq = blk.hq;
     const int64_t q0 = blk.q0, past = blk.past, kend = blk.kend;
     constexpr int VEC = D / 8; /* 16-byte vectors per row */
@@ -66,8 +68,9 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
     const int r_own = warp * 16 + (lane >> 1); /* the row this lane pair handles in the softmax */
     const int c_half = (lane & 1) * (BC / 2), e_half = (lane & 1) * (D / 2);
     const int64_t qi_own = q0 + r_own;
+    const int64_t first_own = qi_own < n ? blk.first_row(qi_own) : 0; /* its sliding window's first key */
 
-    for (int64_t k0 = 0; k0 < kend; k0 += BC) {
+    for (int64_t k0 = blk.kbeg; k0 < kend; k0 += BC) {
         __syncthreads(); /* every warp is done with the previous K/V tile */
         load_kv_tile<D, BC>(Ks, Vs, S::LDH, blk.K, blk.V, k0, kend);
         __syncthreads();
@@ -85,13 +88,14 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
         __syncwarp();
         /* online softmax: a lane pair per row, each lane half of the columns */
         {
-            int64_t vis = past + qi_own + 1 - k0; /* visible columns of this tile */
+            int64_t vis = past + qi_own + 1 - k0; /* visible columns of this tile: [lo, vis) */
             if (qi_own >= n) vis = 0;
+            const int64_t lo = first_own - k0;
             float *srow = Ss + r_own * S::LDS;
             bf16 *prow = Ps + r_own * S::LDP;
             float mx = -INFINITY;
             for (int c = c_half; c < c_half + BC / 2; c++) {
-                const float s = c < vis ? srow[c] * scale : -INFINITY;
+                const float s = c < vis && c >= lo ? srow[c] * scale : -INFINITY;
                 srow[c] = s;
                 mx = fmaxf(mx, s);
             }
@@ -144,8 +148,8 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
  * lane owns dimensions lane + 32 t. */
 __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n, int32_t H, int32_t g,
                                     int32_t d, const bf16 *const *kp, const bf16 *const *vp,
-                                    const int32_t *__restrict__ past_arr, float scale, bf16 *__restrict__ out,
-                                    int64_t ldo) {
+                                    const int32_t *__restrict__ past_arr, const int64_t *__restrict__ start,
+                                    float scale, bf16 *__restrict__ out, int64_t ldo) {
     const int lane = threadIdx.x % 32;
     const int64_t wid = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (wid >= n * H) return;
@@ -160,8 +164,9 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
     }
     const bf16 *K = kp[h], *V = vp[h];
     const int64_t vis = (int64_t)past_arr[h] + i + 1;
+    const int64_t lo = start ? start[i * (H / g) + h] : 0; /* the sliding window's first row */
     float m = -INFINITY, l = 0.f;
-    for (int64_t j = 0; j < vis; j++) {
+    for (int64_t j = lo; j < vis; j++) {
         float part = 0.f;
         for (int t = 0; t < 8; t++) {
             const int e = lane + 32 * t;
@@ -185,7 +190,8 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
 
 template <int D>
 static kvc_status launch_flash(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const bf16 *const *kp,
-                               const bf16 *const *vp, const int32_t *past, float scale, bf16 *out, int64_t ldo) {
+                               const bf16 *const *vp, const int32_t *past, const int64_t *start, float scale, bf16 *out,
+                               int64_t ldo) {
     static int configured = 0;
     const size_t smem = FlashSmem<D>::bytes;
     if (!configured) {
@@ -196,25 +202,25 @@ static kvc_status launch_flash(const bf16 *q, int64_t ldq, int64_t n, int32_t H,
     const int64_t tiles = (n + BR - 1) / BR;
     if (tiles > 2147483647) return fail(KVC_ERR_ARG, "attention: too many queries");
     dim3 grid((unsigned)tiles, (unsigned)H);
-    flash_prefill_kernel<D><<<grid, 128, smem, g.stream>>>(q, ldq, n, grp, kp, vp, past, scale, out, ldo);
+    flash_prefill_kernel<D><<<grid, 128, smem, g.stream>>>(q, ldq, n, grp, kp, vp, past, start, scale, out, ldo);
     LAUNCH_TRY("attention (flash prefill)");
     return KVC_OK;
 }
 
 kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, float scale, bf16 *out,
-                             int64_t ldo) {
+                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
+                             float scale, bf16 *out, int64_t ldo) {
     if (n <= 0) return KVC_OK;
     const int32_t grp = H / Hkv;
     const int aligned = ldq % 8 == 0;
     if (aligned && (d == 64 || d == 128) && attention_mma_enabled())
-        return attention_prefill_mma(q, ldq, n, H, Hkv, d, kp, vp, past, scale, out, ldo);
-    if (d == 128 && aligned) return launch_flash<128>(q, ldq, n, H, grp, kp, vp, past, scale, out, ldo);
-    if (d == 64 && aligned) return launch_flash<64>(q, ldq, n, H, grp, kp, vp, past, scale, out, ldo);
+        return attention_prefill_mma(q, ldq, n, H, Hkv, d, kp, vp, past, start, scale, out, ldo);
+    if (d == 128 && aligned) return launch_flash<128>(q, ldq, n, H, grp, kp, vp, past, start, scale, out, ldo);
+    if (d == 64 && aligned) return launch_flash<64>(q, ldq, n, H, grp, kp, vp, past, start, scale, out, ldo);
     if (d > 256) return fail(KVC_ERR_UNSUPPORTED, "CUDA attention: head_dim %d > 256", d);
     const int64_t warps = n * H;
-    attn_generic_kernel<<<(unsigned)((warps + 3) / 4), 128, 0, g.stream>>>(q, ldq, n, H, grp, d, kp, vp, past, scale,
-                                                                          out, ldo);
+    attn_generic_kernel<<<(unsigned)((warps + 3) / 4), 128, 0, g.stream>>>(q, ldq, n, H, grp, d, kp, vp, past, start,
+                                                                          scale, out, ldo);
     LAUNCH_TRY("attention (generic)");
     return KVC_OK;
 }

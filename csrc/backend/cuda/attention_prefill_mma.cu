@@ -5,7 +5,8 @@
  * 16 x 8), the online softmax on those registers (a row's 8 values per thread, the row max and sum
  * reduced over the 4 threads that share the row), then O += P V with P re-packed from the S
  * accumulators as the A operand (the C layout of two 16 x 8 tiles is the A layout of one 16 x 16)
- * and V read with ldmatrix.trans. Unlike the WMMA kernel (attention_prefill.cu) nothing but K and V
+ * and V read with ldmatrix.trans. A sliding window (start[i, h]) masks the keys below each row's start;
+ * a tile no row of the warp sees is skipped. Unlike the WMMA kernel (attention_prefill.cu) nothing but K and V
  * goes through shared memory.
  *
  * Opt-in until measured against the WMMA kernel and the CPU on a GPU: KVC_ATTN_MMA=1 in the
@@ -47,14 +48,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 template <int D>
 __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n, int32_t grp,
                                                         const bf16 *const *kp, const bf16 *const *vp,
-                                                        const int32_t *__restrict__ past_arr, float scale,
+                                                        const int32_t *__restrict__ past_arr,
+                                                        const int64_t *__restrict__ start, float scale,
                                                         bf16 *__restrict__ out, int64_t ldo) {
     constexpr int LD = D + 8; /* row stride in shared memory (halves): 16-byte aligned rows, no conflicts */
     __shared__ __align__(16) bf16 Ks[MBC * LD];
     __shared__ __align__(16) bf16 Vs[MBC * LD];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gq = lane >> 2, tq = lane & 3; /* mma fragment coordinates: row group, thread in group */
-    const PrefillBlock blk = prefill_block<MBR>(n, grp, kp, vp, past_arr);
+    const PrefillBlock blk = prefill_block<MBR, MBC>(n, grp, kp, vp, past_arr, start);
     const int hq = blk.hq;
     const int64_t q0 = blk.q0, past = blk.past, kend = blk.kend;
     const float sl2 = scale * 1.4426950408889634f; /* scores in log2 units: exp2 */
@@ -65,6 +67,9 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
     const int64_t vis0 = r0 < n ? past + r0 + 1 : 0, vis1 = r1 < n ? past + r1 + 1 : 0;
     const int64_t wlast = q0 + warp * 16 + 15 < n - 1 ? q0 + warp * 16 + 15 : n - 1;
     const int64_t vis_w = q0 + warp * 16 < n ? past + wlast + 1 : 0;
+    /* with a sliding window, the first key each row sees ([lo, vis) is visible), and the warp's lowest */
+    const int64_t lo0 = r0 < n ? blk.first_row(r0) : 0, lo1 = r1 < n ? blk.first_row(r1) : 0;
+    const int64_t lo_w = q0 + warp * 16 < n ? blk.first_row(q0 + warp * 16) : 0;
 
     /* Q fragments straight from global memory (A operand, row major) */
     uint32_t qf[D / 16][4];
@@ -80,11 +85,11 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
     for (int dt = 0; dt < D / 8; dt++) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 
-    for (int64_t k0 = 0; k0 < kend; k0 += MBC) {
+    for (int64_t k0 = blk.kbeg; k0 < kend; k0 += MBC) {
         __syncthreads(); /* every warp is done with the previous tile */
         load_kv_tile<D, MBC>(Ks, Vs, LD, blk.K, blk.V, k0, kend);
         __syncthreads();
-        if (k0 >= vis_w) continue; /* warp-uniform */
+        if (k0 >= vis_w || k0 + MBC <= lo_w) continue; /* warp-uniform */
         /* S = Q K^T: 8 fragments of 8 keys */
         float s[MBC / 8][4];
         for (int nt = 0; nt < MBC / 8; nt++) {
@@ -100,8 +105,8 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
         for (int nt = 0; nt < MBC / 8; nt++)
             for (int e = 0; e < 2; e++) {
                 const int64_t key = k0 + nt * 8 + 2 * tq + e;
-                s[nt][e] = key < vis0 ? s[nt][e] * sl2 : -INFINITY;
-                s[nt][2 + e] = key < vis1 ? s[nt][2 + e] * sl2 : -INFINITY;
+                s[nt][e] = key < vis0 && key >= lo0 ? s[nt][e] * sl2 : -INFINITY;
+                s[nt][2 + e] = key < vis1 && key >= lo1 ? s[nt][2 + e] * sl2 : -INFINITY;
                 mx0 = fmaxf(mx0, s[nt][e]);
                 mx1 = fmaxf(mx1, s[nt][2 + e]);
             }
@@ -164,21 +169,22 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
 
 template <int D>
 static kvc_status launch(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const bf16 *const *kp,
-                         const bf16 *const *vp, const int32_t *past, float scale, bf16 *out, int64_t ldo) {
+                         const bf16 *const *vp, const int32_t *past, const int64_t *start, float scale, bf16 *out,
+                         int64_t ldo) {
     const int64_t tiles = (n + MBR - 1) / MBR;
     if (tiles > 2147483647) return fail(KVC_ERR_ARG, "attention: too many queries");
     dim3 grid((unsigned)tiles, (unsigned)H);
-    flash_mma_kernel<D><<<grid, 128, 0, g.stream>>>(q, ldq, n, grp, kp, vp, past, scale, out, ldo);
+    flash_mma_kernel<D><<<grid, 128, 0, g.stream>>>(q, ldq, n, grp, kp, vp, past, start, scale, out, ldo);
     LAUNCH_TRY("attention (mma prefill)");
     return KVC_OK;
 }
 
 kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, float scale,
-                                 bf16 *out, int64_t ldo) {
+                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past,
+                                 const int64_t *start, float scale, bf16 *out, int64_t ldo) {
     if (n <= 0) return KVC_OK;
-    if (d == 128) return launch<128>(q, ldq, n, H, H / Hkv, kp, vp, past, scale, out, ldo);
-    if (d == 64) return launch<64>(q, ldq, n, H, H / Hkv, kp, vp, past, scale, out, ldo);
+    if (d == 128) return launch<128>(q, ldq, n, H, H / Hkv, kp, vp, past, start, scale, out, ldo);
+    if (d == 64) return launch<64>(q, ldq, n, H, H / Hkv, kp, vp, past, start, scale, out, ldo);
     return fail(KVC_ERR_UNSUPPORTED, "mma attention: head_dim %d (64 or 128 only)", d);
 }
 

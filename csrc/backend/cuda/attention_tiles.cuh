@@ -15,24 +15,36 @@ struct PrefillBlock {
     int64_t q0;       /* first query of the block */
     int64_t past;     /* cache rows of the KV head before the first query of this call */
     int64_t kend;     /* keys the block's last query sees: the end of the key loop */
+    int64_t kbeg;     /* the start of the key loop: the first query's window start, down to a tile */
     const bf16 *K, *V; /* the KV head's cache, rows of D */
+    const int64_t *start; /* the KV head's column of the window starts (stride Hkv), or NULL */
+    int32_t Hkv;
+
+    /* the first row query i sees (0 without a sliding window) */
+    __device__ __forceinline__ int64_t first_row(int64_t i) const { return start ? start[i * Hkv] : 0; }
 };
 
 /* The block's query tile (the longest tiles first: blockIdx.x 0 takes the last tile) and query head,
- * with grp query heads per KV head; query i of KV head h sees cache rows < past[h] + i + 1. */
-template <int BQ>
+ * with grp query heads per KV head; query i of KV head h sees cache rows < past[h] + i + 1, and from
+ * start[i * Hkv + h] on with a sliding window (start NULL: none). Starts are nondecreasing in i, so
+ * the block's first query bounds the keys from below; key tiles stay BK-aligned. */
+template <int BQ, int BK>
 __device__ __forceinline__ PrefillBlock prefill_block(int64_t n, int32_t grp, const bf16 *const *kp,
-                                                      const bf16 *const *vp, const int32_t *__restrict__ past_arr) {
+                                                      const bf16 *const *vp, const int32_t *__restrict__ past_arr,
+                                                      const int64_t *__restrict__ start) {
     PrefillBlock b;
     const int64_t qt = gridDim.x - 1 - blockIdx.x;
     b.hq = blockIdx.y;
     const int h = b.hq / grp;
+    b.Hkv = (int32_t)(gridDim.y / grp);
     b.q0 = qt * BQ;
     b.past = past_arr[h];
     const int64_t rows_here = n - b.q0 < BQ ? n - b.q0 : BQ;
     b.kend = b.past + b.q0 + rows_here;
     b.K = kp[h];
     b.V = vp[h];
+    b.start = start ? start + h : nullptr;
+    b.kbeg = b.first_row(b.q0) / BK * BK;
     return b;
 }
 

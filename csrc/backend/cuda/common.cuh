@@ -207,25 +207,28 @@ kvc_status add_lens(int32_t *len, int32_t count, int32_t add);
 /* ---- attention_prefill.cu ---- */
 /* Causal GQA attention of n queries (q rows, stride ldq, head hq at column hq*d) over the cache of
  * each KV head (kp/vp: device arrays [Hkv]); query i of KV head h sees rows < past[h] + i + 1
- * (past: device int32 [Hkv]). out rows stride ldo. Flash-style (never n x n), WMMA tensor cores. */
+ * (past: device int32 [Hkv]) and, with a sliding window (start: device i64 [n, Hkv], nondecreasing
+ * in i; NULL without one), only the rows >= start[i * Hkv + h]. out rows stride ldo. Flash-style
+ * (never n x n), WMMA tensor cores. */
 kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, float scale, bf16 *out,
-                             int64_t ldo);
+                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
+                             float scale, bf16 *out, int64_t ldo);
 
 /* ---- attention_prefill_mma.cu: the register-tile kernel (opt-in: KVC_ATTN_MMA=1 or attention_use_mma) ---- */
 kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, float scale,
-                                 bf16 *out, int64_t ldo);
+                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past,
+                                 const int64_t *start, float scale, bf16 *out, int64_t ldo);
 void attention_use_mma(int on);
 int attention_mma_enabled(void);
 
 /* ---- attention_decode.cu ---- */
-/* One query per head (q [H*d]) over len[h] rows of each KV head (len: device int32 [Hkv]),
- * split-K over the rows; partial: scratch of decode_partial_floats() floats. */
+/* One query per head (q [H*d]) over len[h] rows of each KV head (len: device int32 [Hkv]), from row
+ * start[h] on with a sliding window (device i64 [Hkv]; NULL: from row 0), split-K over the rows;
+ * partial: scratch of decode_partial_floats() floats. */
 size_t decode_partial_floats(int32_t H, int32_t d, int32_t splits);
 kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
-                            const bf16 *const *vp, const int32_t *len, float scale, bf16 *out, float *partial,
-                            int32_t splits);
+                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, bf16 *out,
+                            float *partial, int32_t splits);
 
 /* ---- score.cu, press.cu ---- */
 struct HeadInfo {
