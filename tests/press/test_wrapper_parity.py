@@ -176,7 +176,7 @@ def test_wrapper_errors_are_clear():
 # -- KeyRerotationPress: kvpress's rotated keys no longer match the full cache's rows, so its kept indices
 # are taken from its own choice (the wrapped press's scores, topk, sorted: what its compress does) --------
 
-def run_kvpress_rerotation(hf, press, ids):
+def run_kvpress_rerotation(hf, press, ids, continue_from_compressed=False):
     from kvpress.utils import compute_n_kept
     kept = [None] * hf.config.num_hidden_layers
     orig = press.press.score
@@ -193,11 +193,12 @@ def run_kvpress_rerotation(hf, press, ids):
             res = hf(torch.tensor([ids]), past_key_values=cache)
     finally:
         press.press.score = orig
+    start = cache.get_seq_length() if continue_from_compressed else len(ids)  # the former: kvpress's pipeline
     with torch.no_grad():
         for step in range(N_NEW):
             logits.append(res.logits[0, -1].double().numpy())
             out.append(int(np.argmax(logits[-1])))
-            p = len(ids) + step
+            p = start + step
             res = hf(torch.tensor([[out[-1]]]), past_key_values=cache, cache_position=torch.tensor([p]),
                      position_ids=torch.tensor([[p]]))
     return kept, out, logits
@@ -232,6 +233,31 @@ def test_key_rerotation_matches_kvpress(tiny, default_side, base, ratio):
         assert out == their_ids
         if min(jac) == 1.0:  # the same kept rows, re-rotated the same way: the same decode logits
             assert err < 1e-3, err  # measured ~1e-5 (fp32, GGUF adjacent vs HF half pairing)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+def test_key_rerotation_continues_from_the_compressed_length_as_kvpress_pipeline(tiny, ratio):
+    """Through the press's prefill (what Pipeline calls), the tokens after a re-rotated cache take positions
+    from the compressed length, as kvpress's pipeline gives them (cache.get_seq_length())."""
+    hf, model, ids = tiny[0], tiny[1], tiny[2]
+    theirs, their_ids, their_logits = run_kvpress_rerotation(
+        hf, kvpress.KeyRerotationPress(kvpress.SnapKVPress(compression_ratio=ratio, window_size=16)), ids,
+        continue_from_compressed=True)
+    press = kvpress_c.KeyRerotationPress(kvpress_c.SnapKVPress(compression_ratio=ratio, window_size=16))
+    s = model.new_session()
+    s.set_press(**press.c_config())  # as the pipeline attaches it
+    logits = [press.prefill(s, np.asarray(ids, np.int32), model.config).astype(np.float64)]
+    s.set_press(None)
+    assert s.position == int(s.cache_lengths().max()) < len(ids)
+    out = []
+    for step in range(N_NEW):
+        out.append(int(np.argmax(logits[-1])))
+        logits.append(s.forward(np.array([out[-1]], np.int32)).astype(np.float64))
+    err = max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(logits, their_logits))
+    print(f"KeyRerotation(SnapKV) ratio {ratio}, pipeline positions: greedy equal {out == their_ids}, "
+          f"max logit rel err {err:.1e}")
+    assert out == their_ids
+    assert err < 1e-3, err  # the same bound as above (measured ~1e-5)
 
 
 # -- ThinKPress: kvpress zeroes the pruned key channels; so do we (the K store keeps its head dim) ---------
