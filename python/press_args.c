@@ -10,7 +10,9 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                /* kvpress's scorers */
                                "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon",
                                "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
-                               "cmp_sink_start", "cmp_sink_end", "cmp_blend", NULL};
+                               "cmp_sink_start", "cmp_sink_end", "cmp_blend",
+                               /* value merging */
+                               "merge", "merge_threshold", "merge_fraction", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -19,7 +21,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiif", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifpff", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -28,7 +30,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
                                                &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
-                                               &c->cmp_blend);
+                                               &c->cmp_blend, &c->merge, &c->merge_threshold, &c->merge_fraction);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;
@@ -42,20 +44,23 @@ int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *c) {
     PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
     if (!rest) return -1;
     static const char *keys[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
-                                 "hidden_states_buffer_size"};
+                                 "hidden_states_buffer_size", "cam_merge_budget", "cam_seed"};
     PyObject *mine = PyDict_New();
     int r = mine ? 0 : -1;
-    for (int i = 0; i < 5 && r == 0; i++) {
+    for (int i = 0; i < 7 && r == 0; i++) {
         PyObject *v = PyDict_GetItemString(rest, keys[i]); /* borrowed */
         if (v && (PyDict_SetItemString(mine, keys[i], v) < 0 || PyDict_DelItemString(rest, keys[i]) < 0)) r = -1;
     }
     if (r == 0) {
         static char *kw[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
-                             "hidden_states_buffer_size", NULL};
+                             "hidden_states_buffer_size", "cam_merge_budget", "cam_seed", NULL};
         long long interval = c->compression_interval, target = c->target_size;
+        unsigned long long cam_seed = 0;
         PyObject *empty = PyTuple_New(0);
-        r = empty && PyArg_ParseTupleAndKeywords(empty, mine, "|$LLpdi", kw, &interval, &target, &c->ratio_target,
-                                                 &c->target_compression_ratio, &c->hidden_states_buffer_size) ? 0 : -1;
+        r = empty && PyArg_ParseTupleAndKeywords(empty, mine, "|$LLpdiiK", kw, &interval, &target, &c->ratio_target,
+                                                 &c->target_compression_ratio, &c->hidden_states_buffer_size,
+                                                 &c->cam_merge_budget, &cam_seed) ? 0 : -1;
+        c->cam_seed = cam_seed;
         Py_XDECREF(empty);
         c->compression_interval = interval;
         c->target_size = target;

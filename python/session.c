@@ -410,6 +410,30 @@ static PyObject *Session_cache_positions(SessionObject *self, PyObject *args) {
     return (PyObject *)out;
 }
 
+static PyObject *Session_cache_rows(SessionObject *self, PyObject *args) {
+    int layer, head;
+    if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const int64_t n = kvc_session_cache_len(self->session, layer, head);
+    if (n < 0) {
+        PyErr_Format(PyExc_IndexError, "layer %d / kv head %d out of range", layer, head);
+        return NULL;
+    }
+    kvc_config c;
+    kvc_model_get_config(self->model->model, &c);
+    npy_intp dims[2] = {n, c.head_dim};
+    PyArrayObject *k = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    PyArrayObject *v = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    kvc_status st = KVC_OK;
+    if (k && v) st = kvc_session_cache_rows(self->session, layer, head, (float *)PyArray_DATA(k), (float *)PyArray_DATA(v));
+    if (!k || !v || st != KVC_OK) {
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        return k && v ? kvc_py_raise(st) : NULL;
+    }
+    return Py_BuildValue("(NN)", k, v);
+}
+
 static PyObject *Session_press_scores(SessionObject *self, PyObject *args) {
     int layer, head;
     if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
@@ -692,6 +716,8 @@ static PyMethodDef Session_methods[] = {
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},
     {"cache_positions", (PyCFunction)Session_cache_positions, METH_VARARGS, "cache_positions(layer, kv_head): original positions of the kept rows (int64)."},
+    {"cache_rows", (PyCFunction)Session_cache_rows, METH_VARARGS,
+     "cache_rows(layer, kv_head) -> (k, v): the cached key and value rows as float32 [rows, head_dim]."},
     {"press_scores", (PyCFunction)Session_press_scores, METH_VARARGS, "press_scores(layer, kv_head): scores of the last compression (record_scores)."},
     {"press_error", (PyCFunction)Session_press_error, METH_VARARGS, "press_error(layer): Ada-KV eviction loss on the window queries."},
     {"set_layer_budgets", (PyCFunction)Session_set_layer_budgets, METH_O, "set_layer_budgets(totals[L]): per-layer totals (KVC_ALLOC_LAYER)."},

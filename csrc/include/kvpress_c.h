@@ -183,6 +183,9 @@ KVC_API kvc_status kvc_session_truncate(kvc_session *s, const int64_t *new_len, 
 KVC_API kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src);
 /* Original positions of the rows of (layer, kv_head): out must hold kvc_session_cache_len() values. */
 KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int32_t kv_head, int64_t *out);
+/* The cached K and V rows of (layer, kv_head) as fp32: k, v (either may be NULL) hold kvc_session_cache_len() x
+ * head_dim values each. */
+KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, int32_t kv_head, float *k, float *v);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Presses: what to keep when a prefill compresses the cache (see docs/METHODS.md).                     */
@@ -258,6 +261,10 @@ typedef struct kvc_press_config {
     int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
     int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
     float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
+    /* ---- value merging on eviction (csrc/press/merge.c) ---- */
+    int32_t merge;             /* MergingPress: each evicted row's value folded into its most key-similar kept row */
+    float merge_threshold;     /* MergingPress similarity_threshold: least cosine similarity of a merge (0) */
+    float merge_fraction;      /* MergingPress merge_fraction: share of the evicted rows (by similarity) merged (1) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
@@ -304,6 +311,20 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         int32_t layer, int32_t n_layers, const float *q, const float *attn,
                                         int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
                                         float *scores, int64_t *keep, int64_t *n_keep);
+
+/* Value merging on eviction as functions on arrays (csrc/press/merge.c; sessions run the same code on the rows
+ * their backend gives the host). MergingPress, one KV head: k, v [n, d], keep [n_keep] its kept rows
+ * (increasing); v_out [n_keep, d] receives the kept rows' values after every evicted row is folded into its most
+ * key-similar kept row (similarity_threshold, merge_fraction as kvpress). */
+KVC_API kvc_status kvc_merge_similar(const float *k, const float *v, int64_t n, int32_t d, const int64_t *keep,
+                                     int64_t n_keep, float threshold, float fraction, float *v_out);
+/* CAMPress's selection and merge for one layer whose Hkv heads hold the same n rows: scores [Hkv, n] (the base
+ * press's), attn [Hkv, n] (cumulative attention), v [Hkv, n, d]. keep [target] receives the top `target` rows of
+ * the scores' mean over heads (increasing), v_out [Hkv, target, d] their values after the best-scored n_merge
+ * evicted rows are merged into the next merge_budget kept rows; (seed, layer, event) pick the Bernoulli draws. */
+KVC_API kvc_status kvc_cam_merge(const float *scores, const float *attn, const float *v, int32_t Hkv, int64_t n,
+                                 int32_t d, int64_t target, int64_t n_merge, int32_t merge_budget, uint64_t seed,
+                                 int32_t layer, int64_t event, int64_t *keep, float *v_out);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress)                                */
@@ -355,6 +376,8 @@ typedef struct kvc_decoding_config {
     int32_t ratio_target;             /* 1: CompressionRatioDecodingPress, target = max(1, int(tokens seen x (1 - r))) */
     double target_compression_ratio;  /* r in [0, 1) (0.5) */
     int32_t hidden_states_buffer_size;/* steps whose queries stay buffered between compressions (256) */
+    int32_t cam_merge_budget;         /* CAMPress merge_budget (> 0: CaM's merge before pruning; 0: DecodingPress) */
+    uint64_t cam_seed;                /* CAMPress: the stream of its Bernoulli merge draws (docs/METHODS.md) */
 } kvc_decoding_config;
 
 KVC_API void kvc_decoding_config_defaults(kvc_decoding_config *cfg);

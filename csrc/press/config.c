@@ -32,6 +32,7 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->cur_window = 16;
     c->cmp_sink_start = 8;
     c->cmp_sink_end = 4;
+    c->merge_fraction = 1.0f;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -69,6 +70,12 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (!isfinite(c->cmp_blend)) return kvc_fail(KVC_ERR_ARG, "blending must be finite, got %g", c->cmp_blend);
     if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
+    if (c->merge) {
+        if (!(c->merge_threshold >= 0 && c->merge_threshold <= 1))
+            return kvc_fail(KVC_ERR_ARG, "similarity_threshold must be in [0, 1], got %g", c->merge_threshold);
+        if (!(c->merge_fraction > 0 && c->merge_fraction <= 1))
+            return kvc_fail(KVC_ERR_ARG, "merge_fraction must be in (0, 1], got %g", c->merge_fraction);
+    }
     if (c->critical) {
         if (!(c->critical_eps >= 0 && isfinite(c->critical_eps)))
             return kvc_fail(KVC_ERR_ARG, "CriticalKV epsilon must be finite and >= 0, got %g", c->critical_eps);

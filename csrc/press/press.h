@@ -7,7 +7,8 @@
  *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
  *   schedule.c    the post-prefill schedule (kvpress's): each layer compressed after its attention
  *   take.c        TAKE's chunked prefill with probes and delayed eviction
- *   decoding.c    compression while decoding (kvpress DecodingPress) */
+ *   decoding.c    compression while decoding (kvpress DecodingPress, CAMPress)
+ *   merge.c       value merging on eviction (MergingPress, CAMPress) */
 #ifndef KVC_PRESS_H
 #define KVC_PRESS_H
 
@@ -147,6 +148,11 @@ kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *
 void kvc_kvzap_free(kvc_kvzap *z);
 /* scores[h][r] for the n rows of this call (the layer must hold only them: past 0) */
 kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores);
+
+/* ---- merge.c: value merging on eviction (MergingPress, CAMPress; the array functions are in kvpress_c.h) ---- */
+/* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
+kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
+                           const int64_t *const *keep, const int64_t *n_keep);
 
 /* ---- rerotate.c: KeyRerotationPress ---- */
 kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);

@@ -29,6 +29,9 @@ from .compactor import CompactorPress
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
+from .cam import CAMPress
+# value merging on eviction
+from .merging import MergingPress
 # wrappers
 from .block import BlockPress
 from .composed import ComposedPress
@@ -46,6 +49,6 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
            "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress",
-           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",
+           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]
