@@ -135,3 +135,26 @@ def test_session_merge_equals_reference(tiny_model, rng, ratio):
             assert rel(got_v, want) < RTOL
             merged_any |= rel(got_v, v[keep]) > 1e-3
     assert merged_any
+
+
+def test_bad_merge_settings_are_clear_errors(tiny_model):
+    with pytest.raises(ValueError, match="ScorerPress"):
+        kvpress_c.MergingPress(kvpress_c.AdaKVPress(kvpress_c.SnapKVPress(compression_ratio=0.5)))
+    with pytest.raises(ValueError, match="similarity_threshold"):
+        kvpress_c.MergingPress(kvpress_c.KnormPress(compression_ratio=0.5), similarity_threshold=1.5)
+    with pytest.raises(ValueError, match="merge_fraction"):
+        kvpress_c.MergingPress(kvpress_c.KnormPress(compression_ratio=0.5), merge_fraction=0.0)
+    with pytest.raises(ValueError, match="merge_budget"):
+        kvpress_c.CAMPress(kvpress_c.KnormPress(), merge_budget=0)
+    with pytest.raises(ValueError, match="plain scorer press"):
+        kvpress_c.CAMPress(kvpress_c.AdaKVPress(kvpress_c.KnormPress()))
+    # CaM shares one selection across a layer's heads: after a per-head (Ada-KV) prefill the heads hold different
+    # row counts, and the decoding press says so at its first step
+    s = tiny_model.new_session()
+    s.set_press(**kvpress_c.AdaKVPress(kvpress_c.SnapKVPress(compression_ratio=0.5, window_size=4)).c_config())
+    s.set_decoding_press(**kvpress_c.CAMPress(kvpress_c.KnormPress(), target_size=8).decoding_config())
+    s.forward(np.arange(3, 80, dtype=np.int32), logits="last")
+    if (s.cache_lengths() == s.cache_lengths()[:, :1]).all():
+        pytest.skip("Ada-KV kept equal head lengths on this prompt")
+    with pytest.raises(NotImplementedError, match="same number of rows"):
+        s.forward(np.array([5], np.int32))
