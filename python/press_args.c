@@ -12,7 +12,7 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
                                "cmp_sink_start", "cmp_sink_end", "cmp_blend",
                                /* value merging */
-                               "merge", "merge_threshold", "merge_fraction", NULL};
+                               "merge", "merge_threshold", "merge_fraction", "cap_tau", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -21,7 +21,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifpff", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifpfff", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -30,7 +30,8 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
                                                &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
-                                               &c->cmp_blend, &c->merge, &c->merge_threshold, &c->merge_fraction);
+                                               &c->cmp_blend, &c->merge, &c->merge_threshold, &c->merge_fraction,
+                                               &c->cap_tau);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;
@@ -166,12 +167,14 @@ static int add_codes(PyObject *m, const char *name, const char *const *keys, con
 int kvc_py_press_constants(PyObject *m) {
     static const char *scorers[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie",
                                     /* kvpress's scorers */
-                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor"};
+                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor",
+                                    "cap"};
     static const int scorer_codes[] = {KVC_SCORE_STREAMING, KVC_SCORE_KNORM, KVC_SCORE_RANDOM, KVC_SCORE_TOVA,
                                        KVC_SCORE_OBSERVED, KVC_SCORE_SNAPKV, KVC_SCORE_EDIE,
                                        /* kvpress's scorers */
                                        KVC_SCORE_KEYDIFF, KVC_SCORE_LAGKV, KVC_SCORE_EXPECTED, KVC_SCORE_NONCAUSAL,
-                                       KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR};
+                                       KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR,
+                                       KVC_SCORE_CAP};
     static const char *allocations[] = {"uniform", "pyramid", "adakv", "layer"};
     static const int allocation_codes[] = {KVC_ALLOC_UNIFORM, KVC_ALLOC_PYRAMID, KVC_ALLOC_ADAKV, KVC_ALLOC_LAYER};
     static const char *safeguards[] = {"floor", "protect"};

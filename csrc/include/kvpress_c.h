@@ -205,10 +205,11 @@ typedef enum kvc_scorer {
     KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
     KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
     KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
-    KVC_SCORE_COMPACTOR = 13  /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
+    KVC_SCORE_COMPACTOR = 13, /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
+    KVC_SCORE_CAP = 14        /* CAPKV: w v^T (I + sum (w + eps) v v^T)^-1 v, w = exp(tau cos(k, R mean q)) */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_COMPACTOR
+#define KVC_SCORE_LAST KVC_SCORE_CAP
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -265,6 +266,8 @@ typedef struct kvc_press_config {
     int32_t merge;             /* MergingPress: each evicted row's value folded into its most key-similar kept row */
     float merge_threshold;     /* MergingPress similarity_threshold: least cosine similarity of a merge (0) */
     float merge_fraction;      /* MergingPress merge_fraction: share of the evicted rows (by similarity) merged (1) */
+    /* ---- CapPress (n_sink, n_future and epsilon above are its too) ---- */
+    float cap_tau;             /* CapPress tau: the temperature of the query-key alignment weights (5) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */

@@ -33,6 +33,7 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->cmp_sink_start = 8;
     c->cmp_sink_end = 4;
     c->merge_fraction = 1.0f;
+    c->cap_tau = 5.0f;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -70,6 +71,7 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (!isfinite(c->cmp_blend)) return kvc_fail(KVC_ERR_ARG, "blending must be finite, got %g", c->cmp_blend);
     if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
+    if (!isfinite(c->cap_tau)) return kvc_fail(KVC_ERR_ARG, "tau must be finite, got %g", c->cap_tau);
     if (c->merge) {
         if (!(c->merge_threshold >= 0 && c->merge_threshold <= 1))
             return kvc_fail(KVC_ERR_ARG, "similarity_threshold must be in [0, 1], got %g", c->merge_threshold);

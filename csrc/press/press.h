@@ -115,7 +115,7 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
            scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
            scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
-           scorer == KVC_SCORE_COMPACTOR;
+           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_CAP;
 }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);

@@ -25,6 +25,7 @@ from .kvzip import KVzipPress
 from .leverage import LeverageScorePress
 from .cur import CURPress
 from .compactor import CompactorPress
+from .cap import CapPress
 # compression while decoding
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
@@ -48,7 +49,7 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress",
+           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]

@@ -252,6 +252,8 @@ PRESSES = {
     "lagkv-cross": dict(scorer=S["lagkv"], compression_ratio=0.5, window=0, lag_size=32, cross_scoring=1),
     "expected_attention": dict(scorer=S["expected_attention"], compression_ratio=0.5, window=0),
     "expected_attention-no-cov": dict(scorer=S["expected_attention"], compression_ratio=0.9, window=0, use_covariance=0),
+    # issue 16p: CapPress, on the host from the device's rows and queries
+    "cap": dict(scorer=S["cap"], compression_ratio=0.5, window=0, epsilon=1e-6),
 }
 NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
@@ -485,8 +487,9 @@ SESSION_PRESSES = {
                       cmp_sink_start=8, cmp_sink_end=4, cmp_blend=0.5),
     "critical_adakv": dict(scorer=S["expected_attention"], allocation=A["adakv"], compression_ratio=0.8, use_vnorm=0,
                            critical=1),
+    "cap": dict(scorer=S["cap"], compression_ratio=0.5, epsilon=1e-6),
 }
-UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor")  # same budget for every head: equal lengths
+UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor", "cap")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

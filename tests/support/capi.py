@@ -46,7 +46,8 @@ class PressConfig(C.Structure):  # kvc_press_config
                 ("cur_type", C.c_int32), ("cur_random", C.c_int32), ("cur_window", C.c_int32),
                 ("cmp_sink_start", C.c_int32), ("cmp_sink_end", C.c_int32), ("cmp_blend", C.c_float),
                 # value merging
-                ("merge", C.c_int32), ("merge_threshold", C.c_float), ("merge_fraction", C.c_float)]
+                ("merge", C.c_int32), ("merge_threshold", C.c_float), ("merge_fraction", C.c_float),
+                ("cap_tau", C.c_float)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
