@@ -12,7 +12,8 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
                                "cmp_sink_start", "cmp_sink_end", "cmp_blend",
                                /* value merging */
-                               "merge", "merge_threshold", "merge_fraction", "cap_tau", NULL};
+                               "merge", "merge_threshold", "merge_fraction", "cap_tau",
+                               "dms", "dms_threshold", "dms_window", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -21,7 +22,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifpfff", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifpfffpfi", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -31,7 +32,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
                                                &c->cmp_blend, &c->merge, &c->merge_threshold, &c->merge_fraction,
-                                               &c->cap_tau);
+                                               &c->cap_tau, &c->dms, &c->dms_threshold, &c->dms_window);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;

@@ -268,6 +268,10 @@ typedef struct kvc_press_config {
     float merge_fraction;      /* MergingPress merge_fraction: share of the evicted rows (by similarity) merged (1) */
     /* ---- CapPress (n_sink, n_future and epsilon above are its too) ---- */
     float cap_tau;             /* CapPress tau: the temperature of the query-key alignment weights (5) */
+    /* ---- DMSPress: threshold eviction behind a sliding window (csrc/press/dms.c) ---- */
+    int32_t dms;               /* 1: rows leaving the window that score below dms_threshold are evicted (no ratio) */
+    float dms_threshold;       /* DMSPress threshold */
+    int32_t dms_window;        /* DMSPress sliding_window_size: the last rows, never judged yet (128) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
@@ -362,6 +366,10 @@ KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filt
 KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
                                          const float *w2, const float *b2);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
+
+/* DMSPress (kvpress; csrc/press/dms.c) is a press config with dms = 1: attached with kvc_session_set_press it
+ * acts on a prefill into an empty session; as the base of a decoding press (kvc_session_set_decoding_press,
+ * base.dms = 1) on every later call, continuing the prefill's window (kvpress DMSPress(decoding=True)). */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress).                  */

@@ -37,6 +37,7 @@ struct kvc_decoding {
     int64_t *cam_cap;     /* [L] rows allocated per head */
     int64_t *cam_rows;    /* [L] rows tracked (every head holds the same) */
     int64_t *cam_events;  /* [L] merging compressions so far (the Bernoulli stream) */
+    kvc_dms *dms;         /* DMSPress(decoding=True): base.dms; its own schedule (dms.c) */
 };
 
 void kvc_decoding_config_defaults(kvc_decoding_config *c) {
@@ -55,6 +56,14 @@ static int32_t query_rows(const kvc_press_config *b) {
 
 kvc_status kvc_decoding_config_check(const kvc_decoding_config *c) {
     if (!c) return kvc_fail(KVC_ERR_ARG, "decoding config is NULL");
+    if (c->base.dms) { /* DMSPress's decoding part: the threshold and window of its base decide, nothing else */
+        KVC_TRY(kvc_press_config_check(&c->base));
+        if (c->base.scorer == KVC_SCORE_OBSERVED || c->base.scorer == KVC_SCORE_EDIE)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "DMSPress while decoding scores each call's rows from its queries: wrap a "
+                            "scorer press other than ObservedAttention or EDIE");
+        if (c->cam_merge_budget > 0 || c->ratio_target) return kvc_fail(KVC_ERR_ARG, "DMSPress is neither CAMPress nor a ratio target");
+        return KVC_OK;
+    }
     kvc_press_config b = c->base;
     b.compression_ratio = 0;
     b.budget = 0;
@@ -114,6 +123,7 @@ void kvc_decoding_free(kvc_decoding *d) {
     free(d->cam_cap);
     free(d->cam_rows);
     free(d->cam_events);
+    kvc_dms_free(d->dms);
     free(d);
 }
 
@@ -127,6 +137,7 @@ void kvc_decoding_reset(kvc_decoding *d) {
     memset(d->q_head, 0, sizeof(int64_t) * L);
     if (d->cam_rows) memset(d->cam_rows, 0, sizeof(int64_t) * L);
     if (d->cam_events) memset(d->cam_events, 0, sizeof(int64_t) * L);
+    kvc_dms_reset(d->dms);
     d->compressions = 0;
 }
 
@@ -164,7 +175,8 @@ kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc
         (d->w > 0 && (!d->queries || !d->window)) ||
         (cfg->cam_merge_budget > 0 && (!d->cam_attn || !d->cam_cap || !d->cam_rows || !d->cam_events)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
-    if (st == KVC_OK && d->w > 0) {
+    if (st == KVC_OK && cfg->base.dms) st = kvc_dms_new(&cfg->base, mc, be, &d->dms);
+    if (st == KVC_OK && d->w > 0 && !cfg->base.dms) {
         kvc_backend_lock(be);
         st = be->alloc(be->act_dtype, (int64_t)d->w * d->qd, KVC_MEM_ACT, "decoding press queries", &d->qbuf);
         kvc_backend_unlock(be);
@@ -387,6 +399,7 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
 
 kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx) {
     const int32_t l = ctx->layer;
+    if (d->dms) return kvc_dms_decode(d->dms, s, ctx);
     KVC_TRY(buffer_call(d, l, ctx));
     if (d->cfg.cam_merge_budget > 0) KVC_TRY(cam_accumulate(d, s, ctx));
     d->steps[l]++;

@@ -42,6 +42,8 @@ typedef struct kvc_press {
     int32_t channel_window;   /* ThinKPress: window queries that score the channels */
     float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
     struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
+    float *dms_tail;          /* [L * Hkv * dms_window] DMSPress: the window rows' scores a prefill left unjudged */
+    int64_t *dms_tail_n;      /* [L] how many (-1: no prefill yet) */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -153,6 +155,17 @@ kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc
 /* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
 kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
                            const int64_t *const *keep, const int64_t *n_keep);
+
+/* ---- dms.c: DMSPress (threshold eviction behind a sliding window) ---- */
+/* The prefill part: a layer of a prefill into an empty session (other calls: nothing). */
+kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
+/* The decoding part's state: each layer's unjudged scores, continued from the prefill press's. */
+typedef struct kvc_dms kvc_dms;
+kvc_status kvc_dms_new(const kvc_press_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_dms **out);
+void kvc_dms_free(kvc_dms *d);
+void kvc_dms_reset(kvc_dms *d);
+/* After the attention of a layer in a call after the session's first. */
+kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx);
 
 /* ---- rerotate.c: KeyRerotationPress ---- */
 kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);

@@ -26,6 +26,8 @@ void kvc_press_free(kvc_press *p) {
     free(p->layer_ratios);
     free(p->head_keep);
     free(p->key_filters);
+    free(p->dms_tail);
+    free(p->dms_tail_n);
     kvc_kvzap_free(p->kvzap);
     kvc_press_free(p->next);
     free(p);
@@ -322,6 +324,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     kvc_press_config layer_cfg = p->cfg;
     if (p->layer_ratios) layer_cfg.compression_ratio = p->layer_ratios[ctx->layer]; /* PerLayerCompressionPress */
     const kvc_press_config *cfg = &layer_cfg;
+    if (cfg->dms) return kvc_dms_prefill(p, s, ctx); /* DMSPress: its threshold, not a budget */
     if (cfg->reuse_layers > 1 && ctx->layer % cfg->reuse_layers == 0) p->reuse_len = 0; /* a new group */
     if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep)
         return p->key_channel_ratio > 0 ? kvc_press_think(p, s, ctx) : KVC_OK;

@@ -26,6 +26,7 @@ from .leverage import LeverageScorePress
 from .cur import CURPress
 from .compactor import CompactorPress
 from .cap import CapPress
+from .dms import DMSPress
 # compression while decoding
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
@@ -49,7 +50,7 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress",
+           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]

@@ -47,7 +47,8 @@ class PressConfig(C.Structure):  # kvc_press_config
                 ("cmp_sink_start", C.c_int32), ("cmp_sink_end", C.c_int32), ("cmp_blend", C.c_float),
                 # value merging
                 ("merge", C.c_int32), ("merge_threshold", C.c_float), ("merge_fraction", C.c_float),
-                ("cap_tau", C.c_float)]
+                ("cap_tau", C.c_float),
+                ("dms", C.c_int32), ("dms_threshold", C.c_float), ("dms_window", C.c_int32)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
