@@ -14,7 +14,7 @@ from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPres
                       NonCausalAttnPress, KVzipPress, LeverageScorePress, CURPress, CompactorPress)  # kvpress's scorers
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress  # compression while decoding
 from .presses import CAMPress, MergingPress  # value merging on eviction
-from .presses import CapPress, DMSPress
+from .presses import CapPress, DMSPress, KVComposePress
 from .presses import BlockPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
 from .presses import ThinKPress  # key channels
 from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # hub files, read from a local path
@@ -101,7 +101,7 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress", "ChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress", "ComposedPress",
            "PerLayerCompressionPress", "BlockPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
            "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",

@@ -414,6 +414,24 @@ KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, 
                                            int32_t layerwise, int32_t n_sink);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* KVCompose (arXiv 2509.05165; kvpress KVComposePress; csrc/press/kvcompose.c)                     */
+
+/* The session holds the full cache of its s->pos context tokens. The q_len >= 2 prompt tokens `ids` (kvpress:
+ * the context again) run on it; out[L, H, n_ctx] receives, per layer, attention head and context row, the
+ * maximum (sum = 0) or the sum (sum = 1) over the prompt's queries of their softmax attention (over the context
+ * and the causal prompt rows). The prompt's rows are dropped again afterwards. */
+KVC_API kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum,
+                                                 float *out);
+/* KVCompose's eviction of the session's full context cache from per-attention-head statistics task[L, H, n]
+ * (agg_task already applied): the group's max or mean (group_max), times ||v|| (add_v_norm), plus the mean over
+ * the layer's KV heads (add_mean); counts from the composite scores (structured: per layer, the heads' max or
+ * mean (head_max) of their sorted scores, the first layer the maximum over layers; else per head), each head
+ * keeping its own top rows; the first lower_bound entries of every composite get +1e9. */
+KVC_API kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double compression_ratio,
+                                               int32_t structured, int32_t group_max, int32_t head_max,
+                                               int32_t add_v_norm, int32_t add_mean, int64_t lower_bound);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */
 
 typedef struct kvc_take_config {

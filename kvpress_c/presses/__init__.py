@@ -22,6 +22,7 @@ from .keydiff import KeyDiffPress
 from .lagkv import LagKVPress
 from .non_causal_attention import NonCausalAttnPress
 from .kvzip import KVzipPress
+from .kvcompose import KVComposePress
 from .leverage import LeverageScorePress
 from .cur import CURPress
 from .compactor import CompactorPress
@@ -50,7 +51,7 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress",
+           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]
