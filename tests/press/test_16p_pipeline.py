@@ -1,4 +1,4 @@
-"""The presses of issue 16p (MergingPress, CAMPress, CapPress, DMSPress) through the Pipeline: one run_many
+"""The presses of issue 16p (MergingPress, CAMPress, CapPress, DMSPress, KVComposePress) through the Pipeline: one run_many
 (shared prefill, batched decode) gives every press the same answers and kept rows as its own run."""
 import numpy as np
 import pytest
@@ -14,7 +14,8 @@ def test_run_many_equals_separate_runs(default_model):
           K.CAMPress(K.KnormPress(), compression_interval=8, target_size=100, merge_budget=8),
           K.CapPress(compression_ratio=0.7),
           K.DMSPress(K.KnormPress(), threshold=-9.0, sliding_window_size=32),
-          K.DMSPress(K.KnormPress(), threshold=-9.0, sliding_window_size=32, decoding=True)]
+          K.DMSPress(K.KnormPress(), threshold=-9.0, sliding_window_size=32, decoding=True),
+          K.KVComposePress(compression_ratio=0.6), K.KVComposePress(structured=False, compression_ratio=0.6)]
     pipe = K.Pipeline(default_model)
     many = pipe.run_many(context, question, presses=ps, max_new_tokens=24)
     for press, res in zip(ps, many):
@@ -25,5 +26,5 @@ def test_run_many_equals_separate_runs(default_model):
                 np.testing.assert_array_equal(x, y)
     kept = [r.stats["kept_tokens"] for r in many]
     assert kept[0] == many[0].stats["prompt_tokens"]
-    assert kept[1] < kept[0] and kept[3] < kept[0] and kept[4] < kept[0], kept
+    assert kept[1] < kept[0] and kept[3] < kept[0] and kept[4] < kept[0] and kept[6] < kept[0], kept
     assert ps[4].compression_ratio > 0
