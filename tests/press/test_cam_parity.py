@@ -11,7 +11,7 @@ keeps (the top target_size of the scores' mean over heads, in position order) ma
 
 Base press: TOVA. Knorm ties exactly at layer 0 for a repeated token (RoPE keeps the key's norm), and kvpress's
 topk breaks such ties its own way: one swapped row there changes where values merge and the continuation
-(measured on the tiny model: positions 49 / 108 swapped at the first compression, greedy ids apart 7 steps later).
+(measured on the tiny model: positions 49 / 108 swapped at the first compression, greedy ids apart 7 steps later)."""
 from unittest import mock
 
 import numpy as np
