@@ -12,9 +12,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../core/hostmath.h"
 #include "press.h"
 
 #define MERGE_EPS 1e-6 /* kvpress MergingPress's _EPS: norm clamp and the weight's denominator */
+#define SIM_TILE 128   /* evicted rows per similarity GEMM */
+#define SIM_SLACK 1e-4f /* fp32 cosines this close to a row's maximum are recomputed in float64 */
 
 /* torch.lerp(a, b, w) as torch computes it (its quantile interpolates with it): the -inf gates of
  * merge_fraction give -inf or NaN thresholds exactly as there. */
@@ -44,8 +47,10 @@ kvc_status kvc_merge_similar(const float *k, const float *v, int64_t n, int32_t 
     double *acc = calloc((size_t)(n_keep * d), sizeof(double)), *wsum = calloc((size_t)n_keep, sizeof(double));
     int64_t *ev = malloc(sizeof(int64_t) * (size_t)n_evict), *target = malloc(sizeof(int64_t) * (size_t)n_evict);
     char *kept = calloc((size_t)n, 1);
+    float *uf = malloc(sizeof(float) * (size_t)(n * d)), *ukf = malloc(sizeof(float) * (size_t)(n_keep * d));
+    float *uef = malloc(sizeof(float) * SIM_TILE * (size_t)d), *tile = malloc(sizeof(float) * SIM_TILE * (size_t)n_keep);
     kvc_status st = KVC_OK;
-    if (!kn || !vnorm || !sim || !sorted || !acc || !wsum || !ev || !target || !kept) {
+    if (!kn || !vnorm || !sim || !sorted || !acc || !wsum || !ev || !target || !kept || !uf || !ukf || !uef || !tile) {
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: MergingPress");
         goto done;
     }
@@ -63,16 +68,31 @@ kvc_status kvc_merge_similar(const float *k, const float *v, int64_t n, int32_t 
     int64_t e = 0;
     for (int64_t r = 0; r < n; r++)
         if (!kept[r]) ev[e++] = r;
-    for (e = 0; e < n_evict; e++) { /* the most similar kept row (the first of equal ones) */
-        double best = -INFINITY;
-        int64_t arg = 0;
-        for (int64_t i = 0; i < n_keep; i++) {
-            double dot = 0;
-            for (int32_t j = 0; j < d; j++) dot += kn[ev[e] * d + j] * kn[keep[i] * d + j];
-            if (dot > best) best = dot, arg = i;
+    /* the most similar kept row (the first of equal ones): the cosines by an fp32 GEMM, tiles of evicted rows; the
+     * candidates within SIM_SLACK of a row's fp32 maximum are recomputed in float64 and the largest taken, so the
+     * choice is the float64 one (the fp32 error of unit vectors is far below the slack) */
+    for (int64_t r = 0; r < n; r++)
+        for (int32_t j = 0; j < d; j++) uf[r * d + j] = (float)kn[r * d + j];
+    for (int64_t i = 0; i < n_keep; i++) memcpy(ukf + i * d, uf + keep[i] * d, sizeof(float) * (size_t)d);
+    for (int64_t e0 = 0; e0 < n_evict; e0 += SIM_TILE) {
+        const int64_t t = n_evict - e0 < SIM_TILE ? n_evict - e0 : SIM_TILE;
+        for (int64_t i = 0; i < t; i++) memcpy(uef + i * d, uf + ev[e0 + i] * d, sizeof(float) * (size_t)d);
+        kvc_host_gemm_nt(uef, d, ukf, tile, n_keep, t, n_keep, d, 0);
+        for (int64_t i = 0; i < t; i++) {
+            const float *row = tile + i * n_keep;
+            float fmax = -INFINITY;
+            for (int64_t c = 0; c < n_keep; c++) fmax = row[c] > fmax ? row[c] : fmax;
+            double best = -INFINITY;
+            int64_t arg = 0;
+            for (int64_t c = 0; c < n_keep; c++) {
+                if (!(row[c] >= fmax - SIM_SLACK)) continue;
+                double dot = 0;
+                for (int32_t j = 0; j < d; j++) dot += kn[ev[e0 + i] * d + j] * kn[keep[c] * d + j];
+                if (dot > best) best = dot, arg = c;
+            }
+            sim[e0 + i] = best;
+            target[e0 + i] = arg;
         }
-        sim[e] = best;
-        target[e] = arg;
     }
     double gate = -INFINITY; /* merge_fraction: keep the top share by similarity (torch.quantile over the gated sims) */
     int any = 0;
@@ -98,6 +118,7 @@ kvc_status kvc_merge_similar(const float *k, const float *v, int64_t n, int32_t 
     }
 done:
     free(kn); free(vnorm); free(sim); free(sorted); free(acc); free(wsum); free(ev); free(target); free(kept);
+    free(uf); free(ukf); free(uef); free(tile);
     return st;
 }
 
