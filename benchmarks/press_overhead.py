@@ -45,6 +45,11 @@ def presses_ours(ratio):
         "Compactor": k.CompactorPress(compression_ratio=ratio),
         # its own prefill: the full one, then the reconstruction forwards (kvpress: 2-3x the prefill)
         "KVzip": k.KVzipPress(compression_ratio=ratio),
+        # issue 16p (DMS: a fixed threshold on Knorm's -||k||, no ratio; KVCompose: its own replay forward)
+        "Merging(SnapKV)": k.MergingPress(k.SnapKVPress(compression_ratio=ratio)),
+        "Cap": k.CapPress(compression_ratio=ratio),
+        "DMS(Knorm)": k.DMSPress(k.KnormPress(), threshold=-9.0),
+        "KVCompose": k.KVComposePress(compression_ratio=ratio),
     }
 
 
@@ -73,6 +78,10 @@ def presses_kvpress(ratio):
         "CUR": kp.CURPress(compression_ratio=ratio),
         "Compactor": kp.CompactorPress(compression_ratio=ratio),
         "KVzip": kp.KVzipPress(compression_ratio=ratio),
+        "Merging(SnapKV)": kp.MergingPress(kp.SnapKVPress(compression_ratio=ratio)),
+        "Cap": kp.CapPress(compression_ratio=ratio),
+        "DMS(Knorm)": kp.DMSPress(kp.KnormPress(), threshold=-9.0),
+        "KVCompose": kp.KVComposePress(compression_ratio=ratio),
     }
 
 

@@ -14,6 +14,8 @@ from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPres
                       NonCausalAttnPress, KVzipPress, LeverageScorePress, CURPress, CompactorPress, FinchPress,
                       SimLayerKVPress)  # kvpress's scorers
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress  # compression while decoding
+from .presses import CAMPress, MergingPress  # value merging on eviction
+from .presses import CapPress, DMSPress, KVComposePress
 from .presses import BlockPress, ChunkPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
 from .presses import ThinKPress  # key channels
 from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # hub files, read from a local path
@@ -100,8 +102,8 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
-           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "ComposedPress",
+           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress", "ComposedPress",
            "PerLayerCompressionPress", "BlockPress", "ChunkPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
            "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",
            "DEVICES", "device_available", "device_info", "memory_stats", "cuda_available", "cuda_info",

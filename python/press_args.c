@@ -13,7 +13,10 @@ static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "bud
                                "cmp_sink_start", "cmp_sink_end", "cmp_blend",
                                /* kvpress's wrappers that change the selection */
                                "chunk_press", "finch_normalize", "finch_chunk", "lazy_threshold",
-                               "n_recent", "low_entropy_chunk", NULL};
+                               "n_recent", "low_entropy_chunk",
+                               /* value merging, CapPress, DMSPress */
+                               "merge", "merge_threshold", "merge_fraction", "cap_tau",
+                               "dms", "dms_threshold", "dms_window", NULL};
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
@@ -22,7 +25,7 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     if (!empty) return -1;
     long long budget = 0;
     unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifipifii", press_kwlist, &c->scorer,
+    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifipifiipfffpfi", press_kwlist, &c->scorer,
                                                &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
                                                &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
                                                &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
@@ -33,7 +36,9 @@ int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
                                                &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
                                                &c->cmp_blend, &c->chunk_press,
                                                &c->finch_normalize, &c->finch_chunk, &c->lazy_threshold,
-                                               &c->n_recent, &c->low_entropy_chunk);
+                                               &c->n_recent, &c->low_entropy_chunk,
+                                               &c->merge, &c->merge_threshold, &c->merge_fraction,
+                                               &c->cap_tau, &c->dms, &c->dms_threshold, &c->dms_window);
     Py_DECREF(empty);
     if (!ok) return -1;
     c->budget = budget;
@@ -47,20 +52,23 @@ int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *c) {
     PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
     if (!rest) return -1;
     static const char *keys[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
-                                 "hidden_states_buffer_size"};
+                                 "hidden_states_buffer_size", "cam_merge_budget", "cam_seed"};
     PyObject *mine = PyDict_New();
     int r = mine ? 0 : -1;
-    for (int i = 0; i < 5 && r == 0; i++) {
+    for (int i = 0; i < 7 && r == 0; i++) {
         PyObject *v = PyDict_GetItemString(rest, keys[i]); /* borrowed */
         if (v && (PyDict_SetItemString(mine, keys[i], v) < 0 || PyDict_DelItemString(rest, keys[i]) < 0)) r = -1;
     }
     if (r == 0) {
         static char *kw[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
-                             "hidden_states_buffer_size", NULL};
+                             "hidden_states_buffer_size", "cam_merge_budget", "cam_seed", NULL};
         long long interval = c->compression_interval, target = c->target_size;
+        unsigned long long cam_seed = 0;
         PyObject *empty = PyTuple_New(0);
-        r = empty && PyArg_ParseTupleAndKeywords(empty, mine, "|$LLpdi", kw, &interval, &target, &c->ratio_target,
-                                                 &c->target_compression_ratio, &c->hidden_states_buffer_size) ? 0 : -1;
+        r = empty && PyArg_ParseTupleAndKeywords(empty, mine, "|$LLpdiiK", kw, &interval, &target, &c->ratio_target,
+                                                 &c->target_compression_ratio, &c->hidden_states_buffer_size,
+                                                 &c->cam_merge_budget, &cam_seed) ? 0 : -1;
+        c->cam_seed = cam_seed;
         Py_XDECREF(empty);
         c->compression_interval = interval;
         c->target_size = target;
@@ -166,13 +174,14 @@ static int add_codes(PyObject *m, const char *name, const char *const *keys, con
 int kvc_py_press_constants(PyObject *m) {
     static const char *scorers[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie",
                                     /* kvpress's scorers */
-                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor", "finch", "simlayerkv"};
+                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor", "finch", "simlayerkv",
+                                    "cap"};
     static const int scorer_codes[] = {KVC_SCORE_STREAMING, KVC_SCORE_KNORM, KVC_SCORE_RANDOM, KVC_SCORE_TOVA,
                                        KVC_SCORE_OBSERVED, KVC_SCORE_SNAPKV, KVC_SCORE_EDIE,
                                        /* kvpress's scorers */
                                        KVC_SCORE_KEYDIFF, KVC_SCORE_LAGKV, KVC_SCORE_EXPECTED, KVC_SCORE_NONCAUSAL,
                                        KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR, KVC_SCORE_FINCH,
-                                       KVC_SCORE_SIMLAYERKV};
+                                       KVC_SCORE_SIMLAYERKV, KVC_SCORE_CAP};
     static const char *allocations[] = {"uniform", "pyramid", "adakv", "layer"};
     static const int allocation_codes[] = {KVC_ALLOC_UNIFORM, KVC_ALLOC_PYRAMID, KVC_ALLOC_ADAKV, KVC_ALLOC_LAYER};
     static const char *safeguards[] = {"floor", "protect"};

@@ -410,6 +410,30 @@ static PyObject *Session_cache_positions(SessionObject *self, PyObject *args) {
     return (PyObject *)out;
 }
 
+static PyObject *Session_cache_rows(SessionObject *self, PyObject *args) {
+    int layer, head;
+    if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    const int64_t n = kvc_session_cache_len(self->session, layer, head);
+    if (n < 0) {
+        PyErr_Format(PyExc_IndexError, "layer %d / kv head %d out of range", layer, head);
+        return NULL;
+    }
+    kvc_config c;
+    kvc_model_get_config(self->model->model, &c);
+    npy_intp dims[2] = {n, c.head_dim};
+    PyArrayObject *k = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    PyArrayObject *v = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_FLOAT32);
+    kvc_status st = KVC_OK;
+    if (k && v) st = kvc_session_cache_rows(self->session, layer, head, (float *)PyArray_DATA(k), (float *)PyArray_DATA(v));
+    if (!k || !v || st != KVC_OK) {
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        return k && v ? kvc_py_raise(st) : NULL;
+    }
+    return Py_BuildValue("(NN)", k, v);
+}
+
 static PyObject *Session_press_scores(SessionObject *self, PyObject *args) {
     int layer, head;
     if (!PyArg_ParseTuple(args, "ii", &layer, &head)) return NULL;
@@ -618,6 +642,71 @@ static PyObject *Session_kvzip_evict(SessionObject *self, PyObject *args, PyObje
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_kvcompose_profile(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "sum", NULL};
+    PyObject *ids_obj;
+    int sum = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &ids_obj, &sum)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *ids = kvc_py_ids(ids_obj);
+    if (!ids) return NULL;
+    npy_intp dims[3] = {cfg.n_layers, cfg.n_heads, (npy_intp)kvc_session_position(self->session)};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
+    if (!out) {
+        Py_DECREF(ids);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_kvcompose_profile(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0), sum,
+                                       (float *)PyArray_DATA(out));
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(ids);
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        return kvc_py_raise(st);
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *Session_kvcompose_evict(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"task", "compression_ratio", "structured", "group_max", "head_max", "add_v_norm",
+                             "add_mean", "lower_bound", NULL};
+    PyObject *sc_obj;
+    double ratio;
+    int structured = 1, group_max = 0, head_max = 0, add_v_norm = 0, add_mean = 1;
+    long long lower_bound = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Od|pppppL", kwlist, &sc_obj, &ratio, &structured, &group_max,
+                                     &head_max, &add_v_norm, &add_mean, &lower_bound))
+        return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *sc = (PyArrayObject *)PyArray_FROMANY(sc_obj, NPY_FLOAT32, 3, 3, NPY_ARRAY_C_CONTIGUOUS);
+    if (!sc) return NULL;
+    const int64_t n = kvc_session_position(self->session);
+    if (PyArray_DIM(sc, 0) != cfg.n_layers || PyArray_DIM(sc, 1) != cfg.n_heads || PyArray_DIM(sc, 2) != n) {
+        PyErr_Format(PyExc_ValueError, "kvcompose_evict: task scores must have shape (%d, %d, %lld)", cfg.n_layers,
+                     cfg.n_heads, (long long)n);
+        Py_DECREF(sc);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_kvcompose_evict(self->session, (const float *)PyArray_DATA(sc), ratio, structured, group_max,
+                                     head_max, add_v_norm, add_mean, lower_bound);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(sc);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_set_decode_graphs(SessionObject *self, PyObject *arg) {
     if (kvc_py_check_session(self) < 0) return NULL;
     const int on = PyObject_IsTrue(arg);
@@ -693,6 +782,8 @@ static PyMethodDef Session_methods[] = {
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},
     {"cache_positions", (PyCFunction)Session_cache_positions, METH_VARARGS, "cache_positions(layer, kv_head): original positions of the kept rows (int64)."},
+    {"cache_rows", (PyCFunction)Session_cache_rows, METH_VARARGS,
+     "cache_rows(layer, kv_head) -> (k, v): the cached key and value rows as float32 [rows, head_dim]."},
     {"press_scores", (PyCFunction)Session_press_scores, METH_VARARGS, "press_scores(layer, kv_head): scores of the last compression (record_scores)."},
     {"press_error", (PyCFunction)Session_press_error, METH_VARARGS, "press_error(layer): Ada-KV eviction loss on the window queries."},
     {"set_layer_budgets", (PyCFunction)Session_set_layer_budgets, METH_O, "set_layer_budgets(totals[L]): per-layer totals (KVC_ALLOC_LAYER)."},
@@ -710,6 +801,12 @@ static PyMethodDef Session_methods[] = {
      "kvzip_score(ids, start, end, n_sink=4, plus=False) -> float32 [L, Hkv, end - start]: KVzip's scores of the\n"
      "context rows [start, end) from the reconstruction tokens ids, run on the session's full context cache\n"
      "(their rows are dropped again)."},
+    {"kvcompose_profile", (PyCFunction)(void (*)(void))Session_kvcompose_profile, METH_VARARGS | METH_KEYWORDS,
+     "kvcompose_profile(ids, sum=False) -> float32 [L, H, n]: per attention head and context row, the maximum (or sum)\n"
+     "over the prompt ids' queries, run on the full context cache, of their attention (KVCompose's statistics)."},
+    {"kvcompose_evict", (PyCFunction)(void (*)(void))Session_kvcompose_evict, METH_VARARGS | METH_KEYWORDS,
+     "kvcompose_evict(task[L, H, n], compression_ratio, structured=True, group_max=False, head_max=False,\n"
+     "add_v_norm=False, add_mean=True, lower_bound=0): KVCompose's eviction of the full context cache."},
     {"kvzip_evict", (PyCFunction)(void (*)(void))Session_kvzip_evict, METH_VARARGS | METH_KEYWORDS,
      "kvzip_evict(scores[L, Hkv, n], compression_ratio, layerwise=False, n_sink=4): KVzip's eviction of the full cache."},
     {"set_decode_graphs", (PyCFunction)Session_set_decode_graphs, METH_O,

@@ -103,6 +103,18 @@ kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int3
     return KVC_OK;
 }
 
+kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, int32_t h, float *k, float *v) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (layer < 0 || layer >= s->cache.n_layers || h < 0 || h >= s->cache.n_kv)
+        return kvc_fail(KVC_ERR_ARG, "layer %d / head %d out of range", layer, h);
+    const kvc_layer_cache *L = &s->cache.layers[layer];
+    if (L->len[h] == 0 || (!k && !v)) return KVC_OK;
+    kvc_backend_lock(s->be);
+    kvc_status st = s->be->kv_read(L->kv, h, 0, L->len[h], k, v);
+    kvc_backend_unlock(s->be);
+    return st;
+}
+
 kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
     if (!dst || !src) return kvc_fail(KVC_ERR_ARG, "kvc_session_copy_cache: session is NULL");
     if (dst == src) return kvc_fail(KVC_ERR_ARG, "copying a session's cache onto itself");

@@ -183,6 +183,9 @@ KVC_API kvc_status kvc_session_truncate(kvc_session *s, const int64_t *new_len, 
 KVC_API kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src);
 /* Original positions of the rows of (layer, kv_head): out must hold kvc_session_cache_len() values. */
 KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t layer, int32_t kv_head, int64_t *out);
+/* The cached K and V rows of (layer, kv_head) as fp32: k, v (either may be NULL) hold kvc_session_cache_len() x
+ * head_dim values each. */
+KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, int32_t kv_head, float *k, float *v);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Presses: what to keep when a prefill compresses the cache (see docs/METHODS.md).                     */
@@ -204,11 +207,12 @@ typedef enum kvc_scorer {
     KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
     KVC_SCORE_COMPACTOR = 13, /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
     KVC_SCORE_FINCH = 14,     /* FINCH: window queries' attention (each times the keys it sees - 1), unpooled */
-    KVC_SCORE_SIMLAYERKV = 15 /* SimLayerKV: a lazy layer (the last queries' attention on sinks + recent rows above a
-                                 threshold) keeps n_sink + n_recent - window rows, another every row */
+    KVC_SCORE_SIMLAYERKV = 15, /* SimLayerKV: a lazy layer (the last queries' attention on sinks + recent rows above a
+                                  threshold) keeps n_sink + n_recent - window rows, another every row */
+    KVC_SCORE_CAP = 16        /* CAPKV: w v^T (I + sum (w + eps) v v^T)^-1 v, w = exp(tau cos(k, R mean q)) */
 } kvc_scorer;
 /* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_SIMLAYERKV
+#define KVC_SCORE_LAST KVC_SCORE_CAP
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -269,6 +273,16 @@ typedef struct kvc_press_config {
     int32_t n_recent;          /* SimLayerKV: recent rows a lazy layer keeps, the window's included (1024) */
     int32_t low_entropy_chunk; /* EntropyGatedChunkKV (with chunk_length): tokens a high-score, low-entropy chunk
                                   keeps (0: plain ChunkKV) */
+    /* ---- value merging on eviction (csrc/press/merge.c) ---- */
+    int32_t merge;             /* MergingPress: each evicted row's value folded into its most key-similar kept row */
+    float merge_threshold;     /* MergingPress similarity_threshold: least cosine similarity of a merge (0) */
+    float merge_fraction;      /* MergingPress merge_fraction: share of the evicted rows (by similarity) merged (1) */
+    /* ---- CapPress (n_sink, n_future and epsilon above are its too) ---- */
+    float cap_tau;             /* CapPress tau: the temperature of the query-key alignment weights (5) */
+    /* ---- DMSPress: threshold eviction behind a sliding window (csrc/press/dms.c) ---- */
+    int32_t dms;               /* 1: rows leaving the window that score below dms_threshold are evicted (no ratio) */
+    float dms_threshold;       /* DMSPress threshold */
+    int32_t dms_window;        /* DMSPress sliding_window_size: the last rows, never judged yet (128) */
 } kvc_press_config;
 
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
@@ -316,6 +330,20 @@ KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, 
                                         int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
                                         float *scores, int64_t *keep, int64_t *n_keep);
 
+/* Value merging on eviction as functions on arrays (csrc/press/merge.c; sessions run the same code on the rows
+ * their backend gives the host). MergingPress, one KV head: k, v [n, d], keep [n_keep] its kept rows
+ * (increasing); v_out [n_keep, d] receives the kept rows' values after every evicted row is folded into its most
+ * key-similar kept row (similarity_threshold, merge_fraction as kvpress). */
+KVC_API kvc_status kvc_merge_similar(const float *k, const float *v, int64_t n, int32_t d, const int64_t *keep,
+                                     int64_t n_keep, float threshold, float fraction, float *v_out);
+/* CAMPress's selection and merge for one layer whose Hkv heads hold the same n rows: scores [Hkv, n] (the base
+ * press's), attn [Hkv, n] (cumulative attention), v [Hkv, n, d]. keep [target] receives the top `target` rows of
+ * the scores' mean over heads (increasing), v_out [Hkv, target, d] their values after the best-scored n_merge
+ * evicted rows are merged into the next merge_budget kept rows; (seed, layer, event) pick the Bernoulli draws. */
+KVC_API kvc_status kvc_cam_merge(const float *scores, const float *attn, const float *v, int32_t Hkv, int64_t n,
+                                 int32_t d, int64_t target, int64_t n_merge, int32_t merge_budget, uint64_t seed,
+                                 int32_t layer, int64_t event, int64_t *keep, float *v_out);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress)                                */
 
@@ -352,6 +380,10 @@ KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, con
                                          const float *w2, const float *b2);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
+/* DMSPress (kvpress; csrc/press/dms.c) is a press config with dms = 1: attached with kvc_session_set_press it
+ * acts on a prefill into an empty session; as the base of a decoding press (kvc_session_set_decoding_press,
+ * base.dms = 1) on every later call, continuing the prefill's window (kvpress DMSPress(decoding=True)). */
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress).                  */
 /* A decoding press rides on every forward call of a session after its first (the prefill): each call */
@@ -368,6 +400,8 @@ typedef struct kvc_decoding_config {
     int32_t ratio_target;             /* 1: CompressionRatioDecodingPress, target = max(1, int(tokens seen x (1 - r))) */
     double target_compression_ratio;  /* r in [0, 1) (0.5) */
     int32_t hidden_states_buffer_size;/* steps whose queries stay buffered between compressions (256) */
+    int32_t cam_merge_budget;         /* CAMPress merge_budget (> 0: CaM's merge before pruning; 0: DecodingPress) */
+    uint64_t cam_seed;                /* CAMPress: the stream of its Bernoulli merge draws (docs/METHODS.md) */
 } kvc_decoding_config;
 
 KVC_API void kvc_decoding_config_defaults(kvc_decoding_config *cfg);
@@ -391,6 +425,24 @@ KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, i
  * per layer), the first n_sink rows of every head kept, from the session's full cache of n rows. */
 KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio,
                                            int32_t layerwise, int32_t n_sink);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* KVCompose (arXiv 2509.05165; kvpress KVComposePress; csrc/press/kvcompose.c)                     */
+
+/* The session holds the full cache of its s->pos context tokens. The q_len >= 2 prompt tokens `ids` (kvpress:
+ * the context again) run on it; out[L, H, n_ctx] receives, per layer, attention head and context row, the
+ * maximum (sum = 0) or the sum (sum = 1) over the prompt's queries of their softmax attention (over the context
+ * and the causal prompt rows). The prompt's rows are dropped again afterwards. */
+KVC_API kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum,
+                                                 float *out);
+/* KVCompose's eviction of the session's full context cache from per-attention-head statistics task[L, H, n]
+ * (agg_task already applied): the group's max or mean (group_max), times ||v|| (add_v_norm), plus the mean over
+ * the layer's KV heads (add_mean); counts from the composite scores (structured: per layer, the heads' max or
+ * mean (head_max) of their sorted scores, the first layer the maximum over layers; else per head), each head
+ * keeping its own top rows; the first lower_bound entries of every composite get +1e9. */
+KVC_API kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double compression_ratio,
+                                               int32_t structured, int32_t group_max, int32_t head_max,
+                                               int32_t add_v_norm, int32_t add_mean, int64_t lower_bound);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* TAKE: chunked prefill with probe tokens and delayed eviction (TAKE-chunked-prefill-eviction.txt) */

@@ -35,6 +35,9 @@ void kvc_press_config_defaults(kvc_press_config *c) {
     c->finch_normalize = 1;
     c->lazy_threshold = 1.0f;
     c->n_recent = 1024;
+    c->merge_fraction = 1.0f;
+    c->cap_tau = 5.0f;
+    c->dms_window = 128;
 }
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
@@ -72,6 +75,21 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (!isfinite(c->cmp_blend)) return kvc_fail(KVC_ERR_ARG, "blending must be finite, got %g", c->cmp_blend);
     if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
     if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
+    if (!isfinite(c->cap_tau)) return kvc_fail(KVC_ERR_ARG, "tau must be finite, got %g", c->cap_tau);
+    if (c->dms) {
+        if (!isfinite(c->dms_threshold)) return kvc_fail(KVC_ERR_ARG, "DMSPress needs a finite threshold, got %g", c->dms_threshold);
+        if (c->dms_window < 0) return kvc_fail(KVC_ERR_ARG, "sliding_window_size must be >= 0, got %d", c->dms_window);
+        if (c->compression_ratio != 0 || c->budget != 0)
+            return kvc_fail(KVC_ERR_ARG, "DMSPress evicts by its threshold: its press takes no compression_ratio or budget");
+        if (c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->merge || c->drop_window)
+            return kvc_fail(KVC_ERR_ARG, "DMSPress wraps a plain scorer press (no Ada-KV, chunks, CriticalKV or merging)");
+    }
+    if (c->merge) {
+        if (!(c->merge_threshold >= 0 && c->merge_threshold <= 1))
+            return kvc_fail(KVC_ERR_ARG, "similarity_threshold must be in [0, 1], got %g", c->merge_threshold);
+        if (!(c->merge_fraction > 0 && c->merge_fraction <= 1))
+            return kvc_fail(KVC_ERR_ARG, "merge_fraction must be in (0, 1], got %g", c->merge_fraction);
+    }
     if (c->critical) {
         if (!(c->critical_eps >= 0 && isfinite(c->critical_eps)))
             return kvc_fail(KVC_ERR_ARG, "CriticalKV epsilon must be finite and >= 0, got %g", c->critical_eps);

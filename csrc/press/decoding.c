@@ -32,6 +32,12 @@ struct kvc_decoding {
     int64_t dev_ld;
     const kvc_backend *be;
     int64_t compressions;
+    /* CAMPress: per layer, the cumulative attention of each step's last query [Hkv][cap] over the rows held */
+    float **cam_attn;     /* [L] */
+    int64_t *cam_cap;     /* [L] rows allocated per head */
+    int64_t *cam_rows;    /* [L] rows tracked (every head holds the same) */
+    int64_t *cam_events;  /* [L] merging compressions so far (the Bernoulli stream) */
+    kvc_dms *dms;         /* DMSPress(decoding=True): base.dms; its own schedule (dms.c) */
 };
 
 void kvc_decoding_config_defaults(kvc_decoding_config *c) {
@@ -50,6 +56,14 @@ static int32_t query_rows(const kvc_press_config *b) {
 
 kvc_status kvc_decoding_config_check(const kvc_decoding_config *c) {
     if (!c) return kvc_fail(KVC_ERR_ARG, "decoding config is NULL");
+    if (c->base.dms) { /* DMSPress's decoding part: the threshold and window of its base decide, nothing else */
+        KVC_TRY(kvc_press_config_check(&c->base));
+        if (c->base.scorer == KVC_SCORE_OBSERVED || c->base.scorer == KVC_SCORE_EDIE)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "DMSPress while decoding scores each call's rows from its queries: wrap a "
+                            "scorer press other than ObservedAttention or EDIE");
+        if (c->cam_merge_budget > 0 || c->ratio_target) return kvc_fail(KVC_ERR_ARG, "DMSPress is neither CAMPress nor a ratio target");
+        return KVC_OK;
+    }
     kvc_press_config b = c->base;
     b.compression_ratio = 0;
     b.budget = 0;
@@ -59,6 +73,13 @@ kvc_status kvc_decoding_config_check(const kvc_decoding_config *c) {
                         "query's attention row (use SnapKV, TOVA, Knorm, StreamingLLM or Random as the base press)",
                         b.scorer == KVC_SCORE_OBSERVED ? "ObservedAttention" : "EDIE");
     if (b.drop_window) return kvc_fail(KVC_ERR_ARG, "drop_window does not apply to a decoding press");
+    if (c->cam_merge_budget < 0) return kvc_fail(KVC_ERR_ARG, "merge_budget must be positive, got %d", c->cam_merge_budget);
+    if (c->cam_merge_budget > 0) {
+        if (c->ratio_target) return kvc_fail(KVC_ERR_ARG, "CAMPress compresses to target_size, not to a compression ratio");
+        if (b.allocation != KVC_ALLOC_UNIFORM || b.chunk_length > 0 || b.critical || b.merge)
+            return kvc_fail(KVC_ERR_ARG, "CAMPress ranks rows by its base press's scores averaged over heads: use a plain scorer "
+                            "press as base_press (no Ada-KV, chunks, CriticalKV or MergingPress)");
+    }
     if (b.reuse_layers > 1) return kvc_fail(KVC_ERR_ARG, "layer-wise index reuse does not apply to a decoding press");
     if (b.allocation == KVC_ALLOC_LAYER)
         return kvc_fail(KVC_ERR_ARG, "per-layer totals (TADA) do not apply to a decoding press");
@@ -96,6 +117,13 @@ void kvc_decoding_free(kvc_decoding *d) {
     free(d->window);
     if (d->qbuf) d->be->free(d->qbuf);
     if (d->dev_scores) d->be->free(d->dev_scores);
+    if (d->cam_attn)
+        for (int32_t l = 0; l < d->n_layers; l++) free(d->cam_attn[l]);
+    free(d->cam_attn);
+    free(d->cam_cap);
+    free(d->cam_rows);
+    free(d->cam_events);
+    kvc_dms_free(d->dms);
     free(d);
 }
 
@@ -107,6 +135,9 @@ void kvc_decoding_reset(kvc_decoding *d) {
     memset(d->entry_head, 0, sizeof(int64_t) * L);
     memset(d->q_rows, 0, sizeof(int64_t) * L);
     memset(d->q_head, 0, sizeof(int64_t) * L);
+    if (d->cam_rows) memset(d->cam_rows, 0, sizeof(int64_t) * L);
+    if (d->cam_events) memset(d->cam_events, 0, sizeof(int64_t) * L);
+    kvc_dms_reset(d->dms);
     d->compressions = 0;
 }
 
@@ -133,11 +164,19 @@ kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc
     d->q_head = calloc(L, sizeof(int64_t));
     d->queries = d->w > 0 ? malloc(sizeof(float) * L * wq) : NULL;
     d->window = d->w > 0 ? malloc(sizeof(float) * wq) : NULL;
+    if (cfg->cam_merge_budget > 0) {
+        d->cam_attn = calloc(L, sizeof(float *));
+        d->cam_cap = calloc(L, sizeof(int64_t));
+        d->cam_rows = calloc(L, sizeof(int64_t));
+        d->cam_events = calloc(L, sizeof(int64_t));
+    }
     kvc_status st = KVC_OK;
     if (!d->steps || !d->entry_rows || !d->n_entries || !d->entry_head || !d->q_rows || !d->q_head ||
-        (d->w > 0 && (!d->queries || !d->window)))
+        (d->w > 0 && (!d->queries || !d->window)) ||
+        (cfg->cam_merge_budget > 0 && (!d->cam_attn || !d->cam_cap || !d->cam_rows || !d->cam_events)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
-    if (st == KVC_OK && d->w > 0) {
+    if (st == KVC_OK && cfg->base.dms) st = kvc_dms_new(&cfg->base, mc, be, &d->dms);
+    if (st == KVC_OK && d->w > 0 && !cfg->base.dms) {
         kvc_backend_lock(be);
         st = be->alloc(be->act_dtype, (int64_t)d->w * d->qd, KVC_MEM_ACT, "decoding press queries", &d->qbuf);
         kvc_backend_unlock(be);
@@ -198,6 +237,109 @@ static void clear_buffers(kvc_decoding *d, int32_t l) {
     d->q_rows[l] = d->q_head[l] = 0;
 }
 
+/* ---- CAMPress (kvpress CAMPress; CaM, "CaM: Cache Merging for Memory-efficient LLMs Inference") ---- */
+
+/* Every head of a CAM layer holds the same rows: one selection is shared. */
+static kvc_status cam_rows(const kvc_session *s, int32_t l, int64_t *n) {
+    const int64_t *len = s->cache.layers[l].len;
+    for (int32_t h = 1; h < s->cache.n_kv; h++)
+        if (len[h] != len[0])
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "CAMPress shares one selection across a layer's KV heads: they must hold "
+                            "the same number of rows (layer %d holds %lld and %lld)", l, (long long)len[0], (long long)len[h]);
+    *n = len[0];
+    return KVC_OK;
+}
+
+/* This step's last query's attention (softmax over every row held, 1/sqrt(d) scaled, averaged over the group's
+ * query heads) added to the layer's cumulative attention; rows appended since the last step start at zero. */
+static kvc_status cam_accumulate(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx) {
+    const int32_t l = ctx->layer, Hkv = d->n_kv;
+    const kvc_config *mc = &s->model->cfg;
+    const int32_t dh = mc->head_dim, g = mc->n_heads / Hkv;
+    int64_t n = 0;
+    KVC_TRY(cam_rows(s, l, &n));
+    if (n > d->cam_cap[l]) {
+        const int64_t cap = n + d->cfg.compression_interval;
+        float *a = calloc((size_t)(Hkv * cap), sizeof(float));
+        if (!a) return kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention sums");
+        for (int32_t h = 0; h < Hkv && d->cam_attn[l]; h++)
+            memcpy(a + (size_t)h * cap, d->cam_attn[l] + (size_t)h * d->cam_cap[l], sizeof(float) * (size_t)d->cam_rows[l]);
+        free(d->cam_attn[l]);
+        d->cam_attn[l] = a;
+        d->cam_cap[l] = cap;
+    }
+    for (int32_t h = 0; h < Hkv; h++) /* rows new since the last step */
+        memset(d->cam_attn[l] + (size_t)h * d->cam_cap[l] + d->cam_rows[l], 0, sizeof(float) * (size_t)(n - d->cam_rows[l]));
+    d->cam_rows[l] = n;
+    float *q = malloc(sizeof(float) * (size_t)d->qd), *k = malloc(sizeof(float) * (size_t)(n * dh));
+    double *lg = malloc(sizeof(double) * (size_t)n);
+    kvc_status st = q && k && lg ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention");
+    if (st == KVC_OK) st = d->be->download(kvc_view_at(ctx->q, ctx->n - 1, 0), 1, d->qd, q, KVC_F32);
+    const double scale = 1.0 / sqrt((double)dh);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        st = d->be->kv_read(s->cache.layers[l].kv, h, 0, n, k, NULL);
+        float *sum = d->cam_attn[l] + (size_t)h * d->cam_cap[l];
+        for (int32_t j = 0; j < g && st == KVC_OK; j++) {
+            const float *qh = q + (size_t)(h * g + j) * dh;
+            double mx = -INFINITY, z = 0;
+            for (int64_t r = 0; r < n; r++) {
+                double dot = 0;
+                for (int32_t c = 0; c < dh; c++) dot += (double)qh[c] * k[r * dh + c];
+                lg[r] = dot * scale;
+                mx = lg[r] > mx ? lg[r] : mx;
+            }
+            for (int64_t r = 0; r < n; r++) z += (lg[r] = exp(lg[r] - mx));
+            for (int64_t r = 0; r < n; r++) sum[r] += (float)(lg[r] / z / g);
+        }
+    }
+    free(q); free(k); free(lg);
+    return st;
+}
+
+/* The base press's scores, then CaM's shared selection and merge (merge.c): the merged values of the kept rows
+ * go back to the store before the compaction. */
+static kvc_status cam_select_merge(kvc_decoding *d, const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
+                                   const kvc_press_config *cfg, const int64_t *len, int64_t target, float *const *scores,
+                                   int64_t *const *keep, int64_t *n_keep) {
+    const int32_t l = ctx->layer, Hkv = d->n_kv, dh = lr->mc->head_dim;
+    const int64_t n = len[0];
+    if (d->cam_rows[l] != n)
+        return kvc_fail(KVC_ERR_INTERNAL, "CAMPress: %lld attention sums for %lld rows", (long long)d->cam_rows[l], (long long)n);
+    KVC_TRY(kvc_score_layer(lr, ctx, cfg, kvc_press_window(cfg), len, &d->dev_scores, &d->dev_ld, scores));
+    float *sc = malloc(sizeof(float) * (size_t)(Hkv * n)), *a = malloc(sizeof(float) * (size_t)(Hkv * n));
+    float *v = malloc(sizeof(float) * (size_t)(Hkv * n * dh)), *out = malloc(sizeof(float) * (size_t)(Hkv * target * dh));
+    kvc_status st = sc && a && v && out ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress");
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        memcpy(sc + (size_t)h * n, scores[h], sizeof(float) * (size_t)n);
+        memcpy(a + (size_t)h * n, d->cam_attn[l] + (size_t)h * d->cam_cap[l], sizeof(float) * (size_t)n);
+        st = lr->be->kv_read(lr->kv, h, 0, n, NULL, v + (size_t)h * n * dh);
+    }
+    if (st == KVC_OK)
+        st = kvc_cam_merge(sc, a, v, Hkv, n, dh, target, d->steps[l], d->cfg.cam_merge_budget, d->cfg.cam_seed, l,
+                           d->cam_events[l], keep[0], out);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        if (h > 0) memcpy(keep[h], keep[0], sizeof(int64_t) * (size_t)target);
+        n_keep[h] = target;
+        for (int64_t i = 0; i < target && st == KVC_OK; i++) { /* only the rows merged into */
+            const float *row = out + ((size_t)h * target + i) * dh;
+            if (memcmp(row, v + ((size_t)h * n + keep[h][i]) * dh, sizeof(float) * (size_t)dh) != 0)
+                st = lr->be->kv_write(lr->kv, h, keep[h][i], 1, NULL, row);
+        }
+    }
+    if (st == KVC_OK) d->cam_events[l]++;
+    free(sc); free(a); free(v); free(out);
+    return st;
+}
+
+/* The attention sums follow the compaction: the kept rows, in order. */
+static void cam_prune(kvc_decoding *d, int32_t l, int32_t Hkv, const int64_t *keep, int64_t n_keep) {
+    for (int32_t h = 0; h < Hkv; h++) {
+        float *sum = d->cam_attn[l] + (size_t)h * d->cam_cap[l];
+        for (int64_t i = 0; i < n_keep; i++) sum[i] = sum[keep[i]]; /* keep is increasing: in place */
+    }
+    d->cam_rows[l] = n_keep;
+}
+
 /* Compress layer l to `target` rows per head. */
 static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx, int64_t target) {
     const int32_t l = ctx->layer, Hkv = d->n_kv;
@@ -239,10 +381,14 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
         if (!scores[h] || !keep[h]) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
     }
     const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
-    if (st == KVC_OK) st = kvc_press_score_select(&lr, &c2, &cfg, len, -1, &d->dev_scores, &d->dev_ld, scores, keep, n_keep);
+    if (st == KVC_OK && d->cfg.cam_merge_budget > 0)
+        st = cam_select_merge(d, &lr, &c2, &cfg, len, target, scores, keep, n_keep);
+    else if (st == KVC_OK)
+        st = kvc_press_score_select(&lr, &c2, &cfg, len, -1, &d->dev_scores, &d->dev_ld, scores, keep, n_keep);
     /* room for the steps until the next compression: the arena does not grow in between */
     if (st == KVC_OK)
         st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, d->cfg.compression_interval);
+    if (st == KVC_OK && d->cfg.cam_merge_budget > 0) cam_prune(d, l, Hkv, keep[0], n_keep[0]);
     if (st == KVC_OK) d->compressions++;
     for (int32_t h = 0; h < Hkv; h++) {
         free(scores[h]);
@@ -253,12 +399,17 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
 
 kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx) {
     const int32_t l = ctx->layer;
+    if (d->dms) return kvc_dms_decode(d->dms, s, ctx);
     KVC_TRY(buffer_call(d, l, ctx));
+    if (d->cfg.cam_merge_budget > 0) KVC_TRY(cam_accumulate(d, s, ctx));
     d->steps[l]++;
     const int64_t target = d->cfg.ratio_target
                                ? kvc_n_kept_ratio(s->pos + ctx->n, d->cfg.target_compression_ratio) /* tokens seen */
                                : d->cfg.target_size;
-    if (d->steps[l] >= d->cfg.compression_interval || ctx->n >= target) {
+    /* CAMPress waits, counting steps, until the layer holds more than target rows (kvpress's CAMPress) */
+    const int interval_due = d->steps[l] >= d->cfg.compression_interval &&
+                             (d->cfg.cam_merge_budget == 0 || s->cache.layers[l].len[0] > target);
+    if (interval_due || ctx->n >= target) {
         KVC_TRY(compress(d, s, ctx, target));
         clear_buffers(d, l);
         return KVC_OK;

@@ -7,7 +7,8 @@
  *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
  *   schedule.c    the post-prefill schedule (kvpress's): each layer compressed after its attention
  *   take.c        TAKE's chunked prefill with probes and delayed eviction
- *   decoding.c    compression while decoding (kvpress DecodingPress) */
+ *   decoding.c    compression while decoding (kvpress DecodingPress, CAMPress)
+ *   merge.c       value merging on eviction (MergingPress, CAMPress) */
 #ifndef KVC_PRESS_H
 #define KVC_PRESS_H
 
@@ -42,6 +43,8 @@ typedef struct kvc_press {
     int32_t channel_free;     /* ThinKPress: 1 stores the kept channels only (memory freed), 0 zeroes in place */
     float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
     struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
+    float *dms_tail;          /* [L * Hkv * dms_window] DMSPress: the window rows' scores a prefill left unjudged */
+    int64_t *dms_tail_n;      /* [L] how many (-1: no prefill yet) */
 } kvc_press;
 
 /* ---- config.c ---- */
@@ -116,7 +119,8 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
     return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
            scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
            scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
-           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH || scorer == KVC_SCORE_SIMLAYERKV;
+           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH || scorer == KVC_SCORE_SIMLAYERKV ||
+           scorer == KVC_SCORE_CAP;
 }
 /* Presses that act with neither a compression_ratio nor a budget. */
 static inline int kvc_press_decides_own_budget(const kvc_press_config *cfg) { return cfg->scorer == KVC_SCORE_SIMLAYERKV; }
@@ -180,6 +184,22 @@ kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *
 void kvc_kvzap_free(kvc_kvzap *z);
 /* scores[h][r] for the n rows of this call (the layer must hold only them: past 0) */
 kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores);
+
+/* ---- merge.c: value merging on eviction (MergingPress, CAMPress; the array functions are in kvpress_c.h) ---- */
+/* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
+kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
+                           const int64_t *const *keep, const int64_t *n_keep);
+
+/* ---- dms.c: DMSPress (threshold eviction behind a sliding window) ---- */
+/* The prefill part: a layer of a prefill into an empty session (other calls: nothing). */
+kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
+/* The decoding part's state: each layer's unjudged scores, continued from the prefill press's. */
+typedef struct kvc_dms kvc_dms;
+kvc_status kvc_dms_new(const kvc_press_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_dms **out);
+void kvc_dms_free(kvc_dms *d);
+void kvc_dms_reset(kvc_dms *d);
+/* After the attention of a layer in a call after the session's first. */
+kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx);
 
 /* ---- rerotate.c: KeyRerotationPress ---- */
 kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);

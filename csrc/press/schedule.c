@@ -26,6 +26,8 @@ void kvc_press_free(kvc_press *p) {
     free(p->layer_ratios);
     free(p->head_keep);
     free(p->key_filters);
+    free(p->dms_tail);
+    free(p->dms_tail_n);
     kvc_kvzap_free(p->kvzap);
     kvc_press_free(p->next);
     free(p);
@@ -322,6 +324,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     kvc_press_config layer_cfg = p->cfg;
     if (p->layer_ratios) layer_cfg.compression_ratio = p->layer_ratios[ctx->layer]; /* PerLayerCompressionPress */
     const kvc_press_config *cfg = &layer_cfg;
+    if (cfg->dms) return kvc_dms_prefill(p, s, ctx); /* DMSPress: its threshold, not a budget */
     if (cfg->reuse_layers > 1 && ctx->layer % cfg->reuse_layers == 0) p->reuse_len = 0; /* a new group */
     if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep && !kvc_press_decides_own_budget(cfg))
         return p->key_channel_ratio > 0 ? kvc_press_think(p, s, ctx) : KVC_OK;
@@ -359,6 +362,10 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
             p->score_len[i] = len[h];
             scores[h] = NULL;
         }
+    }
+    if (st == KVC_OK && cfg->merge) { /* MergingPress: evicted values folded into the kept rows first */
+        const kvc_layer_rows lr = kvc_session_layer_rows(s, layer, NULL);
+        st = kvc_press_merge(&lr, cfg, len, (const int64_t *const *)keep, n_keep);
     }
     if (st == KVC_OK) st = kvc_cache_compact(&s->cache, layer, (const int64_t *const *)keep, n_keep, 0);
     if (st == KVC_OK && p->rerotate) st = kvc_press_rerotate(s, layer);

@@ -23,15 +23,21 @@ from .keydiff import KeyDiffPress
 from .lagkv import LagKVPress
 from .non_causal_attention import NonCausalAttnPress
 from .kvzip import KVzipPress
+from .kvcompose import KVComposePress
 from .leverage import LeverageScorePress
 from .cur import CURPress
 from .compactor import CompactorPress
 from .finch import FinchPress
 from .simlayerkv import SimLayerKVPress
+from .cap import CapPress
+from .dms import DMSPress
 # compression while decoding
 from .compression_ratio_decoding import CompressionRatioDecodingPress
 from .decoding import DecodingPress
 from .prefill_decoding import PrefillDecodingPress
+from .cam import CAMPress
+# value merging on eviction
+from .merging import MergingPress
 # wrappers
 from .block import BlockPress
 from .chunk import ChunkPress
@@ -50,6 +56,7 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
            "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress",
-           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress",
+           "CapPress", "DMSPress", "KVComposePress",
+           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ChunkPress", "ThinKPress",
            "DuoAttentionPress", "QFilterPress", "KVzapPress"]

@@ -262,6 +262,8 @@ PRESSES = {
     "simlayerkv": dict(scorer=S["simlayerkv"], window=3, kernel=1, n_sink=4, n_recent=100, lazy_threshold=0.05),
     # EntropyGatedChunkKV: ChunkKV's chunks, spiky ones cut to their top tokens
     "chunkkv-entropy-gated": dict(scorer=S["snapkv"], compression_ratio=0.7, window=16, chunk_length=10, low_entropy_chunk=4),
+    # issue 16p: CapPress, on the host from the device's rows and queries
+    "cap": dict(scorer=S["cap"], compression_ratio=0.5, window=0, epsilon=1e-6),
 }
 NO_PAST = {  # scorers of a prefill with no past: past = 0 in the test below
     "non_causal_attn": dict(scorer=S["non_causal_attn"], compression_ratio=0.5, window=0, attn_chunk=128),
@@ -503,9 +505,10 @@ SESSION_PRESSES = {
     # threshold 0: every layer lazy on both devices (a mass within bf16 rounding of a threshold could go either way)
     "simlayerkv": dict(scorer=S["simlayerkv"], window=1, kernel=1, n_sink=4, n_recent=150, lazy_threshold=0.0),
     "chunkkv-entropy-gated": dict(scorer=S["snapkv"], compression_ratio=0.5, window=16, chunk_length=10, low_entropy_chunk=4),
+    "cap": dict(scorer=S["cap"], compression_ratio=0.5, epsilon=1e-6),
 }
 UNIFORM_ISSUE16 = ("keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor",
-                   "chunk_press", "chunk_press-snapkv", "finch", "simlayerkv")  # same budget for every head: equal lengths
+                   "chunk_press", "chunk_press-snapkv", "finch", "simlayerkv", "cap")  # same budget for every head: equal lengths
 
 
 @pytest.mark.parametrize("name", sorted(SESSION_PRESSES))

@@ -38,9 +38,11 @@ SCORE_RTOL = 1e-4   # our scores vs kvpress's: max |difference| / largest unprot
 NAMES = ["SnapKV", "PyramidKV", "StreamingLLM", "Knorm", "TOVA", "ObservedAttention", "AdaKV",
          # issue 16: kvpress's scorers
          "KeyDiff", "LagKV", "LagKV-cross", "ExpectedAttention", "AdaKV-ExpectedAttention", "CriticalKV", "CriticalAdaKV",
-         "NonCausalAttn", "LeverageScore", "CUR", "CUR-random", "Compactor"]
+         "NonCausalAttn", "LeverageScore", "CUR", "CUR-random", "Compactor",
+         # issue 16p
+         "Cap"]
 # scorers that give protected rows (window, sinks, LagKV's reference partition) the top score
-TOP_PROTECTED = ("CUR", "CUR-random", "Compactor", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
+TOP_PROTECTED = ("Cap", "CUR", "CUR-random", "Compactor", "SnapKV", "PyramidKV", "AdaKV", "TOVA", "LagKV", "LagKV-cross", "ExpectedAttention",
                  "AdaKV-ExpectedAttention", "CriticalKV")
 # kvpress's CriticalAdaKVPress transforms its inner press's scores inside compress(): what we capture of it is the
 # inner press's plain scores, which are neither our recorded scores (the two-stage ones, compared by "CriticalKV")
@@ -86,6 +88,7 @@ def make_press(lib, name, window, ratio):
             "LeverageScore": lambda: p.LeverageScorePress(compression_ratio=RATIO,
                                                           **({"seed": SKETCH_SEED} if p is kvpress_c else {})),
             "CUR": lambda: p.CURPress(compression_ratio=RATIO),
+            "Cap": lambda: p.CapPress(compression_ratio=RATIO),
             # 64: several non-causal chunks over the rows between the sinks
             "Compactor": lambda: p.CompactorPress(compression_ratio=RATIO, chunk_size=64,
                                                   **({"seed": SKETCH_SEED} if p is kvpress_c else {})),

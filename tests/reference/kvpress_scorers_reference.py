@@ -326,3 +326,26 @@ def entropy_gated_chunk_keep(scores, chunk, low, budget):
         rest = [r for r in range(n) if not keep[r]]
         keep[sorted(rest, key=lambda r: (-s[r], r))[:budget]] = True
     return np.flatnonzero(keep)
+
+
+def cap_scores(q, K, V, n_sink=4, n_future=512, tau=5.0, epsilon=1e-6, theta=10000.0):
+    """CapPress (CAPKV): q [n, H, d] this call's queries (post-RoPE, the last n rows of K), K, V [Hkv, length, d]."""
+    n, H, d = q.shape
+    Hkv, length, _ = K.shape
+    g, past = H // Hkv, length - n
+    u = np.stack([np.einsum("ij,hj->hi", rope_matrix(past + i, d, theta).T, q[i]) for i in range(n_sink, n)])
+    Rbar = np.mean([rope_matrix(t, d, theta) for t in range(length, length + n_future)], axis=0)
+    anchor = u.mean(0) @ Rbar.T                                      # [H, d]
+    out = np.zeros((Hkv, length))
+    for h in range(Hkv):
+        k, v = K[h, n_sink:], V[h, n_sink:]
+        kn = k / np.maximum(np.linalg.norm(k, axis=1, keepdims=True), 1e-12)
+        for hq in range(h * g, (h + 1) * g):
+            a = anchor[hq] / max(np.linalg.norm(anchor[hq]), 1e-12)
+            logit = tau * np.clip(kn @ a, -1, 1)
+            w = np.exp(logit - logit.max())
+            A = np.eye(d) + np.einsum("t,ti,tj->ij", w + epsilon, v, v)
+            lev = np.einsum("ti,ti->t", v, np.linalg.solve(A, v.T).T)
+            out[h, n_sink:] += w * lev / g
+    out[:, :n_sink] = out[:, n_sink:].max() + 1
+    return out

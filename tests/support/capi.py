@@ -46,7 +46,11 @@ class PressConfig(C.Structure):  # kvc_press_config
                 ("cur_type", C.c_int32), ("cur_random", C.c_int32), ("cur_window", C.c_int32),
                 ("cmp_sink_start", C.c_int32), ("cmp_sink_end", C.c_int32), ("cmp_blend", C.c_float),
                 ("chunk_press", C.c_int32), ("finch_normalize", C.c_int32), ("finch_chunk", C.c_int32),
-                ("lazy_threshold", C.c_float), ("n_recent", C.c_int32), ("low_entropy_chunk", C.c_int32)]
+                ("lazy_threshold", C.c_float), ("n_recent", C.c_int32), ("low_entropy_chunk", C.c_int32),
+                # value merging
+                ("merge", C.c_int32), ("merge_threshold", C.c_float), ("merge_fraction", C.c_float),
+                ("cap_tau", C.c_float),
+                ("dms", C.c_int32), ("dms_threshold", C.c_float), ("dms_window", C.c_int32)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
@@ -97,6 +101,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_head_rmsnorm": (_I, [_I32, F32P, _I64, _I32, _I32, F32P, _F]),
     "kvc_device_kernel_topk": (_I, [_I32, F32P, _I32, _I64, I64P, I64P]),
     "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
+    "kvc_merge_similar": (_I, [F32P, F32P, _I64, _I32, I64P, _I64, _F, _F, F32P]),
+    "kvc_cam_merge": (_I, [F32P, F32P, F32P, _I32, _I64, _I32, _I64, _I64, _I32, C.c_uint64, _I32, _I64, I64P, F32P]),
 }
 
 
@@ -150,3 +156,25 @@ def press_compute(cfg: PressConfig, q, k, v, layer=0, n_layers=1, attn=None, lay
                                        None if a is None else a.ctypes.data, n, k, v, length, layer_total, scores, keep,
                                        n_keep))
     return scores, [keep[h, :n_keep[h]].copy() for h in range(Hkv)]
+
+
+def merge_similar(k, v, keep, threshold=0.0, fraction=1.0):
+    """kvc_merge_similar: one head's k, v [n, d] and kept rows -> the kept rows' merged values [n_keep, d]."""
+    k = np.ascontiguousarray(k, dtype=np.float32)
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    keep = np.ascontiguousarray(keep, dtype=np.int64)
+    out = np.zeros((len(keep), k.shape[1]), np.float32)
+    check(lib.kvc_merge_similar(k, v, k.shape[0], k.shape[1], keep, len(keep), threshold, fraction, out))
+    return out
+
+
+def cam_merge(scores, attn, v, target, n_merge, merge_budget, seed=0, layer=0, event=0):
+    """kvc_cam_merge: scores, attn [Hkv, n], v [Hkv, n, d] -> (keep [target], merged values [Hkv, target, d])."""
+    scores = np.ascontiguousarray(scores, dtype=np.float32)
+    attn = np.ascontiguousarray(attn, dtype=np.float32)
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    Hkv, n, d = v.shape
+    keep = np.zeros(target, np.int64)
+    out = np.zeros((Hkv, target, d), np.float32)
+    check(lib.kvc_cam_merge(scores, attn, v, Hkv, n, d, target, n_merge, merge_budget, seed, layer, event, keep, out))
+    return keep, out
