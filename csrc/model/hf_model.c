@@ -174,7 +174,7 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
     const json_value *full = json_get(rope, "full_attention");
     if (full && full->kind == JSON_OBJECT && !json_get(rope, "rope_type") && !json_get(rope, "type")) rope = full;
 
-    double theta;
+    double theta = 10000.0; /* get_num writes it; set here so the compiler sees it set */
     KVC_TRY(get_num(r, r->j, "rope_theta", 0, 10000.0, 1.0, 1, 1e30, "a number > 1", &theta));
     if (rope) KVC_TRY(get_num(r, rope, "rope_theta", 0, theta, 1.0, 1, 1e30, "a number > 1", &theta));
     c->rope_theta = (float)theta;
