@@ -38,7 +38,7 @@ def kvc_press(name: str, ratio: float, take_budget: int = 2048):
     return {"full": None,
             "snapkv": K.SnapKVPress(compression_ratio=ratio),
             "adakv": K.AdaKVPress(K.SnapKVPress(compression_ratio=ratio)),
-            "chunkkv": K.ChunkKVPress(K.SnapKVPress(compression_ratio=ratio)),
+            "chunkkv": K.ChunkKVPress(K.SnapKVPress(compression_ratio=ratio), chunk_length=10),
             "take": K.TAKEPress(budget=take_budget),
             "edie_tada": K.TADAPress(K.EDIEPress(compression_ratio=ratio))}[name]
 

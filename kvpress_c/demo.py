@@ -28,7 +28,7 @@ def demo_presses():
     """The demo's two presses: ChunkKV over SnapKV removing half the cache, and TAKE keeping 256
     tokens per head (on the default model both still find the needle at 50% depth)."""
     from . import ChunkKVPress, SnapKVPress, TAKEPress
-    return {"ChunkKV(SnapKV), 50% removed": ChunkKVPress(SnapKVPress(compression_ratio=0.5)),
+    return {"ChunkKV(SnapKV), 50% removed": ChunkKVPress(SnapKVPress(compression_ratio=0.5), chunk_length=10),
             "TAKE, 256 tokens per head": TAKEPress(budget=256, chunk_size=1024)}
 
 

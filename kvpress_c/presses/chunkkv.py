@@ -17,7 +17,7 @@ class ChunkKVPress(WrapperPress):
     (kvpress ChunkKVPress); with budget B, floor((B - w) / c) chunks of the past plus the window.
     """
     press: ScorerPress = None
-    chunk_length: int = 10
+    chunk_length: int = 20  # kvpress's default; the ChunkKV paper's experiments (and our eval presets) use 10
     reuse_layers: int = 1
 
     def __post_init__(self):
