@@ -76,13 +76,15 @@ class Model:
         return self._tokenizer
 
     def memory(self) -> dict:
-        """Bytes of memory: `weights` this model holds, `cache` (K/V) and `scratch` (activations) that
-        the sessions of its device hold now (all of that device's models), and `rss`, the process's
-        resident set (Linux; None elsewhere), which also counts file pages of a mapped model."""
+        """Bytes of memory: `weights` this model holds, of which `mapped` are used in place in the
+        memory-mapped model file (CPU, native weights: read-only file pages, shared with the page cache
+        and other processes mapping the file, so RSS counts them as RssFile, not RssAnon); `cache` (K/V)
+        and `scratch` (activations) that the sessions of its device hold now (all of that device's
+        models); and `rss`, the process's resident set (Linux; None elsewhere)."""
         from . import memory_stats
         stats = memory_stats(self.device)
-        return {"weights": int(self.config["weight_bytes"]), "cache": int(stats["cache"]),
-                "scratch": int(stats["activations"]), "rss": _rss_bytes()}
+        return {"weights": int(self.config["weight_bytes"]), "mapped": int(self.config["mapped_bytes"]),
+                "cache": int(stats["cache"]), "scratch": int(stats["activations"]), "rss": _rss_bytes()}
 
     def metadata(self) -> dict:
         """GGUF metadata (empty for Hugging Face folders)."""

@@ -111,6 +111,7 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "eos_id", PyLong_FromLong(c.eos_id));
     SET_ITEM(d, "format", PyUnicode_FromString(kvc_model_format(self->model)));
     SET_ITEM(d, "weight_bytes", PyLong_FromSize_t(kvc_model_weight_bytes(self->model)));
+    SET_ITEM(d, "mapped_bytes", PyLong_FromSize_t(kvc_model_mapped_bytes(self->model)));
     int32_t n_native = 0;
     const int32_t wm = kvc_model_weights(self->model, &n_native);
     SET_ITEM(d, "weights", PyUnicode_FromString(wm == KVC_WEIGHTS_FP32 ? "fp32" : "native"));

@@ -108,8 +108,11 @@ KVC_API kvc_status kvc_model_load_ex(const char *path, int32_t device, int32_t w
 KVC_API int32_t kvc_model_weights(const kvc_model *model, int32_t *n_native);
 KVC_API void kvc_model_free(kvc_model *model);
 KVC_API kvc_status kvc_model_get_config(const kvc_model *model, kvc_config *out);
-/* Bytes of weights held by the model. */
+/* Bytes of weights held by the model (those mapped from its file included). */
 KVC_API size_t kvc_model_weight_bytes(const kvc_model *model);
+/* Of those, bytes used in place in the model file, memory-mapped read-only (shared page cache: RSS counts
+ * them as file pages, not anonymous memory). */
+KVC_API size_t kvc_model_mapped_bytes(const kvc_model *model);
 /* "gguf" or "safetensors". */
 KVC_API const char *kvc_model_format(const kvc_model *model);
 
