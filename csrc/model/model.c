@@ -156,7 +156,8 @@ static kvc_status place(const plan *p, const kvc_weight_role *roles, int n, int3
     }
     if (same && (none_mapped || (all_mapped && adjacent))) {
         KVC_TRY(own(m, dt[0], total * cols, cols, at[0], what, &g->whole));
-        for (int i = 0, r = 0; i < n; r += (int)rows[i], i++) g->part[i] = kvc_view_at(g->whole, r, 0);
+        int64_t r = 0;
+        for (int i = 0; i < n; r += rows[i], i++) g->part[i] = kvc_view_at(g->whole, r, 0);
         return KVC_OK;
     }
     for (int i = 0; i < n; i++) KVC_TRY(own(m, dt[i], rows[i] * cols, cols, at[i], what, &g->part[i]));
@@ -174,7 +175,8 @@ static kvc_status place1(const plan *p, kvc_weight_role role, int32_t layer, int
 
 kvc_status kvc_wgroup_matmul(const kvc_backend *be, kvc_view a, const kvc_wgroup *g, kvc_view c, int64_t m, int64_t k) {
     if (g->whole.buf) return be->matmul(a, g->whole, c, m, g->rows[0] + g->rows[1] + g->rows[2], k, 0);
-    for (int i = 0, col = 0; i < g->n; col += (int)g->rows[i], i++)
+    int64_t col = 0;
+    for (int i = 0; i < g->n; col += g->rows[i], i++)
         KVC_TRY(be->matmul(a, g->part[i], kvc_view_at(c, 0, col), m, g->rows[i], k, 0));
     return KVC_OK;
 }

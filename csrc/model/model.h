@@ -1,8 +1,9 @@
 /* The in-memory model: its config and its weights as views of buffers of the backend it runs on,
  * independent of the file format it came from. Loaders (gguf_model.c, hf_model.c) read the config,
- * create the model (every weight buffer allocated on the backend) and stream each tensor of the file
- * into place (kvc_model_put): converted from the file's type to the backend's, a bounded chunk of rows
- * at a time, so a device load never holds a host copy of the weights. */
+ * create the model (every weight buffer allocated on the backend, or, for a weight used in place, a
+ * read-only buffer over the mapped file) and stream each tensor of the file into place (kvc_model_put):
+ * converted from the file's type to the backend's, a bounded chunk of rows at a time, so a device load
+ * never holds a host copy of the weights; a weight used in place is only checked. */
 #ifndef KVC_MODEL_H
 #define KVC_MODEL_H
 
@@ -116,7 +117,8 @@ typedef struct kvc_src {
     const char *name;
     int64_t rows, cols;
     kvc_status (*decode)(const struct kvc_src *s, int64_t r0, int64_t nr, float *dst);
-    const void *data;  /* the file's bytes of the tensor (mapped): released row range by row range once converted */
+    const void *data;  /* the file's bytes of the tensor (mapped): used in place, or released row range by row
+                          range once converted */
     size_t row_bytes;  /* bytes of one row in the file */
     int32_t type;      /* the loader's own type code */
     const void *ctx;   /* the loader's own description of the tensor */

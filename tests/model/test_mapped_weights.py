@@ -89,7 +89,7 @@ def test_tiny_mixed_mapped_equals_copied(mixed_files, name, rng):
 def test_safetensors_mapped_equals_copied(tmp_path, rng):
     pytest.importorskip("transformers")
     from hf_models import write_tiny_model
-    for dtype in ("bfloat16", "float16"):
+    for dtype in ("bfloat16", "float16", "float32"):  # f32 matrices are held as f32: mapped too
         path = write_tiny_model(str(tmp_path / dtype), dtype=dtype, vocab=128, layers=2)
         mapped, copied = kvpress_c.load_model(path), kvpress_c.load_model(path, mmap=False)
         assert mapped.memory()["mapped"] > 0.9 * mapped.memory()["weights"] - 1e5, mapped.memory()
@@ -102,6 +102,21 @@ def test_safetensors_mapped_equals_copied(tmp_path, rng):
             assert mappings_of(shard)
             del mapped
             assert not mappings_of(shard)
+
+
+def test_c_api_no_mmap_flag(default_gguf):
+    import ctypes as C
+    from capi import ERR_ARG, OK, lib
+    NO_MMAP = 0x100  # KVC_WEIGHTS_NO_MMAP
+    mapped = {}
+    for flags in (0, NO_MMAP):
+        m = C.c_void_p()
+        assert lib.kvc_model_load_ex(default_gguf.encode(), 0, flags, C.byref(m)) == OK
+        mapped[flags] = (lib.kvc_model_mapped_bytes(m), lib.kvc_model_weight_bytes(m))
+        lib.kvc_model_free(m)
+    assert 0 < mapped[0][0] <= mapped[0][1] and mapped[NO_MMAP] == (0, mapped[0][1])
+    m = C.c_void_p()  # fp32 weights are converted: "not mapped" is meaningless there
+    assert lib.kvc_model_load_ex(default_gguf.encode(), 0, 1 | NO_MMAP, C.byref(m)) == ERR_ARG and not m.value
 
 
 def test_fp32_mode_and_devices_copy(default_gguf):
