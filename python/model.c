@@ -19,10 +19,11 @@ ModelObject *kvc_py_model_arg(PyObject *module, PyObject *obj, const char *who) 
 }
 
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "device", "weights", NULL};
+    static char *kwlist[] = {"path", "device", "weights", "mmap", NULL};
     PyObject *path_obj = NULL;
     const char *device = "cpu", *weights = "native";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|ss", kwlist, PyUnicode_FSConverter, &path_obj, &device, &weights))
+    int mmap = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|ssp", kwlist, PyUnicode_FSConverter, &path_obj, &device, &weights, &mmap))
         return -1;
     const int dev = kvc_py_device(device);
     if (dev < 0) {
@@ -44,7 +45,7 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     kvc_model *m = NULL;
     kvc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = kvc_model_load_ex(path, dev, wmode, &m);
+    st = kvc_model_load_ex(path, dev, wmode | (wmode == KVC_WEIGHTS_NATIVE && !mmap ? KVC_WEIGHTS_NO_MMAP : 0), &m);
     Py_END_ALLOW_THREADS
     if (st != KVC_OK) {
         Py_DECREF(path_obj);
@@ -111,6 +112,7 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "eos_id", PyLong_FromLong(c.eos_id));
     SET_ITEM(d, "format", PyUnicode_FromString(kvc_model_format(self->model)));
     SET_ITEM(d, "weight_bytes", PyLong_FromSize_t(kvc_model_weight_bytes(self->model)));
+    SET_ITEM(d, "mapped_bytes", PyLong_FromSize_t(kvc_model_mapped_bytes(self->model)));
     int32_t n_native = 0;
     const int32_t wm = kvc_model_weights(self->model, &n_native);
     SET_ITEM(d, "weights", PyUnicode_FromString(wm == KVC_WEIGHTS_FP32 ? "fp32" : "native"));

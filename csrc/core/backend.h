@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK) */
+#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap (host memory) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -153,6 +153,10 @@ typedef struct kvc_backend {
     /* The buffer's elements when they are f32 in this process's memory (the CPU backend), else NULL:
      * how host algorithms (Judge Q's backward) read a CPU model's weights without a copy. */
     const float *(*host_f32)(const kvc_buf *b);
+    /* A read-only buffer over n elements of dtype at host address p (weights used in place in a mapped
+     * model file): the caller keeps p alive and unchanged until free, which releases only the buffer;
+     * upload into it fails. NULL where the device cannot compute on host memory: the loader copies. */
+    kvc_status (*wrap)(int32_t dtype, int64_t n, const void *p, const char *what, kvc_buf **out);
 
     /* ---- K/V of one layer (the ragged cache; cache/kv_cache.c keeps lengths, capacities and positions
      * on the host and mirrors the lengths here with kv_set_lens) ---- */

@@ -166,7 +166,7 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
     const kvc_view qkv = kvc_view_of(lead->act.qkv, 0, ldq), att = kvc_view_of(lead->act.att, 0, qd);
     const kvc_view pos = kvc_view_of(lead->act.pos, 0, 1);
     KVC_TRY(be->rmsnorm(x, NULL, W->attn_norm, xn, rows, D, c->rms_eps));
-    KVC_TRY(be->matmul(xn, W->wqkv, qkv, rows, ldq, D, 0));
+    KVC_TRY(kvc_wgroup_matmul(be, xn, &W->qkv, qkv, rows, D));
     if (W->bqkv.buf) KVC_TRY(be->add_bias(qkv, W->bqkv, rows, ldq));
     if (W->q_norm.buf) { /* qwen3: each head of q and k normalised before RoPE */
         KVC_TRY(be->head_rmsnorm(qkv, 0, rows, (int32_t)H, (int32_t)d, W->q_norm, c->rms_eps));
@@ -208,7 +208,7 @@ static kvc_status mlp_block(kvc_session *s, int32_t l, int64_t rows) {
     KVC_TRY(be->rmsnorm(x, &o, W->ffn_norm, xn, rows, D, c->rms_eps));
     for (int64_t r0 = 0; r0 < rows; r0 += be->mlp_rows) {
         const int64_t nr = rows - r0 < be->mlp_rows ? rows - r0 : be->mlp_rows;
-        KVC_TRY(be->matmul(kvc_view_at(xn, r0, 0), W->wgu, gu, nr, 2 * F, D, 0));
+        KVC_TRY(kvc_wgroup_matmul(be, kvc_view_at(xn, r0, 0), &W->gu, gu, nr, D));
         KVC_TRY(be->swiglu(gu, nr, F));
         KVC_TRY(be->matmul(gu, W->wdown, kvc_view_at(x, r0, 0), nr, D, F, 1));
     }

@@ -95,21 +95,28 @@ typedef struct kvc_config {
 typedef struct kvc_model kvc_model;
 
 /* Load a GGUF file or a Hugging Face folder (config.json + *.safetensors) onto the CPU. Files are
- * memory-mapped while loading; weight matrices stay in the file's type (F16, BF16, Q4_0 ... Q8_0, the
- * K-quants: KVC_WEIGHTS_NATIVE), see kvc_model_load_ex. (kvc_model_load_device: other devices.) */
+ * memory-mapped (read-only, private); weight matrices stay in the file's type (F16, BF16, Q4_0 ... Q8_0,
+ * the K-quants: KVC_WEIGHTS_NATIVE) and are used in place in the mapping where their layout allows (the
+ * file stays mapped as long as the model), see kvc_model_load_ex. (kvc_model_load_device: other devices.) */
 KVC_API kvc_status kvc_model_load(const char *path, kvc_model **out);
 /* How weight matrices are held: NATIVE in the file's type where the device's kernels take it (the
  * CPU: every type the loader reads; other devices convert to their own), FP32 converted to fp32 (the
  * reference mode, and what kvc_model_load did before native weights). */
 enum { KVC_WEIGHTS_NATIVE = 0, KVC_WEIGHTS_FP32 = 1 };
+/* Or'ed into NATIVE: copy every weight into memory instead of using it in place in the mapped file
+ * (llama.cpp's --no-mmap; the file is then closed once loaded). */
+#define KVC_WEIGHTS_NO_MMAP 0x100
 KVC_API kvc_status kvc_model_load_ex(const char *path, int32_t device, int32_t weights, kvc_model **out);
-/* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32 as loaded, and how many weight matrices (fused groups count
- * once) are held in their file's type. */
+/* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32 as loaded, and how many weight tensors of the file are held in
+ * their file's type. */
 KVC_API int32_t kvc_model_weights(const kvc_model *model, int32_t *n_native);
 KVC_API void kvc_model_free(kvc_model *model);
 KVC_API kvc_status kvc_model_get_config(const kvc_model *model, kvc_config *out);
-/* Bytes of weights held by the model. */
+/* Bytes of weights held by the model (those mapped from its file included). */
 KVC_API size_t kvc_model_weight_bytes(const kvc_model *model);
+/* Of those, bytes used in place in the model file, memory-mapped read-only (shared page cache: RSS counts
+ * them as file pages, not anonymous memory). */
+KVC_API size_t kvc_model_mapped_bytes(const kvc_model *model);
 /* "gguf" or "safetensors". */
 KVC_API const char *kvc_model_format(const kvc_model *model);
 

@@ -249,9 +249,8 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
     return KVC_OK;
 }
 
-static int32_t tensor_type(const void *file, const char *name) {
-    const gguf_tensor *t = gguf_find_tensor(file, name);
-    return t && ggml_type_supported(t->type) ? t->type : -1;
+static kvc_status describe(const void *file, const char *name, int64_t rows, int64_t cols, kvc_src *out) {
+    return source(file, name, rows, cols, out);
 }
 
 kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, int32_t weights, kvc_model **out) {
@@ -263,15 +262,21 @@ kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, int32_t weight
     kvc_model *m = NULL;
     float linear_scale = 1.0f;
     kvc_status st = read_config(f, &cfg, &linear_scale);
-    if (st == KVC_OK) st = kvc_model_create(&cfg, "gguf", path, be, weights, 0, tensor_type, f, &m);
-    if (st == KVC_OK) st = load_weights(f, m, linear_scale);
-    if (st == KVC_OK) st = kvc_model_finish(m);
+    if (st == KVC_OK) st = kvc_model_create(&cfg, "gguf", path, be, weights, 0, describe, f, &m);
     if (st != KVC_OK) {
-        kvc_model_free(m); /* m->meta is still NULL: the file is closed once, here */
+        kvc_model_free(m);
         gguf_close(f);
         return st;
     }
-    m->meta = f; /* kept for the tokenizer's metadata; closed by kvc_model_free */
+    /* from here the model owns the file: its metadata (the tokenizer's) and its mapping, which weights
+     * used in place point into; kvc_model_free unmaps it once, after the buffers, on every path */
+    m->meta = f;
+    st = load_weights(f, m, linear_scale);
+    if (st == KVC_OK) st = kvc_model_finish(m);
+    if (st != KVC_OK) {
+        kvc_model_free(m);
+        return st;
+    }
     *out = m;
     return KVC_OK;
 }

@@ -354,6 +354,12 @@ static void weights_close(weights *w) {
     memset(w, 0, sizeof *w);
 }
 
+static void weights_free(void *w) {
+    if (!w) return;
+    weights_close(w);
+    free(w);
+}
+
 static int shard_index(const weights *w, const char *name) {
     for (int i = 0; i < w->n; i++)
         if (!strcmp(w->shards[i].name, name)) return i;
@@ -481,9 +487,8 @@ static kvc_status decode_rows(const kvc_src *s, int64_t r0, int64_t nr, float *d
     return st_range_to_f32((const st_tensor *)s->ctx, r0 * s->cols, nr * s->cols, dst);
 }
 
-/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) streamed into the weight of `role`. */
-static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
-                      int64_t cols) {
+/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) as a source of rows. */
+static kvc_status tensor_source(const void *file, const char *name, int64_t rows, int64_t cols, kvc_src *out) {
     const weights *w = file;
     kvc_status st;
     const st_tensor *t = find(w, name, &st);
@@ -504,16 +509,24 @@ static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int3
     if (t->dtype != ST_F32 && t->dtype != ST_F16 && t->dtype != ST_BF16)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "tensor '%s' has dtype %s; only F32, F16 and BF16 weights are supported",
                         t->name, t->dtype_name);
+    memset(out, 0, sizeof *out);
+    out->name = t->name;
+    out->rows = rows ? rows : 1;
+    out->cols = cols;
+    out->decode = decode_rows;
+    out->data = t->data;
+    out->row_bytes = t->nbytes / (size_t)out->rows;
+    out->ctx = t;
+    /* their bytes are ggml's F32/F16/BF16 rows */
+    out->ggml_type = t->dtype == ST_F32 ? GGML_T_F32 : t->dtype == ST_F16 ? GGML_T_F16 : GGML_T_BF16;
+    return KVC_OK;
+}
+
+/* Tensor `name` streamed into the weight of `role`. */
+static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
+                      int64_t cols) {
     kvc_src src;
-    memset(&src, 0, sizeof src);
-    src.name = t->name;
-    src.rows = rows ? rows : 1;
-    src.cols = cols;
-    src.decode = decode_rows;
-    src.data = t->data;
-    src.row_bytes = t->nbytes / (size_t)src.rows;
-    src.ctx = t;
-    src.ggml_type = t->dtype == ST_F32 ? GGML_T_F32 : t->dtype == ST_F16 ? GGML_T_F16 : GGML_T_BF16;
+    KVC_TRY(tensor_source(file, name, rows, cols, &src));
     return kvc_model_put(m, role, layer, &src);
 }
 
@@ -534,14 +547,6 @@ static kvc_status load_weights(const weights *w, kvc_model *m) {
 }
 
 /* ---------------------------------------------------------------------------------------------- */
-
-/* The ggml type of a 16/32-bit safetensors tensor (their bytes are ggml's F32/F16/BF16 rows). */
-static int32_t tensor_type(const void *file, const char *name) {
-    kvc_status st;
-    const st_tensor *t = find(file, name, &st);
-    if (!t) return -1;
-    return t->dtype == ST_F32 ? GGML_T_F32 : t->dtype == ST_F16 ? GGML_T_F16 : t->dtype == ST_BF16 ? GGML_T_BF16 : -1;
-}
 
 kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kvc_model **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_load_hf: out is NULL");
@@ -567,19 +572,32 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
     free(cfg_path);
     if (st != KVC_OK) return st;
 
-    weights w;
-    memset(&w, 0, sizeof w);
-    w.dir = dir;
+    weights *w = calloc(1, sizeof *w);
+    if (!w) return kvc_fail(KVC_ERR_NOMEM, "out of memory: weight files");
+    w->dir = dir;
     kvc_model *m = NULL;
-    st = open_weights(&w);
+    st = open_weights(w);
     if (st == KVC_OK && cfg.tied_embeddings < 0) {
-        const st_tensor *head = find(&w, "lm_head.weight", &st);
+        const st_tensor *head = find(w, "lm_head.weight", &st);
         cfg.tied_embeddings = head == NULL;
     }
-    if (st == KVC_OK) st = kvc_model_create(&cfg, "safetensors", dir, be, wmode, 1, tensor_type, &w, &m);
-    if (st == KVC_OK) st = load_weights(&w, m);
+    if (st == KVC_OK) st = kvc_model_create(&cfg, "safetensors", dir, be, wmode, 1, tensor_source, w, &m);
+    if (st != KVC_OK) {
+        kvc_model_free(m);
+        weights_free(w);
+        return st;
+    }
+    st = load_weights(w, m);
     if (st == KVC_OK) st = kvc_model_finish(m);
-    weights_close(&w);
+    if (st == KVC_OK && m->mapped_bytes == 0) {
+        weights_free(w); /* every weight was copied: the files go now */
+    } else {
+        /* weights used in place point into the mappings: the model closes them once, after its buffers
+         * (on the error path too, just below) */
+        w->dir = NULL; /* the caller's string */
+        m->files = w;
+        m->close_files = weights_free;
+    }
     if (st != KVC_OK) {
         kvc_model_free(m);
         return st;

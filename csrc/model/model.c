@@ -57,53 +57,132 @@ static kvc_status check_config(const kvc_config *c) {
     return KVC_OK;
 }
 
-/* A weight buffer of the backend, owned by the model; *view covers it from element 0 with row length ld. */
-static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const char *what, kvc_view *view) {
+/* Bytes of n elements of dtype (native weight types: whole blocks), or (size_t)-1 when n is not. */
+static size_t dtype_bytes(int32_t dtype, int64_t n) {
+    size_t bytes = (size_t)n * kvc_dtype_size(dtype);
+    if (kvc_dtype_is_wtype(dtype) && ggml_nbytes(dtype - KVC_WTYPE_BASE, n, &bytes) != KVC_OK) return (size_t)-1;
+    return bytes;
+}
+
+/* A weight buffer of the backend, owned by the model: allocated, or with `mapped` a read-only buffer over
+ * the file's bytes there (the file stays mapped as long as the model). *view covers it from element 0 with
+ * row length ld. */
+static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const void *mapped, const char *what,
+                      kvc_view *view) {
     if (m->n_bufs == m->cap_bufs) {
         const size_t cap = m->cap_bufs ? 2 * m->cap_bufs : 64;
-        kvc_buf **p = realloc(m->bufs, cap * sizeof *p);
+        kvc_model_buf *p = realloc(m->bufs, cap * sizeof *p);
         if (!p) return kvc_fail(KVC_ERR_NOMEM, "out of memory: model buffer list");
         m->bufs = p;
-        int32_t *t = realloc(m->buf_dtypes, cap * sizeof *t);
-        if (!t) return kvc_fail(KVC_ERR_NOMEM, "out of memory: model buffer list");
-        m->buf_dtypes = t;
         m->cap_bufs = cap;
     }
+    const size_t bytes = dtype_bytes(dtype, n);
+    if (bytes == (size_t)-1) return kvc_fail(KVC_ERR_INTERNAL, "%s: %lld values are not whole blocks", what, (long long)n);
     kvc_buf *b = NULL;
-    KVC_TRY(m->be->alloc(dtype, n, KVC_MEM_WEIGHTS, what, &b));
-    m->buf_dtypes[m->n_bufs] = dtype;
-    m->bufs[m->n_bufs++] = b;
-    size_t bytes = (size_t)n * kvc_dtype_size(dtype);
-    if (kvc_dtype_is_wtype(dtype)) KVC_TRY(ggml_nbytes(dtype - KVC_WTYPE_BASE, n, &bytes));
+    KVC_TRY(mapped ? m->be->wrap(dtype, n, mapped, what, &b) : m->be->alloc(dtype, n, KVC_MEM_WEIGHTS, what, &b));
+    m->bufs[m->n_bufs++] = (kvc_model_buf){b, dtype, mapped};
     m->weight_bytes += bytes;
+    if (mapped) m->mapped_bytes += bytes;
     *view = kvc_view_of(b, 0, ld);
     return KVC_OK;
 }
 
 static const char *role_name(kvc_weight_role role, int hf);
 
-/* The dtype a weight matrix (a fused group of `n` roles of one layer, all [*, cols]) is held in. */
-static int32_t group_dtype(const kvc_model *m, int32_t weights, int hf, kvc_type_fn type_of, const void *file,
-                           const kvc_weight_role *roles, int n, int32_t layer, int64_t cols) {
-    const kvc_backend *be = m->be;
-    if (weights != KVC_WEIGHTS_NATIVE || !type_of || !be->weight_type_ok) return be->weight_dtype;
-    int32_t t = -1;
-    for (int i = 0; i < n; i++) {
-        char name[128];
-        if (layer >= 0)
-            snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)layer, role_name(roles[i], hf));
-        else
-            snprintf(name, sizeof name, "%s", role_name(roles[i], hf));
-        const int32_t ti = type_of(file, name);
-        if (ti < 0 || (i > 0 && ti != t)) return be->weight_dtype; /* absent, or parts of mixed types */
-        t = ti;
-    }
-    if (t == GGML_T_F32 || !be->weight_type_ok(t) || cols % ggml_block_elems(t)) return be->weight_dtype;
+/* What kvc_model_create plans the weight matrices with. */
+typedef struct plan {
+    kvc_model *m;
+    int32_t weights;
+    int mmap; /* 0: KVC_WEIGHTS_NO_MMAP */
+    int hf;
+    kvc_describe_fn describe;
+    const void *file;
+} plan;
+
+/* The dtype a weight matrix of the file (s; NULL when the file does not describe it) is held in. */
+static int32_t part_dtype(const plan *p, const kvc_src *s) {
+    const kvc_backend *be = p->m->be;
+    if (p->weights != KVC_WEIGHTS_NATIVE || !s || !be->weight_type_ok) return be->weight_dtype;
+    const int32_t t = s->ggml_type;
+    if (t < 0 || t == GGML_T_F32 || !be->weight_type_ok(t) || s->cols % ggml_block_elems(t)) return be->weight_dtype;
     return KVC_WTYPE(t);
 }
 
+/* Alias or copy: the one place that decides, per tensor. A weight held in `dtype` is used in place in the
+ * mapped file when the model keeps native weights, the backend computes on host memory (wrap), its bytes
+ * in memory equal the file's (the file's own type, or f32 from f32) and its start is as aligned as the
+ * kernels read it (2 bytes for blocks and 16-bit floats, 4 for f32; GGUF aligns data to
+ * general.alignment). Everything else is converted or copied into a buffer of the backend: fp32 mode,
+ * types the kernels do not take, a device, KVC_WEIGHTS_NO_MMAP (and a backend-internal repacked layout,
+ * were one added). */
+static int maps(const plan *p, int32_t dtype, const kvc_src *s) {
+    if (p->weights != KVC_WEIGHTS_NATIVE || !p->mmap || !p->m->be->wrap || !s || !s->data) return 0;
+    const int same = kvc_dtype_is_wtype(dtype) ? s->ggml_type == dtype - KVC_WTYPE_BASE
+                                               : dtype == KVC_F32 && s->ggml_type == GGML_T_F32;
+    return same && (uintptr_t)s->data % (dtype == KVC_F32 ? 4u : 2u) == 0;
+}
+
+/* Place a weight group: n roles of one layer (layer -1: a file-level tensor), [rows[i], cols] each, their
+ * outputs side by side. One buffer for all when they share a dtype and are all copied, or all mapped and
+ * back to back in the file; else one buffer (copied or mapped) per part. */
+static kvc_status place(const plan *p, const kvc_weight_role *roles, int n, int32_t layer, const int64_t *rows,
+                        int64_t cols, const char *what, kvc_wgroup *g) {
+    kvc_model *m = p->m;
+    kvc_src src[3];
+    int32_t dt[3];
+    const void *at[3];
+    int same = 1, all_mapped = 1, none_mapped = 1, adjacent = 1;
+    int64_t total = 0;
+    memset(g, 0, sizeof *g);
+    g->n = n;
+    for (int i = 0; i < n; i++) {
+        char name[160];
+        if (layer >= 0)
+            snprintf(name, sizeof name, p->hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)layer, role_name(roles[i], p->hf));
+        else
+            snprintf(name, sizeof name, "%s", role_name(roles[i], p->hf));
+        /* planning only: a tensor the file lacks or gets wrong is reported when it is loaded */
+        const int known = p->weights == KVC_WEIGHTS_NATIVE && p->describe &&
+                          p->describe(p->file, name, rows[i], cols, &src[i]) == KVC_OK;
+        dt[i] = part_dtype(p, known ? &src[i] : NULL);
+        at[i] = known && maps(p, dt[i], &src[i]) ? src[i].data : NULL;
+        m->n_native += kvc_dtype_is_wtype(dt[i]);
+        same &= dt[i] == dt[0];
+        all_mapped &= at[i] != NULL;
+        none_mapped &= at[i] == NULL;
+        if (i > 0) adjacent &= at[i] && at[i - 1] && at[i] == (const char *)at[i - 1] + dtype_bytes(dt[i - 1], rows[i - 1] * cols);
+        g->rows[i] = rows[i];
+        total += rows[i];
+    }
+    if (same && (none_mapped || (all_mapped && adjacent))) {
+        KVC_TRY(own(m, dt[0], total * cols, cols, at[0], what, &g->whole));
+        int64_t r = 0;
+        for (int i = 0; i < n; r += rows[i], i++) g->part[i] = kvc_view_at(g->whole, r, 0);
+        return KVC_OK;
+    }
+    for (int i = 0; i < n; i++) KVC_TRY(own(m, dt[i], rows[i] * cols, cols, at[i], what, &g->part[i]));
+    return KVC_OK;
+}
+
+/* One matrix (a group of one). */
+static kvc_status place1(const plan *p, kvc_weight_role role, int32_t layer, int64_t rows, int64_t cols, const char *what,
+                         kvc_view *v) {
+    kvc_wgroup g;
+    KVC_TRY(place(p, &role, 1, layer, &rows, cols, what, &g));
+    *v = g.whole;
+    return KVC_OK;
+}
+
+kvc_status kvc_wgroup_matmul(const kvc_backend *be, kvc_view a, const kvc_wgroup *g, kvc_view c, int64_t m, int64_t k) {
+    if (g->whole.buf) return be->matmul(a, g->whole, c, m, g->rows[0] + g->rows[1] + g->rows[2], k, 0);
+    int64_t col = 0;
+    for (int i = 0; i < g->n; col += g->rows[i], i++)
+        KVC_TRY(be->matmul(a, g->part[i], kvc_view_at(c, 0, col), m, g->rows[i], k, 0));
+    return KVC_OK;
+}
+
 kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
-                            int32_t weights, int hf, kvc_type_fn type_of, const void *file, kvc_model **out) {
+                            int32_t weights, int hf, kvc_describe_fn describe, const void *file, kvc_model **out) {
     *out = NULL;
     KVC_TRY(check_config(cfg));
     kvc_model *m = calloc(1, sizeof *m);
@@ -111,45 +190,42 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
     pthread_mutex_init(&m->host_lock, NULL);
     m->cfg = *cfg;
     m->be = be;
-    m->weights = weights;
+    m->weights = weights & ~KVC_WEIGHTS_NO_MMAP;
     snprintf(m->format, sizeof m->format, "%s", format);
     kvc_status st = KVC_OK;
     if (be->check_model) st = be->check_model(cfg);
     if (st == KVC_OK && !(m->path = strdup(path ? path : ""))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: model path");
     const int64_t D = cfg->hidden, F = cfg->ffn, V = cfg->vocab, half = cfg->head_dim / 2;
-    const int64_t qkv = (int64_t)(cfg->n_heads + 2 * cfg->n_kv_heads) * cfg->head_dim, qd = (int64_t)cfg->n_heads * cfg->head_dim;
-    if (st == KVC_OK && weights != KVC_WEIGHTS_NATIVE && weights != KVC_WEIGHTS_FP32)
-        st = kvc_fail(KVC_ERR_ARG, "weights must be native (%d) or fp32 (%d), got %d", KVC_WEIGHTS_NATIVE, KVC_WEIGHTS_FP32, weights);
-    static const kvc_weight_role R_TOK[] = {KVC_W_TOK}, R_HEAD[] = {KVC_W_LM_HEAD}, R_QKV[] = {KVC_W_Q, KVC_W_K, KVC_W_V},
-                                 R_O[] = {KVC_W_O}, R_GU[] = {KVC_W_GATE, KVC_W_UP}, R_DOWN[] = {KVC_W_DOWN};
-#define WT(roles, layer, cols) group_dtype(m, weights, hf, type_of, file, roles, (int)(sizeof roles / sizeof roles[0]), layer, cols)
-#define NATIVE(dt) (m->n_native += kvc_dtype_is_wtype(dt), (dt))
-    int32_t wt;
+    const int64_t qd = (int64_t)cfg->n_heads * cfg->head_dim, kd = (int64_t)cfg->n_kv_heads * cfg->head_dim;
+    if (st == KVC_OK && weights != KVC_WEIGHTS_NATIVE && weights != KVC_WEIGHTS_FP32 && weights != (KVC_WEIGHTS_NATIVE | KVC_WEIGHTS_NO_MMAP))
+        st = kvc_fail(KVC_ERR_ARG, "weights must be native (%d, | %d: copied, not mapped) or fp32 (%d), got %d", KVC_WEIGHTS_NATIVE,
+                      KVC_WEIGHTS_NO_MMAP, KVC_WEIGHTS_FP32, weights);
+    static const kvc_weight_role R_QKV[] = {KVC_W_Q, KVC_W_K, KVC_W_V}, R_GU[] = {KVC_W_GATE, KVC_W_UP};
+    const int64_t qkv_rows[] = {qd, kd, kd}, gu_rows[] = {F, F};
+    const plan p = {m, m->weights, !(weights & KVC_WEIGHTS_NO_MMAP), hf, describe, file};
     if (st == KVC_OK && !(m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: layer table");
     if (st == KVC_OK && !(m->rope_inv_freq = calloc((size_t)half, sizeof(float))))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
-    if (st == KVC_OK) st = own(m, NATIVE(WT(R_TOK, -1, D)), V * D, D, "token embedding", &m->tok_embd);
-    if (st == KVC_OK) st = own(m, KVC_F32, D, D, "output norm", &m->out_norm);
-    if (st == KVC_OK) st = own(m, KVC_F32, half, half, "RoPE frequencies", &m->inv_freq);
+    if (st == KVC_OK) st = place1(&p, KVC_W_TOK, -1, V, D, "token embedding", &m->tok_embd);
+    if (st == KVC_OK) st = own(m, KVC_F32, D, D, NULL, "output norm", &m->out_norm);
+    if (st == KVC_OK) st = own(m, KVC_F32, half, half, NULL, "RoPE frequencies", &m->inv_freq);
     if (st == KVC_OK) {
         if (cfg->tied_embeddings) m->lm_head = m->tok_embd;
-        else st = own(m, NATIVE(WT(R_HEAD, -1, D)), V * D, D, "lm_head", &m->lm_head);
+        else st = place1(&p, KVC_W_LM_HEAD, -1, V, D, "lm_head", &m->lm_head);
     }
     for (int32_t l = 0; l < cfg->n_layers && st == KVC_OK; l++) {
         kvc_layer_weights *L = &m->layers[l];
-        st = own(m, KVC_F32, D, D, "attention norm", &L->attn_norm);
-        if (st == KVC_OK) wt = NATIVE(WT(R_QKV, l, D)), st = own(m, wt, qkv * D, D, "q|k|v weights", &L->wqkv);
-        if (st == KVC_OK && cfg->qkv_bias) st = own(m, KVC_F32, qkv, qkv, "q|k|v bias", &L->bqkv);
-        if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, "q norm", &L->q_norm);
-        if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, "k norm", &L->k_norm);
-        if (st == KVC_OK) wt = NATIVE(WT(R_O, l, qd)), st = own(m, wt, D * qd, qd, "o weights", &L->wo);
-        if (st == KVC_OK) st = own(m, KVC_F32, D, D, "MLP norm", &L->ffn_norm);
-        if (st == KVC_OK) wt = NATIVE(WT(R_GU, l, D)), st = own(m, wt, 2 * F * D, D, "gate|up weights", &L->wgu);
-        if (st == KVC_OK) wt = NATIVE(WT(R_DOWN, l, F)), st = own(m, wt, D * F, F, "down weights", &L->wdown);
+        st = own(m, KVC_F32, D, D, NULL, "attention norm", &L->attn_norm);
+        if (st == KVC_OK) st = place(&p, R_QKV, 3, l, qkv_rows, D, "q|k|v weights", &L->qkv);
+        if (st == KVC_OK && cfg->qkv_bias) st = own(m, KVC_F32, qd + 2 * kd, qd + 2 * kd, NULL, "q|k|v bias", &L->bqkv);
+        if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, NULL, "q norm", &L->q_norm);
+        if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, NULL, "k norm", &L->k_norm);
+        if (st == KVC_OK) st = place1(&p, KVC_W_O, l, D, qd, "o weights", &L->wo);
+        if (st == KVC_OK) st = own(m, KVC_F32, D, D, NULL, "MLP norm", &L->ffn_norm);
+        if (st == KVC_OK) st = place(&p, R_GU, 2, l, gu_rows, D, "gate|up weights", &L->gu);
+        if (st == KVC_OK) st = place1(&p, KVC_W_DOWN, l, D, F, "down weights", &L->wdown);
     }
-#undef WT
-#undef NATIVE
     if (st != KVC_OK) {
         kvc_model_free(m);
         return st;
@@ -228,7 +304,7 @@ kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void
 /* The view a role's tensor goes to, and its logical shape (a vector: one row). */
 static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
     const kvc_config *c = &m->cfg;
-    const int64_t F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
     if (role < KVC_W_TOK || role > KVC_W_K_NORM) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
     if (role >= KVC_W_ATTN_NORM && (layer < 0 || layer >= c->n_layers))
         return kvc_fail(KVC_ERR_INTERNAL, "weight of layer %d outside [0, %d)", layer, c->n_layers);
@@ -238,16 +314,16 @@ static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer
     case KVC_W_OUT_NORM: *v = m->out_norm; break;
     case KVC_W_LM_HEAD: *v = m->lm_head; break;
     case KVC_W_ATTN_NORM: *v = L->attn_norm; break;
-    case KVC_W_Q: *v = L->wqkv; break;
-    case KVC_W_K: *v = kvc_view_at(L->wqkv, qd, 0); break;
-    case KVC_W_V: *v = kvc_view_at(L->wqkv, qd + kd, 0); break;
+    case KVC_W_Q: *v = L->qkv.part[0]; break;
+    case KVC_W_K: *v = L->qkv.part[1]; break;
+    case KVC_W_V: *v = L->qkv.part[2]; break;
     case KVC_W_O: *v = L->wo; break;
     case KVC_W_BQ: *v = L->bqkv; break;
     case KVC_W_BK: *v = kvc_view_at(L->bqkv, 0, qd); break;
     case KVC_W_BV: *v = kvc_view_at(L->bqkv, 0, qd + kd); break;
     case KVC_W_FFN_NORM: *v = L->ffn_norm; break;
-    case KVC_W_GATE: *v = L->wgu; break;
-    case KVC_W_UP: *v = kvc_view_at(L->wgu, F, 0); break;
+    case KVC_W_GATE: *v = L->gu.part[0]; break;
+    case KVC_W_UP: *v = L->gu.part[1]; break;
     case KVC_W_DOWN: *v = L->wdown; break;
     case KVC_W_Q_NORM: *v = L->q_norm; break;
     case KVC_W_K_NORM: *v = L->k_norm; break;
@@ -268,10 +344,10 @@ static void release_pages(const void *data, size_t bytes) {
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
-static int32_t buf_dtype(const kvc_model *m, const kvc_buf *b) {
+static const kvc_model_buf *model_buf(const kvc_model *m, const kvc_buf *b) {
     for (size_t i = 0; i < m->n_bufs; i++)
-        if (m->bufs[i] == b) return m->buf_dtypes[i];
-    return -1;
+        if (m->bufs[i].buf == b) return &m->bufs[i];
+    return NULL;
 }
 
 kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src) {
@@ -281,10 +357,15 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
     if (src->rows != rows || src->cols != cols)
         return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is [%lld, %lld], the config implies [%lld, %lld]", src->name,
                         (long long)src->rows, (long long)src->cols, (long long)rows, (long long)cols);
-    const int32_t dtype = buf_dtype(m, v.buf);
+    const kvc_model_buf *mb = model_buf(m, v.buf);
+    const int32_t dtype = mb ? mb->dtype : -1;
     const int native = kvc_dtype_is_wtype(dtype);
     if (native && (src->ggml_type != dtype - KVC_WTYPE_BASE || !src->data))
         return kvc_fail(KVC_ERR_INTERNAL, "tensor '%s': its type changed between planning and loading", src->name);
+    /* a mapped weight is the file's bytes already: only checked below */
+    const int mapped = mb && mb->mapped;
+    if (mapped && (const char *)mb->mapped + dtype_bytes(dtype, v.off) != (const char *)src->data)
+        return kvc_fail(KVC_ERR_INTERNAL, "tensor '%s': its place in the file changed between planning and loading", src->name);
     int64_t step = CHUNK_FLOATS / cols;
     if (step < 1) step = 1;
     if (step > rows) step = rows;
@@ -302,6 +383,7 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
                     break;
                 }
         }
+        if (mapped) continue; /* its pages stay: they are the weights */
         /* a vector's one row is the whole [1, cols] range of its view; a native weight takes the file's
          * bytes (decoded above only to check them) */
         if (st == KVC_OK && native)
@@ -359,16 +441,17 @@ static void host_weights_free(kvc_host_weights *h) {
 void kvc_model_free(kvc_model *m) {
     if (!m) return;
     kvc_backend_lock(m->be);
-    for (size_t i = 0; i < m->n_bufs; i++) m->be->free(m->bufs[i]);
+    for (size_t i = 0; i < m->n_bufs; i++) m->be->free(m->bufs[i].buf);
     kvc_backend_unlock(m->be);
     free(m->bufs);
-    free(m->buf_dtypes);
     free(m->layers);
     kvc_free(m->rope_factors);
     free(m->rope_inv_freq);
     free(m->path);
     host_weights_free(m->host);
     kvc_model_free(m->host_twin);
+    /* the mappings last: buffers above may have wrapped them */
+    if (m->files) m->close_files(m->files);
     if (m->meta) gguf_close(m->meta);
     pthread_mutex_destroy(&m->host_lock);
     free(m);
@@ -383,7 +466,7 @@ static const float *host_at(const kvc_backend *be, kvc_view v) {
 static kvc_host_weights *host_view(const kvc_model *m) {
     const kvc_backend *be = m->be;
     const kvc_config *c = &m->cfg;
-    const int64_t D = c->hidden, F = c->ffn, qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
+    const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
 #define HOST(view) host_at(be, (view))
     if (!HOST(m->tok_embd) || m->n_native > 0) return NULL; /* a native matrix anywhere: the fp32 twin */
     kvc_host_weights *h = calloc(1, sizeof *h);
@@ -400,9 +483,9 @@ static kvc_host_weights *host_view(const kvc_model *m) {
         const kvc_layer_weights *W = &m->layers[l];
         kvc_host_layer *H = &h->layers[l];
         H->attn_norm = HOST(W->attn_norm);
-        H->wq = HOST(W->wqkv);
-        H->wk = H->wq + qd * D;
-        H->wv = H->wk + kd * D;
+        H->wq = HOST(W->qkv.part[0]);
+        H->wk = HOST(W->qkv.part[1]);
+        H->wv = HOST(W->qkv.part[2]);
         H->wo = HOST(W->wo);
         if (W->bqkv.buf) {
             H->bq = HOST(W->bqkv);
@@ -410,8 +493,8 @@ static kvc_host_weights *host_view(const kvc_model *m) {
             H->bv = H->bk + kd;
         }
         H->ffn_norm = HOST(W->ffn_norm);
-        H->w_gate = HOST(W->wgu);
-        H->w_up = H->w_gate + F * D;
+        H->w_gate = HOST(W->gu.part[0]);
+        H->w_up = HOST(W->gu.part[1]);
         H->w_down = HOST(W->wdown);
     }
 #undef HOST
@@ -472,6 +555,7 @@ kvc_status kvc_model_get_config(const kvc_model *m, kvc_config *out) {
 }
 
 size_t kvc_model_weight_bytes(const kvc_model *m) { return m ? m->weight_bytes : 0; }
+size_t kvc_model_mapped_bytes(const kvc_model *m) { return m ? m->mapped_bytes : 0; }
 const char *kvc_model_format(const kvc_model *m) { return m ? m->format : ""; }
 
 kvc_status kvc_model_token_embeddings(const kvc_model *model, const int32_t *ids, int64_t n, float *out) {

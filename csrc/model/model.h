@@ -1,8 +1,9 @@
 /* The in-memory model: its config and its weights as views of buffers of the backend it runs on,
  * independent of the file format it came from. Loaders (gguf_model.c, hf_model.c) read the config,
- * create the model (every weight buffer allocated on the backend) and stream each tensor of the file
- * into place (kvc_model_put): converted from the file's type to the backend's, a bounded chunk of rows
- * at a time, so a device load never holds a host copy of the weights. */
+ * create the model (every weight buffer allocated on the backend, or, for a weight used in place, a
+ * read-only buffer over the mapped file) and stream each tensor of the file into place (kvc_model_put):
+ * converted from the file's type to the backend's, a bounded chunk of rows at a time, so a device load
+ * never holds a host copy of the weights; a weight used in place is only checked. */
 #ifndef KVC_MODEL_H
 #define KVC_MODEL_H
 
@@ -13,19 +14,40 @@
 
 struct gguf_file;
 
-/* Linear weights are [out, in] row-major (y = x W^T), as in both GGUF and safetensors; q|k|v and
- * gate|up are stored fused (one GEMM each). Norm weights and biases are f32. */
+/* A projection whose outputs sit side by side: q|k|v, gate|up. One buffer holding every part's rows in
+ * order (all of one dtype, copied or mapped from a file that stores them back to back) is `whole`: one
+ * GEMM. Otherwise (parts of different file types, or each mapped where it lies in the file) whole.buf is
+ * NULL and each part is its own matrix: one GEMM each, into its columns of the output. */
+typedef struct kvc_wgroup {
+    kvc_view whole;
+    kvc_view part[3];
+    int64_t rows[3];
+    int32_t n;
+} kvc_wgroup;
+
+/* Linear weights are [out, in] row-major (y = x W^T), as in both GGUF and safetensors. Norm weights and
+ * biases are f32. */
 typedef struct kvc_layer_weights {
     kvc_view attn_norm; /* [D] */
-    kvc_view wqkv;      /* [qd + 2 kd, D]: q rows, then k, then v */
+    kvc_wgroup qkv;     /* [qd + 2 kd, D]: q rows, then k, then v */
     kvc_view bqkv;      /* [qd + 2 kd], buf NULL unless cfg.qkv_bias */
     kvc_view q_norm;    /* [d] per-head RMSNorm of q, buf NULL unless cfg.qk_norm */
     kvc_view k_norm;    /* [d] the same for k */
     kvc_view wo;        /* [D, qd] */
     kvc_view ffn_norm;  /* [D] */
-    kvc_view wgu;       /* [2F, D]: gate rows, then up */
+    kvc_wgroup gu;      /* [2F, D]: gate rows, then up */
     kvc_view wdown;     /* [D, F] */
 } kvc_layer_weights;
+
+/* C[m, sum of rows] = A[m, k] G^T: one matmul for a whole group, else one per part into its columns. */
+kvc_status kvc_wgroup_matmul(const kvc_backend *be, kvc_view a, const kvc_wgroup *g, kvc_view c, int64_t m, int64_t k);
+
+/* A backend buffer the model owns; `mapped`: the file's bytes it wraps (weights used in place), else NULL. */
+typedef struct kvc_model_buf {
+    kvc_buf *buf;
+    int32_t dtype; /* a buffer is opaque to the engine */
+    const void *mapped;
+} kvc_model_buf;
 
 /* fp32 host pointers to the weights, for algorithms that run on the host (Judge Q's backward). */
 typedef struct kvc_host_layer {
@@ -48,13 +70,16 @@ struct kvc_model {
     kvc_layer_weights *layers;
     float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, or NULL */
     float *rope_inv_freq;     /* host [d/2] */
-    size_t weight_bytes;
+    size_t weight_bytes;      /* every weight, mapped ones included */
+    size_t mapped_bytes;      /* of which used in place in the mapped file (page cache, shared) */
     int32_t weights;          /* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32, as asked at load */
-    int32_t n_native;         /* matrices kept in their file's type */
-    kvc_buf **bufs;           /* the backend buffers the model owns */
-    int32_t *buf_dtypes;      /* and their dtypes (a buffer is opaque to the engine) */
+    int32_t n_native;         /* weight tensors kept in their file's type */
+    kvc_model_buf *bufs;      /* the backend buffers the model owns */
     size_t n_bufs, cap_bufs;
-    struct gguf_file *meta;   /* GGUF metadata kept for the tokenizer; NULL for HF folders */
+    struct gguf_file *meta;   /* GGUF metadata kept for the tokenizer (and its mapping, which mapped weights
+                                 point into); NULL for HF folders */
+    void *files;              /* HF: the opened safetensors shards mapped weights point into, or NULL */
+    void (*close_files)(void *files);
     /* host fp32 weights on demand (kvc_model_host_weights): a CPU model's own buffers, or a CPU copy of
      * the file for a device model, loaded the first time a host algorithm asks */
     pthread_mutex_t host_lock;
@@ -92,24 +117,26 @@ typedef struct kvc_src {
     const char *name;
     int64_t rows, cols;
     kvc_status (*decode)(const struct kvc_src *s, int64_t r0, int64_t nr, float *dst);
-    const void *data;  /* the file's bytes of the tensor (mapped): released row range by row range once converted */
+    const void *data;  /* the file's bytes of the tensor (mapped): used in place, or released row range by row
+                          range once converted */
     size_t row_bytes;  /* bytes of one row in the file */
     int32_t type;      /* the loader's own type code */
     const void *ctx;   /* the loader's own description of the tensor */
     int32_t ggml_type; /* the file's type as a ggml type id (safetensors F32/F16/BF16 too), -1 if none */
 } kvc_src;
 
-/* A loader's answer to "what type is tensor `name` stored in": a ggml type id, or -1 (absent, or a
- * type with no ggml equivalent). kvc_model_create asks it to keep weights in their file's type. */
-typedef int32_t (*kvc_type_fn)(const void *file, const char *name);
+/* A loader's description of tensor `name` of the file as a source of [rows, cols] (rows 0: a vector),
+ * its shape and type checked (the loaders' put functions use the same). */
+typedef kvc_status (*kvc_describe_fn)(const void *file, const char *name, int64_t rows, int64_t cols, kvc_src *out);
 
 /* Validate `cfg` (positive sizes, H % Hkv == 0, at most KVC_MAX_KV_HEADS KV heads, the backend's own
- * limits, ...) and create a model on `be` with every weight buffer allocated (uninitialised). With
- * weights == KVC_WEIGHTS_NATIVE, a matrix (or fused group: q|k|v, gate|up) whose tensors share one
- * file type the backend takes (weight_type_ok) keeps that type; every other goes to be->weight_dtype.
- * type_of(file, name) gives a tensor's type, named the Hugging Face way when hf, else the GGUF way. */
+ * limits, ...) and create a model on `be` with every weight buffer in place (uninitialised, or mapped).
+ * With weights == KVC_WEIGHTS_NATIVE, a matrix whose file type the backend takes (weight_type_ok) keeps
+ * that type; every other goes to be->weight_dtype; a matrix whose bytes in memory equal the file's is
+ * used in place (model.c: maps()) when the caller keeps the file mapped for the model's lifetime.
+ * describe(file, ...) names tensors the Hugging Face way when hf, else the GGUF way. */
 kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
-                            int32_t weights, int hf, kvc_type_fn type_of, const void *file, kvc_model **out);
+                            int32_t weights, int hf, kvc_describe_fn describe, const void *file, kvc_model **out);
 /* Stream tensor src into the weight of role `role` (layer: for per-layer roles). */
 kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src);
 /* The model's host array of d/2 RoPE factors (GGUF rope_freqs.weight, linear scaling), allocated on first

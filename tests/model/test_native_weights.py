@@ -48,9 +48,9 @@ def test_tiny_models_keep_their_types_and_prefill_matches_fp32(tiny_pair, rng):
     assert native.config["weights"] == "native" and fp32.config["weights"] == "fp32"
     assert fp32.config["native_matrices"] == 0
     L = native.config["n_layers"]
-    # tok, lm_head and per layer q|k|v, o, gate|up, down; mixed_qkv: its q|k|v mixes types (converted to
-    # fp32), its other matrices are F32 (nothing to keep): only gate|up stays Q4_1
-    assert native.config["native_matrices"] == (L if name == "mixed_qkv" else 2 + 4 * L)
+    # tensors kept in their type: tok, lm_head and per layer q, k, v, o, gate, up, down; mixed_qkv: q (Q4_0),
+    # k, v (Q8_0) each keep their own, gate and up stay Q4_1, its other matrices are F32 (nothing to keep)
+    assert native.config["native_matrices"] == (5 * L if name == "mixed_qkv" else 2 + 7 * L)
     assert native.config["weight_bytes"] < fp32.config["weight_bytes"]
     ids = rng.integers(0, 96, int(rng.integers(20, 60)))
     a, b = native.logits(ids), fp32.logits(ids)
@@ -102,7 +102,7 @@ def test_memory_and_bytes(default_model_native, default_model, default_gguf):
     # the file's blocks plus fp32 norms and RoPE frequencies; fp32 mode holds 4 bytes per parameter
     assert 0.9 * size < nat <= size and f32 > 5 * nat
     mem = default_model_native.memory()
-    assert set(mem) == {"weights", "cache", "scratch", "rss"} and mem["weights"] == nat
+    assert set(mem) == {"weights", "mapped", "cache", "scratch", "rss"} and mem["weights"] == nat
     s = default_model_native.new_session(64)
     s.forward(np.arange(1, 33, dtype=np.int32), logits="last")
     assert default_model_native.memory()["cache"] > 0

@@ -66,6 +66,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_model_free": (None, [_V]),
     "kvc_model_get_config": (_I, [_V, C.POINTER(Config)]),
     "kvc_model_weight_bytes": (_SZ, [_V]),
+    "kvc_model_mapped_bytes": (_SZ, [_V]),
     "kvc_model_format": (C.c_char_p, [_V]),
     "kvc_session_new": (_I, [_V, _I64, C.POINTER(_V)]),
     "kvc_session_free": (None, [_V]),

@@ -1,6 +1,6 @@
 """Memory and speed of one engine on one GGUF file, measured in a fresh process (nothing loaded before
-counts): resident memory after the load and its peak (VmRSS, VmHWM, beyond what the process held
-before), load seconds, prefill tok/s of n random tokens, decode tok/s of greedy steps after it, and for
+counts): resident memory after the load (VmRSS, and its anonymous and file-page parts RssAnon, RssFile)
+and its peak (VmHWM), beyond what the process held before, load seconds, prefill tok/s of n random tokens, decode tok/s of greedy steps after it, and for
 kvpress_c a press (SnapKV, ratio 0.5) on the same prompt. Used by tests/model/test_llama8b_native.py
 and benchmarks/cpu_forward.py.
 
@@ -33,6 +33,7 @@ def _probe(engine: str, path: str, n_prefill: int, n_decode: int, threads: int) 
     else:
         from llama_cpp import Llama
     before = _status("VmRSS")
+    before_anon, before_file = _status("RssAnon"), _status("RssFile")
     t0 = time.perf_counter()
     if engine == "kvpress_c":
         model = kvpress_c.load_model(path)
@@ -42,7 +43,9 @@ def _probe(engine: str, path: str, n_prefill: int, n_decode: int, threads: int) 
                     n_ubatch=min(n_prefill, 512), n_threads=threads, n_threads_batch=threads, verbose=False)
         vocab = llm.n_vocab()
     out = {"engine": engine, "threads": threads, "load_s": time.perf_counter() - t0,
-           "rss_after_load": _status("VmRSS") - before}
+           "rss_after_load": _status("VmRSS") - before,
+           # anonymous memory vs file pages (kvpress_c's weights used in place in the mapped file, llama.cpp's mmap)
+           "rss_anon_after_load": _status("RssAnon") - before_anon, "rss_file_after_load": _status("RssFile") - before_file}
     ids = np.random.default_rng(0).integers(300, vocab - 100, n_prefill + n_decode).astype(np.int32)
     steps = []
     if engine == "kvpress_c":

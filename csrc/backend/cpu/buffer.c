@@ -68,6 +68,21 @@ kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t 
     return KVC_OK;
 }
 
+kvc_status kvc_hbuf_wrap(int32_t dtype, int64_t n, const void *p, const char *what, kvc_buf **out) {
+    *out = NULL;
+    if (!p || n < 0 || kvc_hbuf_bytes(dtype, n) == (size_t)-1)
+        return kvc_fail(KVC_ERR_INTERNAL, "%s: cannot wrap %lld values of dtype %d", what, (long long)n, dtype);
+    kvc_buf *b = calloc(1, sizeof *b);
+    if (!b) return kvc_fail(KVC_ERR_NOMEM, "out of memory: %s", what);
+    b->p = (void *)p; /* never written: upload refuses a buffer without stats */
+    b->n = n;
+    b->dtype = dtype;
+    b->cat = KVC_MEM_WEIGHTS;
+    b->bytes = kvc_hbuf_bytes(dtype, n);
+    *out = b;
+    return KVC_OK;
+}
+
 void kvc_hbuf_free(kvc_buf *b) {
     if (!b) return;
     if (b->stats) {
@@ -81,6 +96,7 @@ static int float_dtype(int32_t t) { return t == KVC_F32 || t == KVC_BF16; }
 
 kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype) {
     const int32_t t = dst.buf->dtype;
+    if (!dst.buf->stats) return kvc_fail(KVC_ERR_INTERNAL, "upload into a read-only buffer (weights mapped from the file)");
     if (kvc_dtype_is_wtype(t)) { /* the file's blocks, row by row */
         if (src_dtype != t) return kvc_fail(KVC_ERR_INTERNAL, "upload: dtype %d into a native weight buffer of dtype %d", src_dtype, t);
         const size_t rb = kvc_hbuf_bytes(t, cols);

@@ -205,6 +205,7 @@ static const kvc_backend g_cpu = {
     .upload = kvc_hbuf_upload,
     .download = kvc_hbuf_download,
     .host_f32 = cpu_host_f32,
+    .wrap = kvc_hbuf_wrap,
     .kv_new = cpu_kv_new,
     .kv_free = kvc_hkv_free,
     .kv_bytes = kvc_hkv_bytes,

@@ -22,7 +22,7 @@ struct kvc_buf {
     int32_t dtype;
     int32_t cat;
     size_t bytes;
-    kvc_host_stats *stats; /* NULL: wrapped memory the buffer does not own */
+    kvc_host_stats *stats; /* NULL: wrapped memory the buffer does not own (read-only) */
 };
 
 /* Per head, the arena holds [Kp: np rows of dk kept key channels][K: cap - np full rows][V: cap rows]:
@@ -48,6 +48,8 @@ void kvc_host_stats_reset_peak(kvc_host_stats *s);
 
 kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out);
 void kvc_hbuf_free(kvc_buf *b);
+/* A read-only buffer over host memory the caller owns (the backend table's wrap): not counted, not freed. */
+kvc_status kvc_hbuf_wrap(int32_t dtype, int64_t n, const void *p, const char *what, kvc_buf **out);
 kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t src_dtype);
 kvc_status kvc_hbuf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t dst_dtype);
 /* Bytes of n elements of dtype (native weight types: whole blocks, n a multiple of the block), or

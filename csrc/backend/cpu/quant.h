@@ -7,7 +7,9 @@
  * an integer kernel (the K-quants, F16, BF16) decode each weight row to fp32 and take an fp32 dot.
  * Prefill (the blocked GEMM) decodes weight panels to fp32 in its packing step (gemm.c), so the
  * microkernel is the fp32 one. Every integer kernel has a plain-C twin, the reference the tests
- * compare it with (kvc_cpu_qdot with ref = 1). Internal to backend/cpu. */
+ * compare it with (kvc_cpu_qdot with ref = 1). Weight rows may lie in place in a mapped model file
+ * (model.c: maps()): kernels may assume only 2-byte alignment of a block or 16-bit row, 4 of an f32 row.
+ * Internal to backend/cpu. */
 #ifndef KVC_CPU_QUANT_H
 #define KVC_CPU_QUANT_H
 

@@ -278,6 +278,7 @@ static kvc_backend make_table(void) {
     t.upload = buf_upload;
     t.download = buf_download;
     t.host_f32 = t_host_f32;
+    t.wrap = nullptr; /* weights live in device memory: the loader copies them */
     t.kv_new = kv_new;
     t.kv_free = kv_free;
     t.kv_bytes = kv_bytes;

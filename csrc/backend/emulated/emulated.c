@@ -271,6 +271,7 @@ static const kvc_backend g_emulated = {
     .upload = emu_upload,
     .download = emu_download,
     .host_f32 = emu_host_f32,
+    .wrap = NULL, /* device memory, as on CUDA: the loader copies the weights */
     .kv_new = emu_kv_new,
     .kv_free = kvc_hkv_free,
     .kv_bytes = kvc_hkv_bytes,
