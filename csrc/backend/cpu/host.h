@@ -23,6 +23,7 @@ struct kvc_buf {
     int32_t cat;
     size_t bytes;
     kvc_host_stats *stats; /* NULL: wrapped memory the buffer does not own */
+    int32_t packed;        /* a native weight in the GEMV's interleaved layout (quant.h), else the file's */
 };
 
 struct kvc_kv {
