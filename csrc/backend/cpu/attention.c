@@ -15,7 +15,9 @@
  * Decode (n <= DECODE_N queries): a KV head has only n * g rows, so its keys are split into chunks
  * processed in parallel (each with its own m, l and partial output), then merged: with 3 KV heads
  * on 2 cores, or one long sequence, the heads alone would leave cores idle. There the scores are dot
- * products over d, 4 keys at a time (transposing a K tile would cost as much as the few rows' work).
+ * products over d, 4 keys at a time (transposing a K tile would cost as much as the few rows' work),
+ * and P V loads each value row once for all rows. Decode reads the whole cache from memory for little
+ * arithmetic: keys are prefetched ahead and a tile's values during its scores (2x at 600 keys).
  * Scratch lives on the stack (about 150 KB per thread at d = 256) except the decode partials (kept per
  * calling thread, grown as needed). */
 #include <float.h>
