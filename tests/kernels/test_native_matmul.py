@@ -6,9 +6,9 @@ backend's interleaved layout (groups of 16 rows, the rest as in the file: the sh
 4, in the file's layout (a matrix that is not packed).
 
 Two references:
-  - exact decode: A (float64) @ gguf-py's decoded W. The blocked GEMM and the decoding GEMV (K-quants,
-    F16, BF16) only round in fp32 accumulation: bound 1e-5 of the largest sum of |products| (or of |C|).
-  - the integer scheme (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in the GEMV): each activation row is quantised to
+  - exact decode: A (float64) @ gguf-py's decoded W. The blocked GEMM and the decoding GEMV (Q2_K,
+    Q3_K, Q5_K, F16, BF16) only round in fp32 accumulation: bound 1e-5 of the largest sum of |products| (or of |C|).
+  - the integer scheme (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K in the GEMV): each activation row is quantised to
     32-value int8 blocks (d = max|x| / 127, q = round-half-even(x / d), as llama.cpp's q8_0), then the
     dot products are exact in float64 over the decoded values. The kernels match that to fp32
     accumulation (bound 1e-5 of the largest sum of |products|: one output may cancel to near 0). Against the exact decode, the quantisation of A
@@ -25,8 +25,9 @@ import capi
 from gguf_writer import GGML, random_blocks
 
 lib = capi.lib
-INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
-DECODE_TYPES = ["F16", "BF16", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"]
+DECODE_TYPES = ["F16", "BF16", "Q2_K", "Q3_K", "Q5_K"]
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 PATH_AUTO, PATH_PACKED, PATH_GEMV, PATH_GEMV_REF, PATH_GEMV_FILE = 0, 1, 2, 3, 4
 PACKED_TYPES = ["Q4_0", "Q4_1", "Q8_0"]  # quant.h: kvc_cpu_wtype_packs
 
@@ -43,7 +44,7 @@ def weights(rng, t, n, k):
     """n rows of k values of type t: quantised from Gaussian values where gguf-py can quantise, random
     blocks with sane scales (the tests' GGUF writer) for the K-quants; and gguf-py's decode of them."""
     qt = gguf.GGMLQuantizationType[t]
-    if t in DECODE_TYPES[2:]:
+    if t in K_TYPES:
         _, be, bb = GGML[t]
         raw = np.frombuffer(random_blocks(rng, t, n * k // be, scale=0.02), np.uint8).reshape(n, k // be * bb)
     else:
@@ -114,9 +115,10 @@ def test_native_matmul_against_float64(rng, threads, t, m, n, k):
 
 
 def test_native_matmul_rows_in_flight_odd_blocks(rng):
-    """An odd number of blocks per row (the two-block loop's tail) and a single block."""
+    """An odd number of blocks per row (the two-block loop's tail) and a single block (32-value types;
+    the K-quants' odd super-block counts, 3 and 5, are in SHAPES)."""
     for k in (32, 96, 160):
-        for t in INT8_TYPES:
+        for t in INT8_TYPES[:5]:
             raw, w = weights(rng, t, 9, k)
             a = rng.standard_normal((2, k)).astype(np.float32)
             assert rel(run(t, a, raw, 9, PATH_GEMV), q8_rows(a) @ w.T) < 1e-5

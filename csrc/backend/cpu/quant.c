@@ -25,7 +25,8 @@
 #define MIN_PAR_BYTES (1 << 16) /* below this many weight bytes a GEMV runs on one thread */
 
 int kvc_cpu_wtype_int8(int32_t t) {
-    return t == GGML_T_Q4_0 || t == GGML_T_Q4_1 || t == GGML_T_Q5_0 || t == GGML_T_Q5_1 || t == GGML_T_Q8_0;
+    return t == GGML_T_Q4_0 || t == GGML_T_Q4_1 || t == GGML_T_Q5_0 || t == GGML_T_Q5_1 || t == GGML_T_Q8_0 ||
+           kvc_cpu_wtype_kint8(t);
 }
 
 int kvc_cpu_wtype_ok(int32_t t) {
@@ -297,6 +298,7 @@ static void qgroup_rows(kvc_wmat w, int64_t g, const kvc_q8row *a, int64_t m, in
 }
 
 float kvc_cpu_qdot(int32_t t, const void *w, kvc_q8row a, int64_t k, int ref) {
+    if (kvc_cpu_wtype_kint8(t)) return kvc_cpu_qdot_k(t, w, a, k, ref);
     const int64_t nb = k / 32;
 #if defined(KVC_QSIMD)
     if (!ref) switch (t) {

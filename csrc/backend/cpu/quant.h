@@ -4,7 +4,7 @@
  * Decode (m <= a few rows) reads every weight once per token, so it is bound by the bytes read: the
  * activation row is quantised once to 32-value int8 blocks (kvc_q8row) and each weight row is dotted
  * against it block by block in integers, as llama.cpp does (q4_0 . q8_0 and friends); types without
- * an integer kernel (the K-quants, F16, BF16) decode each weight row to fp32 and take an fp32 dot.
+ * an integer kernel (Q2_K, Q3_K, Q5_K, F16, BF16) decode each weight row to fp32 and take an fp32 dot.
  * Prefill (the blocked GEMM) decodes weight panels to fp32 in its packing step (gemm.c), so the
  * microkernel is the fp32 one. Every integer kernel has a plain-C twin, the reference the tests
  * compare it with (kvc_cpu_qdot with ref = 1). Internal to backend/cpu. */
@@ -49,8 +49,11 @@ typedef struct kvc_q8row {
 
 /* 1 if the CPU GEMM takes weights of this ggml type as stored (backend table: weight_type_ok). */
 int kvc_cpu_wtype_ok(int32_t type);
-/* 1 if the type has an integer dot product against kvc_q8row (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0). */
+/* 1 if the type has an integer dot product against kvc_q8row (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K). */
 int kvc_cpu_wtype_int8(int32_t type);
+/* Q4_K and Q6_K: their integer dot products live in quant_k.c (kvc_cpu_qdot hands them over). */
+int kvc_cpu_wtype_kint8(int32_t type);
+float kvc_cpu_qdot_k(int32_t type, const void *w, kvc_q8row a, int64_t k, int ref);
 /* Quantise k values (k % 32 == 0) to k / 32 blocks: d = max|x| / 127, q = round-to-nearest-even(x / d). */
 void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out);
 /* sum over k values of weight row w (k / 32 blocks of `type`) times the activation blocks a: the
