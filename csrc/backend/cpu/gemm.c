@@ -291,6 +291,7 @@ static void pack_panel(kvc_wmat w, int64_t k, int64_t jp, int nr, int64_t p0, in
         kvc_cpu_transpose((const float *)w.p + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
         return;
     }
+    if (kvc_cpu_wdecode_panel(w, jp * KVC_NR, nr, p0, kc, bp, KVC_NR)) return;
     const int64_t be = ggml_block_elems(w.type);
     uint8_t raw[KC_MAX / 32 * 34]; /* a packed row's blocks in the file's layout (packed types: 32-value blocks) */
     for (int j = 0; j < nr; j++)

@@ -297,6 +297,47 @@ static void qgroup_rows(kvc_wmat w, int64_t g, const kvc_q8row *a, int64_t m, in
         }
 }
 
+/* Values [c0, c0 + kc) of rows [j0, j0 + nr) straight from packed groups into the prefill GEMM's panel,
+ * bp[p * ldb + r] = W[j0 + r][c0 + p]: a 64-byte piece holds 4 codes of each of a group's 16 rows, so
+ * each code position becomes one 16-lane row of the panel (no transpose). Returns 0 (nothing done)
+ * unless the rows are whole packed groups. */
+int kvc_cpu_wdecode_panel(kvc_wmat w, int64_t j0, int nr, int64_t c0, int64_t kc, float *bp, int64_t ldb) {
+#if defined(KVC_QSIMD)
+    if (!w.packed || j0 % KVC_QG || nr % KVC_QG || j0 + nr > w.rows / KVC_QG * KVC_QG) return 0;
+    const int q8 = w.type == GGML_T_Q8_0, hm = w.type == GGML_T_Q4_1;
+    const size_t bb = ggml_block_bytes(w.type), h = hm ? 4 : 2;
+    const __m512i f = _mm512_set1_epi32(15);
+    const __m512 bias = _mm512_set1_ps(w.type == GGML_T_Q4_0 ? 8.f : 0.f);
+    for (int g = 0; g < nr / KVC_QG; g++) {
+        const uint8_t *grp = (const uint8_t *)w.p + (size_t)((j0 / KVC_QG + g) * KVC_QG) * w.row_bytes;
+        for (int64_t b = c0 / 32; b < (c0 + kc) / 32; b++) {
+            const uint8_t *run = grp + (size_t)b * KVC_QG * bb, *qs = run + h * KVC_QG;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)run));
+            const __m512 m = hm ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + 32))) : _mm512_setzero_ps();
+            float *out = bp + (b * 32 - c0) * ldb + g * KVC_QG;
+            for (int c = 0; c < (q8 ? 8 : 4); c++) {
+                const __m512i v = _mm512_loadu_si512(qs + c * 64);
+                for (int t = 0; t < 4; t++) {
+                    if (q8) { /* byte t of each lane, sign-extended */
+                        const __m512 x = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24));
+                        _mm512_storeu_ps(out + (4 * c + t) * ldb, _mm512_mul_ps(d, x));
+                    } else { /* low nibble: value 4c + t, high: 16 + 4c + t */
+                        const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * t), f)), bias);
+                        const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * t + 4), f)), bias);
+                        _mm512_storeu_ps(out + (4 * c + t) * ldb, _mm512_fmadd_ps(d, lo, m));
+                        _mm512_storeu_ps(out + (16 + 4 * c + t) * ldb, _mm512_fmadd_ps(d, hi, m));
+                    }
+                }
+            }
+        }
+    }
+    return 1;
+#else
+    (void)w, (void)j0, (void)nr, (void)c0, (void)kc, (void)bp, (void)ldb;
+    return 0;
+#endif
+}
+
 float kvc_cpu_qdot(int32_t t, const void *w, kvc_q8row a, int64_t k, int ref) {
     if (kvc_cpu_wtype_kint8(t)) return kvc_cpu_qdot_k(t, w, a, k, ref);
     const int64_t nb = k / 32;

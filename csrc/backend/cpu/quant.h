@@ -59,6 +59,9 @@ void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out);
 /* sum over k values of weight row w (k / 32 blocks of `type`) times the activation blocks a: the
  * vectorised kernel, or with ref = 1 the plain-C reference. Only for kvc_cpu_wtype_int8 types. */
 float kvc_cpu_qdot(int32_t type, const void *w, kvc_q8row a, int64_t k, int ref);
+/* The prefill GEMM's panel straight from packed groups: bp[p * ldb + r] = W[j0 + r][c0 + p] for nr
+ * rows that are whole groups (else 0: nothing done, the caller decodes row by row). */
+int kvc_cpu_wdecode_panel(kvc_wmat w, int64_t j0, int nr, int64_t c0, int64_t kc, float *bp, int64_t ldb);
 /* Decode values [c0, c0 + nc) of weight row w to fp32 (c0 and nc whole blocks). */
 void kvc_cpu_wdecode(int32_t type, const void *w, int64_t c0, int64_t nc, float *dst);
 /* C[m, n] (+)= A[m, k] W[n, k]^T for small m (decode): the row-streaming path of native weights
