@@ -407,6 +407,25 @@ static float dot_f32(const float *x, const float *y, int64_t k) {
     return s;
 }
 
+/* x . row of 16-bit floats (F16, or BF16 with bf16 = 1), widened in registers: no decoded row. */
+static float dot_h16(const float *x, const uint16_t *h, int64_t k, int bf16) {
+    int64_t p = 0;
+    float s = 0.f;
+#if defined(__AVX512F__) && defined(__F16C__)
+#define WIDEN(i) (bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + (i)))), 16)) \
+                       : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + (i)))))
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; p + 32 <= k; p += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + p), WIDEN(p), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + p + 16), WIDEN(p + 16), a1);
+    }
+#undef WIDEN
+    s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+    for (; p < k; p++) s += x[p] * (bf16 ? kvc_bf16_to_f32(h[p]) : kvc_f16_to_f32(h[p]));
+    return s;
+}
+
 static void put(float *c, float v, int accumulate) { *c = accumulate ? *c + v : v; }
 
 static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
@@ -458,7 +477,10 @@ static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc
 #pragma omp for schedule(dynamic, chunk)
         for (int64_t j = 0; j < n; j++) {
             const char *row = (const char *)w.p + (size_t)j * w.row_bytes;
-            if (r && !w.packed) {
+            if (w.type == GGML_T_F16 || w.type == GGML_T_BF16) {
+                for (int64_t i = 0; i < m; i++)
+                    put(c + i * ldc + j, dot_h16(a + i * lda, (const uint16_t *)row, k, w.type == GGML_T_BF16), accumulate);
+            } else if (r && !w.packed) {
                 kvc_cpu_wdecode(w.type, row, 0, k, r);
                 for (int64_t i = 0; i < m; i++) put(c + i * ldc + j, dot_f32(a + i * lda, r, k), accumulate);
             } else { /* no scratch row (or a packed row, out of memory above): one block at a time */
