@@ -502,8 +502,10 @@ KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, siz
 /* C[m,n] = A[m,k] W[n,k]^T with W in its file's format (n rows of k values of ggml type `ggml_type`, the
  * bytes of a GGUF tensor [k, n]; k a whole number of blocks): the native-weight GEMM. path: 0 as the
  * engine picks (integer / decoding GEMV up to a few rows, else the blocked GEMM), 1 the blocked GEMM
- * (decoding in its packing step), 2 the GEMV, 3 the GEMV with the plain-C integer dot products.
- * KVC_ERR_UNSUPPORTED for a type the CPU does not keep natively. */
+ * (decoding in its packing step), 2 the GEMV, 3 the GEMV with the plain-C integer dot products; for
+ * Q4_0, Q4_1 and Q8_0 these run on a copy in the CPU backend's interleaved layout, as the engine keeps
+ * them; 4 the GEMV on the file's layout as given. KVC_ERR_UNSUPPORTED for a type the CPU does not keep
+ * natively. */
 KVC_API kvc_status kvc_kernel_matmul_native(int32_t ggml_type, const float *a, const void *w, float *c, int64_t m,
                                             int64_t n, int64_t k, int32_t path);
 

@@ -15,8 +15,11 @@
  * Decode (n <= DECODE_N queries): a KV head has only n * g rows, so its keys are split into chunks
  * processed in parallel (each with its own m, l and partial output), then merged: with 3 KV heads
  * on 2 cores, or one long sequence, the heads alone would leave cores idle. There the scores are dot
- * products over d, 4 keys at a time (transposing a K tile would cost as much as the few rows' work).
- * Scratch lives on the stack (about 180 KB per thread at d = 256) except the decode partials.
+ * products over d, 4 keys at a time (transposing a K tile would cost as much as the few rows' work),
+ * and P V loads each value row once for all rows. Decode reads the whole cache from memory for little
+ * arithmetic: keys are prefetched ahead and a tile's values during its scores (2x at 600 keys).
+ * Scratch lives on the stack (about 150 KB per thread at d = 256) except the decode partials (kept per
+ * calling thread, grown as needed).
  * ThinK-pruned rows (pr, cpu.h): the first np[h] keys of a head hold dk channels; their tiles score the
  * query's kept channels (Qp) against them, the later tiles the whole query against full keys, inside the
  * same online softmax (exact: the dropped channels of a pruned key are zeros). */
@@ -26,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../core/backend.h"
 #include "cpu.h"
 
 #define TK 64        /* keys per tile */
@@ -34,6 +38,7 @@
 #define DMAX 256     /* head_dim limit (checked by kvc_kernel_attention) */
 #define DECODE_N 4   /* up to this many queries: the split-keys decode path */
 #define CHUNK_MIN 256 /* fewest keys per decode chunk */
+#define PF_KEYS 32    /* decode: keys loaded this far ahead of the scores */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* One online-softmax step for `rows` rows on a tile of `tk` keys.                                */
@@ -88,16 +93,70 @@ static void update_pv(const float *P, int rows, int tk, const float *V, int d, f
     }
 }
 
+/* O[rows][d] += P[rows][tk] V[tk][d] for few rows (decode): each V row loaded once for all rows, O in
+ * registers, NR (1..4, a constant: the accumulators stay in registers) rows x 64 columns at a time
+ * (the microkernel would broadcast P and reload V per 16 columns). */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void pv_tile(const float *P, const int NR, int tk, const float *V, int d,
+                                                          int e0, float *O) {
+    __mmask16 mk[4];
+    __m512 o[4][4];
+    for (int c = 0; c < 4; c++) {
+        const int left = d - e0 - 16 * c;
+        mk[c] = (__mmask16)(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) o[r][c] = _mm512_maskz_loadu_ps(mk[c], O + r * d + e0 + 16 * c);
+    for (int j = 0; j < tk; j++) {
+        const float *v = V + (int64_t)j * d + e0;
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) x[c] = _mm512_maskz_loadu_ps(mk[c], v + 16 * c);
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const __m512 p = _mm512_set1_ps(P[r * TK + j]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) o[r][c] = _mm512_fmadd_ps(p, x[c], o[r][c]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(O + r * d + e0 + 16 * c, mk[c], o[r][c]);
+}
+#endif
+
+static void update_pv_rows(const float *P, int rows, int tk, const float *V, int d, float *O) {
+#if defined(__AVX512F__)
+    for (int r0 = 0; r0 < rows; r0 += 4)
+        for (int e0 = 0; e0 < d; e0 += 64) switch (rows - r0 < 4 ? rows - r0 : 4) {
+            case 1: pv_tile(P + r0 * TK, 1, tk, V, d, e0, O + r0 * d); break;
+            case 2: pv_tile(P + r0 * TK, 2, tk, V, d, e0, O + r0 * d); break;
+            case 3: pv_tile(P + r0 * TK, 3, tk, V, d, e0, O + r0 * d); break;
+            default: pv_tile(P + r0 * TK, 4, tk, V, d, e0, O + r0 * d); break;
+            }
+#else
+    update_pv(P, rows, tk, V, d, O);
+#endif
+}
+
 /* S[r][j] = Q[r] . K[j] for r < rows, j < tk, as dot products over d (for few rows, where
  * transposing the K tile would cost as much as the products). AVX-512: 4 keys at a time, whose 4
  * accumulators are reduced together (one horizontal reduction per 4 scores). */
-static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, float *S) {
+static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, const float *V, float *S) {
     int j = 0;
 #if defined(__AVX512F__)
     const int dfull = d / 16 * 16;
     const __mmask16 tail = (__mmask16)((1u << (d - dfull)) - 1);
     for (; j + 4 <= tk; j += 4) {
         const float *k0 = K + j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        /* the cache streams from memory: fetch keys PF_KEYS ahead and this tile's values for the update */
+        for (int e = 0; e < 4 * d; e += 16) {
+            _mm_prefetch((const char *)(K + (j + PF_KEYS) * d + e), _MM_HINT_T0);
+            _mm_prefetch((const char *)(V + j * d + e), _MM_HINT_T0);
+        }
         for (int r = 0; r < rows; r++) {
             const float *q = Q + r * d;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -164,7 +223,7 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
         const float *Qs = pruned ? pk->Qp : Q, *Ks = pruned ? pk->Kp + k0 * ds : K + (k0 - np) * d;
         if (dot) {
-            scores_dot(Qs, rows, ds, Ks, tk, S);
+            scores_dot(Qs, rows, ds, Ks, tk, V + k0 * d, S);
         } else {
             kvc_cpu_transpose(Ks, ds, tk, ds, KT, TK); /* KT[e][j] = K[k0 + j][e]: keys become lanes */
             for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
@@ -189,7 +248,8 @@ static void attend(const float *Q, int rows, int gc, int64_t i0, int d, const fl
             }
         }
         softmax_step(S, rows, tk, m, l, O, d);
-        update_pv(S, rows, tk, V + k0 * d, d, O);
+        if (dot) update_pv_rows(S, rows, tk, V + k0 * d, d, O);
+        else update_pv(S, rows, tk, V + k0 * d, d, O);
         k0 += tk;
     }
 }
@@ -260,28 +320,37 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
 /* partial result (unnormalised O, m, l per row) goes to `part`, then the chunks of each head are  */
 /* merged. Returns 0 (nothing done) when the rows do not fit the buffers or memory is short.       */
 
+/* The decode partials: grown, never freed, per calling thread (a decode step allocates nothing once warm). */
+static float *partials(size_t floats) {
+    static _Thread_local float *p;
+    static _Thread_local size_t cap;
+    if (floats > cap) {
+        float *q = realloc(p, sizeof(float) * floats);
+        if (!q) return NULL;
+        p = q;
+        cap = floats;
+    }
+    return p;
+}
+
 static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                             const float *const *k, const float *const *v, const int64_t *past_len,
                             const int64_t *start, const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
-    if (rows > ROWS_MAX || rows * d > QBUF) return 0;
+    if (rows > ROWS_MAX || rows * d > QBUF || Hkv > KVC_MAX_KV_HEADS) return 0;
     const int nt = omp_in_parallel() ? 1 : kvc_cpu_threads();
     int64_t total = 0; /* keys in reach: from the first query's window start (0 without one) to the end */
     for (int32_t h = 0; h < Hkv; h++) total += past_len[h] + n - (start ? start[h] : 0);
     /* chunks: enough tasks to balance the threads, each long enough to amortise its merge */
     int64_t ch = (total + 4 * nt - 1) / (4 * nt);
     ch = ch < CHUNK_MIN ? CHUNK_MIN : (ch + TK - 1) / TK * TK;
-    int64_t *first = malloc(sizeof(int64_t) * (Hkv + 1)); /* first task of each head */
-    if (!first) return 0;
+    int64_t first[KVC_MAX_KV_HEADS + 1]; /* first task of each head */
     first[0] = 0;
     for (int32_t h = 0; h < Hkv; h++) first[h + 1] = first[h] + (past_len[h] + n - (start ? start[h] : 0) + ch - 1) / ch;
     const int64_t tasks = first[Hkv], stride = (int64_t)rows * (d + 2);
-    float *part = malloc(sizeof(float) * tasks * stride);
-    if (!part) {
-        free(first);
-        return 0;
-    }
+    float *part = partials((size_t)(tasks * stride));
+    if (!part) return 0;
     const int par = nt > 1 && tasks > 1 && (double)total * rows * d > 2e5;
 #pragma omp parallel num_threads(nt) if (par)
     {
@@ -324,8 +393,6 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
             for (int e = 0; e < d; e++) dst[e] *= inv;
         }
     }
-    free(part);
-    free(first);
     return 1;
 }
 

@@ -5,6 +5,7 @@
 
 #include "../../model/dequant.h"
 #include "host.h"
+#include "quant.h"
 
 /* ---- counters -------------------------------------------------------------------------------- */
 
@@ -63,6 +64,8 @@ kvc_status kvc_hbuf_alloc(kvc_host_stats *st, int32_t dtype, int64_t n, int32_t 
     b->cat = cat;
     b->bytes = bytes;
     b->stats = st;
+    /* the decode GEMV's interleaved layout for the types that have one (a weight is one matrix) */
+    b->packed = kvc_dtype_is_wtype(dtype) && kvc_cpu_wtype_packs(dtype - KVC_WTYPE_BASE);
     kvc_host_stats_add(st, cat, (int64_t)bytes);
     *out = b;
     return KVC_OK;
@@ -100,6 +103,14 @@ kvc_status kvc_hbuf_upload(kvc_view dst, int64_t rows, int64_t cols, const void 
     if (kvc_dtype_is_wtype(t)) { /* the file's blocks, row by row */
         if (src_dtype != t) return kvc_fail(KVC_ERR_INTERNAL, "upload: dtype %d into a native weight buffer of dtype %d", src_dtype, t);
         const size_t rb = kvc_hbuf_bytes(t, cols);
+        if (dst.buf->packed) { /* rows of the matrix [n / cols, cols] that the buffer is, scattered */
+            if (dst.ld != cols || dst.off % cols)
+                return kvc_fail(KVC_ERR_INTERNAL, "upload: a packed weight takes whole rows");
+            for (int64_t r = 0; r < rows; r++)
+                kvc_cpu_wpack_row(t - KVC_WTYPE_BASE, dst.buf->n / cols, rb, dst.buf->p, dst.off / cols + r,
+                                  (const char *)src + (size_t)r * rb);
+            return KVC_OK;
+        }
         for (int64_t r = 0; r < rows; r++) memcpy(kvc_hbuf_at(dst, r, 0), (const char *)src + (size_t)r * rb, rb);
         return KVC_OK;
     }
@@ -123,8 +134,18 @@ kvc_status kvc_hbuf_download(kvc_view src, int64_t rows, int64_t cols, void *dst
     if (kvc_dtype_is_wtype(t)) { /* decoded to f32 (the embedding's rows) */
         if (dst_dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "download: a native weight buffer gives f32 only");
         const size_t rb = kvc_hbuf_bytes(t, cols);
+        if (src.buf->packed && (src.ld != cols || src.off % cols))
+            return kvc_fail(KVC_ERR_INTERNAL, "download: a packed weight gives whole rows");
+        const kvc_wmat w = {src.buf->p, t - KVC_WTYPE_BASE, rb, src.buf->n / cols, src.buf->packed};
+        const int64_t be = ggml_block_elems(w.type), nb = cols / be, step = 4096 / (int64_t)ggml_block_bytes(w.type);
+        uint8_t raw[4096]; /* a packed row's blocks are apart: gathered a few KB at a time */
         for (int64_t r = 0; r < rows; r++)
-            KVC_TRY(ggml_dequantize(t - KVC_WTYPE_BASE, kvc_hbuf_at(src, r, 0), rb, (float *)dst + r * cols, cols));
+            for (int64_t b = 0; b < nb; b += step) {
+                const int64_t nbk = nb - b < step ? nb - b : step;
+                const void *blk = kvc_cpu_wrow_blocks(w, src.off / cols + r, b, nbk, raw);
+                KVC_TRY(ggml_dequantize(w.type, blk, (size_t)nbk * ggml_block_bytes(w.type), (float *)dst + r * cols + b * be,
+                                        nbk * be));
+            }
         return KVC_OK;
     }
     if (float_dtype(t) ? dst_dtype != KVC_F32 : dst_dtype != t)

@@ -42,11 +42,14 @@ kvc_status kvc_host_rmsnorm_v(kvc_view x, const kvc_view *add, kvc_view w, kvc_v
 static kvc_status host_matmul_native(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate) {
     const int32_t t = w.buf->dtype - KVC_WTYPE_BASE;
     if (w.ld != k) return kvc_fail(KVC_ERR_INTERNAL, "matmul: weight rows must be contiguous");
+    if (w.buf->packed && (w.off != 0 || n * k != w.buf->n))
+        return kvc_fail(KVC_ERR_INTERNAL, "matmul: a packed weight is used whole");
     kvc_frows A, C = {0};
     KVC_TRY(kvc_frows_get(a, m, k, 1, &A));
     kvc_status st = kvc_frows_get(c, m, n, accumulate, &C);
     if (st == KVC_OK) {
-        kvc_cpu_gemm_w(A.p, A.ld, (kvc_wmat){kvc_hbuf_at(w, 0, 0), t, kvc_hbuf_bytes(w.buf->dtype, k)}, C.p, C.ld, m, n, k,
+        const kvc_wmat wm = {kvc_hbuf_at(w, 0, 0), t, kvc_hbuf_bytes(w.buf->dtype, k), n, w.buf->packed};
+        kvc_cpu_gemm_w(A.p, A.ld, wm, C.p, C.ld, m, n, k,
                        accumulate);
         kvc_frows_put(c, m, n, &C);
     }

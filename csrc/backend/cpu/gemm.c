@@ -291,8 +291,11 @@ static void pack_panel(kvc_wmat w, int64_t k, int64_t jp, int nr, int64_t p0, in
         kvc_cpu_transpose((const float *)w.p + jp * KVC_NR * k + p0, k, nr, kc, bp, KVC_NR);
         return;
     }
+    if (kvc_cpu_wdecode_panel(w, jp * KVC_NR, nr, p0, kc, bp, KVC_NR)) return;
+    const int64_t be = ggml_block_elems(w.type);
+    uint8_t raw[KC_MAX / 32 * 34]; /* a packed row's blocks in the file's layout (packed types: 32-value blocks) */
     for (int j = 0; j < nr; j++)
-        kvc_cpu_wdecode(w.type, (const char *)w.p + (size_t)(jp * KVC_NR + j) * w.row_bytes, p0, kc, tmp + j * kc);
+        kvc_cpu_wdecode(w.type, kvc_cpu_wrow_blocks(w, jp * KVC_NR + j, p0 / be, kc / be, raw), 0, kc, tmp + j * kc);
     kvc_cpu_transpose(tmp, kc, nr, kc, bp, KVC_NR);
 }
 
@@ -340,7 +343,7 @@ void kvc_cpu_gemm_builtin(const float *a, int64_t lda, const float *b, float *c,
     if (m <= SKINNY_M)
         gemm_skinny(a, lda, b, c, ldc, m, n, k, accumulate);
     else
-        gemm_blocked(a, lda, (kvc_wmat){b, 0, (size_t)k * sizeof(float)}, c, ldc, m, n, k, accumulate);
+        gemm_blocked(a, lda, (kvc_wmat){b, 0, (size_t)k * sizeof(float), n, 0}, c, ldc, m, n, k, accumulate);
 }
 
 void kvc_cpu_gemm_w(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,

@@ -23,6 +23,7 @@ struct kvc_buf {
     int32_t cat;
     size_t bytes;
     kvc_host_stats *stats; /* NULL: wrapped memory the buffer does not own (read-only) */
+    int32_t packed;        /* a native weight in the GEMV's interleaved layout (quant.h), else the file's */
 };
 
 /* Per head, the arena holds [Kp: np rows of dk kept key channels][K: cap - np full rows][V: cap rows]:

@@ -22,22 +22,33 @@ kvc_status kvc_kernel_matmul(const float *a, const float *b, float *c, int64_t m
     return KVC_OK;
 }
 
+/* path 0: the engine's pick, 1: the blocked GEMM, 2: the vectorised GEMV, 3: the plain-C GEMV; the
+ * weights (the file's layout in w) packed as the CPU backend keeps them where the type has a packed
+ * layout (quant.h). path 4: the vectorised GEMV on the file's layout (a matrix that is not packed). */
 kvc_status kvc_kernel_matmul_native(int32_t type, const float *a, const void *w, float *c, int64_t m, int64_t n, int64_t k,
                                     int32_t path) {
     CHECK(a && w && c, "matmul_native: a, w and c must not be NULL");
     CHECK(m > 0 && n > 0 && k > 0, "matmul_native: sizes must be positive (m=%lld n=%lld k=%lld)", (long long)m,
           (long long)n, (long long)k);
-    CHECK(path >= 0 && path <= 3, "matmul_native: path must be 0..3, got %d", path);
+    CHECK(path >= 0 && path <= 4, "matmul_native: path must be 0..4, got %d", path);
     if (!kvc_cpu_wtype_ok(type))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "matmul_native: ggml type %s (%d) is not kept natively on the CPU",
                         ggml_type_name(type), type);
     size_t row_bytes = 0;
     KVC_TRY(ggml_nbytes(type, k, &row_bytes));
-    const kvc_wmat wm = {w, type, row_bytes};
+    kvc_wmat wm = {w, type, row_bytes, n, 0};
+    void *packed = NULL;
+    if (path != 4 && kvc_cpu_wtype_packs(type)) {
+        if (!(packed = kvc_malloc(row_bytes * (size_t)n, "packed weights"))) return KVC_ERR_NOMEM;
+        for (int64_t j = 0; j < n; j++) kvc_cpu_wpack_row(type, n, row_bytes, packed, j, (const char *)w + (size_t)j * row_bytes);
+        wm.p = packed;
+        wm.packed = 1;
+    }
     if (path == 0) kvc_cpu_gemm_w(a, k, wm, c, n, m, n, k, 0);
     else if (path == 1) kvc_cpu_gemm_packed(a, k, wm, c, n, m, n, k, 0);
-    else if (path == 2) kvc_cpu_qgemv(a, k, wm, c, n, m, n, k, 0);
+    else if (path == 2 || path == 4) kvc_cpu_qgemv(a, k, wm, c, n, m, n, k, 0);
     else kvc_cpu_qgemv_ref(a, k, wm, c, n, m, n, k, 0);
+    kvc_free(packed);
     return KVC_OK;
 }
 

@@ -25,12 +25,53 @@
 #define MIN_PAR_BYTES (1 << 16) /* below this many weight bytes a GEMV runs on one thread */
 
 int kvc_cpu_wtype_int8(int32_t t) {
-    return t == GGML_T_Q4_0 || t == GGML_T_Q4_1 || t == GGML_T_Q5_0 || t == GGML_T_Q5_1 || t == GGML_T_Q8_0;
+    return t == GGML_T_Q4_0 || t == GGML_T_Q4_1 || t == GGML_T_Q5_0 || t == GGML_T_Q5_1 || t == GGML_T_Q8_0 ||
+           kvc_cpu_wtype_kint8(t);
 }
 
 int kvc_cpu_wtype_ok(int32_t t) {
     return kvc_cpu_wtype_int8(t) || t == GGML_T_F16 || t == GGML_T_BF16 || t == GGML_T_Q2_K || t == GGML_T_Q3_K ||
            t == GGML_T_Q4_K || t == GGML_T_Q5_K || t == GGML_T_Q6_K;
+}
+
+int kvc_cpu_wtype_packs(int32_t t) { return t == GGML_T_Q4_0 || t == GGML_T_Q4_1 || t == GGML_T_Q8_0; }
+
+/* ---- the interleaved layout (quant.h) ----------------------------------------------------------- */
+
+static size_t head_bytes(int32_t t) { return t == GGML_T_Q4_1 ? 4 : 2; } /* d (and m) before the codes */
+
+/* Byte o of block b of row j, where it lives: the group's run of block b, the field or code piece. */
+static size_t packed_at(int32_t t, size_t row_bytes, int64_t j, int64_t b, size_t o) {
+    const size_t bb = ggml_block_bytes(t), h = head_bytes(t), r = (size_t)(j % KVC_QG);
+    const size_t run = (size_t)(j / KVC_QG) * KVC_QG * row_bytes + (size_t)b * KVC_QG * bb;
+    if (o < h) return run + o / 2 * 2 * KVC_QG + r * 2 + o % 2;
+    o -= h;
+    return run + h * KVC_QG + o / 4 * 4 * KVC_QG + r * 4 + o % 4;
+}
+
+void kvc_cpu_wpack_row(int32_t t, int64_t rows, size_t row_bytes, void *base, int64_t j, const void *src) {
+    if (j >= rows / KVC_QG * KVC_QG) { /* the tail rows: as in the file */
+        memcpy((char *)base + (size_t)j * row_bytes, src, row_bytes);
+        return;
+    }
+    const size_t bb = ggml_block_bytes(t), h = head_bytes(t);
+    for (int64_t b = 0; b < (int64_t)(row_bytes / bb); b++) {
+        const uint8_t *sb = (const uint8_t *)src + b * bb;
+        for (size_t o = 0; o < h; o += 2) memcpy((char *)base + packed_at(t, row_bytes, j, b, o), sb + o, 2);
+        for (size_t o = h; o < bb; o += 4) memcpy((char *)base + packed_at(t, row_bytes, j, b, o), sb + o, 4);
+    }
+}
+
+const void *kvc_cpu_wrow_blocks(kvc_wmat w, int64_t j, int64_t b0, int64_t nb, void *dst) {
+    const size_t bb = ggml_block_bytes(w.type);
+    if (!w.packed || j >= w.rows / KVC_QG * KVC_QG) return (const char *)w.p + (size_t)j * w.row_bytes + (size_t)b0 * bb;
+    const size_t h = head_bytes(w.type);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *db = (uint8_t *)dst + b * bb;
+        for (size_t o = 0; o < h; o += 2) memcpy(db + o, (const char *)w.p + packed_at(w.type, w.row_bytes, j, b0 + b, o), 2);
+        for (size_t o = h; o < bb; o += 4) memcpy(db + o, (const char *)w.p + packed_at(w.type, w.row_bytes, j, b0 + b, o), 4);
+    }
+    return dst;
 }
 
 static inline float half(const uint8_t *p) {
@@ -46,6 +87,22 @@ static inline float half(const uint8_t *p) {
 /* ---- activations -------------------------------------------------------------------------------- */
 
 void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out) {
+#if defined(KVC_QSIMD)
+    /* the same arithmetic 16 lanes at a time: x * (1 / d) in fp32, cvtps2dq rounds half to even */
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(out.q + b * 32), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(out.q + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+        out.d[b] = d;
+        out.s[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+    return;
+#endif
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + b * 32;
         int8_t *q = out.q + b * 32;
@@ -169,9 +226,120 @@ static float qdot_q5_1(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 
 static float qdot_q8_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 34 }; QDOT_LOOP(0, 128) }
 #undef CODES
 
+/* 16 packed rows (one group, g) against activation row a: lane r = row r's sum. Per block: the codes
+ * of the 16 rows in 64-byte pieces against 4 activation bytes broadcast (vpdpbusd), then in float
+ * sum_r += d_r (d_a isum_r - bias s_a) (+ m_r s_a for Q4_1), the 16 d_r (m_r) one 32-byte load. */
+static inline __attribute__((always_inline)) __m512 qgroup(int32_t t, const uint8_t *g, kvc_q8row a, int64_t nb) {
+    const int q8 = t == GGML_T_Q8_0, hm = t == GGML_T_Q4_1;
+    const size_t bb = q8 ? 34 : hm ? 20 : 18, h = hm ? 4 : 2;
+    const float bias = q8 ? 128.f : hm ? 0.f : 8.f;
+    const __m512i f = _mm512_set1_epi8(15), x80 = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *run = g + b * KVC_QG * bb, *qs = run + h * KVC_QG;
+        const int8_t *aq = a.q + b * 32;
+        int32_t a4[8];
+        memcpy(a4, aq, 32);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        if (q8) {
+            for (int c = 0; c < 8; c += 2) {
+                s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(_mm512_loadu_si512(qs + c * 64), x80), _mm512_set1_epi32(a4[c]));
+                s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(_mm512_loadu_si512(qs + c * 64 + 64), x80),
+                                         _mm512_set1_epi32(a4[c + 1]));
+            }
+        } else {
+            for (int c = 0; c < 4; c++) { /* low nibbles: codes 4c.., high: 16 + 4c.. */
+                const __m512i v = _mm512_loadu_si512(qs + c * 64);
+                s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(v, f), _mm512_set1_epi32(a4[c]));
+                s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(v, 4), f), _mm512_set1_epi32(a4[c + 4]));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)run));
+        const __m512 dot = _mm512_fmadd_ps(_mm512_set1_ps(a.d[b]), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                                           _mm512_set1_ps(-bias * a.s[b]));
+        acc = _mm512_fmadd_ps(d, dot, acc);
+        if (hm) macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + 32))), _mm512_set1_ps(a.s[b]), macc);
+    }
+    return _mm512_add_ps(acc, macc);
+}
+
 #endif
 
+/* Group g of packed rows against m <= KVC_QG activation rows: out[i * KVC_QG + r] for row g KVC_QG + r.
+ * The reference (and builds without VNNI) copies each block back to the file's layout for qdot_ref,
+ * summing in qdot_ref's order. */
+static void qgroup_rows(kvc_wmat w, int64_t g, const kvc_q8row *a, int64_t m, int64_t nb, int ref, float *out) {
+#if defined(KVC_QSIMD)
+    if (!ref) {
+        const uint8_t *base = (const uint8_t *)w.p + (size_t)g * KVC_QG * w.row_bytes;
+        for (int64_t i = 0; i < m; i++) {
+            __m512 r;
+            switch (w.type) {
+            case GGML_T_Q4_0: r = qgroup(GGML_T_Q4_0, base, a[i], nb); break;
+            case GGML_T_Q4_1: r = qgroup(GGML_T_Q4_1, base, a[i], nb); break;
+            default: r = qgroup(GGML_T_Q8_0, base, a[i], nb); break;
+            }
+            _mm512_storeu_ps(out + i * KVC_QG, r);
+        }
+        return;
+    }
+#endif
+    (void)ref;
+    for (int64_t i = 0; i < m; i++)
+        for (int r = 0; r < KVC_QG; r++) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t blk[64];
+                const kvc_q8row ab = {a[i].d + b, a[i].s + b, a[i].q + 32 * b};
+                acc += qdot_ref(w.type, kvc_cpu_wrow_blocks(w, g * KVC_QG + r, b, 1, blk), ab, 1);
+            }
+            out[i * KVC_QG + r] = acc;
+        }
+}
+
+/* Values [c0, c0 + kc) of rows [j0, j0 + nr) straight from packed groups into the prefill GEMM's panel,
+ * bp[p * ldb + r] = W[j0 + r][c0 + p]: a 64-byte piece holds 4 codes of each of a group's 16 rows, so
+ * each code position becomes one 16-lane row of the panel (no transpose). Returns 0 (nothing done)
+ * unless the rows are whole packed groups. */
+int kvc_cpu_wdecode_panel(kvc_wmat w, int64_t j0, int nr, int64_t c0, int64_t kc, float *bp, int64_t ldb) {
+#if defined(KVC_QSIMD)
+    if (!w.packed || j0 % KVC_QG || nr % KVC_QG || j0 + nr > w.rows / KVC_QG * KVC_QG) return 0;
+    const int q8 = w.type == GGML_T_Q8_0, hm = w.type == GGML_T_Q4_1;
+    const size_t bb = ggml_block_bytes(w.type), h = hm ? 4 : 2;
+    const __m512i f = _mm512_set1_epi32(15);
+    const __m512 bias = _mm512_set1_ps(w.type == GGML_T_Q4_0 ? 8.f : 0.f);
+    for (int g = 0; g < nr / KVC_QG; g++) {
+        const uint8_t *grp = (const uint8_t *)w.p + (size_t)((j0 / KVC_QG + g) * KVC_QG) * w.row_bytes;
+        for (int64_t b = c0 / 32; b < (c0 + kc) / 32; b++) {
+            const uint8_t *run = grp + (size_t)b * KVC_QG * bb, *qs = run + h * KVC_QG;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)run));
+            const __m512 m = hm ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + 32))) : _mm512_setzero_ps();
+            float *out = bp + (b * 32 - c0) * ldb + g * KVC_QG;
+            for (int c = 0; c < (q8 ? 8 : 4); c++) {
+                const __m512i v = _mm512_loadu_si512(qs + c * 64);
+                for (int t = 0; t < 4; t++) {
+                    if (q8) { /* byte t of each lane, sign-extended */
+                        const __m512 x = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * t), 24));
+                        _mm512_storeu_ps(out + (4 * c + t) * ldb, _mm512_mul_ps(d, x));
+                    } else { /* low nibble: value 4c + t, high: 16 + 4c + t */
+                        const __m512 lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * t), f)), bias);
+                        const __m512 hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * t + 4), f)), bias);
+                        _mm512_storeu_ps(out + (4 * c + t) * ldb, _mm512_fmadd_ps(d, lo, m));
+                        _mm512_storeu_ps(out + (16 + 4 * c + t) * ldb, _mm512_fmadd_ps(d, hi, m));
+                    }
+                }
+            }
+        }
+    }
+    return 1;
+#else
+    (void)w, (void)j0, (void)nr, (void)c0, (void)kc, (void)bp, (void)ldb;
+    return 0;
+#endif
+}
+
 float kvc_cpu_qdot(int32_t t, const void *w, kvc_q8row a, int64_t k, int ref) {
+    if (kvc_cpu_wtype_kint8(t)) return kvc_cpu_qdot_k(t, w, a, k, ref);
     const int64_t nb = k / 32;
 #if defined(KVC_QSIMD)
     if (!ref) switch (t) {
@@ -239,6 +407,25 @@ static float dot_f32(const float *x, const float *y, int64_t k) {
     return s;
 }
 
+/* x . row of 16-bit floats (F16, or BF16 with bf16 = 1), widened in registers: no decoded row. */
+static float dot_h16(const float *x, const uint16_t *h, int64_t k, int bf16) {
+    int64_t p = 0;
+    float s = 0.f;
+#if defined(__AVX512F__) && defined(__F16C__)
+#define WIDEN(i) (bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(h + (i)))), 16)) \
+                       : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + (i)))))
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; p + 32 <= k; p += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + p), WIDEN(p), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + p + 16), WIDEN(p + 16), a1);
+    }
+#undef WIDEN
+    s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#endif
+    for (; p < k; p++) s += x[p] * (bf16 ? kvc_bf16_to_f32(h[p]) : kvc_f16_to_f32(h[p]));
+    return s;
+}
+
 static void put(float *c, float v, int accumulate) { *c = accumulate ? *c + v : v; }
 
 static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc, int64_t m, int64_t n, int64_t k,
@@ -262,10 +449,25 @@ static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc
             rows[i] = (kvc_q8row){(float *)base, (float *)base + nb, (int8_t *)(base + 8 * nb)};
             kvc_cpu_quantize_q8(a + i * lda, k, rows[i]);
         }
-#pragma omp parallel for schedule(dynamic, chunk) num_threads(kvc_cpu_threads()) if (par)
-        for (int64_t j = 0; j < n; j++) {
-            const char *row = (const char *)w.p + (size_t)j * w.row_bytes;
-            for (int64_t i = 0; i < m; i++) put(c + i * ldc + j, kvc_cpu_qdot(w.type, row, rows[i], k, ref), accumulate);
+        /* packed groups of 16 rows first, then the rows as in the file (the tail, or an unpacked matrix) */
+        const int64_t groups = w.packed ? n / KVC_QG : 0, j0 = groups * KVC_QG;
+        const int64_t gchunk = groups / (16 * kvc_cpu_threads()) > 1 ? groups / (16 * kvc_cpu_threads()) : 1;
+#pragma omp parallel num_threads(kvc_cpu_threads()) if (par)
+        {
+#pragma omp for schedule(dynamic, gchunk) nowait
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t i0 = 0; i0 < m; i0 += KVC_QG) { /* activation rows KVC_QG at a time */
+                    const int64_t mi = m - i0 < KVC_QG ? m - i0 : KVC_QG;
+                    float out[KVC_QG * KVC_QG];
+                    qgroup_rows(w, g, rows + i0, mi, nb, ref, out);
+                    for (int64_t i = 0; i < mi; i++)
+                        for (int r = 0; r < KVC_QG; r++) put(c + (i0 + i) * ldc + g * KVC_QG + r, out[i * KVC_QG + r], accumulate);
+                }
+#pragma omp for schedule(dynamic, chunk)
+            for (int64_t j = j0; j < n; j++) {
+                const char *row = (const char *)w.p + (size_t)j * w.row_bytes;
+                for (int64_t i = 0; i < m; i++) put(c + i * ldc + j, kvc_cpu_qdot(w.type, row, rows[i], k, ref), accumulate);
+            }
         }
         return;
     }
@@ -275,16 +477,20 @@ static void qgemv(const float *a, int64_t lda, kvc_wmat w, float *c, int64_t ldc
 #pragma omp for schedule(dynamic, chunk)
         for (int64_t j = 0; j < n; j++) {
             const char *row = (const char *)w.p + (size_t)j * w.row_bytes;
-            if (r) {
+            if (w.type == GGML_T_F16 || w.type == GGML_T_BF16) {
+                for (int64_t i = 0; i < m; i++)
+                    put(c + i * ldc + j, dot_h16(a + i * lda, (const uint16_t *)row, k, w.type == GGML_T_BF16), accumulate);
+            } else if (r && !w.packed) {
                 kvc_cpu_wdecode(w.type, row, 0, k, r);
                 for (int64_t i = 0; i < m; i++) put(c + i * ldc + j, dot_f32(a + i * lda, r, k), accumulate);
-            } else { /* no scratch row: one block at a time */
+            } else { /* no scratch row (or a packed row, out of memory above): one block at a time */
                 float blk[256];
+                uint8_t bytes[256];
                 const int64_t be = ggml_block_elems(w.type);
                 for (int64_t i = 0; i < m; i++) {
                     float s = 0.f;
                     for (int64_t p = 0; p < k; p += be) {
-                        kvc_cpu_wdecode(w.type, row, p, be, blk);
+                        kvc_cpu_wdecode(w.type, kvc_cpu_wrow_blocks(w, j, p / be, 1, bytes), 0, be, blk);
                         s += dot_f32(a + i * lda + p, blk, be);
                     }
                     put(c + i * ldc + j, s, accumulate);
