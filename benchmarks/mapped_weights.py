@@ -1,7 +1,9 @@
-"""Native weights used in place in the mapped file vs copied (load_model(mmap=False)): resident memory after
-load in fresh processes (RssAnon: anonymous memory; RssFile: file pages, the shared page cache) and load
-seconds, then decode tok/s of both in one process, interleaved (a mapped q|k|v whose parts are not back to
-back in the file runs three GEMVs where a copied one runs one).
+"""Native weights three ways: the default (Q4_0/Q4_1/Q8_0 copied into the CPU's interleaved decode layout,
+the rest used in place in the mapped file), "mapped" (load_model(repack=False): every native weight in place,
+in the file's layout) and "copied" (mmap=False): resident memory after load in fresh processes (RssAnon:
+anonymous memory; RssFile: file pages, the shared page cache) and load seconds, then decode tok/s of the
+three in one process, taking turns (a mapped q|k|v whose parts are not back to back in the file runs three
+GEMVs where a copied one runs one).
 
     python benchmarks/mapped_weights.py [--model PATH] [--threads N] [--reps 8] [--decode-model PATH]
 
@@ -33,16 +35,21 @@ def status():
             out[k] = int(v.split()[0]) * 1024
     return out
 before = status(); t0 = time.perf_counter()
-m = kvpress_c.load_model(sys.argv[1], mmap=sys.argv[2] == '1')
+m = kvpress_c.load_model(sys.argv[1], mmap=sys.argv[2] == '1', repack=sys.argv[3] == '1')
 load_s = time.perf_counter() - t0
 after = status()
 print(json.dumps({'load_s': load_s, 'memory': m.memory(), **{k: after[k] - before[k] for k in after}}))
 """
 
 
-def fresh_load(path: str, mmap: bool) -> dict:
+# name -> load_model keywords
+MODES = {"default": dict(mmap=True, repack=True), "mapped": dict(mmap=True, repack=False), "copied": dict(mmap=False, repack=True)}
+
+
+def fresh_load(path: str, mmap: bool, repack: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", PROBE, path, "1" if mmap else "0"], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", PROBE, path, "1" if mmap else "0", "1" if repack else "0"],
+                         capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -51,8 +58,8 @@ def fresh_load(path: str, mmap: bool) -> dict:
 def decode_ab(path: str, threads: int, reps: int, prompt: int = 256, steps: int = 64) -> dict:
     import kvpress_c
     kvpress_c._core.set_num_threads(threads)
-    models = {"mapped": kvpress_c.load_model(path), "copied": kvpress_c.load_model(path, mmap=False)}
-    ids = np.random.default_rng(0).integers(300, models["mapped"].config["vocab"] - 100, prompt + steps).astype(np.int32)
+    models = {k: kvpress_c.load_model(path, **kw) for k, kw in MODES.items()}
+    ids = np.random.default_rng(0).integers(300, models["default"].config["vocab"] - 100, prompt + steps).astype(np.int32)
     tok_s = {k: [] for k in models}
     for _ in range(reps):
         for k, m in models.items():
@@ -83,9 +90,8 @@ def main(argv=None):
     result = {"model": path, "file_bytes": size, "threads": args.threads, "load": {}}
     print(f"{path} ({size / 1e6:.1f} MB of weights files), fresh process after load:")
     print(f"{'':<8}{'load s':>8}{'RSS MB':>9}{'RssAnon MB':>12}{'RssFile MB':>12}{'weights MB':>12}{'mapped MB':>11}")
-    for mmap in (True, False):
-        r = fresh_load(path, mmap)
-        key = "mapped" if mmap else "copied"
+    for key, kw in MODES.items():
+        r = fresh_load(path, **kw)
         result["load"][key] = r
         print(f"{key:<8}{r['load_s']:>8.2f}{r['VmRSS'] / 1e6:>9.1f}{r['RssAnon'] / 1e6:>12.1f}{r['RssFile'] / 1e6:>12.1f}"
               f"{r['memory']['weights'] / 1e6:>12.1f}{r['memory']['mapped'] / 1e6:>11.1f}")

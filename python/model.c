@@ -19,11 +19,12 @@ ModelObject *kvc_py_model_arg(PyObject *module, PyObject *obj, const char *who) 
 }
 
 static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"path", "device", "weights", "mmap", NULL};
+    static char *kwlist[] = {"path", "device", "weights", "mmap", "repack", NULL};
     PyObject *path_obj = NULL;
     const char *device = "cpu", *weights = "native";
-    int mmap = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|ssp", kwlist, PyUnicode_FSConverter, &path_obj, &device, &weights, &mmap))
+    int mmap = 1, repack = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|sspp", kwlist, PyUnicode_FSConverter, &path_obj, &device, &weights, &mmap,
+                                     &repack))
         return -1;
     const int dev = kvc_py_device(device);
     if (dev < 0) {
@@ -45,7 +46,8 @@ static int Model_init(ModelObject *self, PyObject *args, PyObject *kwds) {
     kvc_model *m = NULL;
     kvc_status st;
     Py_BEGIN_ALLOW_THREADS
-    st = kvc_model_load_ex(path, dev, wmode | (wmode == KVC_WEIGHTS_NATIVE && !mmap ? KVC_WEIGHTS_NO_MMAP : 0), &m);
+    const int32_t flags = wmode != KVC_WEIGHTS_NATIVE ? 0 : (!mmap ? KVC_WEIGHTS_NO_MMAP : 0) | (!repack ? KVC_WEIGHTS_NO_REPACK : 0);
+    st = kvc_model_load_ex(path, dev, wmode | flags, &m);
     Py_END_ALLOW_THREADS
     if (st != KVC_OK) {
         Py_DECREF(path_obj);

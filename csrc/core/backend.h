@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap (host memory) */
+#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -157,6 +157,10 @@ typedef struct kvc_backend {
      * model file): the caller keeps p alive and unchanged until free, which releases only the buffer;
      * upload into it fails. NULL where the device cannot compute on host memory: the loader copies. */
     kvc_status (*wrap)(int32_t dtype, int64_t n, const void *p, const char *what, kvc_buf **out);
+    /* 1 when a weight of dtype wrapped in place keeps the layout the kernels are fastest on; 0 when the
+     * backend rearranges that dtype at upload (the CPU's interleaved Q4_0/Q4_1/Q8_0 GEMV layout), so the
+     * loader copies it unless asked not to repack. NULL: every dtype wraps as well as it copies. */
+    int (*wrap_keeps_layout)(int32_t dtype);
 
     /* ---- K/V of one layer (the ragged cache; cache/kv_cache.c keeps lengths, capacities and positions
      * on the host and mirrors the lengths here with kv_set_lens) ---- */

@@ -106,6 +106,10 @@ enum { KVC_WEIGHTS_NATIVE = 0, KVC_WEIGHTS_FP32 = 1 };
 /* Or'ed into NATIVE: copy every weight into memory instead of using it in place in the mapped file
  * (llama.cpp's --no-mmap; the file is then closed once loaded). */
 #define KVC_WEIGHTS_NO_MMAP 0x100
+/* Or'ed into NATIVE: keep every weight in the file's layout, so the types the CPU backend would rearrange
+ * for its decode GEMV (Q4_0, Q4_1, Q8_0: 16 rows interleaved) are used in place in the mapped file too:
+ * the least anonymous memory, the slower row-by-row decode kernels. */
+#define KVC_WEIGHTS_NO_REPACK 0x200
 KVC_API kvc_status kvc_model_load_ex(const char *path, int32_t device, int32_t weights, kvc_model **out);
 /* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32 as loaded, and how many weight tensors of the file are held in
  * their file's type. */

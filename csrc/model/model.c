@@ -93,7 +93,8 @@ static const char *role_name(kvc_weight_role role, int hf);
 typedef struct plan {
     kvc_model *m;
     int32_t weights;
-    int mmap; /* 0: KVC_WEIGHTS_NO_MMAP */
+    int mmap;   /* 0: KVC_WEIGHTS_NO_MMAP */
+    int repack; /* 0: KVC_WEIGHTS_NO_REPACK */
     int hf;
     kvc_describe_fn describe;
     const void *file;
@@ -113,12 +114,13 @@ static int32_t part_dtype(const plan *p, const kvc_src *s) {
  * in memory equal the file's (the file's own type, or f32 from f32) and its start is as aligned as the
  * kernels read it (2 bytes for blocks and 16-bit floats, 4 for f32; GGUF aligns data to
  * general.alignment). Everything else is converted or copied into a buffer of the backend: fp32 mode,
- * types the kernels do not take, a device, KVC_WEIGHTS_NO_MMAP (and a backend-internal repacked layout,
- * were one added). */
+ * types the kernels do not take, a device, KVC_WEIGHTS_NO_MMAP, and a dtype the backend rearranges at
+ * upload for speed (wrap_keeps_layout: the CPU's interleaved GEMV layout) unless KVC_WEIGHTS_NO_REPACK. */
 static int maps(const plan *p, int32_t dtype, const kvc_src *s) {
     if (p->weights != KVC_WEIGHTS_NATIVE || !p->mmap || !p->m->be->wrap || !s || !s->data) return 0;
     const int same = kvc_dtype_is_wtype(dtype) ? s->ggml_type == dtype - KVC_WTYPE_BASE
                                                : dtype == KVC_F32 && s->ggml_type == GGML_T_F32;
+    if (p->repack && p->m->be->wrap_keeps_layout && !p->m->be->wrap_keeps_layout(dtype)) return 0;
     return same && (uintptr_t)s->data % (dtype == KVC_F32 ? 4u : 2u) == 0;
 }
 
@@ -190,19 +192,19 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
     pthread_mutex_init(&m->host_lock, NULL);
     m->cfg = *cfg;
     m->be = be;
-    m->weights = weights & ~KVC_WEIGHTS_NO_MMAP;
+    m->weights = weights & ~(KVC_WEIGHTS_NO_MMAP | KVC_WEIGHTS_NO_REPACK);
     snprintf(m->format, sizeof m->format, "%s", format);
     kvc_status st = KVC_OK;
     if (be->check_model) st = be->check_model(cfg);
     if (st == KVC_OK && !(m->path = strdup(path ? path : ""))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: model path");
     const int64_t D = cfg->hidden, F = cfg->ffn, V = cfg->vocab, half = cfg->head_dim / 2;
     const int64_t qd = (int64_t)cfg->n_heads * cfg->head_dim, kd = (int64_t)cfg->n_kv_heads * cfg->head_dim;
-    if (st == KVC_OK && weights != KVC_WEIGHTS_NATIVE && weights != KVC_WEIGHTS_FP32 && weights != (KVC_WEIGHTS_NATIVE | KVC_WEIGHTS_NO_MMAP))
-        st = kvc_fail(KVC_ERR_ARG, "weights must be native (%d, | %d: copied, not mapped) or fp32 (%d), got %d", KVC_WEIGHTS_NATIVE,
-                      KVC_WEIGHTS_NO_MMAP, KVC_WEIGHTS_FP32, weights);
+    if (st == KVC_OK && weights != KVC_WEIGHTS_FP32 && (weights & ~(KVC_WEIGHTS_NO_MMAP | KVC_WEIGHTS_NO_REPACK)) != KVC_WEIGHTS_NATIVE)
+        st = kvc_fail(KVC_ERR_ARG, "weights must be native (%d, | %d: copied, not mapped, | %d: file layout kept) or fp32 (%d), got %d",
+                      KVC_WEIGHTS_NATIVE, KVC_WEIGHTS_NO_MMAP, KVC_WEIGHTS_NO_REPACK, KVC_WEIGHTS_FP32, weights);
     static const kvc_weight_role R_QKV[] = {KVC_W_Q, KVC_W_K, KVC_W_V}, R_GU[] = {KVC_W_GATE, KVC_W_UP};
     const int64_t qkv_rows[] = {qd, kd, kd}, gu_rows[] = {F, F};
-    const plan p = {m, m->weights, !(weights & KVC_WEIGHTS_NO_MMAP), hf, describe, file};
+    const plan p = {m, m->weights, !(weights & KVC_WEIGHTS_NO_MMAP), !(weights & KVC_WEIGHTS_NO_REPACK), hf, describe, file};
     if (st == KVC_OK && !(m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: layer table");
     if (st == KVC_OK && !(m->rope_inv_freq = calloc((size_t)half, sizeof(float))))

@@ -186,6 +186,9 @@ static kvc_status cpu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *w
 }
 static const float *cpu_host_f32(const kvc_buf *b) { return b && b->dtype == KVC_F32 ? (const float *)b->p : NULL; }
 static int cpu_weight_type_ok(int32_t ggml_type) { return kvc_cpu_wtype_ok(ggml_type); }
+static int cpu_wrap_keeps_layout(int32_t dtype) {
+    return !(kvc_dtype_is_wtype(dtype) && kvc_cpu_wtype_packs(dtype - KVC_WTYPE_BASE));
+}
 static kvc_status cpu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_cpu_stats, KVC_F32, Hkv, d, out); }
 
 static const kvc_backend g_cpu = {
@@ -209,6 +212,7 @@ static const kvc_backend g_cpu = {
     .download = kvc_hbuf_download,
     .host_f32 = cpu_host_f32,
     .wrap = kvc_hbuf_wrap,
+    .wrap_keeps_layout = cpu_wrap_keeps_layout,
     .kv_new = cpu_kv_new,
     .kv_free = kvc_hkv_free,
     .kv_bytes = kvc_hkv_bytes,
