@@ -50,6 +50,10 @@ def presses_ours(ratio):
         "Cap": k.CapPress(compression_ratio=ratio),
         "DMS(Knorm)": k.DMSPress(k.KnormPress(), threshold=-9.0),
         "KVCompose": k.KVComposePress(compression_ratio=ratio),
+        # issue 16w (FinchPress needs the question or a delimiter in the prompt: not timed here)
+        "Chunk(KeyDiff)": k.ChunkPress(k.KeyDiffPress(compression_ratio=ratio)),
+        "SimLayerKV": k.SimLayerKVPress(lazy_threshold=0.5),
+        "EntropyGatedChunkKV(SnapKV)": k.EntropyGatedChunkKVPress(k.SnapKVPress(compression_ratio=ratio)),
     }
 
 
@@ -82,6 +86,9 @@ def presses_kvpress(ratio):
         "Cap": kp.CapPress(compression_ratio=ratio),
         "DMS(Knorm)": kp.DMSPress(kp.KnormPress(), threshold=-9.0),
         "KVCompose": kp.KVComposePress(compression_ratio=ratio),
+        "Chunk(KeyDiff)": kp.ChunkPress(kp.KeyDiffPress(compression_ratio=ratio)),
+        "SimLayerKV": kp.SimLayerKVPress(lazy_threshold=0.5),
+        "EntropyGatedChunkKV(SnapKV)": kp.EntropyGatedChunkKVPress(kp.SnapKVPress(compression_ratio=ratio)),
     }
 
 

@@ -191,17 +191,12 @@ static void avg_rotate(int32_t pairing, int32_t d, const double *cb, const doubl
     }
 }
 
-static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                  const int64_t *len, float *const *scores) {
+/* RoPE averaged over the n_future positions that follow this call's last query, as kvpress averages it
+ * (ExpectedAttention, CapPress): cb[j], sb[j] = the mean cos, sin of pair j's angle; freq[j] its frequency. */
+static kvc_status future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *freq, double *cb,
+                              double *sb) {
     const kvc_config *c = lr->mc;
-    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, half = d / 2, ns = cfg->n_sink;
-    if (ctx->n <= ns)
-        return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more queries in the forward call (%lld) than n_sink (%d)",
-                        (long long)ctx->n, ns);
-    for (int32_t h = 0; h < Hkv; h++)
-        if (len[h] <= ns)
-            return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more tokens (%lld) than n_sink (%d)", (long long)len[h], ns);
-    double freq[128], cb[128], sb[128];
+    const int32_t half = c->head_dim / 2;
     if (lr->inv_freq) {
         for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
     } else {
@@ -209,17 +204,31 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
         KVC_TRY(kvc_kernel_rope_freqs(c, f));
         for (int32_t j = 0; j < half; j++) freq[j] = f[j];
     }
-    /* kvpress averages RoPE over positions q_len .. q_len + n_future - 1: the positions that follow the prompt */
     const int64_t next = (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
     for (int32_t j = 0; j < half; j++) {
         double cs = 0, sn = 0;
-        for (int32_t t = 0; t < cfg->n_future; t++) {
+        for (int32_t t = 0; t < n_future; t++) {
             cs += cos((double)(next + t) * freq[j]);
             sn += sin((double)(next + t) * freq[j]);
         }
-        cb[j] = cs / cfg->n_future;
-        sb[j] = sn / cfg->n_future;
+        cb[j] = cs / n_future;
+        sb[j] = sn / n_future;
     }
+    return KVC_OK;
+}
+
+static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                                  const int64_t *len, float *const *scores) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, ns = cfg->n_sink;
+    if (ctx->n <= ns)
+        return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more queries in the forward call (%lld) than n_sink (%d)",
+                        (long long)ctx->n, ns);
+    for (int32_t h = 0; h < Hkv; h++)
+        if (len[h] <= ns)
+            return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more tokens (%lld) than n_sink (%d)", (long long)len[h], ns);
+    double freq[128], cb[128], sb[128];
+    KVC_TRY(future_rope(lr, ctx, cfg->n_future, freq, cb, sb));
     const int64_t qd = (int64_t)H * d;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
@@ -648,7 +657,7 @@ static kvc_status cur_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
 static kvc_status cap_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                              const int64_t *len, float *const *scores) {
     const kvc_config *c = lr->mc;
-    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, half = d / 2, ns = cfg->n_sink;
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, ns = cfg->n_sink;
     if (ctx->n <= ns)
         return kvc_fail(KVC_ERR_ARG, "CapPress needs more queries in the forward call (%lld) than n_sink (%d)",
                         (long long)ctx->n, ns);
@@ -656,23 +665,7 @@ static kvc_status cap_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
         if (len[h] <= ns)
             return kvc_fail(KVC_ERR_ARG, "Input cache length (%lld) must be larger than n_sink=%d", (long long)len[h], ns);
     double freq[128], cb[128], sb[128];
-    if (lr->inv_freq) {
-        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
-    } else {
-        float f[128];
-        KVC_TRY(kvc_kernel_rope_freqs(c, f));
-        for (int32_t j = 0; j < half; j++) freq[j] = f[j];
-    }
-    const int64_t next = (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
-    for (int32_t j = 0; j < half; j++) {
-        double cs = 0, sn = 0;
-        for (int32_t t = 0; t < cfg->n_future; t++) {
-            cs += cos((double)(next + t) * freq[j]);
-            sn += sin((double)(next + t) * freq[j]);
-        }
-        cb[j] = cs / cfg->n_future;
-        sb[j] = sn / cfg->n_future;
-    }
+    KVC_TRY(future_rope(lr, ctx, cfg->n_future, freq, cb, sb));
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
     double *mu = malloc(sizeof(double) * (size_t)H * d), *A = malloc(sizeof(double) * (size_t)d * d);
