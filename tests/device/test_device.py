@@ -703,8 +703,11 @@ def test_take_chunked_prefill_matches_cpu(cpu_model, dev_model, rng, budget, chu
     # the emulated device over 10 seeds x 3 shapes, the mean Jaccard against the CPU was >= 0.95 for one
     # chunk (200 / 1000) but 0.50-0.71 (mean 0.68-0.77) for six chunks of 128 with budget 64 -- and the CPU
     # itself on bf16-rounded weights gets 0.58-0.73 against the CPU there: the method's sensitivity on
-    # random weights, not the device. Floors a little under the measured minima.
-    assert np.mean(js) > (0.9 if chunk >= len(ids) else 0.45), js
+    # random weights, not the device. Six chunks: 90 more runs (30 seeds x 3 shapes, this stop) gave means
+    # 0.511-0.99, and one CI seed (254601829, old code too) 0.437, so the tail is long; two unrelated sets of
+    # 64 of 700 rows would give ~0.05. The floor sits far above that and under the tail.
+    print(f"TAKE chunked prefill, device vs CPU: mean Jaccard {np.mean(js):.3f}, min {min(js):.3f}")
+    assert np.mean(js) > (0.9 if chunk >= len(ids) else 0.3), js
     # later chunks attend to what earlier evictions kept: where the device kept other rows (near-ties), the
     # last chunk's logits move by much more than rounding, so they are compared only on identical caches
     assert np.isfinite(lg).all()
