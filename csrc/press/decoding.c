@@ -258,6 +258,10 @@ static kvc_status cam_accumulate(kvc_decoding *d, kvc_session *s, const kvc_laye
     const int32_t dh = mc->head_dim, g = mc->n_heads / Hkv;
     int64_t n = 0;
     KVC_TRY(cam_rows(s, l, &n));
+    if (n < d->cam_rows[l]) /* rows dropped outside CaM's own merges (a truncation): the sums no longer match */
+        return kvc_fail(KVC_ERR_ARG, "CAMPress: layer %d holds %lld rows, fewer than the %lld its attention sums "
+                        "cover (the cache was truncated under the press); start a new session", l, (long long)n,
+                        (long long)d->cam_rows[l]);
     if (n > d->cam_cap[l]) {
         const int64_t cap = n + d->cfg.compression_interval;
         float *a = calloc((size_t)(Hkv * cap), sizeof(float));
@@ -320,11 +324,7 @@ static kvc_status cam_select_merge(kvc_decoding *d, const kvc_layer_rows *lr, co
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         if (h > 0) memcpy(keep[h], keep[0], sizeof(int64_t) * (size_t)target);
         n_keep[h] = target;
-        for (int64_t i = 0; i < target && st == KVC_OK; i++) { /* only the rows merged into */
-            const float *row = out + ((size_t)h * target + i) * dh;
-            if (memcmp(row, v + ((size_t)h * n + keep[h][i]) * dh, sizeof(float) * (size_t)dh) != 0)
-                st = lr->be->kv_write(lr->kv, h, keep[h][i], 1, NULL, row);
-        }
+        st = kvc_merge_write_back(lr, h, keep[h], target, out + (size_t)h * target * dh, v + (size_t)h * n * dh);
     }
     if (st == KVC_OK) d->cam_events[l]++;
     free(sc); free(a); free(v); free(out);
@@ -381,9 +381,10 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
         if (!scores[h] || !keep[h]) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
     }
     const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
-    if (st == KVC_OK && d->cfg.cam_merge_budget > 0)
+    if (st == KVC_OK && d->cfg.cam_merge_budget > 0) {
         st = cam_select_merge(d, &lr, &c2, &cfg, len, target, scores, keep, n_keep);
-    else if (st == KVC_OK)
+        if (st != KVC_OK) s->cache.compactions++; /* kept rows may hold merged values already: no undoing the call */
+    } else if (st == KVC_OK)
         st = kvc_press_score_select(&lr, &c2, &cfg, len, -1, &d->dev_scores, &d->dev_ld, scores, keep, n_keep);
     /* room for the steps until the next compression: the arena does not grow in between */
     if (st == KVC_OK)

@@ -43,7 +43,13 @@ kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
     if (!p->dms_tail) {
         p->dms_tail = malloc(sizeof(float) * (size_t)p->n_layers * Hkv * (W > 0 ? W : 1));
         p->dms_tail_n = malloc(sizeof(int64_t) * (size_t)p->n_layers);
-        if (!p->dms_tail || !p->dms_tail_n) return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+        if (!p->dms_tail || !p->dms_tail_n) { /* both or neither: a later call must not find half of them */
+            free(p->dms_tail);
+            free(p->dms_tail_n);
+            p->dms_tail = NULL;
+            p->dms_tail_n = NULL;
+            return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+        }
         for (int32_t i = 0; i < p->n_layers; i++) p->dms_tail_n[i] = -1;
     }
     const int64_t *len = s->cache.layers[l].len, n = ctx->n;
@@ -147,7 +153,6 @@ kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx) 
     const int64_t n = ctx->n, *len = s->cache.layers[l].len;
     if (d->nq[l] < 0) { /* the first call after the prefill: the prefill press's unjudged window, if it left one */
         const kvc_press *p = s->press;
-        d->nq[l] = 0;
         if (p && p->cfg.dms && p->dms_tail_n && p->dms_tail_n[l] > 0 && p->cfg.dms_window == W) {
             const int64_t t = p->dms_tail_n[l];
             if (!(d->queue[l] = malloc(sizeof(float) * (size_t)Hkv * (size_t)(t + n)))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
@@ -155,6 +160,8 @@ kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx) 
             for (int32_t h = 0; h < Hkv; h++)
                 memcpy(d->queue[l] + (size_t)h * d->cap[l], p->dms_tail + ((size_t)l * Hkv + h) * (W > 0 ? W : 1), sizeof(float) * (size_t)t);
             d->nq[l] = t;
+        } else {
+            d->nq[l] = 0; /* set only now: a failed allocation above leaves the window to the retry */
         }
     }
     const int64_t nq = d->nq[l];

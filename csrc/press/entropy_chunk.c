@@ -55,7 +55,13 @@ static kvc_status keep_top(const double *s, int64_t lo, int64_t hi, int64_t k, c
 
 kvc_status kvc_entropy_chunk_select(const kvc_press_config *p, int32_t n_kv, int64_t n, int64_t budget,
                                     const float *const *scores, int64_t *keep_rows, int64_t *n_keep) {
-    const int64_t c = p->chunk_length, n_chunks = (n + c - 1) / c;
+    const int64_t c = p->chunk_length;
+    if (c < 1) return kvc_fail(KVC_ERR_ARG, "EntropyGatedChunkKV: chunk_length must be >= 1, got %lld", (long long)c);
+    if (n == 0) { /* nothing to choose from (and no median of no chunks) */
+        *n_keep = 0;
+        return KVC_OK;
+    }
+    const int64_t n_chunks = (n + c - 1) / c;
     double *s = malloc(sizeof(double) * (size_t)n), *cs = malloc(sizeof(double) * (size_t)n_chunks);
     double *ce = malloc(sizeof(double) * (size_t)n_chunks), *tmp = malloc(sizeof(double) * (size_t)n_chunks);
     int64_t *order = malloc(sizeof(int64_t) * (size_t)n_chunks), *idx = malloc(sizeof(int64_t) * (size_t)n);

@@ -18,6 +18,12 @@ kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, 
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, w = cfg->window;
     const int64_t qd = (int64_t)H * d;
+    if (w < 1 || w > ctx->n)
+        return kvc_fail(KVC_ERR_ARG, "FinchPress/SimLayerKV: the window (%d) must be 1 .. the forward call's %lld tokens", w,
+                        (long long)ctx->n);
+    for (int32_t h = 0; h < Hkv; h++)
+        if (len[h] < w) return kvc_fail(KVC_ERR_ARG, "FinchPress/SimLayerKV: a head holds %lld rows, fewer than the window (%d)",
+                                        (long long)len[h], w);
     const double scale = 1.0 / sqrt((double)d);
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;

@@ -207,6 +207,18 @@ kvc_status kvc_cam_merge(const float *scores, const float *attn, const float *v,
     return KVC_OK;
 }
 
+/* Head h's merged kept values back into the store: only the rows a merge changed (out: n_keep rows of d, the
+ * kept rows' new values; v: the head's values as read, row keep[i] before the merge). */
+kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, int32_t h, const int64_t *keep, int64_t n_keep, const float *out,
+                                const float *v) {
+    const int32_t d = lr->mc->head_dim;
+    kvc_status st = KVC_OK;
+    for (int64_t i = 0; i < n_keep && st == KVC_OK; i++)
+        if (memcmp(out + i * d, v + keep[i] * d, sizeof(float) * (size_t)d) != 0)
+            st = lr->be->kv_write(lr->kv, h, keep[i], 1, NULL, out + i * d);
+    return st;
+}
+
 /* MergingPress on a session's layer, before its compaction: each head's rows to the host, the merged kept values
  * back into their rows (kv_write), so the compaction that follows keeps them. */
 kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
@@ -222,9 +234,7 @@ kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg
         st = lr->be->kv_read(lr->kv, h, 0, len[h], k, v);
         if (st == KVC_OK)
             st = kvc_merge_similar(k, v, len[h], d, keep[h], n_keep[h], cfg->merge_threshold, cfg->merge_fraction, out);
-        for (int64_t i = 0; i < n_keep[h] && st == KVC_OK; i++) /* only the rows merged into */
-            if (memcmp(out + i * d, v + keep[h][i] * d, sizeof(float) * (size_t)d) != 0)
-                st = lr->be->kv_write(lr->kv, h, keep[h][i], 1, NULL, out + i * d);
+        if (st == KVC_OK) st = kvc_merge_write_back(lr, h, keep[h], n_keep[h], out, v);
     }
     free(k); free(v); free(out);
     return st;

@@ -187,6 +187,9 @@ kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc
 
 /* ---- merge.c: value merging on eviction (MergingPress, CAMPress; the array functions are in kvpress_c.h) ---- */
 /* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
+/* Head h's merged kept values written back (the rows a merge changed), for MergingPress and CAMPress. */
+kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, int32_t h, const int64_t *keep, int64_t n_keep, const float *out,
+                                const float *v);
 kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
                            const int64_t *const *keep, const int64_t *n_keep);
 

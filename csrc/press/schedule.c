@@ -366,6 +366,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     if (st == KVC_OK && cfg->merge) { /* MergingPress: evicted values folded into the kept rows first */
         const kvc_layer_rows lr = kvc_session_layer_rows(s, layer, NULL);
         st = kvc_press_merge(&lr, cfg, len, (const int64_t *const *)keep, n_keep);
+        if (st != KVC_OK) s->cache.compactions++; /* kept rows may hold merged values already: no undoing the call */
     }
     if (st == KVC_OK) st = kvc_cache_compact(&s->cache, layer, (const int64_t *const *)keep, n_keep, 0);
     if (st == KVC_OK && p->rerotate) st = kvc_press_rerotate(s, layer);

@@ -40,6 +40,17 @@ def test_finch_scores_and_kept_rows_match_reference(rng, n, past, w, H, Hkv, d, 
         assert all(abs(ref[h, r] - np.sort(ref[h])[::-1][len(want) - 1]) <= 1e-6 * top for r in diff) or not diff
 
 
+def test_finch_window_longer_than_the_call_is_a_clear_error(default_model):
+    """The question window must lie inside the forward call (it once read queries before the call's first)."""
+    s = default_model.new_session()
+    s.set_press(scorer=SCORERS["finch"], compression_ratio=0.5, window=20, kernel=1)
+    with pytest.raises(ValueError, match="window"):
+        s.forward(np.arange(10, 22, dtype=np.int32), logits="last")
+    s.reset()
+    s.set_press(None)
+    assert np.isfinite(s.forward(np.arange(10, 22, dtype=np.int32), logits="last")).all()
+
+
 def test_finch_window_from_delimiter_or_question():
     p = kvpress_c.FinchPress(compression_ratio=0.5)
     p.delimiter_token_id = 7
