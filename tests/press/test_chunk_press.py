@@ -114,7 +114,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
-from test_wrapper_parity import default_side, run_kvpress, run_ours, tiny  # noqa: E402,F401
+from test_wrapper_parity import default_side, run_kvpress, run_ours, tiny, tiny_archs  # noqa: E402,F401
 
 
 def chunk_for(n):
@@ -180,8 +180,8 @@ def parity(hf, model, ids, keys, inner, ratio):
 
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
 @pytest.mark.parametrize("inner", ["knorm", "keydiff", "snapkv", "tova"])
-def test_tiny_model_chunk_press_matches_kvpress(tiny, inner, ratio):
-    hf, model, ids, keys, _ = tiny
+def test_tiny_model_chunk_press_matches_kvpress(tiny_archs, inner, ratio):
+    hf, model, ids, keys, _ = tiny_archs
     parity(hf, model, ids, keys, inner, ratio)
 
 

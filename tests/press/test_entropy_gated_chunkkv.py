@@ -57,7 +57,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
-from test_wrapper_parity import default_side, run_kvpress, run_ours, tiny  # noqa: E402,F401
+from test_wrapper_parity import default_side, run_kvpress, run_ours, tiny, tiny_archs  # noqa: E402,F401
 
 
 def make(lib, inner, ratio, window):
@@ -88,8 +88,8 @@ def whole_chunk_window(n, chunk=10):
 
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
 @pytest.mark.parametrize("inner", ["snapkv", "keydiff"])
-def test_tiny_model_entropy_gated_matches_kvpress(tiny, inner, ratio):
-    hf, model, ids, keys, _ = tiny
+def test_tiny_model_entropy_gated_matches_kvpress(tiny_archs, inner, ratio):
+    hf, model, ids, keys, _ = tiny_archs
     parity(hf, model, ids, keys, inner, ratio, window=whole_chunk_window(len(ids)))
 
 

@@ -79,7 +79,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
-from test_wrapper_parity import default_side, tiny  # noqa: E402,F401
+from test_wrapper_parity import default_side, tiny, tiny_archs  # noqa: E402,F401
 
 N_NEW = 10
 DELIM = 2  # a token id of both vocabularies, absent from the prompts below (kvpress drops it from the embeddings)
@@ -151,8 +151,8 @@ def parity(hf, model, ids, ratio, chunk, q_len=12):
 # chunked cases use a 4-token question and chunks whose last one keeps at least 4 rows at both ratios.
 @pytest.mark.parametrize("chunk,q_len", [(None, 12), (100, 4)])
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
-def test_tiny_model_finch_matches_kvpress(tiny, ratio, chunk, q_len):
-    hf, model, ids, _, _ = tiny
+def test_tiny_model_finch_matches_kvpress(tiny_archs, ratio, chunk, q_len):
+    hf, model, ids, _, _ = tiny_archs
     parity(hf, model, [t for t in ids if t != DELIM], ratio, chunk, q_len)
 
 

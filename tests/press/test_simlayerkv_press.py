@@ -57,7 +57,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 kvpress = pytest.importorskip("kvpress")
 
-from test_wrapper_parity import default_side, run_kvpress, run_ours, tiny  # noqa: E402,F401
+from test_wrapper_parity import default_side, run_kvpress, run_ours, tiny, tiny_archs  # noqa: E402,F401
 
 
 def parity(hf, model, ids, keys, ratio, threshold):
@@ -75,8 +75,8 @@ def parity(hf, model, ids, keys, ratio, threshold):
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
-def test_tiny_model_simlayerkv_matches_kvpress(tiny, ratio):
-    hf, model, ids, keys, _ = tiny
+def test_tiny_model_simlayerkv_matches_kvpress(tiny_archs, ratio):
+    hf, model, ids, keys, _ = tiny_archs
     lazy = [parity(hf, model, ids, keys, ratio, t) for t in (0.05, 0.2, 0.5)]
     assert max(lazy) > 0  # the decision was exercised
 

@@ -84,13 +84,24 @@ def parity(hf, model, ids, keys, kind, ratio, window):
 KINDS = ["composed_snapkv_knorm", "composed_knorm_knorm", "per_layer_snapkv", "block_knorm"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def write_tiny(tmp_path_factory, arch):
     from hf_models import write_tiny_model
-    path = write_tiny_model(str(tmp_path_factory.mktemp("wrappers") / "tiny"), arch="llama", seed=13)
+    path = write_tiny_model(str(tmp_path_factory.mktemp("wrappers") / "tiny"), arch=arch, seed=13)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = np.random.default_rng(13).integers(3, hf.config.vocab_size, 200).tolist()
     return hf, kvpress_c.load_model(path), ids, full_cache_keys(hf, ids), path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny(tmp_path_factory, "llama")
+
+
+# the presses added later (ChunkPress, FinchPress, SimLayerKV, EntropyGatedChunkKV) run on both tiny models;
+# the wrappers above on llama (on qwen3 their Knorm cases cut among k_norm's near-equal key norms)
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_archs(tmp_path_factory, request):
+    return write_tiny(tmp_path_factory, request.param)
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
