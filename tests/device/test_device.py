@@ -867,7 +867,10 @@ def test_attention_window_starts(rng, device, attention_kernel, n, H, d, force_p
     """Window starts (i64 [n, Hkv], nondecreasing per head) on the device against the CPU: the prefill
     kernels (WMMA and mma at d 64 / 128, the generic one at d 40) and split-K decode (n = 1)."""
     past = np.array([90, 3], np.int64)  # 2 KV heads
-    start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
+    # starts from half the past on: the window then drops enough keys to move the output (drawn from 0, a start
+    # of a few keys of 91 moved it by 0.043 on one CI seed, under the check below; from half: >= 0.255 over
+    # 1200 draws of these shapes)
+    start = np.stack([np.maximum.accumulate(rng.integers(p // 2, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
     q = bf16(rng.standard_normal((n, H, d)))
     ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
     vs = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
