@@ -67,9 +67,18 @@ def test_decoding_press_matches_cpu(model_path, device, rng, name, ratio_target)
         np.testing.assert_array_equal(a, b)
     assert sorted(kd) == sorted(kc) == [INTERVAL - 1, 2 * INTERVAL - 1, 3 * INTERVAL - 1]
     assert sd.decoding_compressions == sc.decoding_compressions == 3 * cpu.config["n_layers"]
-    js = [jaccard(a, b) for i in kc for la, lb in zip(kd[i], kc[i]) for a, b in zip(la, lb)]
-    # streaming and knorm-by-norm orders are exact; bf16 scores swap near-ties at the cut (measured >= 0.9)
-    assert min(js) == 1.0 if name == "streaming" else np.mean(js) > 0.9, (name, js)
+    per_step = {i: [jaccard(a, b) for la, lb in zip(kd[i], kc[i]) for a, b in zip(la, lb)] for i in kc}
+    js = [j for i in kc for j in per_step[i]]
+    if name == "streaming":  # positions only: exact
+        assert min(js) == 1.0, js
+    else:
+        # The first compression sees the same cache up to bf16 storage: bf16 scores swap 0-3 near-tie rows per
+        # head of the 40 kept (mean Jaccard >= 0.928 over 200 seeds x each base and target; keeping 40 of the
+        # 96 rows at random would give ~0.26). After a swap the two caches hold different rows, so later
+        # compressions drift further apart (mean over all three >= 0.900 over the same 1,600 runs).
+        first = per_step[min(kc)]
+        assert np.mean(first) >= 0.85, (name, first)
+        assert np.mean(js) >= 0.8, (name, per_step)
     # after a compression the arena holds what is kept plus room for the next interval: memory dropped
     assert sd.cache_bytes < sd.peak_cache_bytes
 
