@@ -1,5 +1,5 @@
 /* Host fp32 math for the algorithms that run on the host whatever the device: ObservedAttention's scores
- * and Ada-KV's eviction loss (press/), the selections, Judge Q's backward (train/). Implemented with the
+ * and Ada-KV's eviction loss (press/), the selections, the rows' forward and backward (train/). Implemented with the
  * CPU backend's kernels (backend/cpu/hostmath.c); arrays are row-major fp32 host memory. */
 #ifndef KVC_HOSTMATH_H
 #define KVC_HOSTMATH_H
@@ -21,6 +21,8 @@ void kvc_host_gemm_nn(const float *a, int64_t lda, const float *b, int64_t ldb, 
 void kvc_host_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
                          const int64_t *visible, float *probs);
 void kvc_host_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
+/* In place: each of the `heads` heads of d values of each of n rows [n, heads d] normalised on its own (qwen3's q/k norm). */
+void kvc_host_head_rmsnorm(float *x, int64_t n, int32_t heads, int32_t d, const float *w, float eps);
 void kvc_host_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
                    int32_t pairing);
 void kvc_host_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);

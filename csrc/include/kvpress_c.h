@@ -437,6 +437,51 @@ KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, i
 KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio,
                                            int32_t layerwise, int32_t n_sink);
 
+/* The same on the first n_ctx rows of every head only (scores [L, Hkv, n_ctx]): the rows after them (RestoreKV's
+ * restore rows) stay. compression_ratio in [0, 1] (1: every scored row goes). */
+KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx,
+                                                  double compression_ratio, int32_t layerwise, int32_t n_sink);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* KVgrad (openreview cg1wTCJjjk; csrc/press/kvgrad.c): KVzip's reconstruction with a gradient          */
+
+/* The session holds the full cache of its s->pos context tokens. The q_len reconstruction tokens `ids` (KVzip's
+ * prompt + the chunk [start, end)) run on the host in fp32 (train/rows_grad.c) over that cache, read-only, at the
+ * positions after it, through every layer; Phi = sum over the rows of ||h^L||^2 (the last layer's output before
+ * the final norm) is differentiated through the rows' own K/V (the context's are constants). scores[L, Hkv,
+ * end - start]: for chunk row c at layer l, KV head h, the most over the rows p and the query heads hq of h's
+ * group of A[p, c] ||v_c W_o[:, hq]||_2 ||dPhi/da_p^l||_2, A KVzip's softmax (over the min(n_sink, start)
+ * sinks, the chunk and the causal reconstruction rows), a^l the residual right after layer l's attention.
+ * grad_norms [L, q_len] (may be NULL) receive ||dPhi/da_p^l||_2. The cache is not changed. A device model uses
+ * an fp32 host copy of its file (kvc_model_host_weights). KVC_ERR_UNSUPPORTED for a sliding window shorter
+ * than the positions spanned. */
+KVC_API kvc_status kvc_session_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
+                                            int64_t end, int32_t n_sink, float *scores, float *grad_norms);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* LoRA adapters and rows appended from embeddings (RestoreKV; csrc/train/lora.c, csrc/press/restorekv.c) */
+
+/* The projections a LoRA adapter can sit on (PEFT's target_modules q_proj ... down_proj). */
+typedef enum kvc_lora_target {
+    KVC_LORA_Q = 0, KVC_LORA_K = 1, KVC_LORA_V = 2, KVC_LORA_O = 3, KVC_LORA_GATE = 4, KVC_LORA_UP = 5,
+    KVC_LORA_DOWN = 6, KVC_LORA_N = 7
+} kvc_lora_target;
+typedef struct kvc_lora kvc_lora;
+/* An empty set of adapters for the shapes of `model`. */
+KVC_API kvc_status kvc_lora_new(const kvc_model *model, kvc_lora **out);
+/* The adapter of projection `target` of `layer`: y = x W^T + scale (x A^T) B^T, a [rank, in], b [out, rank]
+ * (copied; in and out must be the projection's), PEFT's lora_A / lora_B with scale = lora_alpha / rank (rslora:
+ * / sqrt(rank)). B's rows are in the model's own order (a GGUF llama's q/k rows are permuted for its adjacent
+ * RoPE pairs: permute B's likewise). */
+KVC_API kvc_status kvc_lora_set(kvc_lora *lora, int32_t layer, int32_t target, int32_t rank, int64_t in, int64_t out,
+                                const float *a, const float *b, float scale);
+KVC_API void kvc_lora_free(kvc_lora *lora);
+/* n rows given as input embeddings emb [n, hidden] run through the model on the host in fp32 over the session's
+ * cache (every head must hold s->pos rows), at positions s->pos .. s->pos + n - 1, with the adapters of `lora`
+ * (NULL: none) active for this pass only; their K/V are appended to every layer through the backend and the
+ * position moves on by n. On failure nothing is appended. */
+KVC_API kvc_status kvc_session_append_embeddings(kvc_session *s, const float *emb, int64_t n, const kvc_lora *lora);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* KVCompose (arXiv 2509.05165; kvpress KVComposePress; csrc/press/kvcompose.c)                     */
 

@@ -494,6 +494,10 @@ static kvc_host_weights *host_view(const kvc_model *m) {
             H->bk = H->bq + qd;
             H->bv = H->bk + kd;
         }
+        if (W->q_norm.buf) {
+            H->q_norm = HOST(W->q_norm);
+            H->k_norm = HOST(W->k_norm);
+        }
         H->ffn_norm = HOST(W->ffn_norm);
         H->w_gate = HOST(W->gu.part[0]);
         H->w_up = HOST(W->gu.part[1]);

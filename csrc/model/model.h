@@ -49,9 +49,10 @@ typedef struct kvc_model_buf {
     const void *mapped;
 } kvc_model_buf;
 
-/* fp32 host pointers to the weights, for algorithms that run on the host (Judge Q's backward). */
+/* fp32 host pointers to the weights, for algorithms that run on the host (train/rows_grad.c). q_norm, k_norm
+ * and the biases are NULL where the model has none. */
 typedef struct kvc_host_layer {
-    const float *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *ffn_norm, *w_gate, *w_up, *w_down;
+    const float *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *ffn_norm, *w_gate, *w_up, *w_down, *q_norm, *k_norm;
 } kvc_host_layer;
 typedef struct kvc_host_weights {
     const float *tok_embd, *out_norm, *lm_head, *rope_inv_freq;

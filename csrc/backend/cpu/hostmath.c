@@ -70,6 +70,10 @@ void kvc_host_rmsnorm(const float *x, const float *w, float *y, int64_t rows, in
     kvc_cpu_rmsnorm(x, dim, w, y, dim, rows, dim, eps);
 }
 
+void kvc_host_head_rmsnorm(float *x, int64_t n, int32_t heads, int32_t d, const float *w, float eps) {
+    kvc_cpu_head_rmsnorm(x, (int64_t)heads * d, n, heads, d, w, eps);
+}
+
 void kvc_host_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
                    int32_t pairing) {
     kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing);
