@@ -624,9 +624,9 @@ static PyObject *Session_kvzip_evict(SessionObject *self, PyObject *args, PyObje
     kvc_model_get_config(self->model->model, &cfg);
     PyArrayObject *sc = (PyArrayObject *)PyArray_FROMANY(sc_obj, NPY_FLOAT32, 3, 3, NPY_ARRAY_C_CONTIGUOUS);
     if (!sc) return NULL;
-    const int64_t n = kvc_session_position(self->session);
-    if (PyArray_DIM(sc, 0) != cfg.n_layers || PyArray_DIM(sc, 1) != cfg.n_kv_heads || PyArray_DIM(sc, 2) != n) {
-        PyErr_Format(PyExc_ValueError, "kvzip_evict: scores must have shape (%d, %d, %lld)", cfg.n_layers,
+    const int64_t n = kvc_session_position(self->session), n_ctx = PyArray_DIM(sc, 2);
+    if (PyArray_DIM(sc, 0) != cfg.n_layers || PyArray_DIM(sc, 1) != cfg.n_kv_heads || n_ctx < 1 || n_ctx > n) {
+        PyErr_Format(PyExc_ValueError, "kvzip_evict: scores must have shape (%d, %d, n_ctx <= %lld)", cfg.n_layers,
                      cfg.n_kv_heads, (long long)n);
         Py_DECREF(sc);
         return NULL;
@@ -634,10 +634,137 @@ static PyObject *Session_kvzip_evict(SessionObject *self, PyObject *args, PyObje
     kvc_status st;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    st = kvc_session_kvzip_evict(self->session, (const float *)PyArray_DATA(sc), ratio, layerwise, n_sink);
+    /* the rows after the scored n_ctx ones (RestoreKV's restore rows) stay */
+    st = n_ctx == n ? kvc_session_kvzip_evict(self->session, (const float *)PyArray_DATA(sc), ratio, layerwise, n_sink)
+                    : kvc_session_kvzip_evict_prefix(self->session, (const float *)PyArray_DATA(sc), n_ctx, ratio,
+                                                     layerwise, n_sink);
     Py_END_ALLOW_THREADS
     self->busy = 0;
     Py_DECREF(sc);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_kvgrad_score(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "start", "end", "n_sink", "grad_norms", NULL};
+    PyObject *ids_obj;
+    long long start, end;
+    int n_sink = 4, want_norms = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OLL|ip", kwlist, &ids_obj, &start, &end, &n_sink, &want_norms))
+        return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (end <= start) {
+        PyErr_Format(PyExc_ValueError, "kvgrad_score: empty chunk [%lld, %lld)", start, end);
+        return NULL;
+    }
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *ids = kvc_py_ids(ids_obj);
+    if (!ids) return NULL;
+    npy_intp dims[3] = {cfg.n_layers, cfg.n_kv_heads, (npy_intp)(end - start)}, gdims[2] = {cfg.n_layers, PyArray_DIM(ids, 0)};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32);
+    PyArrayObject *norms = want_norms ? (PyArrayObject *)PyArray_SimpleNew(2, gdims, NPY_FLOAT32) : NULL;
+    if (!out || (want_norms && !norms)) {
+        Py_DECREF(ids);
+        Py_XDECREF(out);
+        Py_XDECREF(norms);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_kvgrad_score(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0), start, end,
+                                  n_sink, (float *)PyArray_DATA(out), norms ? (float *)PyArray_DATA(norms) : NULL);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(ids);
+    if (st != KVC_OK) {
+        Py_DECREF(out);
+        Py_XDECREF(norms);
+        return kvc_py_raise(st);
+    }
+    if (!norms) return (PyObject *)out;
+    return Py_BuildValue("(NN)", out, norms);
+}
+
+/* A kvc_lora from a sequence of (layer, target, A [r, in], B [out, r], scale); NULL with an exception set. */
+static kvc_lora *lora_from(kvc_model *model, PyObject *seq_obj) {
+    PyObject *seq = PySequence_Fast(seq_obj, "lora must be a sequence of (layer, target, A, B, scale)");
+    if (!seq) return NULL;
+    kvc_lora *lora = NULL;
+    kvc_status st = kvc_lora_new(model, &lora);
+    if (st != KVC_OK) {
+        Py_DECREF(seq);
+        kvc_py_raise(st);
+        return NULL;
+    }
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int layer, target;
+        float scale;
+        PyObject *a_obj, *b_obj;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iiOOf;lora entries are (layer, target, A, B, scale)",
+                              &layer, &target, &a_obj, &b_obj, &scale))
+            goto fail;
+        PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(a_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+        PyArrayObject *b = a ? (PyArrayObject *)PyArray_FROMANY(b_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS) : NULL;
+        if (!a || !b) {
+            Py_XDECREF(a);
+            goto fail;
+        }
+        if (PyArray_DIM(b, 1) != PyArray_DIM(a, 0) || PyArray_DIM(a, 0) > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "lora entry %zd (layer %d, target %d): A is %zd x %zd and B %zd x %zd: need A [r, "
+                         "in] and B [out, r]", i, layer, target, (Py_ssize_t)PyArray_DIM(a, 0), (Py_ssize_t)PyArray_DIM(a, 1),
+                         (Py_ssize_t)PyArray_DIM(b, 0), (Py_ssize_t)PyArray_DIM(b, 1));
+            Py_DECREF(a);
+            Py_DECREF(b);
+            goto fail;
+        }
+        st = kvc_lora_set(lora, layer, target, (int32_t)PyArray_DIM(a, 0), PyArray_DIM(a, 1), PyArray_DIM(b, 0),
+                          (const float *)PyArray_DATA(a), (const float *)PyArray_DATA(b), scale);
+        Py_DECREF(a);
+        Py_DECREF(b);
+        if (st != KVC_OK) {
+            kvc_py_raise(st);
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    return lora;
+fail:
+    Py_DECREF(seq);
+    kvc_lora_free(lora);
+    return NULL;
+}
+
+static PyObject *Session_append_embeddings(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"embeddings", "lora", NULL};
+    PyObject *emb_obj, *lora_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &emb_obj, &lora_obj)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *emb = (PyArrayObject *)PyArray_FROMANY(emb_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+    if (!emb) return NULL;
+    if (PyArray_DIM(emb, 1) != cfg.hidden || PyArray_DIM(emb, 0) < 1) {
+        PyErr_Format(PyExc_ValueError, "append_embeddings: embeddings must have shape (n >= 1, %d), got (%zd, %zd)",
+                     cfg.hidden, (Py_ssize_t)PyArray_DIM(emb, 0), (Py_ssize_t)PyArray_DIM(emb, 1));
+        Py_DECREF(emb);
+        return NULL;
+    }
+    kvc_lora *lora = NULL;
+    if (lora_obj != Py_None && !(lora = lora_from(self->model->model, lora_obj))) {
+        Py_DECREF(emb);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_append_embeddings(self->session, (const float *)PyArray_DATA(emb), PyArray_DIM(emb, 0), lora);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    kvc_lora_free(lora);
+    Py_DECREF(emb);
     if (st != KVC_OK) return kvc_py_raise(st);
     Py_RETURN_NONE;
 }
@@ -808,7 +935,16 @@ static PyMethodDef Session_methods[] = {
      "kvcompose_evict(task[L, H, n], compression_ratio, structured=True, group_max=False, head_max=False,\n"
      "add_v_norm=False, add_mean=True, lower_bound=0): KVCompose's eviction of the full context cache."},
     {"kvzip_evict", (PyCFunction)(void (*)(void))Session_kvzip_evict, METH_VARARGS | METH_KEYWORDS,
-     "kvzip_evict(scores[L, Hkv, n], compression_ratio, layerwise=False, n_sink=4): KVzip's eviction of the full cache."},
+     "kvzip_evict(scores[L, Hkv, n], compression_ratio, layerwise=False, n_sink=4): KVzip's eviction of the full cache;\n"
+     "n < position: only the first n rows are scored and may go (the rest stay), compression_ratio in [0, 1]."},
+    {"kvgrad_score", (PyCFunction)(void (*)(void))Session_kvgrad_score, METH_VARARGS | METH_KEYWORDS,
+     "kvgrad_score(ids, start, end, n_sink=4, grad_norms=False) -> float32 [L, Hkv, end - start] (and with grad_norms\n"
+     "the float32 [L, len(ids)] norms ||dPhi/da||): KVgrad's scores of the chunk [start, end) of the full cache from\n"
+     "the reconstruction prompt ids (host forward and backward; the cache is not changed)."},
+    {"append_embeddings", (PyCFunction)(void (*)(void))Session_append_embeddings, METH_VARARGS | METH_KEYWORDS,
+     "append_embeddings(embeddings[n, hidden], lora=None): run the rows through the model on the host over the full\n"
+     "cache, at the next positions, with LoRA adapters [(layer, target, A[r, in], B[out, r], scale), ...] active for\n"
+     "this pass only (target: 0..6 = q, k, v, o, gate, up, down), and append their K/V (position += n)."},
     {"set_decode_graphs", (PyCFunction)Session_set_decode_graphs, METH_O,
      "set_decode_graphs(on): replay decode steps as a graph (devices with graphs: cuda, emulated); the first\n"
      "step after a capture is needed runs eagerly. graph_info says how many steps ran as a graph."},

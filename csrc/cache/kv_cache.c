@@ -164,6 +164,29 @@ kvc_status kvc_cache_append(kvc_cache *c, int32_t layer, kvc_view src, int64_t k
     return KVC_OK;
 }
 
+kvc_status kvc_cache_append_host(kvc_cache *c, int32_t layer, const float *k, const float *v, const int64_t *pos,
+                                 int64_t n) {
+    kvc_layer_cache *L = &c->layers[layer];
+    const int32_t Hkv = c->n_kv, d = c->d;
+    KVC_TRY(kvc_cache_reserve(c, layer, n));
+    float *hk = malloc(sizeof(float) * (size_t)n * d * 2), *hv = hk ? hk + (size_t)n * d : NULL;
+    int64_t *len = malloc(sizeof(int64_t) * (size_t)Hkv);
+    kvc_status st = hk && len ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V append");
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) { /* head h's rows gathered, written after its last row */
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(hk + i * d, k + (i * Hkv + h) * d, sizeof(float) * (size_t)d);
+            memcpy(hv + i * d, v + (i * Hkv + h) * d, sizeof(float) * (size_t)d);
+        }
+        st = c->be->kv_write(L->kv, h, L->len[h], n, hk, hv);
+        len[h] = L->len[h] + n;
+    }
+    if (st == KVC_OK) st = c->be->kv_set_lens(L->kv, len);
+    if (st == KVC_OK) kvc_cache_note_append(c, layer, pos, n);
+    free(hk);
+    free(len);
+    return st;
+}
+
 kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *keep, const int64_t *n_keep,
                              int64_t reserve) {
     kvc_layer_cache *L = &c->layers[layer];

@@ -37,6 +37,10 @@ kvc_status kvc_cache_reserve(kvc_cache *c, int32_t layer, int64_t extra);
  * src (the q|k|v activations), at positions pos[n]. Room must have been reserved. */
 kvc_status kvc_cache_append(kvc_cache *c, int32_t layer, kvc_view src, int64_t kcol, int64_t vcol, const int64_t *pos,
                             int64_t n);
+/* Append n rows given on the host as f32 (K and V of head h at columns h d of k, v [n, Hkv d]) at positions pos[n],
+ * through the backend's kv_write (rounded as the device stores them); room is reserved here. */
+kvc_status kvc_cache_append_host(kvc_cache *c, int32_t layer, const float *k, const float *v, const int64_t *pos,
+                                 int64_t n);
 /* The host side of an append the backend already did (a replayed graph): lengths and positions. */
 void kvc_cache_note_append(kvc_cache *c, int32_t layer, const int64_t *pos, int64_t n);
 /* Keep, for each head h, rows keep[h][0 .. n_keep[h]) (strictly increasing), re-packed into an arena

@@ -300,6 +300,25 @@ kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double c
     return kvc_kvzip_evict(s, scores, compression_ratio, layerwise, n_sink);
 }
 
+kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx, double compression_ratio,
+                                          int32_t layerwise, int32_t n_sink) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
+    return kvc_kvzip_evict_prefix(s, scores, n_ctx, compression_ratio, layerwise, n_sink);
+}
+
+/* ---- KVgrad (press/kvgrad.c), rows from embeddings (press/restorekv.c) ---- */
+
+kvc_status kvc_session_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                                    int32_t n_sink, float *scores, float *grad_norms) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: null session");
+    return kvc_kvgrad_score(s, ids, q_len, start, end, n_sink, scores, grad_norms);
+}
+
+kvc_status kvc_session_append_embeddings(kvc_session *s, const float *emb, int64_t n, const kvc_lora *lora) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "append_embeddings: null session");
+    return kvc_append_embeddings(s, emb, n, lora);
+}
+
 /* ---- decode graphs ---- */
 
 kvc_status kvc_session_set_decode_graphs(kvc_session *s, int32_t on) {

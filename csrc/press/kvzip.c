@@ -24,42 +24,90 @@ typedef struct kvzip_state {
     float *out; /* [L, Hkv, end - start] */
 } kvzip_state;
 
-/* ||v W_o^T[hq]||_2 of the chunk rows [start, end) of every query head: wov[hq][j - start] */
-static kvc_status chunk_wov_norms(const kvc_layer_rows *lr, float *const *v, int64_t start, int64_t end,
-                                  double *wov) {
-    const kvc_config *c = lr->mc;
+kvc_status kvc_kvzip_wov_norms(const kvc_config *c, const float *wt, float *const *v, int64_t start, int64_t end,
+                               double *wov) {
     const int32_t H = c->n_heads, g = H / c->n_kv_heads, d = c->head_dim;
     const int64_t D = c->hidden, m = end - start;
-    if (!lr->wo.buf) return kvc_fail(KVC_ERR_ARG, "KVzip+ needs the model's output projection");
-    float *wt = malloc(sizeof(float) * (size_t)H * d * (size_t)D);
-    double *acc = malloc(sizeof(double) * (size_t)D);
-    kvc_status st = wt && acc ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip+ |v W_o|");
-    if (st == KVC_OK) st = kvc_wo_transposed(lr, wt);
-    for (int32_t hq = 0; hq < H && st == KVC_OK; hq++) {
-        const float *B = wt + (int64_t)hq * d * D; /* [d, D] */
+    float *prod = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1) * (size_t)D);
+    if (!prod) return kvc_fail(KVC_ERR_NOMEM, "out of memory: |v W_o|");
+    for (int32_t hq = 0; hq < H; hq++) { /* [m, d] x W_o^T[hq] [d, D], then the rows' norms */
+        kvc_host_gemm_nn(v[hq / g] + start * d, d, wt + (int64_t)hq * d * D, D, prod, D, m, D, d, 0);
         for (int64_t r = 0; r < m; r++) {
-            const float *row = v[hq / g] + (start + r) * d;
-            memset(acc, 0, sizeof(double) * (size_t)D);
-            for (int32_t i = 0; i < d; i++)
-                for (int64_t j = 0; j < D; j++) acc[j] += (double)row[i] * B[i * D + j];
             double s = 0;
-            for (int64_t j = 0; j < D; j++) s += acc[j] * acc[j];
+            for (int64_t j = 0; j < D; j++) s += (double)prod[r * D + j] * prod[r * D + j];
             wov[hq * m + r] = sqrt(s);
         }
     }
-    free(wt);
-    free(acc);
-    return st;
+    free(prod);
+    return KVC_OK;
+}
+
+kvc_status kvc_kvzip_chunk_max(const kvc_config *c, const float *qh, int64_t q, float *const *k, int64_t n_ctx,
+                               int64_t start, int64_t end, int32_t n_sink, const double *row_w, const double *col_w,
+                               float *out) {
+    const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
+    const int64_t qd = (int64_t)H * d, sink = n_sink < start ? n_sink : start, m = end - start, ncol = sink + m + q;
+    const double scale = 1.0 / sqrt((double)d);
+    for (int64_t r = 0; r < (int64_t)Hkv * m; r++) out[r] = 0.0f;
+    /* each KV head's scored columns gathered: the sinks, the chunk, the reconstruction rows [ncol, d] */
+    float *kc = malloc(sizeof(float) * (size_t)Hkv * (size_t)ncol * d);
+    if (!kc) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    for (int32_t h = 0; h < Hkv; h++)
+        for (int64_t j = 0; j < ncol; j++) {
+            const int64_t row = j < sink ? j : j < sink + m ? start + j - sink : n_ctx + j - sink - m;
+            memcpy(kc + ((size_t)h * ncol + j) * d, k[h] + row * d, sizeof(float) * (size_t)d);
+        }
+    int failed = 0;
+    /* query heads in parallel, queries in tiles (one GEMM + softmax rows each, causal over the reconstruction
+     * rows); each head keeps its own maxima and merges them into its KV head's */
+#pragma omp parallel
+    {
+        float *qt = malloc(sizeof(float) * KVZIP_TILE * (size_t)d);
+        float *pr = malloc(sizeof(float) * KVZIP_TILE * (size_t)ncol);
+        float *best = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+        int64_t vis[KVZIP_TILE];
+        const int ok = qt && pr && best;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int32_t hq = 0; hq < H; hq++) {
+            if (!ok) continue;
+            const int32_t h = hq / g;
+            for (int64_t r = 0; r < m; r++) best[r] = 0.0f;
+            for (int64_t i0 = 0; i0 < q; i0 += KVZIP_TILE) {
+                const int64_t tq = q - i0 < KVZIP_TILE ? q - i0 : KVZIP_TILE, cols = sink + m + i0 + tq;
+                for (int64_t i = 0; i < tq; i++) {
+                    memcpy(qt + i * d, qh + (i0 + i) * qd + (int64_t)hq * d, sizeof(float) * (size_t)d);
+                    vis[i] = sink + m + i0 + i + 1;
+                }
+                kvc_host_probs_rows(qt, tq, kc + (size_t)h * ncol * d, cols, d, (float)scale, vis, pr);
+                for (int64_t i = 0; i < tq; i++)
+                    for (int64_t r = 0; r < m; r++) {
+                        double a = (double)pr[i * cols + sink + r];
+                        if (row_w) a *= row_w[i0 + i];
+                        if (col_w) a *= col_w[hq * m + r];
+                        if ((float)a > best[r]) best[r] = (float)a;
+                    }
+            }
+#pragma omp critical(kvzip_merge)
+            for (int64_t r = 0; r < m; r++)
+                if (best[r] > out[h * m + r]) out[h * m + r] = best[r];
+        }
+        free(qt);
+        free(pr);
+        free(best);
+    }
+    free(kc);
+    return failed ? kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip") : KVC_OK;
 }
 
 static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
     kvzip_state *t = user;
     const kvc_config *c = &s->model->cfg;
-    const int32_t l = ctx->layer, H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const int64_t q = ctx->n, qd = (int64_t)H * d, D = c->hidden, n_ctx = t->n_ctx;
-    const int64_t sink = t->n_sink < t->start ? t->n_sink : t->start, m = t->end - t->start;
-    const int64_t ncol = sink + m + q;
-    const double scale = 1.0 / sqrt((double)d);
+    const int32_t l = ctx->layer, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
+    const int64_t q = ctx->n, qd = (int64_t)H * d, D = c->hidden, n_ctx = t->n_ctx, m = t->end - t->start;
     const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo};
     const int64_t *len = s->cache.layers[l].len;
 
@@ -68,13 +116,15 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     double *hinv = malloc(sizeof(double) * (size_t)q);
     double *wov = t->plus ? malloc(sizeof(double) * (size_t)(H * m)) : NULL;
     float *resid = t->plus ? malloc(sizeof(float) * (size_t)(q * D)) : NULL, *w = t->plus ? malloc(sizeof(float) * (size_t)D) : NULL;
+    float *wt = t->plus ? malloc(sizeof(float) * (size_t)qd * (size_t)D) : NULL;
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
-    kvc_status st = qh && hinv && (!t->plus || (wov && resid && w)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
+    kvc_status st = qh && hinv && (!t->plus || (wov && resid && w && wt)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
     if (st == KVC_OK) st = kvc_press_layer_rows(&lr, len, t->plus, k, v, &block);
     if (st == KVC_OK) st = s->be->download(ctx->q, q, qd, qh, KVC_F32);
     for (int64_t i = 0; i < q; i++) hinv[i] = 1.0;
     if (st == KVC_OK && t->plus) { /* 1 / ||RMSNorm(x) w|| per query, |v W_o| per chunk row and query head */
-        st = s->be->download(ctx->resid, q, D, resid, KVC_F32);
+        if (!lr.wo.buf) st = kvc_fail(KVC_ERR_ARG, "KVzip+ needs the model's output projection");
+        if (st == KVC_OK) st = s->be->download(ctx->resid, q, D, resid, KVC_F32);
         if (st == KVC_OK) st = s->be->download(s->model->layers[l].attn_norm, 1, D, w, KVC_F32);
         for (int64_t i = 0; i < q && st == KVC_OK; i++) {
             double ms = 0, nn = 0;
@@ -86,63 +136,12 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
             }
             hinv[i] = 1.0 / sqrt(nn);
         }
-        if (st == KVC_OK) st = chunk_wov_norms(&lr, v, t->start, t->end, wov);
+        if (st == KVC_OK) st = kvc_wo_transposed(&lr, wt);
+        if (st == KVC_OK) st = kvc_kvzip_wov_norms(c, wt, v, t->start, t->end, wov);
     }
-    float *out = t->out + (size_t)l * Hkv * m;
-    for (int64_t r = 0; r < (int64_t)Hkv * m; r++) out[r] = 0.0f;
-    /* each KV head's scored columns gathered: the sinks, the chunk, the reconstruction rows [ncol, d] */
-    float *kc = st == KVC_OK ? malloc(sizeof(float) * (size_t)Hkv * (size_t)ncol * d) : NULL;
-    if (st == KVC_OK && !kc) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        for (int64_t j = 0; j < ncol; j++) {
-            const int64_t row = j < sink ? j : j < sink + m ? t->start + j - sink : n_ctx + j - sink - m;
-            memcpy(kc + ((size_t)h * ncol + j) * d, k[h] + row * d, sizeof(float) * (size_t)d);
-        }
-    int failed = 0;
-    if (st == KVC_OK) {
-        /* query heads in parallel, queries in tiles (one GEMM + softmax rows each, causal over the
-         * reconstruction rows); each head keeps its own maxima and merges them into its KV head's */
-#pragma omp parallel
-        {
-            float *qt = malloc(sizeof(float) * KVZIP_TILE * (size_t)d);
-            float *pr = malloc(sizeof(float) * KVZIP_TILE * (size_t)ncol);
-            float *best = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
-            int64_t vis[KVZIP_TILE];
-            const int ok = qt && pr && best;
-            if (!ok) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(dynamic)
-            for (int32_t hq = 0; hq < H; hq++) {
-                if (!ok) continue;
-                const int32_t h = hq / g;
-                for (int64_t r = 0; r < m; r++) best[r] = 0.0f;
-                for (int64_t i0 = 0; i0 < q; i0 += KVZIP_TILE) {
-                    const int64_t tq = q - i0 < KVZIP_TILE ? q - i0 : KVZIP_TILE, cols = sink + m + i0 + tq;
-                    for (int64_t i = 0; i < tq; i++) {
-                        memcpy(qt + i * d, qh + (i0 + i) * qd + (int64_t)hq * d, sizeof(float) * (size_t)d);
-                        vis[i] = sink + m + i0 + i + 1;
-                    }
-                    kvc_host_probs_rows(qt, tq, kc + (size_t)h * ncol * d, cols, d, (float)scale, vis, pr);
-                    for (int64_t i = 0; i < tq; i++)
-                        for (int64_t r = 0; r < m; r++) {
-                            double a = (double)pr[i * cols + sink + r] * hinv[i0 + i];
-                            if (t->plus) a *= wov[hq * m + r];
-                            if ((float)a > best[r]) best[r] = (float)a;
-                        }
-                }
-#pragma omp critical(kvzip_merge)
-                for (int64_t r = 0; r < m; r++)
-                    if (best[r] > out[h * m + r]) out[h * m + r] = best[r];
-            }
-            free(qt);
-            free(pr);
-            free(best);
-        }
-        if (failed) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
-    }
-    free(kc);
+    if (st == KVC_OK)
+        st = kvc_kvzip_chunk_max(c, qh, q, k, n_ctx, t->start, t->end, t->n_sink, hinv, wov,
+                                 t->out + (size_t)l * Hkv * m);
     /* the reconstruction rows go: the layer holds the context again */
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(n_ctx > 0 ? n_ctx : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
@@ -157,6 +156,7 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     free(wov);
     free(resid);
     free(w);
+    free(wt);
     return st;
 }
 
@@ -205,41 +205,53 @@ static int by_score(const void *a, const void *b) {
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
-kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, int32_t layerwise, int32_t n_sink) {
+kvc_status kvc_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise,
+                                  int32_t n_sink) {
     const kvc_config *c = &s->model->cfg;
     const int32_t L = c->n_layers, Hkv = c->n_kv_heads;
-    const int64_t n = s->pos, per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
+    const int64_t rows = s->pos, per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
     if (!scores) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null scores");
-    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
-    if (n < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
-    scored_row *rows = malloc(sizeof(scored_row) * (size_t)total);
+    if (!(ratio >= 0 && ratio <= 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1], got %g", ratio);
+    if (rows < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
+    if (n < 1 || n > rows)
+        return kvc_fail(KVC_ERR_ARG, "kvzip_evict: %lld scored rows, the session holds %lld", (long long)n, (long long)rows);
+    scored_row *sr = malloc(sizeof(scored_row) * (size_t)total);
     char *pruned = calloc((size_t)total, 1);
-    kvc_status st = rows && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+    kvc_status st = sr && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
     float mx = -FLT_MAX;
     for (int64_t r = 0; st == KVC_OK && r < total; r++) mx = scores[r] > mx ? scores[r] : mx;
     for (int64_t r = 0; st == KVC_OK && r < total; r++) /* the sinks rank above everything (kvpress: max + 1) */
-        rows[r] = (scored_row){r % n < n_sink ? mx + 1.0f : scores[r], r};
+        sr[r] = (scored_row){r % n < n_sink ? mx + 1.0f : scores[r], r};
     /* kvpress: int(numel * ratio) lowest over all layers, or int(Hkv n ratio) per layer */
     for (int32_t part = 0; st == KVC_OK && part < (layerwise ? L : 1); part++) {
-        scored_row *p = rows + (layerwise ? part * per_layer : 0);
+        scored_row *p = sr + (layerwise ? part * per_layer : 0);
         const int64_t m = layerwise ? per_layer : total, k = (int64_t)((double)m * ratio);
         qsort(p, (size_t)m, sizeof *p, by_score);
         for (int64_t r = 0; r < k; r++) pruned[p[r].i] = 1;
     }
+    /* the rows after the scored ones (RestoreKV's restore rows) always stay */
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)n))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)rows))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+    kvc_backend_lock(s->be);
     for (int32_t l = 0; l < L && st == KVC_OK; l++) {
         for (int32_t h = 0; h < Hkv; h++) {
             n_keep[h] = 0;
-            for (int64_t r = 0; r < n; r++)
-                if (!pruned[(int64_t)l * per_layer + (int64_t)h * n + r]) keep[h][n_keep[h]++] = r;
+            for (int64_t r = 0; r < rows; r++)
+                if (r >= n || !pruned[(int64_t)l * per_layer + (int64_t)h * n + r]) keep[h][n_keep[h]++] = r;
         }
         st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
     }
+    kvc_backend_unlock(s->be);
     if (st != KVC_OK) s->needs_reset = 1;
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
-    free(rows);
+    free(sr);
     free(pruned);
     return st;
+}
+
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, int32_t layerwise, int32_t n_sink) {
+    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
+    if (s->pos < 1) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
+    return kvc_kvzip_evict_prefix(s, scores, s->pos, ratio, layerwise, n_sink);
 }

@@ -225,5 +225,26 @@ kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, in
                            int32_t n_sink, int32_t plus, float *scores);
 kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
                            int32_t n_sink);
+/* The same on the first n rows of every head (scores [L, Hkv, n]); the rows after them stay; ratio in [0, 1]. */
+kvc_status kvc_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n, double compression_ratio,
+                                  int32_t layerwise, int32_t n_sink);
+/* KVzip's score of the chunk rows [start, end) from q reconstruction queries qh [q, H d] on one layer's rows k[h]
+ * (the context's n_ctx rows, then the reconstruction rows): out[h, r - start] = the most, over the queries i and
+ * the query heads hq of h's group, of softmax_j(qh_i k_j / sqrt(d))[r] x row_w[i] x col_w[hq, r - start] (softmax
+ * over the min(n_sink, start) sinks, the chunk and the reconstruction rows <= i; NULL weights: 1). KVgrad's too. */
+kvc_status kvc_kvzip_chunk_max(const kvc_config *c, const float *qh, int64_t q, float *const *k, int64_t n_ctx,
+                               int64_t start, int64_t end, int32_t n_sink, const double *row_w, const double *col_w,
+                               float *out);
+/* ||v_r W_o[:, hq]||_2 of the rows [start, end) of v[h] for every query head hq: wov[hq (end - start) + r - start];
+ * wt = W_o^T [H d, D] on the host. */
+kvc_status kvc_kvzip_wov_norms(const kvc_config *c, const float *wt, float *const *v, int64_t start, int64_t end,
+                               double *wov);
+
+/* ---- kvgrad.c ---- */
+kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                            int32_t n_sink, float *scores, float *grad_norms);
+
+/* ---- restorekv.c ---- */
+kvc_status kvc_append_embeddings(kvc_session *s, const float *emb, int64_t n, const kvc_lora *lora);
 
 #endif

@@ -1,0 +1,120 @@
+/* KVgrad (https://openreview.net/forum?id=cg1wTCJjjk; docs/METHODS.md "KVgrad"): KVzip's reconstruction
+ * (kvzip.c) with input x gradient attribution.
+ *
+ * The reconstruction prompt of a chunk runs on the host (train/rows_grad.c) over the session's full cache,
+ * read-only: Phi = sum over its rows of ||h^L||^2 (the last layer's output, before the final norm), and the
+ * backward gives, at every layer l, the gradient of Phi with respect to the residual right after the
+ * attention, a^l (the attention output's gradient). Score of chunk row c at (l, KV head h):
+ *   max over the rows p and the query heads hq of h's group of A[p, c] ||v_c W_o[:, hq]||_2 ||dPhi/da_p^l||_2,
+ * A KVzip's restricted softmax. The eviction is KVzip's (kvc_kvzip_evict). */
+#include <math.h>
+#include <string.h>
+
+#include "../train/rows_grad.h"
+#include "press.h"
+
+typedef struct kvgrad_state {
+    const kvc_config *c;
+    const kvc_host_weights *M;
+    int64_t start, end;
+    int32_t n_sink;
+    float *scores;     /* [L, Hkv, end - start] */
+    float *grad_norms; /* [L, m] or NULL */
+    float *wt;         /* [H d, D] a layer's W_o^T */
+    double *gnorm;     /* [m] */
+    double *wov;       /* [H, end - start] */
+} kvgrad_state;
+
+/* Phi = sum ||x||^2 over the rows; dPhi/dx = 2 x */
+static double phi_output(void *user, const float *x, int64_t m, int64_t D, float *dx) {
+    (void)user;
+    double s = 0.0;
+    for (int64_t i = 0; i < m * D; i++) {
+        s += (double)x[i] * x[i];
+        if (dx) dx[i] = 2.0f * x[i];
+    }
+    return s;
+}
+
+/* Layer l of the backward: the chunk rows' scores from the residual gradient dxm. */
+static kvc_status kvgrad_layer(void *user, const kvc_rows_layer *view, const float *dxm) {
+    kvgrad_state *t = user;
+    const kvc_config *c = t->c;
+    const int32_t l = view->layer, Hkv = c->n_kv_heads;
+    const int64_t m = view->m, D = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, n = t->end - t->start;
+    for (int64_t p = 0; p < m; p++) {
+        double s = 0.0;
+        for (int64_t j = 0; j < D; j++) s += (double)dxm[p * D + j] * dxm[p * D + j];
+        t->gnorm[p] = sqrt(s);
+        if (t->grad_norms) t->grad_norms[(size_t)l * m + p] = (float)t->gnorm[p];
+    }
+    const float *wo = t->M->layers[l].wo; /* [D, H d] */
+    for (int64_t i = 0; i < qd; i++)
+        for (int64_t j = 0; j < D; j++) t->wt[i * D + j] = wo[j * qd + i];
+    KVC_TRY(kvc_kvzip_wov_norms(c, t->wt, view->v, t->start, t->end, t->wov));
+    return kvc_kvzip_chunk_max(c, view->q, m, view->k, view->P, t->start, t->end, t->n_sink, t->gnorm, t->wov,
+                               t->scores + (size_t)l * Hkv * n);
+}
+
+/* Every head of every layer holds the session's s->pos rows (the full cache of the context). */
+static int holds_full_cache(const kvc_session *s) {
+    for (int32_t l = 0; l < s->model->cfg.n_layers; l++)
+        for (int32_t h = 0; h < s->model->cfg.n_kv_heads; h++)
+            if (s->cache.layers[l].len[h] != s->pos) return 0;
+    return 1;
+}
+
+static kvc_status check_args(const kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                             int32_t n_sink, const float *scores) {
+    const kvc_config *c = &s->model->cfg;
+    const int64_t n_ctx = s->pos;
+    if (!ids || !scores) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: null argument");
+    if (s->needs_reset) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session failed a call: reset() it first");
+    if (n_ctx < 1 || !holds_full_cache(s))
+        return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session must hold the full cache of the context (prefill it "
+                        "without a press first)");
+    if (q_len < 1 || q_len > (1LL << 24))
+        return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the reconstruction prompt needs 1 to %lld tokens, got %lld", 1LL << 24,
+                        (long long)q_len);
+    if (start < 0 || end <= start || end > n_ctx)
+        return kvc_fail(KVC_ERR_ARG, "kvgrad_score: chunk [%lld, %lld) outside the %lld context rows", (long long)start,
+                        (long long)end, (long long)n_ctx);
+    if (n_sink < 0) return kvc_fail(KVC_ERR_ARG, "n_sink must be >= 0, got %d", n_sink);
+    for (int64_t i = 0; i < q_len; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab) return kvc_fail(KVC_ERR_ARG, "token %d outside the vocabulary", ids[i]);
+    return kvc_rows_check_model(c, n_ctx + q_len - 1, "KVgrad");
+}
+
+kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                            int32_t n_sink, float *scores, float *grad_norms) {
+    KVC_TRY(check_args(s, ids, q_len, start, end, n_sink, scores));
+    const kvc_config *c = &s->model->cfg;
+    const int64_t n_ctx = s->pos, D = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, n = end - start;
+    const kvc_host_weights *hw = NULL;
+    KVC_TRY(kvc_model_host_weights(s->model, &hw));
+    kvgrad_state t = {c, hw, start, end, n_sink, scores, grad_norms, kvc_malloc(sizeof(float) * (size_t)(qd * D), "KVgrad W_o"),
+                      kvc_malloc(sizeof(double) * (size_t)q_len, "KVgrad gradient norms"),
+                      kvc_malloc(sizeof(double) * (size_t)(c->n_heads * n), "KVgrad |v W_o|")};
+    float *x0 = kvc_malloc(sizeof(float) * (size_t)(q_len * D), "KVgrad embeddings");
+    int64_t *pos = kvc_malloc(sizeof(int64_t) * (size_t)q_len, "KVgrad positions");
+    kvc_session_prefix sp = {0};
+    kvc_rows *r = NULL;
+    kvc_status st = t.wt && t.gnorm && t.wov && x0 && pos ? KVC_OK : KVC_ERR_NOMEM;
+    for (int64_t i = 0; st == KVC_OK && i < q_len; i++) {
+        memcpy(x0 + i * D, hw->tok_embd + (int64_t)ids[i] * D, sizeof(float) * (size_t)D);
+        pos[i] = n_ctx + i;
+    }
+    if (st == KVC_OK) st = kvc_session_prefix_init(&sp, s, n_ctx, q_len);
+    if (st == KVC_OK) st = kvc_rows_new(c, hw, n_ctx, q_len, 1, &r);
+    const kvc_rows_objective obj = {&t, 1, NULL, phi_output, NULL, kvgrad_layer};
+    if (st == KVC_OK) st = kvc_rows_forward(r, &sp.pre, &obj, NULL, x0, pos, NULL);
+    if (st == KVC_OK) st = kvc_rows_backward(r, &sp.pre, &obj, NULL);
+    kvc_rows_free(r);
+    kvc_session_prefix_free(&sp);
+    kvc_free(x0);
+    kvc_free(pos);
+    kvc_free(t.wt);
+    kvc_free(t.gnorm);
+    kvc_free(t.wov);
+    return st;
+}
