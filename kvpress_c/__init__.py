@@ -11,7 +11,7 @@ from .pipeline import Pipeline, PipelineResult
 from .presses import (AdaKVPress, BasePress, ChunkKVPress, EntropyGatedChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
                       ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
 from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress, LagKVPress,
-                      NonCausalAttnPress, KVzipPress, LeverageScorePress, CURPress, CompactorPress, FinchPress,
+                      NonCausalAttnPress, KVzipPress, KVgradPress, RestoreKVPress, LeverageScorePress, CURPress, CompactorPress, FinchPress,
                       SimLayerKVPress)  # kvpress's scorers
 from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress  # compression while decoding
 from .presses import CAMPress, MergingPress  # value merging on eviction
@@ -102,7 +102,7 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
            "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
+           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "KVgradPress", "RestoreKVPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress", "ComposedPress",
            "PerLayerCompressionPress", "BlockPress", "ChunkPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
            "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",

@@ -23,6 +23,8 @@ from .keydiff import KeyDiffPress
 from .lagkv import LagKVPress
 from .non_causal_attention import NonCausalAttnPress
 from .kvzip import KVzipPress
+from .kvgrad import KVgradPress
+from .restorekv import RestoreKVPress
 from .kvcompose import KVComposePress
 from .leverage import LeverageScorePress
 from .cur import CURPress
@@ -55,7 +57,7 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress",
            "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress",
-           "NonCausalAttnPress", "KVzipPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress",
+           "NonCausalAttnPress", "KVzipPress", "KVgradPress", "RestoreKVPress", "LeverageScorePress", "CURPress", "CompactorPress", "FinchPress", "SimLayerKVPress",
            "CapPress", "DMSPress", "KVComposePress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ChunkPress", "ThinKPress",
