@@ -19,8 +19,14 @@ $(VENV)/.test: $(VENV)/.base
 	touch $@
 
 # its own stamp, so that a .venv made before these were test dependencies gets them too
-$(VENV)/.test-ray: $(VENV)/.test
+$(VENV)/.test-ray: $(VENV)/.test-peft
 	$(PIP) install -q "ray>=2.40" nbclient nbformat ipykernel
+	touch $@
+
+# PEFT: kvpress's RestoreKVPress loads its LoRA adapter through it (the parity tests); pure Python, uses the
+# torch above (pip --dry-run: nothing else to install)
+$(VENV)/.test-peft: $(VENV)/.test
+	$(PIP) install -q peft==0.21.2
 	touch $@
 
 # llama.cpp (llama-cpp-python, built from source: several minutes on 2 cores, once) for the native-weight

@@ -706,8 +706,8 @@ static kvc_lora *lora_from(kvc_model *model, PyObject *seq_obj) {
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iiOOf;lora entries are (layer, target, A, B, scale)",
                               &layer, &target, &a_obj, &b_obj, &scale))
             goto fail;
-        PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(a_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
-        PyArrayObject *b = a ? (PyArrayObject *)PyArray_FROMANY(b_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS) : NULL;
+        PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(a_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST);
+        PyArrayObject *b = a ? (PyArrayObject *)PyArray_FROMANY(b_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST) : NULL;
         if (!a || !b) {
             Py_XDECREF(a);
             goto fail;
@@ -744,7 +744,7 @@ static PyObject *Session_append_embeddings(SessionObject *self, PyObject *args, 
     if (kvc_py_check_session(self) < 0) return NULL;
     kvc_config cfg;
     kvc_model_get_config(self->model->model, &cfg);
-    PyArrayObject *emb = (PyArrayObject *)PyArray_FROMANY(emb_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+    PyArrayObject *emb = (PyArrayObject *)PyArray_FROMANY(emb_obj, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST);
     if (!emb) return NULL;
     if (PyArray_DIM(emb, 1) != cfg.hidden || PyArray_DIM(emb, 0) < 1) {
         PyErr_Format(PyExc_ValueError, "append_embeddings: embeddings must have shape (n >= 1, %d), got (%zd, %zd)",

@@ -187,3 +187,33 @@ def test_a_failed_load_or_new_session_releases_what_it_took(path, model):
     del m
     nothing_held()
     with_faults(lambda: model.new_session(capacity=64).forward(ids, logits="none"), nothing_held)
+
+
+def test_a_failed_restore_append_or_kvgrad_score_loses_nothing(model, rng):
+    """Rows appended from embeddings (RestoreKV: a host forward with LoRA, then kv_write into every layer) are rolled
+    back from every layer when any write fails; KVgrad's scoring only reads the cache."""
+    L, Hkv, V, D = model.config["n_layers"], model.config["n_kv_heads"], model.config["vocab"], model.config["hidden"]
+    ids = rng.integers(3, V, size=60).astype(np.int32)
+    emb = rng.standard_normal((5, D)).astype(np.float32)
+    lora = [(1, 0, rng.standard_normal((2, D)) * 0.1, rng.standard_normal((D, 2)) * 0.1, 2.0)]
+    s = model.new_session()
+    s.forward(ids, logits="none")
+    before = state(s, L, Hkv)
+
+    def unchanged():
+        assert state(s, L, Hkv) == before
+
+    rep = np.r_[rng.integers(3, V, size=4), ids[10:40]].astype(np.int32)
+    failures, scores = with_faults(lambda: s.kvgrad_score(rep, 10, 40), unchanged)
+    assert failures >= L  # one kv_read per layer at least
+    ref = model.new_session()
+    ref.forward(ids, logits="none")
+    np.testing.assert_array_equal(scores, ref.kvgrad_score(rep, 10, 40))
+    failures, _ = with_faults(lambda: s.append_embeddings(emb, lora=lora), unchanged)
+    assert failures >= L  # the writes of every layer were failure points
+    ref.append_embeddings(emb, lora=lora)
+    assert state(s, L, Hkv) == state(ref, L, Hkv)
+    for l in range(L):
+        for h in range(Hkv):
+            for a, b in zip(s.cache_rows(l, h), ref.cache_rows(l, h)):
+                np.testing.assert_array_equal(a, b)

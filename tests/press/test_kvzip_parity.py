@@ -101,18 +101,19 @@ def cut_values(scores, ratio, layerwise, n_sink):
     return [cuts[l] if layerwise else cuts[0] for l in range(len(s))]
 
 
-def parity(name, hf, tok, model, ids, ratio):
-    kw = dict(VARIANTS[name], compression_ratio=ratio)
+def parity(name, hf, tok, model, ids, ratio, variants=VARIANTS, cls="KVzipPress", score_rtol=SCORE_RTOL):
+    """kvpress's press `cls` against ours of the same name (KVzipPress, or a press built on it: KVgradPress)."""
+    kw = dict(variants[name], compression_ratio=ratio)
     t0 = time.perf_counter()
-    theirs, their_scores, their_chunks, their_ids, their_logits = run_kvpress(hf, tok, kvpress.KVzipPress(**kw), ids)
+    theirs, their_scores, their_chunks, their_ids, their_logits = run_kvpress(hf, tok, getattr(kvpress, cls)(**kw), ids)
     t1 = time.perf_counter()
-    press = kvpress_c.KVzipPress(**kw)
+    press = getattr(kvpress_c, cls)(**kw)
     ours, our_scores, our_chunks, our_ids, our_logits = run_ours(model, press, ids)
     t2 = time.perf_counter()
     assert our_chunks == their_chunks, f"{name}: reconstruction prompts differ"
     assert len(our_chunks) > 1 if "chunk_size" in kw else len(our_chunks) == 1
     score_err = np.abs(our_scores - their_scores).max() / np.abs(their_scores).max()
-    assert score_err < SCORE_RTOL, f"{name}: scores differ from kvpress's by {score_err:.3g} (relative)"
+    assert score_err < score_rtol, f"{name}: scores differ from kvpress's by {score_err:.3g} (relative)"
     cuts = cut_values(their_scores, ratio, press.layerwise, press.n_sink)
     tol = TIE_TOL * np.abs(their_scores).max()
     jac, exact = [], 0

@@ -1,4 +1,4 @@
-"""A float64 NumPy Llama/Mistral/Qwen2 forward pass for Hugging Face folders: the reference that the
+"""A float64 NumPy Llama/Mistral/Qwen2/Qwen3 forward pass for Hugging Face folders: the reference that the
 C engine's schedules (TAKE chunked prefill, Judge Q soft tokens) are tested against.
 
 Ragged per-head cache: cache[l][h] = dict(k=[len, d], v=[len, d], pos=[len]). A layer hook may
@@ -64,24 +64,30 @@ class NpLlama:
     def embed(self, ids):
         return self.W("model.embed_tokens.weight")[np.asarray(ids)]
 
-    def forward(self, x, pos, cache, hook=None):
+    def forward(self, x, pos, cache, hook=None, lora=None):
         """x [n, D] input embeddings at positions pos; appends to cache; returns final hidden [n, D].
-        hook(l, q [n,H,d], attn [n,H,d], o [n,D], resid [n,D], past [Hkv], cache) after attention."""
+        hook(l, q [n,H,d], attn [n,H,d], o [n,D], resid [n,D], past [Hkv], cache) after attention (o may be
+        changed in place: the residual adds it afterwards). lora: {weight name: delta [out, in]} added to those
+        weights for this pass (a LoRA merged by hand)."""
+        W = self.W if not lora else (lambda name: self.w[name] + lora[name] if name in lora else self.w[name])
         n = x.shape[0]
         g = self.H // self.Hkv
         for l in range(self.L):
             p = f"model.layers.{l}."
             resid = x
-            xn = self.rmsnorm(x, self.W(p + "input_layernorm.weight"))
-            q = xn @ self.W(p + "self_attn.q_proj.weight").T
-            k = xn @ self.W(p + "self_attn.k_proj.weight").T
-            v = xn @ self.W(p + "self_attn.v_proj.weight").T
+            xn = self.rmsnorm(x, W(p + "input_layernorm.weight"))
+            q = xn @ W(p + "self_attn.q_proj.weight").T
+            k = xn @ W(p + "self_attn.k_proj.weight").T
+            v = xn @ W(p + "self_attn.v_proj.weight").T
             if p + "self_attn.q_proj.bias" in self.w:
-                q = q + self.W(p + "self_attn.q_proj.bias")
-                k = k + self.W(p + "self_attn.k_proj.bias")
-                v = v + self.W(p + "self_attn.v_proj.bias")
-            q = self.rope(q.reshape(n, self.H, self.d), pos)
-            k = self.rope(k.reshape(n, self.Hkv, self.d), pos)
+                q = q + W(p + "self_attn.q_proj.bias")
+                k = k + W(p + "self_attn.k_proj.bias")
+                v = v + W(p + "self_attn.v_proj.bias")
+            q, k = q.reshape(n, self.H, self.d), k.reshape(n, self.Hkv, self.d)
+            if p + "self_attn.q_norm.weight" in self.w:  # qwen3: each head normalised before RoPE
+                q = self.rmsnorm(q, W(p + "self_attn.q_norm.weight"))
+                k = self.rmsnorm(k, W(p + "self_attn.k_norm.weight"))
+            q, k = self.rope(q, pos), self.rope(k, pos)
             v = v.reshape(n, self.Hkv, self.d)
             past = np.array([cache[l][h]["k"].shape[0] for h in range(self.Hkv)])
             for h in range(self.Hkv):
@@ -98,14 +104,14 @@ class NpLlama:
                 s = np.where(vis, s, -np.inf)
                 s = np.exp(s - s.max(axis=1, keepdims=True))
                 attn[:, hq] = (s / s.sum(axis=1, keepdims=True)) @ V
-            o = attn.reshape(n, -1) @ self.W(p + "self_attn.o_proj.weight").T
+            o = attn.reshape(n, -1) @ W(p + "self_attn.o_proj.weight").T
             if hook is not None:
                 hook(l, q, attn, o, resid, past, cache)
             x = x + o
-            xn = self.rmsnorm(x, self.W(p + "post_attention_layernorm.weight"))
-            gate = xn @ self.W(p + "mlp.gate_proj.weight").T
-            up = xn @ self.W(p + "mlp.up_proj.weight").T
-            x = x + (gate / (1 + np.exp(-gate)) * up) @ self.W(p + "mlp.down_proj.weight").T
+            xn = self.rmsnorm(x, W(p + "post_attention_layernorm.weight"))
+            gate = xn @ W(p + "mlp.gate_proj.weight").T
+            up = xn @ W(p + "mlp.up_proj.weight").T
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ W(p + "mlp.down_proj.weight").T
         return x
 
     def logits(self, hidden):
