@@ -84,7 +84,7 @@ def test_gradient_norms_match_float64_finite_differences(tiny, rng):
         fd = np.linalg.norm(fd_residual_gradient(ref, cache, rep, l, p))
         worst = max(worst, abs(norms[l, p] - fd) / fd)
     print(f"{model.config['arch']}: ||dPhi/da|| vs float64 central differences: max relative error {worst:.2e}")
-    assert worst < 1e-4  # fp32 forward and backward: measured 2e-7 .. 3e-6
+    assert worst < 1e-5  # fp32 forward and backward: measured <= 5.0e-7 (7 seeds x llama, qwen3)
 
 
 def test_gradient_norms_and_scores_match_torch_autograd(tiny, rng):
@@ -101,7 +101,8 @@ def test_gradient_norms_and_scores_match_torch_autograd(tiny, rng):
     ref_scores = kvgrad_scores(ref, context_cache(ref, ids), rep, start, end, 4, ref_norms)
     score_err = np.abs(scores - ref_scores).max() / np.abs(ref_scores).max()
     print(f"{model.config['arch']}: gradient norms vs torch autograd {norm_err:.2e}, scores vs float64 {score_err:.2e}")
-    assert norm_err < 1e-4 and score_err < 1e-4  # fp32 against float64: measured <= 4e-6
+    # fp32 against float64 (7 seeds x llama, qwen3): norms <= 1.1e-6, scores <= 8.7e-7
+    assert norm_err < 1e-5 and score_err < 1e-5
 
 
 @pytest.mark.parametrize("ratio", RATIOS)

@@ -26,7 +26,9 @@ from test_kvzip_parity import hf_tokenizer_default  # noqa: E402,F401
 
 N_NEW = 10
 VARIANTS = {"RestoreKV": {}, "RestoreKV-layerwise": {"layerwise": True}, "RestoreKV+": {"kvzip_plus_normalization": True}}
-KV_RTOL = 1e-4  # restore rows' K/V: fp32 against kvpress fp32 (measured <= 4.4e-6 tiny) and against float64 (<= 1e-6)
+# restore rows' K/V, max |diff| / max |ref|: fp32 against kvpress's fp32 (measured 2.1e-6 .. 2.9e-6 tiny, 8.9e-6 on the
+# default model) and against float64 (2.2e-7 .. 9.6e-7)
+KV_RTOL = 1e-4
 
 
 def run_kvpress(hf, tok, press, adapter, ctx_ids, q_ids, n_new=N_NEW):
