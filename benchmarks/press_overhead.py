@@ -45,6 +45,8 @@ def presses_ours(ratio):
         "Compactor": k.CompactorPress(compression_ratio=ratio),
         # its own prefill: the full one, then the reconstruction forwards (kvpress: 2-3x the prefill)
         "KVzip": k.KVzipPress(compression_ratio=ratio),
+        # KVzip's reconstruction with a backward per chunk (host fp32; kvpress: 3-4x the prefill)
+        "KVgrad": k.KVgradPress(compression_ratio=ratio),
         # issue 16p (DMS: a fixed threshold on Knorm's -||k||, no ratio; KVCompose: its own replay forward)
         "Merging(SnapKV)": k.MergingPress(k.SnapKVPress(compression_ratio=ratio)),
         "Cap": k.CapPress(compression_ratio=ratio),
@@ -82,6 +84,7 @@ def presses_kvpress(ratio):
         "CUR": kp.CURPress(compression_ratio=ratio),
         "Compactor": kp.CompactorPress(compression_ratio=ratio),
         "KVzip": kp.KVzipPress(compression_ratio=ratio),
+        "KVgrad": kp.KVgradPress(compression_ratio=ratio),
         "Merging(SnapKV)": kp.MergingPress(kp.SnapKVPress(compression_ratio=ratio)),
         "Cap": kp.CapPress(compression_ratio=ratio),
         "DMS(Knorm)": kp.DMSPress(kp.KnormPress(), threshold=-9.0),
@@ -97,7 +100,7 @@ def time_ours(model, ids, press, repeat):
     best, in_press = float("inf"), 0.0
     for _ in range(repeat):
         s = model.new_session(0)
-        own = press is not None and not press.attach_to_session  # a press with its own prefill (KVzip)
+        own = press is not None and not press.attach_to_session  # a press with its own prefill (KVzip, KVgrad)
         if press is not None and not own:
             s.set_press(**press.c_config())
         t0 = time.perf_counter()
@@ -192,7 +195,7 @@ def main(argv=None):
                 hf = hf_eager if eager else hf_sdpa
                 hf_base = time_kvpress(hf, tids, None, args.repeat, eager) if eager else kv_base
                 tok = None
-                if name == "KVzip":
+                if name in ("KVzip", "KVgrad"):
                     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
                 tk = time_kvpress(hf, tids, theirs_p[name], args.repeat, eager, tok)
                 row.update(kvpress_s=tk, kvpress_overhead=tk / hf_base - 1, speedup=tk / t)

@@ -139,6 +139,8 @@ def peft_adapters(tiny):
             for plus in (False, True)}
 
 
+# the KVzip+ variant loads a second adapter (kvpress's "restorekv_plus") next to the first: PEFT warns, as it would there
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config` attribute")
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_tiny_model_restorekv_matches_kvpress(name, ratio, tiny, peft_adapters):
