@@ -68,3 +68,35 @@ def test_hub_presses_on_the_device_match_cpu(model_path, device, tmp_path, rng, 
     print(f"{kind} on {device}: mean Jaccard {np.mean(jac):.4f}, min {np.min(jac):.4f}")
     assert np.mean(jac) >= FLOORS[kind], jac
     assert np.isfinite(sd.forward(np.array([5], np.int32), logits="last")).all()
+
+
+@pytest.mark.parametrize("kind", sorted(FLOORS))
+def test_a_failed_hub_press_prefill_frees_everything(model_path, tmp_path, rng, kind):
+    """The emulated device fails each operation of the compressed prefill in turn (as a CUDA error would): every
+    failure leaves the device's memory where a reset session holds it, and the prefill that goes through keeps
+    the rows of a run without faults (Fast KVzip's scores of a failed prefill are not reused)."""
+    from kvpress_c import _core
+    dev = kvpress_c.load_model(model_path, device="emulated")
+    press = make(kind, tmp_path, dev.config, rng)
+    ids = rng.integers(3, dev.config["vocab"], 120).astype(np.int32)
+    ref, want = run(dev, press, ids)
+    s = dev.new_session()
+    s.set_press(**press.c_config())
+    press.before_prefill(s, len(ids), dev.config)
+    s.forward(ids, logits="none")  # activations and score buffers sized once: a reset session's bytes are the base
+    s.reset()
+    base = kvpress_c.memory_stats("emulated")["current"]
+    for k in range(10 ** 6):
+        _core.set_device_option("emulated", "fail_after", k)
+        try:
+            s.forward(ids, logits="none")
+            break
+        except RuntimeError as e:
+            assert "injected fault" in str(e), e
+            s.reset()
+            assert kvpress_c.memory_stats("emulated")["current"] <= base, k
+        finally:
+            _core.set_device_option("emulated", "fail_after", -1)
+    assert k > 3 * dev.config["n_layers"]  # the prefill's operations were failure points
+    c = dev.config
+    assert [[set(s.cache_positions(l, h).tolist()) for h in range(c["n_kv_heads"])] for l in range(c["n_layers"])] == want

@@ -187,3 +187,18 @@ def test_collect_query_stats_on_a_gguf_model_equals_hf_transformers(default_side
     ec = np.abs(cov - want_cov).max() / np.abs(want_cov).max()
     print(f"default model: mean rel err {em:.2e}, cov rel err {ec:.2e}")
     assert em < 1e-5 and ec < 1e-5  # dequantised GGUF weights in two engines, 30 layers: measured 2.9e-7, 1.1e-6
+
+
+def test_a_folder_kvpress_saved_in_bf16_loads(tmp_path, rng):
+    """kvpress's own producer keeps the model's dtype (bf16 on GPUs): its save_pretrained folder reads here, widened."""
+    torch = pytest.importorskip("torch")
+    stats_mod = pytest.importorskip("kvpress.presses.expected_attention_with_stats")
+    mu, cov = random_stats(rng, 2, 4, 8)
+    st = stats_mod.ExpectedAttentionStats(num_layers=2, num_heads=4, head_dim=8, dataset_name="d", model_name="m",
+                                          num_samples=1, sample_seq_len=1, n_sink=4)
+    st.query_mean.data = torch.tensor(mu).to(torch.bfloat16)
+    st.query_cov.data = torch.tensor(cov).to(torch.bfloat16)
+    st.save_pretrained(str(tmp_path / "bf16"))
+    press = kvpress_c.ExpectedAttentionStatsPress(compression_ratio=0.5, stats_folder=str(tmp_path / "bf16"))
+    np.testing.assert_array_equal(press.mu, torch.tensor(mu).to(torch.bfloat16).float().numpy())
+    np.testing.assert_array_equal(press.cov, torch.tensor(cov).to(torch.bfloat16).float().numpy())

@@ -165,3 +165,12 @@ def test_fastkvzip_needs_an_empty_session(tiny_llama, tmp_path, rng):
         s2.set_press(**press.c_config())
         s2.add_press(**kvpress_c.KnormPress(compression_ratio=0.2).c_config())
         press.before_prefill(s2, len(ids), model.config)
+
+
+def test_a_pt_file_without_torch_says_how_to_convert(tmp_path, rng, monkeypatch):
+    import sys
+    pt = tmp_path / "q2_dim16_sink16.pt"
+    pt.write_bytes(b"not read")
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails as where it is not installed
+    with pytest.raises(ValueError, match=r"torch is not installed: convert it once .*convert_gates"):
+        kvpress_c.FastKVzipPress(compression_ratio=0.5, gates_path=str(pt))
