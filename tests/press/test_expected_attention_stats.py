@@ -65,6 +65,8 @@ def test_missing_or_wrong_stats_are_clear_errors(tmp_path, rng):
         kvpress_c.ExpectedAttentionStatsPress(compression_ratio=0.5, stats_folder=str(tmp_path), sample_seq_len=0)
     # statistics of another model: refused when the press meets this one
     press = kvpress_c.ExpectedAttentionStatsPress(compression_ratio=0.5, stats_folder=write_stats(tmp_path / "ok", mu, cov))
+    with pytest.raises(ValueError, match="needs its files on a prefill session"):  # a decoding press reads no files
+        kvpress_c.DecodingPress(press, compression_interval=8, target_size=64)
     model = kvpress_c.load_model()
     s = model.new_session()
     s.set_press(**press.c_config())
