@@ -162,8 +162,8 @@ static kvc_status gate_scores(const kvc_fastkvzip *z, const kvc_backend *be, con
 /* kvpress: the first n_sink rows and a window of the last rows score 1 (the window: max(1, int(n ratio)) below
  * 32000 rows, else window_size). */
 static void protect(const kvc_fastkvzip *z, int64_t n, float *out) {
-    const int64_t w = n < 32000 ? ((int64_t)((double)n * z->window_ratio) > 1 ? (int64_t)((double)n * z->window_ratio) : 1)
-                                : z->window_size;
+    const int64_t share = (int64_t)((double)n * z->window_ratio); /* Python's int(n * ratio) */
+    const int64_t w = n < 32000 ? (share > 1 ? share : 1) : z->window_size;
     for (int32_t h = 0; h < z->Hkv; h++) {
         float *o = out + (int64_t)h * n;
         for (int64_t r = 0; r < z->n_sink && r < n; r++) o[r] = 1.0f;
