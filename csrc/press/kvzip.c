@@ -60,7 +60,8 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     const int64_t sink = t->n_sink < t->start ? t->n_sink : t->start, m = t->end - t->start;
     const int64_t ncol = sink + m + q;
     const double scale = 1.0 / sqrt((double)d);
-    const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo};
+    const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo,
+                               NULL, NULL};
     const int64_t *len = s->cache.layers[l].len;
 
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
@@ -205,16 +206,18 @@ static int by_score(const void *a, const void *b) {
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
-kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, int32_t layerwise, int32_t n_sink) {
+kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise, int32_t n_sink) {
     const kvc_config *c = &s->model->cfg;
     const int32_t L = c->n_layers, Hkv = c->n_kv_heads;
-    const int64_t n = s->pos, per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
-    if (!scores) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null scores");
-    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
-    if (n < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
-    scored_row *rows = malloc(sizeof(scored_row) * (size_t)total);
-    char *pruned = calloc((size_t)total, 1);
-    kvc_status st = rows && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+    const int64_t per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
+    for (int32_t l = 0; l < L; l++)
+        for (int32_t h = 0; h < Hkv; h++)
+            if (kvc_session_cache_len(s, l, h) != n)
+                return kvc_fail(KVC_ERR_ARG, "global eviction: layer %d head %d holds %lld rows, not the %lld scored", l, h,
+                                (long long)kvc_session_cache_len(s, l, h), (long long)n);
+    scored_row *rows = malloc(sizeof(scored_row) * (size_t)(total > 0 ? total : 1));
+    char *pruned = calloc((size_t)(total > 0 ? total : 1), 1);
+    kvc_status st = rows && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: global eviction");
     float mx = -FLT_MAX;
     for (int64_t r = 0; st == KVC_OK && r < total; r++) mx = scores[r] > mx ? scores[r] : mx;
     for (int64_t r = 0; st == KVC_OK && r < total; r++) /* the sinks rank above everything (kvpress: max + 1) */
@@ -228,7 +231,7 @@ kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, in
     }
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)n))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: global eviction");
     for (int32_t l = 0; l < L && st == KVC_OK; l++) {
         for (int32_t h = 0; h < Hkv; h++) {
             n_keep[h] = 0;
@@ -237,9 +240,17 @@ kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, in
         }
         st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
     }
-    if (st != KVC_OK) s->needs_reset = 1;
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     free(rows);
     free(pruned);
+    return st;
+}
+
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, int32_t layerwise, int32_t n_sink) {
+    if (!scores) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null scores");
+    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
+    if (s->pos < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
+    const kvc_status st = kvc_evict_lowest(s, scores, s->pos, ratio, layerwise, n_sink);
+    if (st != KVC_OK) s->needs_reset = 1;
     return st;
 }
