@@ -19,6 +19,7 @@ from .presses import CapPress, DMSPress, KVComposePress
 from .presses import BlockPress, ChunkPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
 from .presses import ThinKPress  # key channels
 from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # hub files, read from a local path
+from .presses import ExpectedAttentionStatsPress, FastKVzipPress, LUKVPress
 
 __version__ = _core.__version__
 
@@ -105,6 +106,6 @@ __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "Sc
            "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "KVgradPress", "RestoreKVPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress", "ComposedPress",
            "PerLayerCompressionPress", "BlockPress", "ChunkPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
-           "QFilterPress", "KVzapPress", "default_model_path", "core_library_path", "set_num_threads",
+           "QFilterPress", "KVzapPress", "ExpectedAttentionStatsPress", "LUKVPress", "FastKVzipPress", "default_model_path", "core_library_path", "set_num_threads",
            "DEVICES", "device_available", "device_info", "memory_stats", "cuda_available", "cuda_info",
            "cuda_memory_stats", "__version__"]

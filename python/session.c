@@ -367,6 +367,127 @@ static PyObject *Session_set_kvzap(SessionObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_query_stats(mean[L, H, d], cov[L, H, d, d]) */
+static PyObject *Session_set_query_stats(SessionObject *self, PyObject *args) {
+    PyObject *mo, *co;
+    if (!PyArg_ParseTuple(args, "OO", &mo, &co)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *m = (PyArrayObject *)PyArray_FROMANY(mo, NPY_FLOAT32, 1, 3, NPY_ARRAY_C_CONTIGUOUS);
+    if (!m) return NULL;
+    PyArrayObject *c = (PyArrayObject *)PyArray_FROMANY(co, NPY_FLOAT32, 1, 4, NPY_ARRAY_C_CONTIGUOUS);
+    if (!c) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    kvc_status st = kvc_session_set_query_stats(self->session, (const float *)PyArray_DATA(m), (const float *)PyArray_DATA(c),
+                                                (int64_t)PyArray_SIZE(m), (int64_t)PyArray_SIZE(c));
+    Py_DECREF(m);
+    Py_DECREF(c);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* set_head_ratios(prune[L, Hkv], sink, window) */
+static PyObject *Session_set_head_ratios(SessionObject *self, PyObject *args) {
+    PyObject *po;
+    int sink, window;
+    if (!PyArg_ParseTuple(args, "Oii", &po, &sink, &window)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    PyArrayObject *pr = (PyArrayObject *)PyArray_FROMANY(po, NPY_FLOAT32, 1, 2, NPY_ARRAY_C_CONTIGUOUS);
+    if (!pr) return NULL;
+    kvc_status st = kvc_session_set_head_ratios(self->session, (const float *)PyArray_DATA(pr), (int64_t)PyArray_SIZE(pr),
+                                                sink, window);
+    Py_DECREF(pr);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* set_fastkvzip(wq, bq, wk, q_norm, k_norm, k_base, b, n_groups, out_dim, n_base, n_sink=4, window_size=4096,
+ * window_ratio=0.02, layerwise=False, norm_eps=1e-6) */
+static PyObject *Session_set_fastkvzip(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"wq", "bq", "wk", "q_norm", "k_norm", "k_base", "b", "n_groups", "out_dim", "n_base",
+                             "n_sink", "window_size", "window_ratio", "layerwise", "norm_eps", NULL};
+    PyObject *o[7];
+    kvc_fastkvzip_config c = {0};
+    long long window_size = 4096;
+    int layerwise = 0;
+    c.n_sink = 4;
+    c.window_ratio = 0.02;
+    c.norm_eps = 1e-6f;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOiii|iLdpf", kwlist, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                                     &o[6], &c.n_groups, &c.out_dim, &c.n_base, &c.n_sink, &window_size, &c.window_ratio,
+                                     &layerwise, &c.norm_eps))
+        return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    c.window_size = window_size;
+    c.layerwise = layerwise;
+    kvc_config mc;
+    kvc_model_get_config(self->model->model, &mc);
+    const int64_t L = mc.n_layers, Hkv = mc.n_kv_heads, D = mc.hidden, G = c.n_groups, od = c.out_dim, nb = c.n_base;
+    const int64_t want[7] = {L * Hkv * G * od * D, L * Hkv * G * od, L * Hkv * od * D, L * od, L * od, L * Hkv * nb * od,
+                             L * Hkv * G};
+    static const char *names[7] = {"q_proj.weight", "q_proj.bias", "k_proj.weight", "q_norm.weight", "k_norm.weight",
+                                   "k_base", "b"};
+    PyArrayObject *a[7] = {NULL};
+    for (int i = 0; i < 7; i++) {
+        a[i] = (PyArrayObject *)PyArray_FROMANY(o[i], NPY_FLOAT32, 0, 0, NPY_ARRAY_C_CONTIGUOUS); /* sizes checked below */
+        if (a[i] && PyArray_SIZE(a[i]) != want[i])
+            PyErr_Format(PyExc_ValueError, "FastKVzip gate %s has %lld values, this model needs %lld", names[i],
+                         (long long)PyArray_SIZE(a[i]), (long long)want[i]);
+        if (!a[i] || PyErr_Occurred()) {
+            for (int j = 0; j <= i; j++) Py_XDECREF(a[j]);
+            return NULL;
+        }
+    }
+    c.wq = PyArray_DATA(a[0]);
+    c.bq = PyArray_DATA(a[1]);
+    c.wk = PyArray_DATA(a[2]);
+    c.q_norm = PyArray_DATA(a[3]);
+    c.k_norm = PyArray_DATA(a[4]);
+    c.k_base = PyArray_DATA(a[5]);
+    c.b = PyArray_DATA(a[6]);
+    kvc_status st = kvc_session_set_fastkvzip(self->session, &c);
+    for (int i = 0; i < 7; i++) Py_DECREF(a[i]);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* query_moments(ids, n_sink=4) -> (sum [L, H, d], outer [L, H, d, d]) float64 */
+static PyObject *Session_query_moments(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ids", "n_sink", NULL};
+    PyObject *ids_obj;
+    int n_sink = 4;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i", kwlist, &ids_obj, &n_sink)) return NULL;
+    if (kvc_py_check_session(self) < 0) return NULL;
+    kvc_config cfg;
+    kvc_model_get_config(self->model->model, &cfg);
+    PyArrayObject *ids = kvc_py_ids(ids_obj);
+    if (!ids) return NULL;
+    npy_intp dims[4] = {cfg.n_layers, cfg.n_heads, cfg.head_dim, cfg.head_dim};
+    PyArrayObject *sum = (PyArrayObject *)PyArray_ZEROS(3, dims, NPY_FLOAT64, 0);
+    PyArrayObject *outer = (PyArrayObject *)PyArray_ZEROS(4, dims, NPY_FLOAT64, 0);
+    if (!sum || !outer) {
+        Py_DECREF(ids);
+        Py_XDECREF(sum);
+        Py_XDECREF(outer);
+        return NULL;
+    }
+    kvc_status st;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvc_session_query_moments(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0), n_sink,
+                                   (double *)PyArray_DATA(sum), (double *)PyArray_DATA(outer));
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    Py_DECREF(ids);
+    if (st != KVC_OK) {
+        Py_DECREF(sum);
+        Py_DECREF(outer);
+        return kvc_py_raise(st);
+    }
+    return Py_BuildValue("(NN)", sum, outer);
+}
+
 static PyObject *Session_set_decoding_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0)) {
@@ -905,6 +1026,17 @@ static PyMethodDef Session_methods[] = {
      "set_key_filters(filters[L, Hkv, d]): Q-filter scores -<k, filter> for the attached press (QFilterPress)."},
     {"set_kvzap", (PyCFunction)Session_set_kvzap, METH_VARARGS,
      "set_kvzap(hidden_dim, w1, b1, w2=None, b2=None): KVzap scores for the attached press (KVzapPress)."},
+    {"set_query_stats", (PyCFunction)Session_set_query_stats, METH_VARARGS,
+     "set_query_stats(mean[L, H, d], cov[L, H, d, d]): given pre-RoPE query statistics for the attached\n"
+     "ExpectedAttention press (ExpectedAttentionStatsPress), in this model's channel order."},
+    {"set_head_ratios", (PyCFunction)Session_set_head_ratios, METH_VARARGS,
+     "set_head_ratios(prune[L, Hkv], sink, window): LU-KV's per-head prune ratios for the attached press's scorer."},
+    {"set_fastkvzip", (PyCFunction)(void (*)(void))Session_set_fastkvzip, METH_VARARGS | METH_KEYWORDS,
+     "set_fastkvzip(wq, bq, wk, q_norm, k_norm, k_base, b, n_groups, out_dim, n_base, n_sink=4, window_size=4096,\n"
+     "window_ratio=0.02, layerwise=False, norm_eps=1e-6): Fast KVzip gates (stacked over layers) for the attached press."},
+    {"query_moments", (PyCFunction)(void (*)(void))Session_query_moments, METH_VARARGS | METH_KEYWORDS,
+     "query_moments(ids, n_sink=4) -> (sum[L, H, d], outer[L, H, d, d]): the pre-RoPE queries after the first n_sink\n"
+     "of a forward of ids on this empty session, summed and their products summed (float64); the session is reset."},
     {"set_decoding_press", (PyCFunction)(void (*)(void))Session_set_decoding_press, METH_VARARGS | METH_KEYWORDS,
      "set_decoding_press(None) or set_decoding_press(compression_interval=..., target_size=..., ratio_target=...,\n"
      "target_compression_ratio=..., hidden_states_buffer_size=..., scorer=..., ...): compress while decoding."},

@@ -207,12 +207,43 @@ kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float
                                  const float *b2) {
     kvc_press *p = NULL;
     KVC_TRY(last_press(s, &p));
-    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size || p->key_filters)
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size || p->key_filters ||
+        p->head_prune || p->fastkvzip)
         return kvc_fail(KVC_ERR_ARG, "KVzap scores with uniform top-k per head: use it with a plain budget");
     kvc_kvzap *z = NULL;
     KVC_TRY(kvc_kvzap_new(&s->model->cfg, hidden_dim, w1, b1, w2, b2, &z));
     kvc_kvzap_free(p->kvzap);
     p->kvzap = z;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov) {
+    kvc_press *p = NULL;
+    if (!mean || !cov) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_query_stats(p, mean, cov, n_mean, n_cov, s->model->cfg.n_heads, s->model->cfg.head_dim);
+}
+
+kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink, int32_t window) {
+    kvc_press *p = NULL;
+    if (!prune) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    return kvc_press_set_head_ratios(p, prune, n, sink, window);
+}
+
+kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip_config *cfg) {
+    kvc_press *p = NULL;
+    if (!cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(last_press(s, &p));
+    if (s->press->next) /* its eviction ranks every layer's full rows at once */
+        return kvc_fail(KVC_ERR_ARG, "FastKVzip evicts over all layers at once after scoring them: use it alone, not in a chain");
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->cfg.budget > 0 || p->head_keep ||
+        p->head_prune || p->block_size || p->key_filters || p->kvzap)
+        return kvc_fail(KVC_ERR_ARG, "FastKVzip makes its own global selection from a compression_ratio: attach a plain press");
+    kvc_fastkvzip *z = NULL;
+    KVC_TRY(kvc_fastkvzip_new(&s->model->cfg, cfg, &z));
+    kvc_fastkvzip_free(p->fastkvzip);
+    p->fastkvzip = z;
     return KVC_OK;
 }
 
@@ -297,13 +328,15 @@ kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q
 kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
                                    int32_t n_sink) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
-    return kvc_kvzip_evict(s, scores, compression_ratio, layerwise, n_sink);
+    if (!(compression_ratio >= 0 && compression_ratio < 1))
+        return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", compression_ratio);
+    return kvc_kvzip_evict(s, scores, s->pos, compression_ratio, layerwise, n_sink);
 }
 
 kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx, double compression_ratio,
                                           int32_t layerwise, int32_t n_sink) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
-    return kvc_kvzip_evict_prefix(s, scores, n_ctx, compression_ratio, layerwise, n_sink);
+    return kvc_kvzip_evict(s, scores, n_ctx, compression_ratio, layerwise, n_sink);
 }
 
 /* ---- KVgrad (press/kvgrad.c), rows from embeddings (press/restorekv.c) ---- */

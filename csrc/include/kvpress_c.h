@@ -389,6 +389,47 @@ KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filt
  * b2 [L, Hkv]; exact erf GELU). Scores are computed on the host, in float64 accumulation. */
 KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
                                          const float *w2, const float *b2);
+/* ExpectedAttentionStatsPress: the attached ExpectedAttention press takes the query mean [n_layers, H, head_dim]
+ * and covariance [n_layers, H, head_dim, head_dim] (pre-RoPE, this model's channel order) as given, instead of
+ * its forward call's queries; the averaged future RoPE then rotates them as usual. */
+KVC_API kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
+                                               int64_t n_cov);
+/* LUKVPress: each KV head of a layer keeps a share given by prune[layer * Hkv + h], the fraction of its rows it
+ * prunes (a row of LU-KV's budget curve): the counts are the floors of (1 - prune) n, the rounded total's rest
+ * going to the largest fractions, each at least 1. The press's scorer ranks the rows; the first `sink` and
+ * the last `window` rows get the layer's maximum score + 1 first. */
+KVC_API kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink,
+                                               int32_t window);
+/* FastKVzipPress (arXiv 2601.17668): per layer a gate of the attention block's normed input x [n, D] scores each
+ * row for each KV head h: q = RMSNorm(x Wq^T + bq) per group g, k = RMSNorm(x Wk^T) (per-head norms over
+ * out_dim, weights q_norm, k_norm, eps norm_eps), logit_g = k.q_g / sqrt(out_dim) + b[h, g],
+ * base_{s,g} = k_base[h, s].q_g / sqrt(out_dim), score = mean_g 1 / (1 + sum_s exp(base_{s,g} - logit_g)). The
+ * first n_sink rows and a window of the last rows (max(1, int(n window_ratio)) below 32000 rows, else
+ * window_size) score 1; after the last layer, the int(L Hkv n ratio) lowest over all layers and heads go (or
+ * int(Hkv n ratio) per layer with layerwise). A prefill into an empty session; the ratio is the press's. */
+typedef struct kvc_fastkvzip_config {
+    int32_t n_groups;   /* gate queries per KV head (the file's ngroup) */
+    int32_t out_dim;    /* the gate's head dim (16) */
+    int32_t n_base;     /* k_base rows per head (the file's sink) */
+    const float *wq;    /* [L, Hkv * n_groups * out_dim, D] q_proj weight */
+    const float *bq;    /* [L, Hkv * n_groups * out_dim] q_proj bias */
+    const float *wk;    /* [L, Hkv * out_dim, D] k_proj weight */
+    const float *q_norm, *k_norm; /* [L, out_dim] RMSNorm weights */
+    const float *k_base; /* [L, Hkv, n_base, out_dim] */
+    const float *b;     /* [L, Hkv, n_groups] */
+    float norm_eps;     /* 1e-6 (Qwen3RMSNorm's default) */
+    int32_t n_sink;     /* 4 */
+    int64_t window_size;/* 4096: the window from 32000 rows on */
+    double window_ratio;/* 0.02: the window's share of shorter prompts */
+    int32_t layerwise;  /* 0: one global ranking over the layers */
+} kvc_fastkvzip_config;
+KVC_API kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip_config *cfg);
+/* Pre-RoPE query moments of a prompt, the producer of ExpectedAttentionStats: runs `ids` through the model on
+ * the (empty) session and adds, per layer and query head, the queries i >= n_sink with RoPE undone (after any
+ * q norm; this model's channel order) to sum [L, H, d] and their products to outer [L, H, d, d] (both filled
+ * in, summed across calls); the session is reset afterwards. */
+KVC_API kvc_status kvc_session_query_moments(kvc_session *s, const int32_t *ids, int64_t n, int32_t n_sink, double *sum,
+                                             double *outer);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
 /* DMSPress (kvpress; csrc/press/dms.c) is a press config with dms = 1: attached with kvc_session_set_press it

@@ -126,17 +126,29 @@ static inline void rope_pair(int32_t pairing, int32_t d, int32_t j, int32_t *a, 
     }
 }
 
-/* mu [H, d] and cov [H, d, d] (NULL: no covariance) of this call's queries i >= n_sink, RoPE undone. */
-static kvc_status query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
-                              double *mu, double *cov) {
+/* The frequencies of RoPE's pairs for this layer's rows: the model's, or from the config (no model). */
+static kvc_status layer_freqs(const kvc_layer_rows *lr, double *freq) {
+    const int32_t half = lr->mc->head_dim / 2;
+    if (lr->inv_freq) {
+        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
+        return KVC_OK;
+    }
+    float f[128];
+    KVC_TRY(kvc_kernel_rope_freqs(lr->mc, f));
+    for (int32_t j = 0; j < half; j++) freq[j] = f[j];
+    return KVC_OK;
+}
+
+/* sum [H, d] += x and outer [H, d, d] (lower triangle; NULL: none) += x x^T over this call's queries i >= n_sink
+ * with RoPE undone (x: pre-RoPE). ExpectedAttention's statistics of a call and kvc_query_moments' over a corpus. */
+static kvc_status query_sums(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
+                             double *mu, double *cov) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, d = c->head_dim, half = d / 2;
-    const int64_t qd = (int64_t)H * d, m = ctx->n - n_sink;
+    const int64_t qd = (int64_t)H * d;
     float *qt = malloc(sizeof(float) * Q_TILE * (size_t)qd);
     double *u = malloc(sizeof(double) * Q_TILE * (size_t)qd);
-    kvc_status st = qt && u ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: ExpectedAttention statistics");
-    memset(mu, 0, sizeof(double) * (size_t)qd);
-    if (cov) memset(cov, 0, sizeof(double) * (size_t)qd * d);
+    kvc_status st = qt && u ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: query statistics");
     for (int64_t i0 = n_sink; i0 < ctx->n && st == KVC_OK; i0 += Q_TILE) {
         const int64_t t = ctx->n - i0 < Q_TILE ? ctx->n - i0 : Q_TILE;
         st = lr->be->download(kvc_view_at(ctx->q, i0, 0), t, qd, qt, KVC_F32);
@@ -169,7 +181,24 @@ static kvc_status query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
     }
     free(qt);
     free(u);
-    if (st != KVC_OK) return st;
+    return st;
+}
+
+kvc_status kvc_query_moments(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *sum, double *outer) {
+    double freq[128];
+    KVC_TRY(layer_freqs(lr, freq));
+    return query_sums(lr, ctx, freq, n_sink, sum, outer);
+}
+
+/* mu [H, d] and the biased cov [H, d, d] (NULL: no covariance) of this call's queries i >= n_sink, RoPE undone. */
+static kvc_status query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
+                              double *mu, double *cov) {
+    const kvc_config *c = lr->mc;
+    const int32_t H = c->n_heads, d = c->head_dim;
+    const int64_t qd = (int64_t)H * d, m = ctx->n - n_sink;
+    memset(mu, 0, sizeof(double) * (size_t)qd);
+    if (cov) memset(cov, 0, sizeof(double) * (size_t)qd * d);
+    KVC_TRY(query_sums(lr, ctx, freq, n_sink, mu, cov));
     for (int64_t i = 0; i < qd; i++) mu[i] /= (double)m;
     for (int32_t h = 0; cov && h < H; h++) {
         const double *mh = mu + (int64_t)h * d;
@@ -178,6 +207,14 @@ static kvc_status query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
             for (int32_t b = 0; b <= a; b++) ch[a * d + b] = ch[b * d + a] = ch[a * d + b] / (double)m - mh[a] * mh[b];
     }
     return KVC_OK;
+}
+
+/* ExpectedAttentionStats: mu and cov of query head layout [H, d], [H, d, d] from the statistics the press was
+ * given (pre-RoPE, the model's channel order) instead of this call's queries. */
+static void given_stats(const kvc_layer_rows *lr, double *mu, double *cov) {
+    const int64_t qd = (int64_t)lr->mc->n_heads * lr->mc->head_dim;
+    for (int64_t i = 0; i < qd; i++) mu[i] = lr->q_mean[i];
+    for (int64_t i = 0; cov && i < qd * lr->mc->head_dim; i++) cov[i] = lr->q_cov[i];
 }
 
 /* x <- R x for the average rotation R of pairs (cbar_j, sbar_j), on one vector of d with stride. */
@@ -195,15 +232,8 @@ static void avg_rotate(int32_t pairing, int32_t d, const double *cb, const doubl
  * (ExpectedAttention, CapPress): cb[j], sb[j] = the mean cos, sin of pair j's angle; freq[j] its frequency. */
 static kvc_status future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *freq, double *cb,
                               double *sb) {
-    const kvc_config *c = lr->mc;
-    const int32_t half = c->head_dim / 2;
-    if (lr->inv_freq) {
-        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
-    } else {
-        float f[128];
-        KVC_TRY(kvc_kernel_rope_freqs(c, f));
-        for (int32_t j = 0; j < half; j++) freq[j] = f[j];
-    }
+    const int32_t half = lr->mc->head_dim / 2;
+    KVC_TRY(layer_freqs(lr, freq));
     const int64_t next = (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
     for (int32_t j = 0; j < half; j++) {
         double cs = 0, sn = 0;
@@ -221,7 +251,7 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
                                   const int64_t *len, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, ns = cfg->n_sink;
-    if (ctx->n <= ns)
+    if (ctx->n <= ns && !lr->q_mean) /* given statistics need no queries */
         return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more queries in the forward call (%lld) than n_sink (%d)",
                         (long long)ctx->n, ns);
     for (int32_t h = 0; h < Hkv; h++)
@@ -239,7 +269,8 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = mu && (cov || !cov_on) && B && T && acc && lg ? KVC_OK
                                                                  : kvc_fail(KVC_ERR_NOMEM, "out of memory: ExpectedAttention");
-    if (st == KVC_OK) st = query_stats(lr, ctx, freq, ns, mu, cov);
+    if (st == KVC_OK && lr->q_mean) given_stats(lr, mu, cov);
+    else if (st == KVC_OK) st = query_stats(lr, ctx, freq, ns, mu, cov);
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     double top = -INFINITY;
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
@@ -490,13 +521,7 @@ static kvc_status leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *
     const kvc_config *c = lr->mc;
     const int32_t Hkv = c->n_kv_heads, d = c->head_dim, half = d / 2, kk = cfg->sketch_dim;
     double freq[128];
-    if (lr->inv_freq) {
-        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
-    } else {
-        float f[128];
-        KVC_TRY(kvc_kernel_rope_freqs(c, f));
-        for (int32_t j = 0; j < half; j++) freq[j] = f[j];
-    }
+    KVC_TRY(layer_freqs(lr, freq));
     float *hf = malloc(sizeof(float) * (size_t)Hkv * d * kk), *phi = malloc(sizeof(float) * (size_t)d * kk);
     double *x = malloc(sizeof(double) * (size_t)n * d), *acc = malloc(sizeof(double) * (size_t)Hkv * n);
     float *k[KVC_MAX_KV_HEADS], *block = NULL;

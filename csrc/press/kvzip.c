@@ -108,7 +108,8 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     const kvc_config *c = &s->model->cfg;
     const int32_t l = ctx->layer, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
     const int64_t q = ctx->n, qd = (int64_t)H * d, D = c->hidden, n_ctx = t->n_ctx, m = t->end - t->start;
-    const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo};
+    const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo,
+                               NULL, NULL};
     const int64_t *len = s->cache.layers[l].len;
 
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
@@ -205,34 +206,38 @@ static int by_score(const void *a, const void *b) {
     return x->i < y->i ? -1 : x->i > y->i;
 }
 
-kvc_status kvc_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise,
-                                  int32_t n_sink) {
+/* The lowest scores of the first n rows of every (layer, KV head) go: int(numel * ratio) over all layers at
+ * once, or int(Hkv n ratio) per layer (kvpress's KVzip). The first n_sink rows rank above everything; rows
+ * after the n scored ones (RestoreKV's restore rows) always stay. Every head must hold the same rows. */
+kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise, int32_t n_sink) {
     const kvc_config *c = &s->model->cfg;
     const int32_t L = c->n_layers, Hkv = c->n_kv_heads;
-    const int64_t rows = s->pos, per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
-    if (!scores) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null scores");
+    const int64_t rows = kvc_session_cache_len(s, 0, 0), per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
+    if (!scores) return kvc_fail(KVC_ERR_ARG, "eviction: null scores");
     if (!(ratio >= 0 && ratio <= 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1], got %g", ratio);
-    if (rows < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
     if (n < 1 || n > rows)
-        return kvc_fail(KVC_ERR_ARG, "kvzip_evict: %lld scored rows, the session holds %lld", (long long)n, (long long)rows);
+        return kvc_fail(KVC_ERR_ARG, "eviction: %lld scored rows, the cache holds %lld", (long long)n, (long long)rows);
+    for (int32_t l = 0; l < L; l++)
+        for (int32_t h = 0; h < Hkv; h++)
+            if (kvc_session_cache_len(s, l, h) != rows)
+                return kvc_fail(KVC_ERR_ARG, "eviction: layer %d head %d holds %lld rows, layer 0 head 0 %lld", l, h,
+                                (long long)kvc_session_cache_len(s, l, h), (long long)rows);
     scored_row *sr = malloc(sizeof(scored_row) * (size_t)total);
     char *pruned = calloc((size_t)total, 1);
-    kvc_status st = sr && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+    kvc_status st = sr && pruned ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: eviction");
     float mx = -FLT_MAX;
     for (int64_t r = 0; st == KVC_OK && r < total; r++) mx = scores[r] > mx ? scores[r] : mx;
     for (int64_t r = 0; st == KVC_OK && r < total; r++) /* the sinks rank above everything (kvpress: max + 1) */
         sr[r] = (scored_row){r % n < n_sink ? mx + 1.0f : scores[r], r};
-    /* kvpress: int(numel * ratio) lowest over all layers, or int(Hkv n ratio) per layer */
     for (int32_t part = 0; st == KVC_OK && part < (layerwise ? L : 1); part++) {
         scored_row *p = sr + (layerwise ? part * per_layer : 0);
         const int64_t m = layerwise ? per_layer : total, k = (int64_t)((double)m * ratio);
         qsort(p, (size_t)m, sizeof *p, by_score);
         for (int64_t r = 0; r < k; r++) pruned[p[r].i] = 1;
     }
-    /* the rows after the scored ones (RestoreKV's restore rows) always stay */
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)rows))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip eviction");
+        if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)rows))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: eviction");
     kvc_backend_lock(s->be);
     for (int32_t l = 0; l < L && st == KVC_OK; l++) {
         for (int32_t h = 0; h < Hkv; h++) {
@@ -243,15 +248,16 @@ kvc_status kvc_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n
         st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
     }
     kvc_backend_unlock(s->be);
-    if (st != KVC_OK) s->needs_reset = 1;
+    if (st != KVC_OK) s->needs_reset = 1; /* some layers compacted, some not */
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     free(sr);
     free(pruned);
     return st;
 }
 
-kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double ratio, int32_t layerwise, int32_t n_sink) {
-    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
-    if (s->pos < 1) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
-    return kvc_kvzip_evict_prefix(s, scores, s->pos, ratio, layerwise, n_sink);
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, int64_t n_ctx, double ratio, int32_t layerwise,
+                           int32_t n_sink) {
+    if (s->pos < 1 || !holds_full_cache(s))
+        return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
+    return kvc_evict_lowest(s, scores, n_ctx, ratio, layerwise, n_sink);
 }

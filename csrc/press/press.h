@@ -43,6 +43,10 @@ typedef struct kvc_press {
     int32_t channel_free;     /* ThinKPress: 1 stores the kept channels only (memory freed), 0 zeroes in place */
     float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
     struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
+    float *q_mean, *q_cov;    /* [L, H, d], [L, H, d, d] ExpectedAttentionStatsPress: given query statistics, or NULL */
+    float *head_prune;        /* [L * Hkv] LUKVPress: the fraction of rows each head prunes, or NULL */
+    int32_t lukv_sink, lukv_window; /* LUKVPress: first and last rows raised to the layer's maximum + 1 */
+    struct kvc_fastkvzip *fastkvzip; /* FastKVzipPress: gate scores of every layer, evicted at the last, or NULL */
     float *dms_tail;          /* [L * Hkv * dms_window] DMSPress: the window rows' scores a prefill left unjudged */
     int64_t *dms_tail_n;      /* [L] how many (-1: no prefill yet) */
 } kvc_press;
@@ -70,6 +74,8 @@ kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_
 kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n);
 kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
 kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d);
+kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
+                                     int32_t H, int32_t d);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */
@@ -79,13 +85,26 @@ typedef struct kvc_layer_rows {
     kvc_kv *kv;
     const float *inv_freq; /* host [d/2] RoPE frequencies of the model; NULL: from mc (kvc_kernel_rope_freqs) */
     kvc_view wo;           /* the layer's o_proj weight [D, H d] (CriticalKV); buf NULL without a model */
+    const float *q_mean;   /* [H, d] given pre-RoPE query mean of this layer (ExpectedAttentionStats), or NULL */
+    const float *q_cov;    /* [H, d, d] its covariance (with q_mean) */
 } kvc_layer_rows;
 
 /* The rows of a session's layer `l` with what the scorers need of its model; kv: the session's own K/V
  * store of that layer, or another store of the same layer (BlockPress's scratch). */
 static inline kvc_layer_rows kvc_session_layer_rows(const kvc_session *s, int32_t l, kvc_kv *kv) {
     const kvc_layer_rows lr = {s->be, &s->model->cfg, kv ? kv : s->cache.layers[l].kv, s->model->rope_inv_freq,
-                               s->model->layers[l].wo};
+                               s->model->layers[l].wo, NULL, NULL};
+    return lr;
+}
+
+/* The rows of a session's layer as its press scores them: with the press's given query statistics (EAStats). */
+static inline kvc_layer_rows kvc_press_layer_rows_of(const kvc_press *p, const kvc_session *s, int32_t l) {
+    kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
+    if (p->q_mean) {
+        const size_t hd = (size_t)s->model->cfg.n_heads * s->model->cfg.head_dim;
+        lr.q_mean = p->q_mean + (size_t)l * hd;
+        lr.q_cov = p->q_cov + (size_t)l * hd * s->model->cfg.head_dim;
+    }
     return lr;
 }
 
@@ -126,6 +145,9 @@ static inline int kvc_scorer_on_host(int32_t scorer) {
 static inline int kvc_press_decides_own_budget(const kvc_press_config *cfg) { return cfg->scorer == KVC_SCORE_SIMLAYERKV; }
 kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            const int64_t *len, float *const *scores);
+/* sum [H, d] += x, outer [H, d, d] (lower triangle) += x x^T over this call's queries i >= n_sink, RoPE undone
+ * (the pre-RoPE queries ExpectedAttention's statistics are made of; kvc_session_query_moments). */
+kvc_status kvc_query_moments(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *sum, double *outer);
 /* finch.c: FinchPress's scores (the window = the question after FINCH's delimiter); SimLayerKV's window
  * attention (unnormalised) too */
 kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
@@ -185,6 +207,21 @@ void kvc_kvzap_free(kvc_kvzap *z);
 /* scores[h][r] for the n rows of this call (the layer must hold only them: past 0) */
 kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores);
 
+/* ---- lukv.c: LUKVPress (per-head keep counts from a budget curve) ---- */
+kvc_status kvc_press_set_head_ratios(kvc_press *p, const float *prune, int64_t n, int32_t sink, int32_t window);
+/* LU-KV's keep counts of Hkv heads of n rows from their prune ratios: floor of the ideal counts, the rest of the
+ * rounded total to the largest fractions (ties: the lower head), each in [1, n]. */
+void kvc_lukv_counts(const float *prune, int32_t Hkv, int64_t n, int64_t *out);
+kvc_status kvc_lukv_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
+                           const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep);
+
+/* ---- fastkvzip.c: FastKVzipPress (trained gates on the block's normed input, global eviction) ---- */
+typedef struct kvc_fastkvzip kvc_fastkvzip;
+kvc_status kvc_fastkvzip_new(const kvc_config *mc, const kvc_fastkvzip_config *cfg, kvc_fastkvzip **out);
+void kvc_fastkvzip_free(kvc_fastkvzip *z);
+/* A layer of a prefill into an empty session: its gate scores kept; at the last layer the lowest of all layers go. */
+kvc_status kvc_fastkvzip_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
+
 /* ---- merge.c: value merging on eviction (MergingPress, CAMPress; the array functions are in kvpress_c.h) ---- */
 /* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
 /* Head h's merged kept values written back (the rows a merge changed), for MergingPress and CAMPress. */
@@ -223,11 +260,14 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
 /* ---- kvzip.c ---- */
 kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
                            int32_t n_sink, int32_t plus, float *scores);
-kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
+/* The int(L Hkv n ratio) lowest of scores [L, Hkv, n] over every layer and head (layerwise: int(Hkv n ratio) of
+ * each layer) evicted, ties the lower index first, the first n_sink rows of each head ranked above everything;
+ * every head of every layer holds the same rows, the first n scored, the rest (RestoreKV's restore rows) kept;
+ * ratio in [0, 1]. */
+kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise, int32_t n_sink);
+/* The same after KVzip's scoring: the session must hold the full cache of its n_ctx context rows (and any rows after). */
+kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, int64_t n_ctx, double ratio, int32_t layerwise,
                            int32_t n_sink);
-/* The same on the first n rows of every head (scores [L, Hkv, n]); the rows after them stay; ratio in [0, 1]. */
-kvc_status kvc_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n, double compression_ratio,
-                                  int32_t layerwise, int32_t n_sink);
 /* KVzip's score of the chunk rows [start, end) from q reconstruction queries qh [q, H d] on one layer's rows k[h]
  * (the context's n_ctx rows, then the reconstruction rows): out[h, r - start] = the most, over the queries i and
  * the query heads hq of h's group, of softmax_j(qh_i k_j / sqrt(d))[r] x row_w[i] x col_w[hq, r - start] (softmax

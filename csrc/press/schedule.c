@@ -29,6 +29,10 @@ void kvc_press_free(kvc_press *p) {
     free(p->dms_tail);
     free(p->dms_tail_n);
     kvc_kvzap_free(p->kvzap);
+    free(p->q_mean);
+    free(p->q_cov);
+    free(p->head_prune);
+    kvc_fastkvzip_free(p->fastkvzip);
     kvc_press_free(p->next);
     free(p);
 }
@@ -96,7 +100,8 @@ kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_
 kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n) {
     if (n != (int64_t)p->n_layers * p->n_kv)
         return kvc_fail(KVC_ERR_ARG, "need %d head budgets (layers x KV heads), got %lld", p->n_layers * p->n_kv, (long long)n);
-    if (p->cfg.chunk_length > 0 || p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.reuse_layers > 1)
+    if (p->cfg.chunk_length > 0 || p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.reuse_layers > 1 || p->head_prune ||
+        p->fastkvzip)
         return kvc_fail(KVC_ERR_ARG, "head budgets are an allocation of their own: use a plain scorer press");
     if (!p->head_keep && !(p->head_keep = malloc(sizeof(int64_t) * (size_t)n)))
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: head budgets");
@@ -108,7 +113,7 @@ kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t
  * layer's scores, then each head's own top k on the backend. */
 static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                                      const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
-    const kvc_layer_rows lr = kvc_session_layer_rows(s, ctx->layer, NULL);
+    const kvc_layer_rows lr = kvc_press_layer_rows_of(p, s, ctx->layer);
     KVC_TRY(kvc_score_layer(&lr, ctx, cfg, kvc_press_window(cfg), len, &p->dev_scores, &p->dev_ld, scores));
     for (int32_t h = 0; h < p->n_kv; h++) {
         const int64_t k = p->head_keep[(size_t)ctx->layer * p->n_kv + h];
@@ -123,7 +128,8 @@ kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size) {
     if (block_size > 0 && sc != KVC_SCORE_KNORM && sc != KVC_SCORE_STREAMING && sc != KVC_SCORE_RANDOM)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "BlockPress scores each block from its keys alone: wrap a scorer that reads no "
                         "queries (Knorm, StreamingLLM, Random)");
-    if (block_size > 0 && (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep))
+    if (block_size > 0 && (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep ||
+                           p->head_prune || p->fastkvzip))
         return kvc_fail(KVC_ERR_ARG, "BlockPress keeps the same count in every head: use a plain scorer press");
     p->block_size = block_size;
     return KVC_OK;
@@ -175,11 +181,39 @@ kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t
     if (n != (int64_t)p->n_layers * p->n_kv * d)
         return kvc_fail(KVC_ERR_ARG, "need key filters of shape [%d layers, %d KV heads, %d], got %lld values", p->n_layers,
                         p->n_kv, d, (long long)n);
-    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size)
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size ||
+        p->head_prune || p->fastkvzip)
         return kvc_fail(KVC_ERR_ARG, "Q-filters score with uniform top-k per head: use them with a plain budget");
     if (!p->key_filters && !(p->key_filters = malloc(sizeof(float) * (size_t)n)))
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: key filters");
     memcpy(p->key_filters, filters, sizeof(float) * (size_t)n);
+    return KVC_OK;
+}
+
+kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
+                                     int32_t H, int32_t d) {
+    const int64_t nm = (int64_t)p->n_layers * H * d;
+    if (p->cfg.scorer != KVC_SCORE_EXPECTED)
+        return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: attach an ExpectedAttention press first");
+    if (n_mean != nm || n_cov != nm * d)
+        return kvc_fail(KVC_ERR_ARG, "need a query mean [%d layers, %d heads, %d] and covariance [%d, %d, %d, %d], got %lld "
+                        "and %lld values", p->n_layers, H, d, p->n_layers, H, d, d, (long long)n_mean, (long long)n_cov);
+    for (int64_t i = 0; i < n_mean; i++)
+        if (!isfinite(mean[i])) return kvc_fail(KVC_ERR_ARG, "the query mean must be finite (value %lld is not)", (long long)i);
+    for (int64_t i = 0; i < n_cov; i++)
+        if (!isfinite(cov[i])) return kvc_fail(KVC_ERR_ARG, "the query covariance must be finite (value %lld is not)", (long long)i);
+    float *m = malloc(sizeof(float) * (size_t)n_mean), *c = malloc(sizeof(float) * (size_t)n_cov);
+    if (!m || !c) {
+        free(m);
+        free(c);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: query statistics");
+    }
+    memcpy(m, mean, sizeof(float) * (size_t)n_mean);
+    memcpy(c, cov, sizeof(float) * (size_t)n_cov);
+    free(p->q_mean);
+    free(p->q_cov);
+    p->q_mean = m;
+    p->q_cov = c;
     return KVC_OK;
 }
 
@@ -303,7 +337,7 @@ static kvc_status choose(kvc_press *p, const kvc_press_config *cfg, kvc_session 
             return KVC_OK;
         }
     }
-    const kvc_layer_rows lr = kvc_session_layer_rows(s, layer, NULL);
+    const kvc_layer_rows lr = kvc_press_layer_rows_of(p, s, layer);
     KVC_TRY(kvc_press_score_select(&lr, ctx, cfg, len, p->layer_totals[layer], &p->dev_scores, &p->dev_ld, scores, keep,
                                    n_keep));
     KVC_TRY(layer_stats(p, s, ctx, len, (const float *const *)scores, w));
@@ -325,8 +359,9 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     if (p->layer_ratios) layer_cfg.compression_ratio = p->layer_ratios[ctx->layer]; /* PerLayerCompressionPress */
     const kvc_press_config *cfg = &layer_cfg;
     if (cfg->dms) return kvc_dms_prefill(p, s, ctx); /* DMSPress: its threshold, not a budget */
+    if (p->fastkvzip) return kvc_fastkvzip_layer(p, s, ctx); /* FastKVzip: all layers' scores, then one eviction */
     if (cfg->reuse_layers > 1 && ctx->layer % cfg->reuse_layers == 0) p->reuse_len = 0; /* a new group */
-    if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep && !kvc_press_decides_own_budget(cfg))
+    if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep && !p->head_prune && !kvc_press_decides_own_budget(cfg))
         return p->key_channel_ratio > 0 ? kvc_press_think(p, s, ctx) : KVC_OK;
     const int32_t Hkv = p->n_kv, layer = ctx->layer, w = kvc_press_window(cfg);
     const int64_t *len = s->cache.layers[layer].len;
@@ -348,6 +383,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     int reused = 0;
     if (st == KVC_OK) st = p->key_filters || p->kvzap ? filter_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                            : p->head_keep    ? head_budget_select(p, cfg, s, ctx, len, scores, keep, n_keep)
+                           : p->head_prune   ? kvc_lukv_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                            : p->block_size ? block_select(p, cfg, s, ctx, len, scores, keep, n_keep)
                                            : choose(p, cfg, s, ctx, len, w, scores, keep, n_keep, &reused);
     p->layer_seconds[layer] = now_seconds() - t0;

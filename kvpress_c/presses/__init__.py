@@ -52,6 +52,9 @@ from .think import ThinKPress
 from .duo_attention import DuoAttentionPress
 from .kvzap import KVzapPress
 from .qfilter import QFilterPress
+from .expected_attention_stats import ExpectedAttentionStatsPress
+from .lukv import LUKVPress
+from .fastkvzip import FastKVzipPress
 
 __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "StreamingLLMPress", "KnormPress",
            "TOVAPress", "ObservedAttentionPress", "RandomPress", "AdaKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress",
@@ -61,4 +64,4 @@ __all__ = ["BasePress", "ScorerPress", "SnapKVPress", "PyramidKVPress", "Streami
            "CapPress", "DMSPress", "KVComposePress",
            "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress",
            "ComposedPress", "PerLayerCompressionPress", "KeyRerotationPress", "BlockPress", "ChunkPress", "ThinKPress",
-           "DuoAttentionPress", "QFilterPress", "KVzapPress"]
+           "DuoAttentionPress", "QFilterPress", "KVzapPress", "ExpectedAttentionStatsPress", "LUKVPress", "FastKVzipPress"]

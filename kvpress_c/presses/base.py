@@ -109,6 +109,10 @@ class WrapperPress(BasePress):
     def budget(self):
         return self.press.budget
 
+    def before_prefill(self, session, n: int, config: dict) -> None:
+        """The wrapped press's own settings (e.g. ExpectedAttentionStatsPress's statistics) reach the session."""
+        self.press.before_prefill(session, n, config)
+
 
 @dataclass
 class ScorerPress(BasePress):

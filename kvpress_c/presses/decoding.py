@@ -14,6 +14,10 @@ def base_config(press: BasePress) -> dict:
             and not isinstance(press, ScorerPress):
         raise ValueError("a decoding press wraps a scorer press (SnapKVPress, TOVAPress, KnormPress, StreamingLLMPress, "
                          f"RandomPress), AdaKVPress or ChunkKVPress, got {press!r}")
+    inner = getattr(press, "press", press)
+    if type(inner).before_prefill is not BasePress.before_prefill:  # files set on a prefill session (filters, statistics)
+        raise ValueError(f"a decoding press scores with its base press's scorer alone: {type(inner).__name__} needs its "
+                         "files on a prefill session; use it as a prefill press (PrefillDecodingPress's prefilling_press)")
     cfg = press.c_config()
     cfg.update(compression_ratio=0.0, budget=0)
     return cfg

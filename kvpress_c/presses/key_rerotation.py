@@ -25,6 +25,7 @@ class KeyRerotationPress(WrapperPress):
 
     def before_prefill(self, session, n: int, config: dict) -> None:
         session.set_key_rerotation(True)
+        self.press.before_prefill(session, n, config)
 
     def after_prefill(self, session, n: int, config: dict) -> None:
         # kvpress's pipeline: after a re-rotated cache, positions go on from its length (cache.get_seq_length())

@@ -46,3 +46,4 @@ class PerLayerCompressionPress(BasePress):
             raise ValueError(f"compression_ratios has {len(self.compression_ratios)} values; the model has "
                              f"{config['n_layers']} layers")
         session.set_layer_ratios([float(r) for r in self.compression_ratios])
+        self.press.before_prefill(session, n, config)
