@@ -21,13 +21,21 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         header = json.loads(raw[8:8 + hlen].decode("utf-8"))
     except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file (its header is not a JSON object)")
     out, data = {}, memoryview(raw)[8 + hlen:]
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict):
+            raise ValueError(f"{path}: tensor {name!r} has no dtype/shape/data_offsets entry")
         dtype = _DTYPES.get(info.get("dtype"))
-        begin, end = info.get("data_offsets", (0, -1))
-        shape = tuple(info.get("shape", ()))
+        offsets, shape = info.get("data_offsets"), info.get("shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)
+                and isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
+            raise ValueError(f"{path}: tensor {name!r} has a malformed shape or data_offsets")
+        begin, end = offsets
+        shape = tuple(shape)
         if dtype is None:
             raise ValueError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r} (need F32, F16, BF16 or F64)")
         count = int(np.prod(shape, dtype=np.int64))

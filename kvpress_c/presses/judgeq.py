@@ -19,8 +19,8 @@ def load_soft_embeddings(source) -> np.ndarray:
         if path.endswith(".npy"):
             arr = np.load(path, allow_pickle=False)
         elif path.endswith(".safetensors"):
-            from safetensors.numpy import load_file
-            tensors = load_file(path)
+            from ._tensor_files import read_tensors
+            tensors = read_tensors(path)
             if not tensors:
                 raise ValueError(f"{path} holds no tensor")
             arr = tensors.get("soft_embeddings", next(iter(tensors.values())))

@@ -63,8 +63,8 @@ def load_kvzap(path, model_type: str):
     hid = cfg.get("hidden_dim") or 0
     if (hid > 0) != (model_type == "mlp"):
         raise ValueError(f"{path} holds a {'2-layer MLP' if hid else 'linear'} KVzap model, not model_type={model_type!r}")
-    from safetensors.numpy import load_file
-    t = load_file(files["model.safetensors"])
+    from ._tensor_files import read_tensors
+    t = read_tensors(files["model.safetensors"])
     L = cfg["n_modules"]
     names = (["layers.{}.0.weight", "layers.{}.0.bias", "layers.{}.2.weight", "layers.{}.2.bias"] if hid
              else ["layers.{}.weight", "layers.{}.bias"])

@@ -56,8 +56,8 @@ def load_q_filters(path) -> np.ndarray:
     if path.endswith(".npy"):
         f = np.load(path)
     else:
-        from safetensors.numpy import load_file
-        tensors = load_file(path)
+        from ._tensor_files import read_tensors
+        tensors = read_tensors(path)
         if "q_filters" not in tensors:
             raise ValueError(f"{path} has no tensor 'q_filters' (it holds {sorted(tensors)})")
         f = tensors["q_filters"]

@@ -4,12 +4,12 @@ import json
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
+from ._tensor_files import read_tensors
 from .kvzip import KVzipPress
 
 RESTOREKV_URL = "https://huggingface.co/higokri (repositories RestoreKV-<model>, RestoreKV-<model>_plus for KVzip+)"
@@ -120,7 +120,7 @@ def load_restorekv(path):
     missing = [f for f in files.values() if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"RestoreKV files missing: {', '.join(missing)} (get them from {RESTOREKV_URL})")
-    emb = read_safetensors(files["restore_embeddings.safetensors"])
+    emb = read_tensors(files["restore_embeddings.safetensors"])
     if "restore_embeddings" not in emb:
         raise ValueError(f"{files['restore_embeddings.safetensors']} has no tensor 'restore_embeddings' "
                          f"(it holds {', '.join(sorted(emb)) or 'nothing'})")
@@ -131,7 +131,7 @@ def load_restorekv(path):
     with open(files["adapter_config.json"]) as f:
         cfg = json.load(f)
     scale = lora_scale(cfg, files["adapter_config.json"])
-    tensors = read_safetensors(files["adapter_model.safetensors"])
+    tensors = read_tensors(files["adapter_model.safetensors"])
     pairs: dict = {}
     for key, t in tensors.items():
         m = LORA_KEY.search(key)
@@ -179,35 +179,3 @@ def lora_scale(cfg: dict, where: str) -> float:
             raise NotImplementedError(f"{where}: {key} = {cfg[key]!r} is not supported (plain LoRA on the projections "
                                       f"with one r and lora_alpha)")
     return float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
-
-
-_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "BF16": np.uint16}
-
-
-def read_safetensors(path: str) -> dict:
-    """Every tensor of a .safetensors file as float32 (F32, F64, F16, BF16)."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    if len(raw) < 8:
-        raise ValueError(f"{path} is not a safetensors file (too short)")
-    (n,) = struct.unpack("<Q", raw[:8])
-    try:
-        header = json.loads(raw[8:8 + n])
-    except ValueError:
-        raise ValueError(f"{path} is not a safetensors file (bad header)") from None
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r} (F32, F64, F16 or BF16 expected)")
-        b, e = info["data_offsets"]
-        shape = tuple(info["shape"])
-        data = np.frombuffer(raw, dtype=dtype, count=(e - b) // np.dtype(dtype).itemsize, offset=8 + n + b)
-        if data.size != int(np.prod(shape)):
-            raise ValueError(f"{path}: tensor {name!r} holds {data.size} values for shape {shape}")
-        if dtype is np.uint16:  # bfloat16: the high half of a float32
-            data = (data.astype(np.uint32) << 16).view(np.float32)
-        out[name] = data.astype(np.float32).reshape(shape)
-    return out

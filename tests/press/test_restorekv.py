@@ -277,7 +277,7 @@ def test_bad_files(tiny, tmp_path, rng):
     with pytest.raises(ValueError, match="no tensor 'restore_embeddings'"):
         kvpress_c.RestoreKVPress(compression_ratio=0.5, adapter_path=p)
     p = folder("unknown")
-    from kvpress_c.presses.restorekv import read_safetensors
+    from kvpress_c.presses._tensor_files import read_safetensors
     tensors = read_safetensors(os.path.join(p, "adapter_model.safetensors"))
     tensors["base_model.model.model.layers.0.mlp.fc1.lora_A.weight"] = np.zeros((4, 4))
     save(tensors, os.path.join(p, "adapter_model.safetensors"))

@@ -57,7 +57,7 @@ def write_restorekv(path: str, cfg: dict, rng, n_restore: int = 8, r: int = 4, a
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(conf, f)
     if dtype != "F32":  # what the files hold
-        from kvpress_c.presses.restorekv import read_safetensors
+        from kvpress_c.presses._tensor_files import read_safetensors
         t = read_safetensors(os.path.join(path, "adapter_model.safetensors"))
         lora = {k: (t[f"base_model.model.model.layers.{k[0]}.{MODULES[k[1]]}.{k[1]}.lora_A.weight"].astype(np.float64),
                     t[f"base_model.model.model.layers.{k[0]}.{MODULES[k[1]]}.{k[1]}.lora_B.weight"].astype(np.float64))
