@@ -59,6 +59,54 @@ def presses_ours(ratio):
     }
 
 
+def hub_files(folder, model, seed=0):
+    """Random files in the hub formats the presses read (kvpress_c from the paths, kvpress handed the same data):
+    query statistics, a LU-KV budget curve, Fast KVzip gates, a RestoreKV adapter; the default model's shapes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support"))
+    from hub_files import random_curve, random_gates, random_stats, write_gates, write_stats
+    from restorekv_files import write_restorekv
+    c, rng = model.config, np.random.default_rng(seed)
+    L, H, Hkv, d, D = c["n_layers"], c["n_heads"], c["n_kv_heads"], c["head_dim"], c["hidden"]
+    mu, cov = random_stats(rng, L, H, d)
+    files = {"stats": write_stats(os.path.join(folder, "stats"), mu, cov), "curve": os.path.join(folder, "curve.npy"),
+             "gates_data": random_gates(rng, L, Hkv, D, H // Hkv), "restore": os.path.join(folder, "restorekv")}
+    np.save(files["curve"], random_curve(rng, L, Hkv))
+    files["gates"] = write_gates(os.path.join(folder, "gates.npz"), files["gates_data"])
+    write_restorekv(files["restore"], c, rng)
+    return files
+
+
+HUB_PRESSES = ("ExpectedAttentionStats", "LUKV", "FastKVzip", "RestoreKV")
+
+
+def hub_presses_ours(ratio, files):
+    import kvpress_c as k
+    return {"ExpectedAttentionStats": k.ExpectedAttentionStatsPress(compression_ratio=ratio, stats_folder=files["stats"]),
+            "LUKV": k.LUKVPress(compression_ratio=ratio, curve_path=files["curve"]),
+            "FastKVzip": k.FastKVzipPress(compression_ratio=ratio, gates_path=files["gates"]),
+            "RestoreKV": k.RestoreKVPress(compression_ratio=ratio, adapter_path=files["restore"])}
+
+
+def hub_presses_kvpress(ratio, files, hf):
+    """kvpress's presses holding the same data (they would download it); RestoreKV's adapter loaded onto `hf`."""
+    import kvpress as kp
+    from hub_files import kvpress_gates
+    from kvpress_c.presses._tensor_files import read_tensors
+    out = {"ExpectedAttentionStats": kp.ExpectedAttentionStatsPress(compression_ratio=ratio, stats_folder=files["stats"]),
+           "LUKV": kp.LUKVPress(compression_ratio=ratio), "FastKVzip": kp.FastKVzipPress(compression_ratio=ratio),
+           "RestoreKV": kp.RestoreKVPress(compression_ratio=ratio)}
+    out["LUKV"]._budget_curves = np.load(files["curve"])
+    out["FastKVzip"].gates = kvpress_gates(files["gates_data"])
+    r = out["RestoreKV"]
+    import torch
+    r.restore_model_name = f"higokri/RestoreKV-{hf.config.name_or_path.split('/')[-1]}"
+    r.restore_embeddings = torch.tensor(read_tensors(os.path.join(files["restore"], "restore_embeddings.safetensors"))[
+        "restore_embeddings"])
+    hf.load_adapter(files["restore"], adapter_name=r.adapter_name)
+    hf.disable_adapters()
+    return out
+
+
 def presses_kvpress(ratio):
     import kvpress as kp
     return {
@@ -103,6 +151,7 @@ def time_ours(model, ids, press, repeat):
         own = press is not None and not press.attach_to_session  # a press with its own prefill (KVzip, KVgrad)
         if press is not None and not own:
             s.set_press(**press.c_config())
+            press.before_prefill(s, len(ids), model.config)  # files the press sets on its session (statistics, gates)
         t0 = time.perf_counter()
         if own:
             press.prefill(s, ids, {})
@@ -160,6 +209,10 @@ def main(argv=None):
     model = kvpress_c.load_model(path)
     vocab = model.config["vocab"]
     ours_p = presses_ours(args.ratio)
+    import tempfile
+    tmp = tempfile.TemporaryDirectory()
+    files = hub_files(tmp.name, model)
+    ours_p.update(hub_presses_ours(args.ratio, files))
     if args.presses:
         unknown = set(args.presses) - set(ours_p)
         if unknown:
@@ -174,6 +227,8 @@ def main(argv=None):
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32, attn_implementation=impl).eval()
         hf_sdpa, hf_eager = load("sdpa"), load("eager")
         theirs_p = presses_kvpress(args.ratio)
+        if any(name in ours_p for name in HUB_PRESSES):
+            theirs_p.update(hub_presses_kvpress(args.ratio, files, hf_sdpa))
     rows = []
     for n in args.lengths:
         ids = np.random.default_rng(n).integers(100, vocab - 100, size=n).astype(np.int32)
@@ -195,7 +250,7 @@ def main(argv=None):
                 hf = hf_eager if eager else hf_sdpa
                 hf_base = time_kvpress(hf, tids, None, args.repeat, eager) if eager else kv_base
                 tok = None
-                if name in ("KVzip", "KVgrad"):
+                if name in ("KVzip", "KVgrad", "RestoreKV"):
                     tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
                 tk = time_kvpress(hf, tids, theirs_p[name], args.repeat, eager, tok)
                 row.update(kvpress_s=tk, kvpress_overhead=tk / hf_base - 1, speedup=tk / t)
