@@ -107,6 +107,19 @@ def parity(hf, model, ids, keys, base, ratio, window):
     assert changed > 0
     assert exact > 0
     assert err < VALUE_RTOL, f"merged values differ from kvpress's by {err:.3g} (relative)"
+    if base == "Knorm" and exact < len(jac):
+        # Knorm's -||k|| at the cut can be within fp32 rounding (keys agree with HF's to ~1e-6): measured on an AVX2
+        # machine, one head of 8 of the tiny llama at 0.9 kept another row (Jaccard 0.9875); the differing rows must
+        # be near-ties of kvpress's own key norms, and the continuation is then not compared (one row changes it)
+        assert len(jac) - exact <= max(1, len(jac) // 8), f"{len(jac) - exact} heads kept other rows"
+        for l, (la, lb) in enumerate(zip(kept, theirs_kept)):
+            for h, (a, b) in enumerate(zip(la, lb)):
+                s_h = -np.linalg.norm(keys[l][h].double().numpy(), axis=-1)
+                order = np.sort(s_h)[::-1]
+                cut = order[len(b) - 1:len(b) + 1]
+                for r in a ^ b:
+                    assert np.abs(cut - s_h[r]).min() <= 1e-5 * np.abs(s_h).max(), (l, h, r, "not a near-tie of Knorm")
+        return
     assert np.mean(jac) >= 0.99, f"mean Jaccard {np.mean(jac):.4f}"
     assert out == theirs_ids, f"greedy continuation differs: {out} vs {theirs_ids}"
 
