@@ -1,4 +1,4 @@
-"""The presses of issue 16p (MergingPress, CAMPress, CapPress, DMSPress, KVComposePress) through the Pipeline: one run_many
+"""The value-merging and threshold presses (MergingPress, CAMPress, CapPress, DMSPress, KVComposePress) through the Pipeline: one run_many
 (shared prefill, batched decode) gives every press the same answers and kept rows as its own run."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""The presses of issue 16b through the Pipeline: one run_many (shared prefill, batched decode) gives every
+"""The wrapper, ThinK, DuoAttention and decoding presses through the Pipeline: one run_many (shared prefill, batched decode) gives every
 press the same answers and kept rows as its own run, and the decoding presses keep compressing while the
 answers are generated (several questions each start from the compressed context)."""
 import json

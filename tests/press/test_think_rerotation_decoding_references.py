@@ -1,4 +1,4 @@
-"""Float64 NumPy references (tests/reference/np_llama.py) for the rules issue 16b adds, on a tiny random llama
+"""Float64 NumPy references (tests/reference/np_llama.py) for ThinK, KeyRerotation and the decoding presses, on a tiny random llama
 with fresh random prompts: ThinK's channel scores and pruning, KeyRerotation's re-rotation, and the decode
 over a cache that a decoding press compacted. Ours runs in fp32: logits agree to 1e-4 x their scale (the
 existing ragged-decode reference holds the same bound; measured ~1e-6)."""
