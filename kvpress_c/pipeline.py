@@ -103,7 +103,8 @@ class Pipeline:
         per_press = [[] for _ in presses]  # per press: one (session, logits, prefill_s, n, shared) per prompt
         prompts = [list(parts[0][0])] if not query_aware else [list(c) + list(q) for c, q in parts]
         # a press acts on the prefill (prefill_part) and/or while decoding (decoding_config)
-        decoding = [p.decoding_config() if p is not None else None for p in presses]
+        # (the press, its settings): the press also hands the session what its settings cannot carry (before_decoding)
+        decoding = [(p, p.decoding_config()) if p is not None and p.decoding_config() else None for p in presses]
         presses = [p.prefill_part if p is not None else None for p in presses]
         for pi, ids in enumerate(prompts):
             q_ids = parts[pi][1] if query_aware else None
@@ -116,12 +117,14 @@ class Pipeline:
         return press is None or press.is_noop or press.compresses_full_cache(ids, question_ids) or (
             press.attach_to_session and type(press).prefill is BasePress.prefill)
 
-    def _session(self, press, record_scores: bool, decoding: Optional[dict] = None):
+    def _session(self, press, record_scores: bool, decoding: Optional[tuple] = None):
         session = self.model.new_session(0)
         if press is not None and not press.is_noop and press.attach_to_session:
             session.set_press(record_scores=record_scores, **press.c_config())
         if decoding:
-            session.set_decoding_press(**decoding)
+            owner, config = decoding
+            session.set_decoding_press(**config)
+            owner.before_decoding(session, self.model.config)
         return session
 
     def _prefill_all(self, ids, presses, record, question_ids, decoding):

@@ -367,8 +367,10 @@ static PyObject *Session_set_kvzap(SessionObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_query_stats(mean[L, H, d], cov[L, H, d, d]) */
-static PyObject *Session_set_query_stats(SessionObject *self, PyObject *args) {
+typedef kvc_status (*query_stats_fn)(kvc_session *, const float *, const float *, int64_t, int64_t);
+
+/* (mean[L, H, d], cov[L, H, d, d]) handed to fn as float32 */
+static PyObject *query_stats_call(SessionObject *self, PyObject *args, query_stats_fn fn) {
     PyObject *mo, *co;
     if (!PyArg_ParseTuple(args, "OO", &mo, &co)) return NULL;
     if (kvc_py_check_session(self) < 0) return NULL;
@@ -379,12 +381,20 @@ static PyObject *Session_set_query_stats(SessionObject *self, PyObject *args) {
         Py_DECREF(m);
         return NULL;
     }
-    kvc_status st = kvc_session_set_query_stats(self->session, (const float *)PyArray_DATA(m), (const float *)PyArray_DATA(c),
-                                                (int64_t)PyArray_SIZE(m), (int64_t)PyArray_SIZE(c));
+    kvc_status st = fn(self->session, (const float *)PyArray_DATA(m), (const float *)PyArray_DATA(c),
+                       (int64_t)PyArray_SIZE(m), (int64_t)PyArray_SIZE(c));
     Py_DECREF(m);
     Py_DECREF(c);
     if (st != KVC_OK) return kvc_py_raise(st);
     Py_RETURN_NONE;
+}
+
+static PyObject *Session_set_query_stats(SessionObject *self, PyObject *args) {
+    return query_stats_call(self, args, kvc_session_set_query_stats);
+}
+
+static PyObject *Session_set_decoding_query_stats(SessionObject *self, PyObject *args) {
+    return query_stats_call(self, args, kvc_session_set_decoding_query_stats);
 }
 
 /* set_head_ratios(prune[L, Hkv], sink, window) */
@@ -1029,6 +1039,9 @@ static PyMethodDef Session_methods[] = {
     {"set_query_stats", (PyCFunction)Session_set_query_stats, METH_VARARGS,
      "set_query_stats(mean[L, H, d], cov[L, H, d, d]): given pre-RoPE query statistics for the attached\n"
      "ExpectedAttention press (ExpectedAttentionStatsPress), in this model's channel order."},
+    {"set_decoding_query_stats", (PyCFunction)Session_set_decoding_query_stats, METH_VARARGS,
+     "set_decoding_query_stats(mean[L, H, d], cov[L, H, d, d]): the same for the decoding press (its base an\n"
+     "ExpectedAttention press): the given statistics instead of the buffered queries'."},
     {"set_head_ratios", (PyCFunction)Session_set_head_ratios, METH_VARARGS,
      "set_head_ratios(prune[L, Hkv], sink, window): LU-KV's per-head prune ratios for the attached press's scorer."},
     {"set_fastkvzip", (PyCFunction)(void (*)(void))Session_set_fastkvzip, METH_VARARGS | METH_KEYWORDS,

@@ -220,7 +220,7 @@ static kvc_layer_ctx layer_ctx(const kvc_session *s, int32_t l, int64_t n, const
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, ldq = qd + 2 * (int64_t)c->n_kv_heads * c->head_dim;
     kvc_layer_ctx ctx = {l, n, past, kvc_view_of(s->act.qkv, 0, ldq), kvc_view_of(s->act.att, 0, qd),
                          kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden), s->positions,
-                         kvc_view_of(s->act.xn, 0, c->hidden)};
+                         kvc_view_of(s->act.xn, 0, c->hidden), 0};
     return ctx;
 }
 
@@ -486,6 +486,7 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
             ctx.attn = kvc_view_at(ctx.attn, i, 0);
             ctx.o = kvc_view_at(ctx.o, i, 0);
             ctx.resid = kvc_view_at(ctx.resid, i, 0);
+            ctx.pos = s0->positions + i; /* its position, not row 0's */
             st = run_decoding(ss[i], &ctx);
         }
         if (st == KVC_OK) st = mlp_block(s0, l, B);

@@ -224,6 +224,13 @@ kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const 
     return kvc_press_set_query_stats(p, mean, cov, n_mean, n_cov, s->model->cfg.n_heads, s->model->cfg.head_dim);
 }
 
+kvc_status kvc_session_set_decoding_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
+                                                int64_t n_cov) {
+    if (!s || !mean || !cov) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!s->decoding) return kvc_fail(KVC_ERR_ARG, "no decoding press is attached to this session (set_decoding_press first)");
+    return kvc_decoding_set_query_stats(s->decoding, mean, cov, n_mean, n_cov, s->model->cfg.n_heads, s->model->cfg.head_dim);
+}
+
 kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink, int32_t window) {
     kvc_press *p = NULL;
     if (!prune) return kvc_fail(KVC_ERR_ARG, "null argument");

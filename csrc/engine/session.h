@@ -19,6 +19,7 @@ typedef struct kvc_layer_ctx {
     kvc_view resid;          /* [n, D] f32 residual stream entering the block */
     const int64_t *pos;      /* host [n] positions of this call's rows; NULL: past_len[0] + i */
     kvc_view xn;             /* [n, D] the block's normed input (buf NULL where not given) */
+    int64_t future_from;     /* ExpectedAttention's first future position; 0: the one after the last row */
 } kvc_layer_ctx;
 
 struct kvc_session;

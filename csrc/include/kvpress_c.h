@@ -394,6 +394,10 @@ KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, con
  * its forward call's queries; the averaged future RoPE then rotates them as usual. */
 KVC_API kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
                                                int64_t n_cov);
+/* The same for the session's decoding press (its base an ExpectedAttention press): the given statistics instead of
+ * the buffered queries'. */
+KVC_API kvc_status kvc_session_set_decoding_query_stats(kvc_session *s, const float *mean, const float *cov,
+                                                        int64_t n_mean, int64_t n_cov);
 /* LUKVPress: each KV head of a layer keeps a share given by prune[layer * Hkv + h], the fraction of its rows it
  * prunes (a row of LU-KV's budget curve): the counts are the floors of (1 - prune) n, the rounded total's rest
  * going to the largest fractions, each at least 1. The press's scorer ranks the rows; the first `sink` and

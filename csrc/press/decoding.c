@@ -6,7 +6,10 @@
  * states: the post-RoPE queries of the last `w` rows (w = the scorer's window; TOVA 1; 0 for scorers that
  * read no query), fetched from the backend per step, and the row counts of the buffered calls (kvpress
  * asserts the buffer is longer than the window). The compression is the prefill press's score and
- * selection (score.c, allocation.c) with budget = target, then a real compaction on the backend. */
+ * selection (score.c, allocation.c) with budget = target, then a real compaction on the backend.
+ * ExpectedAttention reads every buffered row (its query statistics; kvpress drops the buffer's first n_sink rows
+ * and averages RoPE over the positions that follow the buffer's length), so it buffers them all with their
+ * positions; ExpectedAttentionStatsPress takes given statistics instead. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,7 +41,18 @@ struct kvc_decoding {
     int64_t *cam_rows;    /* [L] rows tracked (every head holds the same) */
     int64_t *cam_events;  /* [L] merging compressions so far (the Bernoulli stream) */
     kvc_dms *dms;         /* DMSPress(decoding=True): base.dms; its own schedule (dms.c) */
+    /* ExpectedAttention: every buffered row's post-RoPE query and position, a ring per layer */
+    float **rq;           /* [L] [rq_cap][qd] */
+    int64_t **rpos;       /* [L] [rq_cap] */
+    int64_t *rq_n, *rq_head, *rq_cap;
+    float *rq_host;       /* [rq_max][qd] the rows in order, for the upload */
+    int64_t *rq_pos;      /* [rq_max] their positions */
+    int64_t rq_max;       /* rows qbuf, rq_host and rq_pos hold */
+    float *q_mean, *q_cov; /* ExpectedAttentionStats: given statistics [L, H, d], [L, H, d, d], or NULL */
 };
+
+/* Whether the base scorer reads every buffered row (ExpectedAttention's query statistics). */
+static int reads_all_rows(const kvc_press_config *b) { return b->scorer == KVC_SCORE_EXPECTED; }
 
 void kvc_decoding_config_defaults(kvc_decoding_config *c) {
     memset(c, 0, sizeof *c);
@@ -51,6 +65,7 @@ void kvc_decoding_config_defaults(kvc_decoding_config *c) {
 
 /* Query rows a compression of this scorer reads. */
 static int32_t query_rows(const kvc_press_config *b) {
+    if (reads_all_rows(b)) return 0; /* its own buffer of every row */
     return b->scorer == KVC_SCORE_TOVA ? 1 : kvc_press_window(b);
 }
 
@@ -124,6 +139,19 @@ void kvc_decoding_free(kvc_decoding *d) {
     free(d->cam_rows);
     free(d->cam_events);
     kvc_dms_free(d->dms);
+    for (int32_t l = 0; d->rq && l < d->n_layers; l++) {
+        free(d->rq[l]);
+        free(d->rpos[l]);
+    }
+    free(d->rq);
+    free(d->rpos);
+    free(d->rq_n);
+    free(d->rq_head);
+    free(d->rq_cap);
+    free(d->rq_host);
+    free(d->rq_pos);
+    free(d->q_mean);
+    free(d->q_cov);
     free(d);
 }
 
@@ -138,6 +166,10 @@ void kvc_decoding_reset(kvc_decoding *d) {
     if (d->cam_rows) memset(d->cam_rows, 0, sizeof(int64_t) * L);
     if (d->cam_events) memset(d->cam_events, 0, sizeof(int64_t) * L);
     kvc_dms_reset(d->dms);
+    if (d->rq) {
+        memset(d->rq_n, 0, sizeof(int64_t) * L);
+        memset(d->rq_head, 0, sizeof(int64_t) * L);
+    }
     d->compressions = 0;
 }
 
@@ -170,8 +202,16 @@ kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc
         d->cam_rows = calloc(L, sizeof(int64_t));
         d->cam_events = calloc(L, sizeof(int64_t));
     }
+    if (reads_all_rows(&cfg->base)) {
+        d->rq = calloc(L, sizeof(float *));
+        d->rpos = calloc(L, sizeof(int64_t *));
+        d->rq_n = calloc(L, sizeof(int64_t));
+        d->rq_head = calloc(L, sizeof(int64_t));
+        d->rq_cap = calloc(L, sizeof(int64_t));
+    }
     kvc_status st = KVC_OK;
-    if (!d->steps || !d->entry_rows || !d->n_entries || !d->entry_head || !d->q_rows || !d->q_head ||
+    if ((reads_all_rows(&cfg->base) && (!d->rq || !d->rpos || !d->rq_n || !d->rq_head || !d->rq_cap)) ||
+        !d->steps || !d->entry_rows || !d->n_entries || !d->entry_head || !d->q_rows || !d->q_head ||
         (d->w > 0 && (!d->queries || !d->window)) ||
         (cfg->cam_merge_budget > 0 && (!d->cam_attn || !d->cam_cap || !d->cam_rows || !d->cam_events)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
@@ -189,15 +229,62 @@ kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc
     return KVC_OK;
 }
 
+/* ExpectedAttention's ring of layer l grown to `need` rows (the rows re-laid from slot 0). */
+static kvc_status rows_reserve(kvc_decoding *d, int32_t l, int64_t need) {
+    if (need <= d->rq_cap[l]) return KVC_OK;
+    int64_t cap = d->rq_cap[l] > 0 ? d->rq_cap[l] : 16;
+    while (cap < need) cap *= 2;
+    float *q = malloc(sizeof(float) * (size_t)cap * (size_t)d->qd);
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)cap);
+    if (!q || !pos) {
+        free(q);
+        free(pos);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press queries");
+    }
+    for (int64_t i = 0; i < d->rq_n[l]; i++) {
+        const int64_t src = (d->rq_head[l] + i) % d->rq_cap[l];
+        memcpy(q + (size_t)i * d->qd, d->rq[l] + (size_t)src * d->qd, sizeof(float) * (size_t)d->qd);
+        pos[i] = d->rpos[l][src];
+    }
+    free(d->rq[l]);
+    free(d->rpos[l]);
+    d->rq[l] = q;
+    d->rpos[l] = pos;
+    d->rq_cap[l] = cap;
+    d->rq_head[l] = 0;
+    return KVC_OK;
+}
+
+/* The oldest k buffered rows of layer l leave with their call (ExpectedAttention). */
+static void rows_drop(kvc_decoding *d, int32_t l, int64_t k) {
+    if (!d->rq) return;
+    k = k < d->rq_n[l] ? k : d->rq_n[l];
+    if (d->rq_cap[l] > 0) d->rq_head[l] = (d->rq_head[l] + k) % d->rq_cap[l];
+    d->rq_n[l] -= k;
+}
+
+static kvc_status rows_append(kvc_decoding *d, int32_t l, const kvc_layer_ctx *ctx) {
+    KVC_TRY(rows_reserve(d, l, d->rq_n[l] + ctx->n));
+    for (int64_t i = 0; i < ctx->n; i++) {
+        const int64_t slot = (d->rq_head[l] + d->rq_n[l]) % d->rq_cap[l];
+        KVC_TRY(d->be->download(kvc_view_at(ctx->q, i, 0), 1, d->qd, d->rq[l] + (size_t)slot * d->qd, KVC_F32));
+        d->rpos[l][slot] = ctx->pos ? ctx->pos[i] : ctx->past_len[0] + i;
+        d->rq_n[l]++;
+    }
+    return KVC_OK;
+}
+
 /* This call's rows into the layer's buffers: its row count as one entry, its last query rows. */
 static kvc_status buffer_call(kvc_decoding *d, int32_t l, const kvc_layer_ctx *ctx) {
     int64_t *ring = d->entry_rows + (size_t)l * d->ne;
     if (d->n_entries[l] == d->ne) { /* drop the oldest (kvpress keeps the last buffer_size after each step) */
+        rows_drop(d, l, ring[d->entry_head[l]]);
         d->entry_head[l] = (d->entry_head[l] + 1) % d->ne;
         d->n_entries[l]--;
     }
     ring[(d->entry_head[l] + d->n_entries[l]) % d->ne] = ctx->n;
     d->n_entries[l]++;
+    if (d->rq && !d->q_mean) return rows_append(d, l, ctx);
     if (d->w == 0) return KVC_OK;
     const int64_t take = ctx->n < d->w ? ctx->n : d->w;
     float *q = d->queries + (size_t)l * d->w * d->qd;
@@ -226,6 +313,7 @@ static int64_t buffered_rows(const kvc_decoding *d, int32_t l) {
 static void trim(kvc_decoding *d, int32_t l) {
     const int64_t keep = d->ne - 1;
     while (d->n_entries[l] > keep) {
+        rows_drop(d, l, d->entry_rows[(size_t)l * d->ne + d->entry_head[l]]);
         d->entry_head[l] = (d->entry_head[l] + 1) % d->ne;
         d->n_entries[l]--;
     }
@@ -235,6 +323,64 @@ static void clear_buffers(kvc_decoding *d, int32_t l) {
     d->steps[l] = 0;
     d->n_entries[l] = d->entry_head[l] = 0;
     d->q_rows[l] = d->q_head[l] = 0;
+    if (d->rq) d->rq_n[l] = d->rq_head[l] = 0;
+}
+
+kvc_status kvc_decoding_set_query_stats(kvc_decoding *d, const float *mean, const float *cov, int64_t n_mean,
+                                        int64_t n_cov, int32_t H, int32_t hd) {
+    if (!reads_all_rows(&d->cfg.base))
+        return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: the decoding press's base is another scorer");
+    float *m = NULL, *c = NULL;
+    KVC_TRY(kvc_query_stats_dup(d->n_layers, H, hd, mean, cov, n_mean, n_cov, &m, &c));
+    free(d->q_mean);
+    free(d->q_cov);
+    d->q_mean = m;
+    d->q_cov = c;
+    return KVC_OK;
+}
+
+/* ExpectedAttention's view of the buffer: every buffered row's query and position uploaded in order (none with given
+ * statistics), the future positions from the buffer's length as kvpress counts them. */
+static kvc_status all_rows_ctx(kvc_decoding *d, int32_t l, kvc_layer_ctx *c2) {
+    const int64_t n = buffered_rows(d, l);
+    c2->future_from = n;
+    if (d->q_mean) return KVC_OK; /* the scorer reads no query */
+    if (d->rq_n[l] != n)
+        return kvc_fail(KVC_ERR_INTERNAL, "decoding press: %lld buffered query rows for %lld buffered rows",
+                        (long long)d->rq_n[l], (long long)n);
+    if (n > d->rq_max) {
+        float *h = malloc(sizeof(float) * (size_t)n * (size_t)d->qd);
+        int64_t *p = malloc(sizeof(int64_t) * (size_t)n);
+        kvc_buf *b = NULL;
+        kvc_status st = h && p ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press queries");
+        if (st == KVC_OK) {
+            kvc_backend_lock(d->be);
+            st = d->be->alloc(d->be->act_dtype, n * d->qd, KVC_MEM_ACT, "decoding press queries", &b);
+            kvc_backend_unlock(d->be);
+        }
+        if (st != KVC_OK) {
+            free(h);
+            free(p);
+            return st;
+        }
+        free(d->rq_host);
+        free(d->rq_pos);
+        if (d->qbuf) d->be->free(d->qbuf);
+        d->rq_host = h;
+        d->rq_pos = p;
+        d->qbuf = b;
+        d->rq_max = n;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t src = (d->rq_head[l] + i) % d->rq_cap[l];
+        memcpy(d->rq_host + (size_t)i * d->qd, d->rq[l] + (size_t)src * d->qd, sizeof(float) * (size_t)d->qd);
+        d->rq_pos[i] = d->rpos[l][src];
+    }
+    KVC_TRY(d->be->upload(kvc_view_of(d->qbuf, 0, d->qd), n, d->qd, d->rq_host, KVC_F32));
+    c2->q = kvc_view_of(d->qbuf, 0, d->qd);
+    c2->n = n;
+    c2->pos = d->rq_pos;
+    return KVC_OK;
 }
 
 /* ---- CAMPress (kvpress CAMPress; CaM, "CaM: Cache Merging for Memory-efficient LLMs Inference") ---- */
@@ -368,6 +514,7 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
     for (int32_t h = 0; h < Hkv && w > 0; h++)
         if (len[h] <= w)
             return kvc_fail(KVC_ERR_ARG, "a head holds %lld rows, not more than the press window (%d)", (long long)len[h], w);
+    if (d->rq) KVC_TRY(all_rows_ctx(d, l, &c2));
     if (cfg.scorer == KVC_SCORE_STREAMING)
         for (int32_t h = 0; h < Hkv; h++)
             if (len[h] <= cfg.n_sink)
@@ -380,7 +527,12 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
         keep[h] = malloc(sizeof(int64_t) * (size_t)len[h]);
         if (!scores[h] || !keep[h]) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
     }
-    const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
+    kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
+    if (d->q_mean) { /* ExpectedAttentionStats */
+        const size_t hd = (size_t)s->model->cfg.n_heads * s->model->cfg.head_dim;
+        lr.q_mean = d->q_mean + (size_t)l * hd;
+        lr.q_cov = d->q_cov + (size_t)l * hd * s->model->cfg.head_dim;
+    }
     if (st == KVC_OK && d->cfg.cam_merge_budget > 0) {
         st = cam_select_merge(d, &lr, &c2, &cfg, len, target, scores, keep, n_keep);
         if (st != KVC_OK) s->cache.compactions++; /* kept rows may hold merged values already: no undoing the call */

@@ -76,6 +76,9 @@ kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
 kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d);
 kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
                                      int32_t H, int32_t d);
+/* A checked copy of given query statistics (mean [L, H, d], cov [L, H, d, d], finite). */
+kvc_status kvc_query_stats_dup(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
+                               int64_t n_cov, float **m_out, float **c_out);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */
@@ -251,6 +254,9 @@ void kvc_decoding_free(kvc_decoding *d);
 /* Counters and buffers back to the start (a session reset). */
 void kvc_decoding_reset(kvc_decoding *d);
 int64_t kvc_decoding_count(const kvc_decoding *d);
+/* ExpectedAttentionStatsPress as a decoding press's base: its given statistics instead of the buffered queries'. */
+kvc_status kvc_decoding_set_query_stats(kvc_decoding *d, const float *mean, const float *cov, int64_t n_mean,
+                                        int64_t n_cov, int32_t H, int32_t hd);
 /* After the attention of layer ctx->layer in a forward call that is not the session's first. */
 kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx);
 

@@ -190,14 +190,12 @@ kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t
     return KVC_OK;
 }
 
-kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
-                                     int32_t H, int32_t d) {
-    const int64_t nm = (int64_t)p->n_layers * H * d;
-    if (p->cfg.scorer != KVC_SCORE_EXPECTED)
-        return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: attach an ExpectedAttention press first");
+kvc_status kvc_query_stats_dup(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
+                               int64_t n_cov, float **m_out, float **c_out) {
+    const int64_t nm = (int64_t)L * H * d;
     if (n_mean != nm || n_cov != nm * d)
         return kvc_fail(KVC_ERR_ARG, "need a query mean [%d layers, %d heads, %d] and covariance [%d, %d, %d, %d], got %lld "
-                        "and %lld values", p->n_layers, H, d, p->n_layers, H, d, d, (long long)n_mean, (long long)n_cov);
+                        "and %lld values", L, H, d, L, H, d, d, (long long)n_mean, (long long)n_cov);
     for (int64_t i = 0; i < n_mean; i++)
         if (!isfinite(mean[i])) return kvc_fail(KVC_ERR_ARG, "the query mean must be finite (value %lld is not)", (long long)i);
     for (int64_t i = 0; i < n_cov; i++)
@@ -210,6 +208,17 @@ kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const floa
     }
     memcpy(m, mean, sizeof(float) * (size_t)n_mean);
     memcpy(c, cov, sizeof(float) * (size_t)n_cov);
+    *m_out = m;
+    *c_out = c;
+    return KVC_OK;
+}
+
+kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
+                                     int32_t H, int32_t d) {
+    if (p->cfg.scorer != KVC_SCORE_EXPECTED)
+        return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: attach an ExpectedAttention press first");
+    float *m = NULL, *c = NULL;
+    KVC_TRY(kvc_query_stats_dup(p->n_layers, H, d, mean, cov, n_mean, n_cov, &m, &c));
     free(p->q_mean);
     free(p->q_cov);
     p->q_mean = m;

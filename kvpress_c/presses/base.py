@@ -92,6 +92,9 @@ class BasePress:
         """Settings of the press that compresses while decoding (Session.set_decoding_press), or None."""
         return None
 
+    def before_decoding(self, session, config: dict) -> None:
+        """Called after the decoding press is set on the session (Session.set_decoding_press), before the prefill."""
+
     @property
     def is_noop(self) -> bool:
         cfg = self.c_config()

@@ -15,7 +15,8 @@ def base_config(press: BasePress) -> dict:
         raise ValueError("a decoding press wraps a scorer press (SnapKVPress, TOVAPress, KnormPress, StreamingLLMPress, "
                          f"RandomPress), AdaKVPress or ChunkKVPress, got {press!r}")
     inner = getattr(press, "press", press)
-    if type(inner).before_prefill is not BasePress.before_prefill:  # files set on a prefill session (filters, statistics)
+    if type(inner).before_prefill is not BasePress.before_prefill and not hasattr(inner, "engine_stats"):
+        # files set on a prefill session (filters, surrogate models); ExpectedAttentionStats's statistics do reach it
         raise ValueError(f"a decoding press scores with its base press's scorer alone: {type(inner).__name__} needs its "
                          "files on a prefill session; use it as a prefill press (PrefillDecodingPress's prefilling_press)")
     cfg = press.c_config()
@@ -36,7 +37,9 @@ class DecodingPress(BasePress):
     min(compression_interval, hidden_states_buffer_size + 1) > window_size. Differs from kvpress on one
     point: kvpress rotates every buffered query with the current token's RoPE angles (it reuses the step's
     position embeddings); here each keeps its own position, as in a prefill. TOVA, Knorm, StreamingLLM
-    and Random do not depend on it.
+    and Random do not depend on it. ExpectedAttention estimates the queries from every buffered row after
+    its first n_sink (so min(compression_interval, hidden_states_buffer_size + 1) > n_sink), with kvpress's
+    future positions (from the buffer's length); ExpectedAttentionStatsPress brings its statistics instead.
     """
     base_press: BasePress = None
     compression_interval: int = 512
@@ -52,6 +55,13 @@ class DecodingPress(BasePress):
         check_int("compression_interval", self.compression_interval, minimum=1)
         check_int("target_size", self.target_size, minimum=1)
         check_int("hidden_states_buffer_size", self.hidden_states_buffer_size, minimum=0)
+        inner = getattr(self.base_press, "press", self.base_press)
+        rows = min(self.compression_interval, self.hidden_states_buffer_size + 1)
+        if type(inner).__name__ == "ExpectedAttentionPress" and rows <= inner.n_sink:
+            # its statistics drop the buffer's first n_sink rows (kvpress would average nothing: NaN scores)
+            raise ValueError(f"DecodingPress(ExpectedAttentionPress) estimates the queries from the buffered rows after "
+                             f"the first n_sink={inner.n_sink}: min(compression_interval, hidden_states_buffer_size + 1) "
+                             f"= {rows} must exceed n_sink (raise them, or lower n_sink)")
 
     @property
     def prefill_part(self):
@@ -63,3 +73,8 @@ class DecodingPress(BasePress):
     def decoding_config(self) -> dict:
         return dict(base_config(self.base_press), compression_interval=self.compression_interval,
                     target_size=self.target_size, hidden_states_buffer_size=self.hidden_states_buffer_size)
+
+    def before_decoding(self, session, config: dict) -> None:
+        inner = getattr(self.base_press, "press", self.base_press)
+        if hasattr(inner, "engine_stats"):  # ExpectedAttentionStatsPress: its statistics, not the buffered queries'
+            session.set_decoding_query_stats(*inner.engine_stats(config))

@@ -47,6 +47,10 @@ class ExpectedAttentionStatsPress(ExpectedAttentionPress):
         self.mu, self.cov = load_query_stats(self.stats_folder)
 
     def before_prefill(self, session, n: int, config: dict) -> None:
+        session.set_query_stats(*self.engine_stats(config))
+
+    def engine_stats(self, config: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, cov) float32 in the engine's channel order for this model (checked against its shape)."""
         want = (config["n_layers"], config["n_heads"], config["head_dim"])
         if self.mu.shape != want:
             raise ValueError(f"the query statistics in {self.stats_folder} are for {self.mu.shape[0]} layers x "
@@ -56,7 +60,7 @@ class ExpectedAttentionStatsPress(ExpectedAttentionPress):
         if config.get("rope_pairing") == "adjacent":  # GGUF q channels: HF channel i at 2i, i + d/2 at 2i + 1
             order = _gguf_order(mu.shape[-1])
             mu, cov = mu[..., order], cov[..., order, :][..., order]
-        session.set_query_stats(np.ascontiguousarray(mu, np.float32), np.ascontiguousarray(cov, np.float32))
+        return np.ascontiguousarray(mu, np.float32), np.ascontiguousarray(cov, np.float32)
 
 
 ExpectedAttentionStatsPress.__doc__ = ExpectedAttentionStatsPress.__doc__.format(url=STATS_URL)

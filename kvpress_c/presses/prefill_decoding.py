@@ -32,3 +32,7 @@ class PrefillDecodingPress(BasePress):
 
     def decoding_config(self):
         return self.decoding_press.decoding_config() if self.decoding_press is not None else None
+
+    def before_decoding(self, session, config: dict) -> None:
+        if self.decoding_press is not None:
+            self.decoding_press.before_decoding(session, config)

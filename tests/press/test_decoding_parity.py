@@ -8,7 +8,9 @@ indices its compress takes (`scores.topk(n_kept)`, the same call on the same sco
 row -> original position list, which every step extends by the new token. Ours come from
 `session.cache_positions`.
 
-Base presses: Knorm, StreamingLLM and TOVA. SnapKV is not compared here: kvpress rotates every buffered
+Base presses: Knorm, StreamingLLM, TOVA and ExpectedAttention (its statistics from the buffered rows, kvpress's
+future positions counted from the buffer's length), and ExpectedAttentionStatsPress (given statistics, files this
+test writes). SnapKV is not compared here: kvpress rotates every buffered
 decoding query with the current step's RoPE angles (it reuses the step's position embeddings), while we
 keep each query's own position (kvpress_c/presses/decoding.py); the device test covers it instead.
 """
@@ -23,14 +25,18 @@ import kvpress_c  # noqa: E402
 
 INTERVAL = 8
 N_STEPS = 3 * INTERVAL + 2  # three compressions, then two more steps
-BASES = ["Knorm", "StreamingLLM", "TOVA"]
+BASES = ["Knorm", "StreamingLLM", "TOVA", "ExpectedAttention"]
+STATS = {}  # the tiny model's ExpectedAttentionStats folder (the `stats_folder` fixture)
 JACCARD_MIN = {0.5: 0.99, 0.9: 0.98}  # 0.9 keeps 12-20 tokens per head: one tie costs 0.05-0.13 of a head
 TIE_TOL = 1e-5  # a differing position must be within this (x the largest |score|) of kvpress's cut (measured: exact
 #                 ties of repeated tokens' key norms at layer 0, |gap| ~1e-7)
 
 
 def base(lib, name):
-    return {"Knorm": lib.KnormPress, "StreamingLLM": lib.StreamingLLMPress, "TOVA": lib.TOVAPress}[name]()
+    if name == "ExpectedAttentionStats":
+        return lib.ExpectedAttentionStatsPress(stats_folder=STATS["folder"])
+    return {"Knorm": lib.KnormPress, "StreamingLLM": lib.StreamingLLMPress, "TOVA": lib.TOVAPress,
+            "ExpectedAttention": lib.ExpectedAttentionPress}[name]()
 
 
 def make(lib, kind, name, n, ratio):
@@ -112,6 +118,7 @@ def run_ours(model, press, ids):
     if press.prefill_part is not None:
         s.set_press(**press.prefill_part.c_config())
     s.set_decoding_press(**press.decoding_config())
+    press.before_decoding(s, model.config)
     logits = s.forward(np.asarray(ids, np.int32), logits="last")
     s.set_press(None)
     L, Hkv = model.config["n_layers"], model.config["n_kv_heads"]
@@ -197,6 +204,17 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("kind", ["decoding", "ratio"])
 def test_tiny_model_decoding_matches_kvpress(tiny, kind, name, ratio):
     parity(*tiny, kind, name, ratio)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+@pytest.mark.parametrize("kind", ["decoding", "ratio"])
+def test_tiny_model_decoding_expected_attention_stats_matches_kvpress(tiny, tmp_path, rng, kind, ratio):
+    """Given statistics (random, in kvpress's folder format) through both libraries' DecodingPress: the buffered
+    queries are not read, the future positions follow the buffer's length on both sides."""
+    from hub_files import random_stats, write_stats
+    c = tiny[1].config
+    STATS["folder"] = write_stats(tmp_path / "stats", *random_stats(rng, c["n_layers"], c["n_heads"], c["head_dim"]))
+    parity(*tiny, kind, "ExpectedAttentionStats", ratio)
 
 
 @pytest.mark.parametrize("ratio", [0.5, 0.9])

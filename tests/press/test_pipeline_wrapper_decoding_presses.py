@@ -57,3 +57,52 @@ def test_decoding_press_through_several_questions(default_model, prompt):
     both = pipe(context, questions=qs, press=press, max_new_tokens=30)
     alone = [pipe(context, q, press=press, max_new_tokens=30).answers[0] for q in qs]
     assert both.answers == alone
+
+
+def test_decoding_press_with_given_statistics_through_the_pipeline(default_model, prompt, tmp_path):
+    """DecodingPress(ExpectedAttentionStatsPress): the Pipeline hands each session the statistics (before_decoding),
+    alone and in run_many; they change what is kept against ExpectedAttention's own buffered queries."""
+    from hub_files import random_stats, write_stats
+    context, question = prompt
+    c = default_model.config
+    folder = write_stats(tmp_path / "stats", *random_stats(np.random.default_rng(3), c["n_layers"], c["n_heads"],
+                                                           c["head_dim"]))
+    calls = []
+
+    class Spy(K.DecodingPress):
+        def before_decoding(self, session, config):
+            calls.append(session)
+            super().before_decoding(session, config)
+
+    kw = dict(compression_interval=6, target_size=120)
+    given = Spy(K.ExpectedAttentionStatsPress(stats_folder=folder), **kw)
+    own = K.DecodingPress(K.ExpectedAttentionPress(), **kw)
+    pipe = K.Pipeline(default_model)
+    alone = pipe(context, question, press=given, max_new_tokens=24)
+    assert len(calls) == 1
+    many = pipe.run_many(context, question, presses=[given, own], max_new_tokens=24)
+    assert len(calls) == 2
+    assert many[0].answers == alone.answers
+    assert many[1].answers == pipe(context, question, press=own, max_new_tokens=24).answers
+    # the same session steps with and without the statistics keep different rows
+    ids = np.asarray(default_model.encode(context)[:200], np.int32)
+    kept = []
+    for press in (given, own):
+        s = default_model.new_session()
+        s.set_decoding_press(**press.decoding_config())
+        press.before_decoding(s, c)
+        s.forward(ids, logits="last")
+        for t in range(12):
+            s.forward(np.array([ids[t]], np.int32), logits="last")
+        assert s.decoding_compressions > 0
+        kept.append([s.cache_positions(l, 0) for l in range(c["n_layers"])])
+    assert any(not np.array_equal(a, b) for a, b in zip(*kept))
+
+
+def test_decoding_expected_attention_needs_more_rows_than_n_sink():
+    with pytest.raises(ValueError, match="must exceed n_sink"):
+        K.DecodingPress(K.ExpectedAttentionPress(n_sink=4), compression_interval=4)
+    with pytest.raises(ValueError, match="must exceed n_sink"):
+        K.CompressionRatioDecodingPress(K.ExpectedAttentionPress(), compression_interval=8, hidden_states_buffer_size=2)
+    K.DecodingPress(K.ExpectedAttentionPress(n_sink=4), compression_interval=5)
+    K.DecodingPress(K.ExpectedAttentionPress(n_sink=0), compression_interval=1, hidden_states_buffer_size=0)
