@@ -4,9 +4,10 @@
  * bits + nibbles, (q - 16) d; Q5_1 d, m, fifth bits, nibbles, q d + m; Q8_0 d + 32 int8, q d. In the
  * nibble bytes, byte j holds element j (low) and j + 16 (high); fifth bit e is bit e of the u32.
  *
- * Every block's integer sum is sum(u * qa) over unsigned weight codes u (0..31, or q + 128 for Q8_0),
- * so one instruction serves all types (VNNI vpdpbusd: u8 x s8 -> s32); the code's offset (-8, -16,
- * -128) or Q4_1/Q5_1's m comes back through the activation block's s = d * sum(qa). */
+ * Every block's integer sum is sum(u * qa) over unsigned weight codes u (0..31), so one instruction
+ * serves all types (kvc_dpbusd, qsimd.h: VNNI's vpdpbusd or AVX2's pair); the code's offset (-8, -16)
+ * or Q4_1/Q5_1's m comes back through the activation block's s = d * sum(qa). Q8_0's codes are signed
+ * (kvc_dot_s8). */
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -17,10 +18,7 @@
 #include "../../model/gguf.h"
 #include "cpu.h"
 #include "quant.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
-#define KVC_QSIMD 1
-#endif
+#include "qsimd.h"
 
 #define MIN_PAR_BYTES (1 << 16) /* below this many weight bytes a GEMV runs on one thread */
 
@@ -77,7 +75,7 @@ const void *kvc_cpu_wrow_blocks(kvc_wmat w, int64_t j, int64_t b0, int64_t nb, v
 static inline float half(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#if defined(KVC_QSIMD)
+#if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
     return kvc_f16_to_f32(h);
@@ -87,7 +85,7 @@ static inline float half(const uint8_t *p) {
 /* ---- activations -------------------------------------------------------------------------------- */
 
 void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out) {
-#if defined(KVC_QSIMD)
+#if KVC_QSIMD == 512
     /* the same arithmetic 16 lanes at a time: x * (1 / d) in fp32, cvtps2dq rounds half to even */
     const __m512 sign = _mm512_set1_ps(-0.f);
     for (int64_t b = 0; b < k / 32; b++) {
@@ -100,6 +98,33 @@ void kvc_cpu_quantize_q8(const float *x, int64_t k, kvc_q8row out) {
         _mm_storeu_si128((__m128i *)(out.q + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
         out.d[b] = d;
         out.s[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+    return;
+#elif KVC_QSIMD == 256
+    /* 8 lanes at a time; the four int32 vectors pack to bytes in the order (0,4,1,5,2,6,3,7) of 4-byte
+     * pieces, which the permute puts back */
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0);
+    for (int64_t b = 0; b < k / 32; b++) {
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(out.q + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        out.d[b] = d;
+        out.s[b] = d * (float)_mm_cvtsi128_si32(s4);
     }
     return;
 #endif
@@ -159,7 +184,7 @@ static float qdot_ref(int32_t t, const uint8_t *w, kvc_q8row a, int64_t nb) {
     return acc;
 }
 
-/* ---- AVX-512 VNNI ------------------------------------------------------------------------------- */
+/* ---- SIMD (qsimd.h: AVX-512 VNNI or AVX2) --------------------------------------------------------- */
 #if defined(KVC_QSIMD)
 
 static inline __m256i nibbles(const uint8_t *qs) { /* 16 bytes -> 32 codes: low nibbles, then high */
@@ -169,18 +194,22 @@ static inline __m256i nibbles(const uint8_t *qs) { /* 16 bytes -> 32 codes: low 
 static inline __m256i fifth(__m256i u, const uint8_t *qh) { /* OR in 16 where bit e of the u32 is set */
     uint32_t h;
     memcpy(&h, qh, 4);
+#if KVC_QSIMD == 512
     return _mm256_or_si256(u, _mm256_maskz_mov_epi8((__mmask32)h, _mm256_set1_epi8(16)));
+#else /* byte e takes byte e / 8 of h, then tests bit e % 8 */
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                                     0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+#endif
 }
 
-/* One type's loop: per block one vpdpbusd (unsigned codes x int8 activations), a conversion and an FMA
- * with the block's scale product; the offset term (m - bias d_w) s_a goes to a scalar. Two blocks in
- * flight. (Measured alternatives, no faster here: 16 blocks' scales as vectors through a gather, and
- * four accumulator chains.) CODES(b) yields block b's 32 codes, HAS_M whether the type has an m (at
- * byte 2), BIAS the code bias. */
-#define QDOT_BLOCK(acc, b, qa, dd)                                                                     \
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(dd),                                                          \
-                          _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), CODES(b),      \
-                                                                 _mm256_loadu_si256((const __m256i *)(qa)))), acc)
+/* One type's loop: per block one integer dot (DOT(b, qa): 8 lanes of 4-product sums), a conversion and
+ * an FMA with the block's scale product; the offset term (m - bias d_w) s_a goes to a scalar. Two blocks
+ * in flight. (Measured alternatives on AVX-512, no faster: 16 blocks' scales as vectors through a
+ * gather, and four accumulator chains.) HAS_M: whether the type has an m (at byte 2), BIAS the code bias. */
+#define QDOT_BLOCK(acc, b, qa, dd) acc = _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(DOT(b, qa)), acc)
 #define QDOT_OFF(HAS_M, BIAS, b, d0, sa) (((HAS_M) ? half((b) + 2) : 0.f) - (float)(BIAS) * (d0)) * (sa)
 #define QDOT_LOOP(HAS_M, BIAS)                                                                         \
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                     \
@@ -191,45 +220,47 @@ static inline __m256i fifth(__m256i u, const uint8_t *qh) { /* OR in 16 where bi
         const float d0 = half(b0), d1 = half(b1);                                                      \
         QDOT_BLOCK(acc0, b0, a.q + i * 32, d0 * a.d[i]);                                               \
         QDOT_BLOCK(acc1, b1, a.q + i * 32 + 32, d1 * a.d[i + 1]);                                      \
-        off += QDOT_OFF(HAS_M, BIAS, b0, d0, a.s[i]) + QDOT_OFF(HAS_M, BIAS, b1, d1, a.s[i + 1]);                                \
+        off += QDOT_OFF(HAS_M, BIAS, b0, d0, a.s[i]) + QDOT_OFF(HAS_M, BIAS, b1, d1, a.s[i + 1]);      \
     }                                                                                                  \
     for (; i < nb; i++) {                                                                              \
         const uint8_t *b0 = w + i * BB;                                                                \
         const float d0 = half(b0);                                                                     \
         QDOT_BLOCK(acc0, b0, a.q + i * 32, d0 * a.d[i]);                                               \
-        off += QDOT_OFF(HAS_M, BIAS, b0, d0, a.s[i]);                                                             \
+        off += QDOT_OFF(HAS_M, BIAS, b0, d0, a.s[i]);                                                  \
     }                                                                                                  \
-    const __m256 s = _mm256_add_ps(acc0, acc1);                                                        \
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));                     \
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                                            \
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h))) + off;
+    return kvc_hsum8(_mm256_add_ps(acc0, acc1)) + off;
 
-#define C_Q4_0(b) nibbles((b) + 2)
-#define C_Q4_1(b) nibbles((b) + 4)
-#define C_Q5_0(b) fifth(nibbles((b) + 6), (b) + 2)
-#define C_Q5_1(b) fifth(nibbles((b) + 8), (b) + 4)
-#define C_Q8_0(b) _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)((b) + 2)), _mm256_set1_epi8((char)0x80))
+#define LOADQ(qa) _mm256_loadu_si256((const __m256i *)(qa))
+#define U_DOT(codes, qa) kvc_dpbusd(_mm256_setzero_si256(), codes, LOADQ(qa))
+#define D_Q4_0(b, qa) U_DOT(nibbles((b) + 2), qa)
+#define D_Q4_1(b, qa) U_DOT(nibbles((b) + 4), qa)
+#define D_Q5_0(b, qa) U_DOT(fifth(nibbles((b) + 6), (b) + 2), qa)
+#define D_Q5_1(b, qa) U_DOT(fifth(nibbles((b) + 8), (b) + 4), qa)
+#define D_Q8_0(b, qa) kvc_dot_s8(LOADQ((b) + 2), LOADQ(qa))
 
-#define CODES C_Q4_0
+#define DOT D_Q4_0
 static float qdot_q4_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 18 }; QDOT_LOOP(0, 8) }
-#undef CODES
-#define CODES C_Q4_1
+#undef DOT
+#define DOT D_Q4_1
 static float qdot_q4_1(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 20 }; QDOT_LOOP(1, 0) }
-#undef CODES
-#define CODES C_Q5_0
+#undef DOT
+#define DOT D_Q5_0
 static float qdot_q5_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 22 }; QDOT_LOOP(0, 16) }
-#undef CODES
-#define CODES C_Q5_1
+#undef DOT
+#define DOT D_Q5_1
 static float qdot_q5_1(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 24 }; QDOT_LOOP(1, 0) }
-#undef CODES
-#define CODES C_Q8_0
-static float qdot_q8_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 34 }; QDOT_LOOP(0, 128) }
-#undef CODES
+#undef DOT
+#define DOT D_Q8_0
+static float qdot_q8_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 34 }; QDOT_LOOP(0, 0) }
+#undef DOT
 
+#endif
+
+#if KVC_QSIMD == 512
 /* 16 packed rows (one group, g) against activation row a: lane r = row r's sum. Per block: the codes
  * of the 16 rows in 64-byte pieces against 4 activation bytes broadcast (vpdpbusd), then in float
  * sum_r += d_r (d_a isum_r - bias s_a) (+ m_r s_a for Q4_1), the 16 d_r (m_r) one 32-byte load. */
-static inline __attribute__((always_inline)) __m512 qgroup(int32_t t, const uint8_t *g, kvc_q8row a, int64_t nb) {
+static inline __attribute__((always_inline)) void qgroup(int32_t t, const uint8_t *g, kvc_q8row a, int64_t nb, float *out) {
     const int q8 = t == GGML_T_Q8_0, hm = t == GGML_T_Q4_1;
     const size_t bb = q8 ? 34 : hm ? 20 : 18, h = hm ? 4 : 2;
     const float bias = q8 ? 128.f : hm ? 0.f : 8.f;
@@ -260,27 +291,63 @@ static inline __attribute__((always_inline)) __m512 qgroup(int32_t t, const uint
         acc = _mm512_fmadd_ps(d, dot, acc);
         if (hm) macc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + 32))), _mm512_set1_ps(a.s[b]), macc);
     }
-    return _mm512_add_ps(acc, macc);
+    _mm512_storeu_ps(out, _mm512_add_ps(acc, macc));
 }
 
+#elif KVC_QSIMD == 256
+/* The same with AVX2: the 16 rows as two 8-lane halves (rows 0-7 are bytes 0-31 of each 64-byte piece,
+ * rows 8-15 bytes 32-63). A nibble block's byte products are summed in int16 over the whole block (8
+ * vpmaddubsw, each lane |u qa + u' qa'| <= 2 15 127, so |sum| <= 30480: no overflow) and widened once;
+ * Q8_0's signed codes take kvc_dot_s8 per piece. */
+static inline __attribute__((always_inline)) void qgroup(int32_t t, const uint8_t *g, kvc_q8row a, int64_t nb, float *out) {
+    const int q8 = t == GGML_T_Q8_0, hm = t == GGML_T_Q4_1;
+    const size_t bb = q8 ? 34 : hm ? 20 : 18, h = hm ? 4 : 2;
+    const float bias = t == GGML_T_Q4_0 ? 8.f : 0.f;
+    const __m256i f = _mm256_set1_epi8(15);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *run = g + b * KVC_QG * bb, *qs = run + h * KVC_QG;
+        int32_t a4[8];
+        memcpy(a4, a.q + b * 32, 32);
+        const __m256 da = _mm256_set1_ps(a.d[b]), off = _mm256_set1_ps(-bias * a.s[b]);
+        for (int hf = 0; hf < 2; hf++) {
+            __m256i s = _mm256_setzero_si256();
+            if (q8) {
+                for (int c = 0; c < 8; c++)
+                    s = _mm256_add_epi32(s, kvc_dot_s8(LOADQ(qs + c * 64 + hf * 32), _mm256_set1_epi32(a4[c])));
+            } else {
+                for (int c = 0; c < 4; c++) { /* low nibbles: codes 4c.., high: 16 + 4c.. */
+                    const __m256i v = LOADQ(qs + c * 64 + hf * 32);
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(v, f), _mm256_set1_epi32(a4[c])));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), f),
+                                                                 _mm256_set1_epi32(a4[c + 4])));
+                }
+                s = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + 16 * hf)));
+            acc[hf] = _mm256_fmadd_ps(d, _mm256_fmadd_ps(da, _mm256_cvtepi32_ps(s), off), acc[hf]);
+            if (hm)
+                macc[hf] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + 32 + 16 * hf))),
+                                           _mm256_set1_ps(a.s[b]), macc[hf]);
+        }
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc[0], macc[0]));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(acc[1], macc[1]));
+}
 #endif
 
 /* Group g of packed rows against m <= KVC_QG activation rows: out[i * KVC_QG + r] for row g KVC_QG + r.
- * The reference (and builds without VNNI) copies each block back to the file's layout for qdot_ref,
+ * The reference (and builds without SIMD) copies each block back to the file's layout for qdot_ref,
  * summing in qdot_ref's order. */
 static void qgroup_rows(kvc_wmat w, int64_t g, const kvc_q8row *a, int64_t m, int64_t nb, int ref, float *out) {
 #if defined(KVC_QSIMD)
     if (!ref) {
         const uint8_t *base = (const uint8_t *)w.p + (size_t)g * KVC_QG * w.row_bytes;
-        for (int64_t i = 0; i < m; i++) {
-            __m512 r;
-            switch (w.type) {
-            case GGML_T_Q4_0: r = qgroup(GGML_T_Q4_0, base, a[i], nb); break;
-            case GGML_T_Q4_1: r = qgroup(GGML_T_Q4_1, base, a[i], nb); break;
-            default: r = qgroup(GGML_T_Q8_0, base, a[i], nb); break;
+        for (int64_t i = 0; i < m; i++) switch (w.type) { /* one specialised copy per type */
+            case GGML_T_Q4_0: qgroup(GGML_T_Q4_0, base, a[i], nb, out + i * KVC_QG); break;
+            case GGML_T_Q4_1: qgroup(GGML_T_Q4_1, base, a[i], nb, out + i * KVC_QG); break;
+            default: qgroup(GGML_T_Q8_0, base, a[i], nb, out + i * KVC_QG); break;
             }
-            _mm512_storeu_ps(out + i * KVC_QG, r);
-        }
         return;
     }
 #endif
@@ -306,15 +373,16 @@ int kvc_cpu_wdecode_panel(kvc_wmat w, int64_t j0, int nr, int64_t c0, int64_t kc
     if (!w.packed || j0 % KVC_QG || nr % KVC_QG || j0 + nr > w.rows / KVC_QG * KVC_QG) return 0;
     const int q8 = w.type == GGML_T_Q8_0, hm = w.type == GGML_T_Q4_1;
     const size_t bb = ggml_block_bytes(w.type), h = hm ? 4 : 2;
-    const __m512i f = _mm512_set1_epi32(15);
-    const __m512 bias = _mm512_set1_ps(w.type == GGML_T_Q4_0 ? 8.f : 0.f);
     for (int g = 0; g < nr / KVC_QG; g++) {
         const uint8_t *grp = (const uint8_t *)w.p + (size_t)((j0 / KVC_QG + g) * KVC_QG) * w.row_bytes;
         for (int64_t b = c0 / 32; b < (c0 + kc) / 32; b++) {
             const uint8_t *run = grp + (size_t)b * KVC_QG * bb, *qs = run + h * KVC_QG;
+            float *out = bp + (b * 32 - c0) * ldb + g * KVC_QG;
+#if KVC_QSIMD == 512
+            const __m512i f = _mm512_set1_epi32(15);
+            const __m512 bias = _mm512_set1_ps(w.type == GGML_T_Q4_0 ? 8.f : 0.f);
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)run));
             const __m512 m = hm ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(run + 32))) : _mm512_setzero_ps();
-            float *out = bp + (b * 32 - c0) * ldb + g * KVC_QG;
             for (int c = 0; c < (q8 ? 8 : 4); c++) {
                 const __m512i v = _mm512_loadu_si512(qs + c * 64);
                 for (int t = 0; t < 4; t++) {
@@ -329,6 +397,29 @@ int kvc_cpu_wdecode_panel(kvc_wmat w, int64_t j0, int nr, int64_t c0, int64_t kc
                     }
                 }
             }
+#else /* the same per half group: rows 0-7 (bytes 0-31 of a piece) and 8-15 (bytes 32-63) */
+            const __m256i f = _mm256_set1_epi32(15);
+            const __m256 bias = _mm256_set1_ps(w.type == GGML_T_Q4_0 ? 8.f : 0.f);
+            for (int hf = 0; hf < 2; hf++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + 16 * hf)));
+                const __m256 m = hm ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(run + 32 + 16 * hf))) : _mm256_setzero_ps();
+                float *o = out + 8 * hf;
+                for (int c = 0; c < (q8 ? 8 : 4); c++) {
+                    const __m256i v = LOADQ(qs + c * 64 + 32 * hf);
+                    for (int t = 0; t < 4; t++) {
+                        if (q8) {
+                            const __m256 x = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * t), 24));
+                            _mm256_storeu_ps(o + (4 * c + t) * ldb, _mm256_mul_ps(d, x));
+                        } else {
+                            const __m256 lo = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t), f)), bias);
+                            const __m256 hi = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * t + 4), f)), bias);
+                            _mm256_storeu_ps(o + (4 * c + t) * ldb, _mm256_fmadd_ps(d, lo, m));
+                            _mm256_storeu_ps(o + (16 + 4 * c + t) * ldb, _mm256_fmadd_ps(d, hi, m));
+                        }
+                    }
+                }
+            }
+#endif
         }
     }
     return 1;
@@ -365,6 +456,18 @@ void kvc_cpu_wdecode(int32_t t, const void *w, int64_t c0, int64_t nc, float *ds
             const __m256i x = _mm256_loadu_si256((const __m256i *)(h + i));
             _mm512_storeu_ps(dst + i, t == GGML_T_F16 ? _mm512_cvtph_ps(x)
                                                       : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)));
+        }
+        for (; i < nc; i++) dst[i] = t == GGML_T_F16 ? kvc_f16_to_f32(h[i]) : kvc_bf16_to_f32(h[i]);
+        return;
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    if (t == GGML_T_F16 || t == GGML_T_BF16) {
+        const uint16_t *h = (const uint16_t *)w + c0;
+        int64_t i = 0;
+        for (; i + 8 <= nc; i += 8) {
+            const __m128i x = _mm_loadu_si128((const __m128i *)(h + i));
+            _mm256_storeu_ps(dst + i, t == GGML_T_F16 ? _mm256_cvtph_ps(x)
+                                                      : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
         }
         for (; i < nc; i++) dst[i] = t == GGML_T_F16 ? kvc_f16_to_f32(h[i]) : kvc_bf16_to_f32(h[i]);
         return;
@@ -421,6 +524,16 @@ static float dot_h16(const float *x, const uint16_t *h, int64_t k, int bf16) {
     }
 #undef WIDEN
     s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define WIDEN(i) (bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(h + (i)))), 16)) \
+                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + (i)))))
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; p + 16 <= k; p += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + p), WIDEN(p), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + p + 8), WIDEN(p + 8), a1);
+    }
+#undef WIDEN
+    s = kvc_hsum8(_mm256_add_ps(a0, a1));
 #endif
     for (; p < k; p++) s += x[p] * (bf16 ? kvc_bf16_to_f32(h[p]) : kvc_f16_to_f32(h[p]));
     return s;

@@ -15,10 +15,7 @@
 #include "../../model/gguf.h"
 #include "cpu.h"
 #include "quant.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
-#define KVC_KSIMD 1
-#endif
+#include "qsimd.h"
 
 static inline float half_k(const uint8_t *p) {
     uint16_t h;
@@ -81,14 +78,8 @@ static float q6_k_ref(const uint8_t *w, kvc_q8row a, int64_t nsb) {
     return acc;
 }
 
-/* ---- AVX-512 VNNI (256-bit lanes: one activation block per vpdpbusd) ------------------------------ */
-#if defined(KVC_KSIMD)
-
-static inline float hsum8(__m256 v) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
+/* ---- SIMD (qsimd.h: 256-bit lanes, one activation block per kvc_dpbusd; codes <= 63) ------------- */
+#if defined(KVC_QSIMD)
 
 static float q4_k_simd(const uint8_t *w, kvc_q8row a, int64_t nsb) {
     const __m256i f = _mm256_set1_epi8(15);
@@ -103,16 +94,16 @@ static float q4_k_simd(const uint8_t *w, kvc_q8row a, int64_t nsb) {
             scale_min(b + 4, 2 * c + 1, &sc1, &m1);
             const int64_t ib = 8 * s + 2 * c;
             const __m256i v = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-            const __m256i i0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(v, f),
+            const __m256i i0 = kvc_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(v, f),
                                                    _mm256_loadu_si256((const __m256i *)(a.q + 32 * ib)));
-            const __m256i i1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v, 4), f),
+            const __m256i i1 = kvc_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v, 4), f),
                                                    _mm256_loadu_si256((const __m256i *)(a.q + 32 * ib + 32)));
             acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc0 * a.d[ib]), _mm256_cvtepi32_ps(i0), acc0);
             acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc1 * a.d[ib + 1]), _mm256_cvtepi32_ps(i1), acc1);
             off += dmin * ((float)m0 * a.s[ib] + (float)m1 * a.s[ib + 1]);
         }
     }
-    return hsum8(_mm256_add_ps(acc0, acc1)) - off;
+    return kvc_hsum8(_mm256_add_ps(acc0, acc1)) - off;
 }
 
 static float q6_k_simd(const uint8_t *w, kvc_q8row a, int64_t nsb) {
@@ -134,8 +125,8 @@ static float q6_k_simd(const uint8_t *w, kvc_q8row a, int64_t nsb) {
                 const int64_t ib = 8 * s + 4 * n + g;
                 const __m256i qa = _mm256_loadu_si256((const __m256i *)(a.q + 32 * ib));
                 /* per lane (4 values): sum u qa - 32 sum qa; lanes 0-3 the first 16 values, 4-7 the rest */
-                const __m256i isum = _mm256_sub_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, qa),
-                                                      _mm256_dpbusd_epi32(_mm256_setzero_si256(), c32, qa));
+                const __m256i isum = _mm256_sub_epi32(kvc_dpbusd(_mm256_setzero_si256(), u, qa),
+                                                      kvc_dpbusd(_mm256_setzero_si256(), c32, qa));
                 const int j = 8 * n + 2 * g;
                 const __m256i scv = _mm256_set_m128i(_mm_set1_epi32(sc[j + 1]), _mm_set1_epi32(sc[j]));
                 const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(isum, scv));
@@ -144,7 +135,7 @@ static float q6_k_simd(const uint8_t *w, kvc_q8row a, int64_t nsb) {
             }
         }
     }
-    return hsum8(_mm256_add_ps(acc0, acc1));
+    return kvc_hsum8(_mm256_add_ps(acc0, acc1));
 }
 
 #endif
@@ -153,7 +144,7 @@ int kvc_cpu_wtype_kint8(int32_t t) { return t == GGML_T_Q4_K || t == GGML_T_Q6_K
 
 float kvc_cpu_qdot_k(int32_t t, const void *w, kvc_q8row a, int64_t k, int ref) {
     const int64_t nsb = k / 256;
-#if defined(KVC_KSIMD)
+#if defined(KVC_QSIMD)
     if (!ref) return t == GGML_T_Q4_K ? q4_k_simd(w, a, nsb) : q6_k_simd(w, a, nsb);
 #endif
     (void)ref;
