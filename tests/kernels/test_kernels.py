@@ -284,7 +284,7 @@ def run_attention(rng, n, H, Hkv, d, past, q_scale=1.0):
     return out, attention_ref(q, ks, vs, past, np.float32(scale))
 
 
-# (n, H, Hkv, d): decode (n=1, n<=4), prefill with n below and above the key tile (64) and the query
+# (n, H, Hkv, d): decode (n=1, n<=4), prefill with n below and above the key tile (128) and the query
 # tile, GQA groups 1, 3, 4 (and 32: more query heads than rows per task), head_dim 64, 128, 80, 256
 ATTN_CASES = [(1, 9, 3, 64), (1, 8, 2, 128), (3, 12, 3, 128), (4, 32, 1, 64), (5, 12, 3, 128), (37, 4, 4, 64),
               (130, 9, 3, 64), (200, 8, 2, 128), (70, 32, 1, 128), (65, 6, 3, 80), (20, 2, 1, 256)]

@@ -32,8 +32,8 @@
 #include "../../core/backend.h"
 #include "cpu.h"
 
-#define TK 64        /* keys per tile */
-#define ROWS_MAX 64  /* query rows per prefill task */
+#define TK 128       /* keys per tile */
+#define ROWS_MAX 128 /* query rows per prefill task */
 #define QBUF 8192    /* floats of the per-task Q and O buffers: rows x d <= QBUF */
 #define DMAX 256     /* head_dim limit (checked by kvc_kernel_attention) */
 #define DECODE_N 4   /* up to this many queries: the split-keys decode path */
@@ -65,6 +65,22 @@ static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *
             vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mk, p));
         }
         sum = _mm512_reduce_add_ps(vsum);
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= tk; j += 8) {
+            const __m256 p = kvc_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+            _mm256_storeu_ps(s + j, p);
+            vsum = _mm256_add_ps(vsum, p);
+        }
+        for (; j < tk; j++) {
+            s[j] = s[j] - mx < -87.3f ? 0.f : expf(s[j] - mx);
+            sum += s[j];
+        }
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        sum += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #else
         for (int j = 0; j < tk; j++) s[j] -= mx;
         kvc_vexp(s, s, tk);
