@@ -65,9 +65,13 @@ def test_missing_or_wrong_stats_are_clear_errors(tmp_path, rng):
         kvpress_c.ExpectedAttentionStatsPress(compression_ratio=0.5, stats_folder=str(tmp_path), sample_seq_len=0)
     # statistics of another model: refused when the press meets this one
     press = kvpress_c.ExpectedAttentionStatsPress(compression_ratio=0.5, stats_folder=write_stats(tmp_path / "ok", mu, cov))
-    with pytest.raises(ValueError, match="needs its files on a prefill session"):  # a decoding press reads no files
-        kvpress_c.DecodingPress(press, compression_interval=8, target_size=64)
     model = kvpress_c.load_model()
+    # the same check when a decoding press hands them to its session (DecodingPress.before_decoding)
+    dec = kvpress_c.DecodingPress(press, compression_interval=8, target_size=64)
+    s = model.new_session()
+    s.set_decoding_press(**dec.decoding_config())
+    with pytest.raises(ValueError, match="2 layers x 4 heads x head dim 8; this model has 30 x 9 x 64"):
+        dec.before_decoding(s, model.config)
     s = model.new_session()
     s.set_press(**press.c_config())
     with pytest.raises(ValueError, match="2 layers x 4 heads x head dim 8; this model has 30 x 9 x 64"):
