@@ -330,13 +330,7 @@ kvc_status kvc_decoding_set_query_stats(kvc_decoding *d, const float *mean, cons
                                         int64_t n_cov, int32_t H, int32_t hd) {
     if (!reads_all_rows(&d->cfg.base))
         return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: the decoding press's base is another scorer");
-    float *m = NULL, *c = NULL;
-    KVC_TRY(kvc_query_stats_dup(d->n_layers, H, hd, mean, cov, n_mean, n_cov, &m, &c));
-    free(d->q_mean);
-    free(d->q_cov);
-    d->q_mean = m;
-    d->q_cov = c;
-    return KVC_OK;
+    return kvc_query_stats_set(d->n_layers, H, hd, mean, cov, n_mean, n_cov, &d->q_mean, &d->q_cov);
 }
 
 /* ExpectedAttention's view of the buffer: every buffered row's query and position uploaded in order (none with given

@@ -76,9 +76,10 @@ kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
 kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d);
 kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
                                      int32_t H, int32_t d);
-/* A checked copy of given query statistics (mean [L, H, d], cov [L, H, d, d], finite). */
-kvc_status kvc_query_stats_dup(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
-                               int64_t n_cov, float **m_out, float **c_out);
+/* A checked copy of given query statistics (mean [L, H, d], cov [L, H, d, d], finite) into *m_slot, *c_slot,
+ * replacing (freeing) what they held; on failure they are left as they were. */
+kvc_status kvc_query_stats_set(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
+                               int64_t n_cov, float **m_slot, float **c_slot);
 
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */

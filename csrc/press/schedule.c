@@ -190,8 +190,8 @@ kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t
     return KVC_OK;
 }
 
-kvc_status kvc_query_stats_dup(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
-                               int64_t n_cov, float **m_out, float **c_out) {
+kvc_status kvc_query_stats_set(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
+                               int64_t n_cov, float **m_slot, float **c_slot) {
     const int64_t nm = (int64_t)L * H * d;
     if (n_mean != nm || n_cov != nm * d)
         return kvc_fail(KVC_ERR_ARG, "need a query mean [%d layers, %d heads, %d] and covariance [%d, %d, %d, %d], got %lld "
@@ -208,8 +208,10 @@ kvc_status kvc_query_stats_dup(int32_t L, int32_t H, int32_t d, const float *mea
     }
     memcpy(m, mean, sizeof(float) * (size_t)n_mean);
     memcpy(c, cov, sizeof(float) * (size_t)n_cov);
-    *m_out = m;
-    *c_out = c;
+    free(*m_slot);
+    free(*c_slot);
+    *m_slot = m;
+    *c_slot = c;
     return KVC_OK;
 }
 
@@ -217,13 +219,7 @@ kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const floa
                                      int32_t H, int32_t d) {
     if (p->cfg.scorer != KVC_SCORE_EXPECTED)
         return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: attach an ExpectedAttention press first");
-    float *m = NULL, *c = NULL;
-    KVC_TRY(kvc_query_stats_dup(p->n_layers, H, d, mean, cov, n_mean, n_cov, &m, &c));
-    free(p->q_mean);
-    free(p->q_cov);
-    p->q_mean = m;
-    p->q_cov = c;
-    return KVC_OK;
+    return kvc_query_stats_set(p->n_layers, H, d, mean, cov, n_mean, n_cov, &p->q_mean, &p->q_cov);
 }
 
 /* KVzapPress: the surrogate model's scores of this call's rows (host), uploaded, each head's top k. */

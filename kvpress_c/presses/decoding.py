@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from .. import _core
 from .base import BasePress, ScorerPress, check_int
+from .expected_attention import ExpectedAttentionPress
 
 
 def base_config(press: BasePress) -> dict:
@@ -57,7 +58,8 @@ class DecodingPress(BasePress):
         check_int("hidden_states_buffer_size", self.hidden_states_buffer_size, minimum=0)
         inner = getattr(self.base_press, "press", self.base_press)
         rows = min(self.compression_interval, self.hidden_states_buffer_size + 1)
-        if type(inner).__name__ == "ExpectedAttentionPress" and rows <= inner.n_sink:
+        reads_queries = isinstance(inner, ExpectedAttentionPress) and not hasattr(inner, "engine_stats")
+        if reads_queries and rows <= inner.n_sink:
             # its statistics drop the buffer's first n_sink rows (kvpress would average nothing: NaN scores)
             raise ValueError(f"DecodingPress(ExpectedAttentionPress) estimates the queries from the buffered rows after "
                              f"the first n_sink={inner.n_sink}: min(compression_interval, hidden_states_buffer_size + 1) "

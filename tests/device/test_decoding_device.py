@@ -20,13 +20,6 @@ BASES = {"knorm": kvpress_c.KnormPress(), "streaming": kvpress_c.StreamingLLMPre
          "expected_attention": kvpress_c.ExpectedAttentionPress()}
 
 
-@pytest.fixture(params=["emulated", "cuda"])
-def device(request):
-    if request.param == "cuda" and not kvpress_c.cuda_available():
-        pytest.skip("no CUDA backend")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_random_llama(str(tmp_path_factory.mktemp("dec")), layers=2, hidden=128, heads=4, kv_heads=2,

@@ -23,29 +23,13 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import ALLOCATIONS as A, DEVICES, SCORERS as S, CError, check, lib, press_compute, press_config
+from capi import ALLOCATIONS as A, DEVICES, SCORERS as S, CError, check, lib, press_compute, press_config, why_no_cuda
 from random_llama import LLAMA31_8B, llama31_8b_dir, write_llama31_bf16, write_random_llama
 
 HAS_CUDA = kvpress_c.cuda_available()
 BF16_EPS = 2.0 ** -8
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason=why_no_cuda() or "no CUDA backend")
 
-
-def _why_no_cuda() -> str:
-    try:
-        kvpress_c.device_info("cuda")
-        return ""
-    except RuntimeError as e:
-        return str(e)
-
-
-@pytest.fixture(params=["emulated", "cuda"])
-def device(request):
-    if request.param == "cuda" and not HAS_CUDA:
-        pytest.skip(_why_no_cuda() or "no CUDA backend")
-    return request.param
-
-
-needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason=_why_no_cuda() or "no CUDA backend")
 
 def bf16(x):
     """Round to the nearest bf16 (ties to even), returned as float32: what the device computes on."""
@@ -787,7 +771,7 @@ def test_a_device_load_holds_no_host_copy_of_the_weights(tmp_path):
 def llama8b():
     """(path, model on the GPU): the bf16 8B-shaped folder (16 GB, random_llama.llama31_8b_dir())."""
     if not HAS_CUDA:
-        pytest.skip(_why_no_cuda())
+        pytest.skip(why_no_cuda())
     path = write_llama31_bf16(llama31_8b_dir())
     return path, kvpress_c.load_model(path, device="cuda")
 

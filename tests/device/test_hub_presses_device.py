@@ -12,13 +12,6 @@ from hub_files import random_curve, random_gates, random_stats, write_gates, wri
 from random_llama import write_random_llama
 
 
-@pytest.fixture(params=["emulated", "cuda"])
-def device(request):
-    if request.param == "cuda" and not kvpress_c.cuda_available():
-        pytest.skip("no CUDA backend")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_random_llama(str(tmp_path_factory.mktemp("hub_dev")), layers=3, hidden=256, heads=4, kv_heads=2,

@@ -11,13 +11,6 @@ from random_llama import write_random_llama
 from restorekv_files import write_restorekv
 
 
-@pytest.fixture(params=["emulated", "cuda"])
-def device(request):
-    if request.param == "cuda" and not kvpress_c.cuda_available():
-        pytest.skip("no CUDA backend")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_random_llama(str(tmp_path_factory.mktemp("kvgrad_dev")), layers=2, hidden=128, heads=4, kv_heads=2,

@@ -15,13 +15,6 @@ from random_llama import write_random_llama
 BF16 = 2.0 ** -8  # relative rounding of a bf16 store
 
 
-@pytest.fixture(params=["emulated", "cuda"])
-def device(request):
-    if request.param == "cuda" and not kvpress_c.cuda_available():
-        pytest.skip("no CUDA backend")
-    return request.param
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_random_llama(str(tmp_path_factory.mktemp("merge_dev")), layers=2, hidden=128, heads=4, kv_heads=2,

@@ -29,6 +29,7 @@ kvpress = pytest.importorskip("kvpress")
 
 import kvpress_c  # noqa: E402
 from press_reference import adakv_protect  # noqa: E402
+from hub_files import match_rows  # noqa: E402  (also imported from here by the other parity tests)
 
 RATIOS = [0.5, 0.9]  # 0.9: the regime of evaluations (budget 128 of a few thousand tokens)
 N_NEW = 12          # greedy tokens compared
@@ -124,17 +125,6 @@ def same_sketch(name, seed=SKETCH_SEED):
 
 
 # -- kvpress side --------------------------------------------------------------------------------------
-
-def match_rows(comp_keys, full_keys):
-    """Positions of the compressed cache's rows in the full cache: [Hkv, kept, d] vs [Hkv, n, d]."""
-    out = []
-    for h in range(full_keys.shape[0]):
-        dist = torch.cdist(comp_keys[h], full_keys[h], compute_mode="donot_use_mm_for_euclid_dist")
-        best = dist.min(dim=1)
-        assert float(best.values.max()) <= 1e-5 * float(full_keys[h].abs().max()), "compressed rows must be full-cache rows"
-        out.append(set(best.indices.tolist()))
-    return out
-
 
 def run_kvpress(hf, press, ids, full_keys, n_new=N_NEW):
     """kvpress prefill with `press` on `ids`; returns (kept [L][Hkv] sets, scores [L] float64 [Hkv, n],

