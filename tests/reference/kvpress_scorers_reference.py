@@ -96,7 +96,7 @@ def non_causal_attn_scores(q, K, V, chunk=256):
     rows, logits q.k unscaled; the last chunk padded with zero rows whose keys get logit -1e-9 (kvpress's
     mask value) and whose queries see 0 on the real keys; column sums, group mean, times ||v||, a
     3-row average (zeros outside), z-normalised over the layer (unbiased std)."""
-    n, _, d = q.shape
+    n, H, d = q.shape
     Hkv = K.shape[0]
     g = H // Hkv
     A = np.zeros((Hkv, n))
@@ -317,7 +317,7 @@ def entropy_gated_chunk_keep(scores, chunk, low, budget):
 
 def cap_scores(q, K, V, n_sink=4, n_future=512, tau=5.0, epsilon=1e-6, theta=10000.0):
     """CapPress (CAPKV): q [n, H, d] this call's queries (post-RoPE, the last n rows of K), K, V [Hkv, length, d]."""
-    n, _, d = q.shape
+    n, H, d = q.shape
     Hkv, length, _ = K.shape
     g, past = H // Hkv, length - n
     u = np.stack([np.einsum("ij,hj->hi", rope_matrix(past + i, d, theta).T, q[i]) for i in range(n_sink, n)])
