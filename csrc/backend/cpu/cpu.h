@@ -80,10 +80,16 @@ typedef __mmask16 vmask;
 #define V_MASK(n) ((__mmask16)((n) >= 16 ? 0xFFFF : (n) <= 0 ? 0 : (1u << (n)) - 1))
 #define V_LOAD(p) _mm512_loadu_ps(p)
 #define V_LOADM(p, mk) _mm512_maskz_loadu_ps(mk, p)
+#define V_STORE(p, v) _mm512_storeu_ps(p, v)
 #define V_STOREM(p, mk, v) _mm512_mask_storeu_ps(p, mk, v)
 #define V_BCAST(p) _mm512_set1_ps(*(p))
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_SUB(a, b) _mm512_sub_ps(a, b)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_MAX(a, b) _mm512_max_ps(a, b)
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_EXP(x) kvc_exp512(x)
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
 #else
 typedef __m256 vf;
@@ -94,10 +100,16 @@ typedef __m256i vmask;
 #define V_ZERO() _mm256_setzero_ps()
 #define V_LOAD(p) _mm256_loadu_ps(p)
 #define V_LOADM(p, mk) _mm256_maskload_ps(p, mk)
+#define V_STORE(p, v) _mm256_storeu_ps(p, v)
 #define V_STOREM(p, mk, v) _mm256_maskstore_ps(p, mk, v)
 #define V_BCAST(p) _mm256_broadcast_ss(p)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_SUB(a, b) _mm256_sub_ps(a, b)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_MAX(a, b) _mm256_max_ps(a, b)
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_EXP(x) kvc_exp256(x)
 static inline float kvc_hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -111,6 +123,9 @@ static inline float kvc_hsum256(__m256 v) {
  * Overwrites C when accumulate == 0. Reads no B column >= nr (safe at the end of a buffer). */
 void kvc_cpu_ukr(int mr, int nr, int64_t kc, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
                  int64_t ldc, int accumulate);
+/* The same with A stored transposed: A[i, p] = a[p * lda + i]. */
+void kvc_cpu_ukr_at(int mr, int nr, int64_t kc, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                    int64_t ldc, int accumulate);
 
 /* dst[c * ldd + r] = src[r * lds + c] for r < rows, c < cols (16 x 16 register blocks with AVX-512,
  * 8 x 8 with AVX2). */
@@ -148,16 +163,18 @@ static inline __m512 kvc_exp512(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~zero, _mm512_scalef_ps(p, n));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* the same on 8 lanes; 2^n is built in the exponent bits, so the upper clamp is 88.3 (n <= 127) */
+/* the same on 8 lanes; 2^n is built in the exponent bits, so the upper clamp is 88.3 (n <= 127).
+ * n comes from one FMA: t = x / ln2 + 1.5 * 2^23 + 127 has ulp 1, so its low mantissa bits hold
+ * n + 127, which a shift by 23 turns into the bits of 2^n (no round, no conversion). */
 static inline __m256 kvc_exp256(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f), shift = _mm256_set1_ps(12583039.f);
     const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ); /* false below lo and for NaN/-inf */
     x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), shift);
+    const __m256 n = _mm256_sub_ps(t, shift);
     __m256 r, p;
     KVC_EXP_REDUCE_TAYLOR(_mm256_fmadd_ps, _mm256_fnmadd_ps, _mm256_set1_ps, x, n, r, p);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(t), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 #endif
