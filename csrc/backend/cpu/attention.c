@@ -15,7 +15,7 @@
  * in place as the microkernel's broadcast rows against the task's queries transposed once (rows are
  * lanes), the softmax runs down the columns with no horizontal reductions, and P V reads P
  * transposed. (Rows x keys needed every K tile transposed by every task that read it: 8192-token
- * attention of SmolLM2's 9 heads, 2 Zen 3 cores, 810 -> 700 ms with the same microkernel.)
+ * attention of SmolLM2's 9 heads, 2 Zen 3 cores, 811 -> 704 ms with the same microkernel.)
  * Decode (n <= DECODE_N queries): a KV head has only n * g rows, so its keys are split into chunks
  * processed in parallel (each with its own m, l and partial output), then merged: with 3 KV heads
  * on 2 cores, or one long sequence, the heads alone would leave cores idle. There the scores are dot

@@ -86,9 +86,7 @@ typedef __mmask16 vmask;
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
 #define V_SUB(a, b) _mm512_sub_ps(a, b)
-#define V_MUL(a, b) _mm512_mul_ps(a, b)
 #define V_MAX(a, b) _mm512_max_ps(a, b)
-#define V_SET1(x) _mm512_set1_ps(x)
 #define V_EXP(x) kvc_exp512(x)
 #define V_HSUM(v) _mm512_reduce_add_ps(v)
 #else
@@ -106,9 +104,7 @@ typedef __m256i vmask;
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
 #define V_SUB(a, b) _mm256_sub_ps(a, b)
-#define V_MUL(a, b) _mm256_mul_ps(a, b)
 #define V_MAX(a, b) _mm256_max_ps(a, b)
-#define V_SET1(x) _mm256_set1_ps(x)
 #define V_EXP(x) kvc_exp256(x)
 static inline float kvc_hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
