@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../core/rng.h"
 #include "press.h"
 
 #define MERGE_EPS 1e-6 /* kvpress MergingPress's _EPS: norm clamp and the weight's denominator */
@@ -124,15 +125,9 @@ done:
 
 /* CaM's Bernoulli draw for merge candidate j of head h at a layer's `event`-th merging compression: uniform u in
  * [0, 1) from splitmix64, merged when u < p (torch.bernoulli(p) draws 1 with probability p). */
-static uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
 static double cam_uniform(uint64_t seed, int32_t layer, int64_t event, int32_t h, int64_t j) {
     const uint64_t key = ((uint64_t)(uint32_t)layer << 48) ^ ((uint64_t)event << 32) ^ ((uint64_t)h << 24) ^ (uint64_t)j;
-    return (double)(splitmix64(seed ^ splitmix64(key)) >> 11) * 0x1.0p-53;
+    return (double)(kvc_splitmix64(seed ^ kvc_splitmix64(key)) >> 11) * 0x1.0p-53;
 }
 
 typedef struct { double s; int64_t r; } scored_row;

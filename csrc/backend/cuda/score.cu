@@ -14,6 +14,7 @@
  * largest score over the mid-range rows, so c_j = exp(max - M_j) / L_j comes out of the merge; pass 2
  * sums c_j * a / (1 + alpha - a) * (|v_r|_1 + |o_j|_1) over the queries instead of the mean of a. */
 #include "common.cuh"
+#include "../../core/rng.h"
 
 namespace kvc {
 
@@ -329,13 +330,6 @@ kvc_status protect_tail(float *scores, int64_t lds, int32_t Hkv, const HeadInfo 
 
 /* ---- scorers without attention ---- */
 
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
 /* kind 0: knorm, 1: streaming, 2: random */
 __global__ void simple_score_kernel(int kind, const HeadInfo hi, int32_t d, int32_t n_sink, uint64_t seed, int32_t layer,
                                     float *__restrict__ scores, int64_t lds) {
@@ -355,8 +349,7 @@ __global__ void simple_score_kernel(int kind, const HeadInfo hi, int32_t d, int3
     } else if (kind == 1) {
         v = r < n_sink ? (float)(len + 1) : (float)r;
     } else {
-        const uint64_t x = splitmix64(seed ^ splitmix64(((uint64_t)layer << 40) ^ ((uint64_t)h << 32) ^ (uint64_t)r));
-        v = (float)((double)(x >> 40) * (1.0 / 16777216.0));
+        v = kvc_random_score(seed, layer, h, r);
     }
     scores[(int64_t)h * lds + r] = v;
 }
