@@ -11,7 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../backend/cpu/cpu.h" /* the RoPE rotation on host rows */
 #include "../core/hostmath.h"
 #include "press.h"
 
@@ -32,7 +31,7 @@ static kvc_status chunk_queries(const kvc_layer_rows *lr, const kvc_layer_ctx *c
     if (lr->inv_freq) memcpy(freq, lr->inv_freq, sizeof(float) * (size_t)(c->head_dim / 2));
     else KVC_TRY(kvc_kernel_rope_freqs(c, freq));
     KVC_TRY(lr->be->download(kvc_view_at(ctx->q, r0, 0), w, qd, q, KVC_F32));
-    kvc_cpu_rope(q, qd, delta, w, c->n_heads, c->head_dim, freq, c->rope_pairing);
+    kvc_host_rope(q, delta, w, c->n_heads, c->head_dim, freq, c->rope_pairing);
     if (!*buf) KVC_TRY(lr->be->alloc(lr->be->act_dtype, w * qd, KVC_MEM_ACT, "ChunkPress window queries", buf));
     *out = kvc_view_of(*buf, 0, qd);
     return lr->be->upload(*out, w, qd, q, KVC_F32);

@@ -6,7 +6,7 @@
  * (the kept-index diagnostics). Keys must still sit at their original positions: the prefill press only. */
 #include <stdlib.h>
 
-#include "../backend/cpu/cpu.h" /* the RoPE rotation on host rows (deltas are negative) */
+#include "../core/hostmath.h" /* the RoPE rotation on host rows (deltas are negative) */
 #include "../model/model.h"
 #include "press.h"
 
@@ -23,7 +23,7 @@ kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer) {
         if (!k || !delta) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: key re-rotation");
         for (int64_t i = 0; i < n && st == KVC_OK; i++) delta[i] = i - L->pos[h][i];
         if (st == KVC_OK) st = s->be->kv_read(L->kv, h, 0, n, k, NULL);
-        if (st == KVC_OK) kvc_cpu_rope(k, d, delta, n, 1, d, s->model->rope_inv_freq, c->rope_pairing);
+        if (st == KVC_OK) kvc_host_rope(k, delta, n, 1, d, s->model->rope_inv_freq, c->rope_pairing);
         if (st == KVC_OK) st = s->be->kv_write(L->kv, h, 0, n, k, NULL);
         free(k);
         free(delta);
