@@ -68,7 +68,8 @@ typedef struct kvc_kv kvc_kv;       /* one layer's K/V: Hkv heads, each [cap, d]
  * (exact: the dropped channels are zeros). Rows appended later are full. Every K/V entry keeps the prefix:
  * resize and gather carry it (a kept row stays pruned), set_lens below it shrinks it (rebuilding the
  * arena), kv_read gives pruned rows with zeros in the dropped channels, kv_write to them keeps the kept
- * channels only, and the scorers see them as kv_read does. */
+ * channels only, and the scorers see them as kv_read does. The layout and the row rules (read, gather
+ * and resize within the rows held, write within the capacity) are core/kv_layout.h's, for every backend. */
 typedef struct kvc_graph kvc_graph; /* captured work, replayed (graph_*) */
 
 /* A matrix inside a buffer: row r starts at element off + r * ld. Sizes travel with the calls. */

@@ -277,6 +277,62 @@ kvc_status kvc_device_kernel_attention_pruned(int32_t device, const float *q, in
                             force_prefill);
 }
 
+/* the store of kvc_device_kernel_kv_rows: rows [0, len) written and held, pruned to dk channels */
+static kvc_status kv_rows_store(const kvc_backend *be, kvc_kv *kv, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
+                                float *rowbuf) {
+    int64_t cap[KVC_MAX_KV_HEADS], held[KVC_MAX_KV_HEADS];
+    int32_t kidx[KVC_MAX_KV_HEADS * 256];
+    for (int32_t h = 0; h < Hkv; h++) {
+        cap[h] = len + 4;
+        held[h] = 0;
+    }
+    KVC_TRY(be->kv_resize(kv, cap, held, NULL));
+    for (int64_t i = 0; i < len * d; i++) rowbuf[i] = (float)(i % 97) * 0.125f;
+    for (int32_t h = 0; h < Hkv; h++) {
+        KVC_TRY(be->kv_write(kv, h, 0, len, rowbuf, rowbuf));
+        held[h] = len;
+    }
+    KVC_TRY(be->kv_set_lens(kv, held));
+    for (int32_t i = 0; i < Hkv * dk; i++) kidx[i] = i % dk;
+    return dk > 0 ? be->kv_prune_keys(kv, dk, kidx) : KVC_OK;
+}
+
+kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
+                                     int64_t row0, int64_t rows) {
+    CHECK(op >= 0 && op <= 2, "kv_rows: op %d is not 0 (read), 1 (gather) or 2 (write)", op);
+    CHECK(Hkv > 0 && Hkv <= KVC_MAX_KV_HEADS && d > 0 && d <= 256 && dk >= 0 && dk <= d, "kv_rows: Hkv %d, d %d, dk %d", Hkv,
+          d, dk);
+    CHECK(len >= 0 && len <= 4096 && row0 >= -4096 && row0 <= 8192 && rows >= 0 && rows <= 4096, "kv_rows: rows out of range");
+    const int64_t n = (len + 4 > rows ? len + 4 : rows) * d;
+    float *buf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    int64_t *keep = malloc(sizeof(int64_t) * (size_t)(rows > 0 ? rows : 1));
+    if (!buf || !keep) {
+        free(buf);
+        free(keep);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: kv_rows");
+    }
+    const int64_t *keeps[KVC_MAX_KV_HEADS];
+    int64_t nk[KVC_MAX_KV_HEADS];
+    for (int64_t i = 0; i < rows; i++) keep[i] = row0 + i;
+    for (int32_t h = 0; h < Hkv; h++) {
+        keeps[h] = keep;
+        nk[h] = rows;
+    }
+    scope sc;
+    kvc_status st = scope_begin(&sc, device);
+    if (st == KVC_OK) {
+        st = sc.be->kv_new(Hkv, d, &sc.kv);
+        if (st == KVC_OK) st = kv_rows_store(sc.be, sc.kv, Hkv, d, len, dk, buf);
+        for (int32_t h = 0; h < Hkv && st == KVC_OK && op != 1; h++)
+            st = op == 0 ? sc.be->kv_read(sc.kv, h, row0, rows, buf, buf) : sc.be->kv_write(sc.kv, h, row0, rows, buf, buf);
+        if (st == KVC_OK && op == 1) st = sc.be->kv_gather(sc.kv, keeps, nk, nk);
+        scope_end(&sc);
+    }
+    free(buf);
+    free(keep);
+    return st;
+}
+
 kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,
                                   int64_t *keep) {
     CHECK(scores && k && keep, "topk: null argument");

@@ -673,6 +673,12 @@ KVC_API kvc_status kvc_device_kernel_attention_pruned(int32_t device, const floa
  * score first, ties to the lower row, NaN lowest). */
 KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,
                                           int64_t *keep);
+/* A K/V store's row rules (core/kv_layout.h) on a device: a store of Hkv heads of d channels holding len
+ * rows (room for len + 4), their keys pruned to the first dk channels when dk > 0 (ThinK's freed layout),
+ * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them. The status says
+ * whether the store allowed it (reads and gathers within the rows held, writes within the room). */
+KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
+                                             int64_t row0, int64_t rows);
 /* kvc_press_compute_ex on a device: the same scoring and selection as a session of that device. */
 KVC_API kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg, int32_t H, int32_t Hkv,
                                             int32_t d, int32_t layer, int32_t n_layers, const float *q, const float *attn,

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../core/kv_layout.h"
 #include "../../model/dequant.h"
 #include "host.h"
 #include "quant.h"
@@ -194,19 +195,27 @@ void kvc_frows_drop(kvc_frows *f) {
 
 /* ---- K/V stores ---------------------------------------------------------------------------------
  * One arena per layer: each head's pruned keys Kp [np, dk], full keys K [cap - np, d], then V [cap, d],
- * 64-byte aligned slices (host.h). */
+ * 64-byte aligned slices (host.h); the layout and row rules are core/kv_layout.h's. */
 
-static size_t slice_bytes(int32_t dtype, int32_t d, int64_t cap) {
-    return ((size_t)cap * (size_t)d * kvc_dtype_size(dtype) + 63) & ~(size_t)63;
+#define KV_ALIGN 64
+
+static kvc_kv_slices head_slices(const kvc_kv *kv, int32_t dk, int64_t cap, int64_t np) {
+    return kvc_kv_head_slices(kvc_dtype_size(kv->dtype), kv->d, dk, cap, np, KV_ALIGN);
 }
 
-static size_t arena_bytes(int32_t dtype, int32_t Hkv, int32_t d, int32_t dk, const int64_t *cap, const int64_t *np) {
+static size_t arena_bytes(const kvc_kv *kv, int32_t dk, const int64_t *cap, const int64_t *np) {
     size_t b = 0;
-    for (int32_t h = 0; h < Hkv; h++) {
-        const int64_t p = np ? np[h] : 0;
-        b += slice_bytes(dtype, dk, p) + slice_bytes(dtype, d, cap[h] - p) + slice_bytes(dtype, d, cap[h]);
-    }
+    for (int32_t h = 0; h < kv->Hkv; h++) b += head_slices(kv, dk, cap[h], np ? np[h] : 0).bytes;
     return b;
+}
+
+/* The row rule of core/kv_layout.h as a status. */
+static kvc_status rows_check(kvc_kv_op op, const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const int64_t *keep,
+                             int64_t held, int64_t cap) {
+    char why[256];
+    if (kvc_kv_rows_refused(op, h, kv->Hkv, row0, rows, keep, held, cap, why, sizeof why))
+        return kvc_fail(KVC_ERR_INTERNAL, "%s", why);
+    return KVC_OK;
 }
 
 size_t kvc_hkv_bytes(const kvc_kv *kv) { return kv->bytes; }
@@ -275,17 +284,17 @@ static void layout_drop(layout *L) {
 
 /* L->np, dk and kidx set: allocate the arena for cap[h] rows per head and point the slices into it. */
 static kvc_status layout_alloc(const kvc_kv *kv, const int64_t *cap, layout *L) {
-    L->bytes = arena_bytes(kv->dtype, kv->Hkv, kv->d, L->dk, cap, L->np);
+    L->bytes = arena_bytes(kv, L->dk, cap, L->np);
     if (L->bytes == 0) return KVC_OK;
     L->arena = kvc_malloc(L->bytes, "KV cache");
     if (!L->arena) return KVC_ERR_NOMEM;
     char *p = L->arena;
     for (int32_t h = 0; h < kv->Hkv; h++) {
-        const size_t sp = slice_bytes(kv->dtype, L->dk, L->np[h]), sk = slice_bytes(kv->dtype, kv->d, cap[h] - L->np[h]);
-        L->kp[h] = p;
-        L->k[h] = p + sp;
-        L->v[h] = p + sp + sk;
-        p += sp + sk + slice_bytes(kv->dtype, kv->d, cap[h]);
+        const kvc_kv_slices s = head_slices(kv, L->dk, cap[h], L->np[h]);
+        L->kp[h] = p + s.kp;
+        L->k[h] = p + s.k;
+        L->v[h] = p + s.v;
+        p += s.bytes;
     }
     return KVC_OK;
 }
@@ -350,7 +359,7 @@ static void get_row(int32_t dtype, const void *src, float *dst, int32_t d) {
 static void key_get(const kvc_kv *kv, int32_t h, int64_t r, float *out) {
     const size_t es = kvc_dtype_size(kv->dtype);
     if (r >= kv->np[h]) {
-        get_row(kv->dtype, (const char *)kv->k[h] + (size_t)(r - kv->np[h]) * kv->d * es, out, kv->d);
+        get_row(kv->dtype, (const char *)kv->k[h] + (size_t)kvc_kv_full_row(r, kv->np[h]) * kv->d * es, out, kv->d);
         return;
     }
     float tmp[1024]; /* dk <= d <= 256 (the attention kernel's limit); 1024 leaves room */
@@ -364,7 +373,7 @@ static void key_get(const kvc_kv *kv, int32_t h, int64_t r, float *out) {
 static void key_put(const kvc_kv *kv, const layout *L, int32_t h, int64_t r, const float *row) {
     const size_t es = kvc_dtype_size(kv->dtype);
     if (r >= L->np[h]) {
-        put_row(kv->dtype, (char *)L->k[h] + (size_t)(r - L->np[h]) * kv->d * es, row, kv->d);
+        put_row(kv->dtype, (char *)L->k[h] + (size_t)kvc_kv_full_row(r, L->np[h]) * kv->d * es, row, kv->d);
         return;
     }
     float tmp[1024];
@@ -409,30 +418,19 @@ static kvc_status rebuild(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, co
 
 kvc_status kvc_hkv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
     const kvc_kv *from = src ? src : kv;
-    for (int32_t h = 0; h < kv->Hkv; h++)
-        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->len[h])
-            return kvc_fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld rows of %lld into %lld", h,
-                            (long long)rows[h], (long long)from->len[h], (long long)cap[h]);
+    for (int32_t h = 0; h < kv->Hkv; h++) KVC_TRY(rows_check(KVC_KV_RESIZE, kv, h, 0, rows[h], NULL, from->len[h], cap[h]));
     layout L;
     KVC_TRY(layout_new(kv, from->dk, from->kidx, &L)); /* the pruned prefix goes along */
-    for (int32_t h = 0; h < kv->Hkv; h++) L.np[h] = rows[h] < from->np[h] ? rows[h] : from->np[h];
+    for (int32_t h = 0; h < kv->Hkv; h++) L.np[h] = kvc_kv_resized_pruned(rows[h], from->np[h]);
     return rebuild(kv, from, cap, NULL, rows, &L);
 }
 
 kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
-    for (int32_t h = 0; h < kv->Hkv; h++) {
-        if (n_keep[h] < 0 || n_keep[h] > kv->len[h] || n_keep[h] > cap[h])
-            return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
-                            (long long)kv->len[h]);
-        for (int64_t i = 0; i < n_keep[h]; i++)
-            if (keep[h][i] < 0 || keep[h][i] >= kv->len[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
-                return kvc_fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
-                                (long long)kv->len[h]);
-    }
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        KVC_TRY(rows_check(KVC_KV_GATHER, kv, h, 0, n_keep[h], keep[h], kv->len[h], cap[h]));
     layout L;
     KVC_TRY(layout_new(kv, kv->dk, kv->kidx, &L));
-    for (int32_t h = 0; h < kv->Hkv; h++) /* kept rows from the pruned prefix stay pruned (a prefix still) */
-        for (int64_t i = 0; i < n_keep[h] && keep[h][i] < kv->np[h]; i++) L.np[h] = i + 1;
+    for (int32_t h = 0; h < kv->Hkv; h++) L.np[h] = kvc_kv_gathered_pruned(keep[h], n_keep[h], kv->np[h]);
     return rebuild(kv, kv, cap, keep, n_keep, &L);
 }
 
@@ -482,8 +480,7 @@ kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
 }
 
 kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
-    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
-        return kvc_fail(KVC_ERR_INTERNAL, "K/V write outside head %d's %lld rows", h, (long long)kv->cap[h]);
+    KVC_TRY(rows_check(KVC_KV_WRITE, kv, h, row0, rows, NULL, 0, h >= 0 && h < kv->Hkv ? kv->cap[h] : 0));
     const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
     const layout self = {.k = kv->k, .v = kv->v, .kp = kv->kp, .np = kv->np, .dk = kv->dk, .kidx = kv->kidx};
     for (int64_t r = 0; r < rows; r++) {
@@ -494,8 +491,7 @@ kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, cons
 }
 
 kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
-    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->len[h])
-        return kvc_fail(KVC_ERR_INTERNAL, "K/V read outside head %d's %lld rows", h, (long long)kv->len[h]);
+    KVC_TRY(rows_check(KVC_KV_READ, kv, h, row0, rows, NULL, h >= 0 && h < kv->Hkv ? kv->len[h] : 0, 0));
     const size_t es = kvc_dtype_size(kv->dtype) * (size_t)kv->d;
     for (int64_t r = 0; r < rows; r++) {
         if (k) key_get(kv, h, row0 + r, k + r * kv->d);
@@ -515,7 +511,7 @@ kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, 
     const size_t es = kvc_dtype_size(kv->dtype);
     for (int32_t h = 0; h < Hkv; h++) /* appended rows are full (len >= np: set_lens keeps it so) */
         for (int64_t i = 0; i < n; i++) {
-            memcpy((char *)kv->k[h] + (size_t)(kv->len[h] - kv->np[h] + i) * d * es,
+            memcpy((char *)kv->k[h] + (size_t)kvc_kv_full_row(kv->len[h] + i, kv->np[h]) * d * es,
                    kvc_hbuf_at(src, i, kcol + (int64_t)h * d), (size_t)d * es);
             memcpy((char *)kv->v[h] + (size_t)(kv->len[h] + i) * d * es, kvc_hbuf_at(src, i, vcol + (int64_t)h * d),
                    (size_t)d * es);

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "../../core/backend.h"
+#include "../../core/kv_layout.h"
 
 typedef __nv_bfloat16 bf16;
 
@@ -122,6 +123,8 @@ struct kvc_kv {
     int32_t *invd; /* device [Hkv d] (in the arena): channel -> its slot among the kept, or -1 */
     bf16 **kxd;    /* device table [Hkv] (in tables): each head's keys expanded to d channels (kv_keys_full) */
     bf16 *kxh[KVC_MAX_KV]; /* its host copy: uploaded when it changes, never during a capture */
+    kvc_kv *pruned_next;   /* the list of pruned stores (kv_pruned.cu): their tables follow the scratch */
+    int pruned_listed;
 };
 
 namespace kvc {
@@ -143,6 +146,14 @@ size_t kv_bytes(const kvc_kv *kv);
 kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);
 /* the head pointers (full rows shifted by np[h] d) and lengths to the device tables */
 kvc_status kv_upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *np, const int64_t *len);
+#define KV_ALIGN 256 /* bytes a K/V arena slice is rounded to (core/kv_layout.h) */
+/* the device lengths, on the host (the core's: they follow kv_set_lens and the appends) */
+kvc_status kv_host_lens(const kvc_kv *kv, int64_t *len);
+/* core/kv_layout.h's row rule as a status */
+kvc_status kv_rows_check(kvc_kv_op op, const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const int64_t *keep,
+                         int64_t held, int64_t cap);
+/* kv_pruned.cu: a store leaves the list of pruned stores whose expanded-key tables follow the scratch */
+void kv_pruned_forget(kvc_kv *kv);
 /* kv_pruned.cu: the layout changes of a store with pruned rows, through the host (rows as f32): a new arena
  * of cap[h] rows per head holding rows keep[h][0 .. n[h]) of from (keep NULL: rows [0, n[h])), the first
  * np_new[h] of them pruned to the dk channels kidx (dk 0: none) */

@@ -40,18 +40,36 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
 void kv_free(kvc_kv *kv) {
     if (!kv) return;
     cudaStreamSynchronize(g.stream);
+    kv_pruned_forget(kv);
     if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
     if (kv->tables) dfree(kv->tables, kv->tables_bytes, MEM_CACHE);
     free(kv->kidx);
     free(kv);
 }
 
-static size_t slice(int32_t d, int64_t cap) { return ((size_t)cap * d * sizeof(bf16) + 255) & ~(size_t)255; }
+/* a head's block of a plain store (core/kv_layout.h with nothing pruned): K [cap, d] | V [cap, d] */
+static kvc_kv_slices plain_slices(int32_t d, int64_t cap) { return kvc_kv_head_slices(sizeof(bf16), d, 0, cap, 0, KV_ALIGN); }
 
 static size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap) {
     size_t b = 0;
-    for (int32_t h = 0; h < Hkv; h++) b += 2 * slice(d, cap[h]);
+    for (int32_t h = 0; h < Hkv; h++) b += plain_slices(d, cap[h]).bytes;
     return b;
+}
+
+kvc_status kv_host_lens(const kvc_kv *kv, int64_t *len) {
+    int32_t l32[KVC_MAX_KV];
+    CU_TRY(cudaMemcpyAsync(l32, kv->lend, sizeof(int32_t) * kv->Hkv, cudaMemcpyDeviceToHost, g.stream), "K/V lengths");
+    CU_TRY(cudaStreamSynchronize(g.stream), "K/V lengths");
+    for (int32_t h = 0; h < kv->Hkv; h++) len[h] = l32[h];
+    return KVC_OK;
+}
+
+kvc_status kv_rows_check(kvc_kv_op op, const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const int64_t *keep,
+                         int64_t held, int64_t cap) {
+    char why[256];
+    if (kvc_kv_rows_refused(op, h, kv->Hkv, row0, rows, keep, held, cap, why, sizeof why))
+        return fail(KVC_ERR_INTERNAL, "%s", why);
+    return KVC_OK;
 }
 
 size_t kv_bytes(const kvc_kv *kv) { return kv->bytes; }
@@ -82,9 +100,10 @@ static kvc_status arena_new(const kvc_kv *kv, const int64_t *cap, void **arena, 
     if (*bytes) KVC_TRY(dalloc(arena, *bytes, MEM_CACHE, "KV cache"));
     size_t off = 0;
     for (int32_t h = 0; h < kv->Hkv; h++) {
-        nk[h] = *bytes ? (bf16 *)((char *)*arena + off) : nullptr;
-        nv[h] = *bytes ? (bf16 *)((char *)*arena + off + slice(kv->d, cap[h])) : nullptr;
-        off += 2 * slice(kv->d, cap[h]);
+        const kvc_kv_slices s = plain_slices(kv->d, cap[h]);
+        nk[h] = *bytes ? (bf16 *)((char *)*arena + off + s.k) : nullptr;
+        nv[h] = *bytes ? (bf16 *)((char *)*arena + off + s.v) : nullptr;
+        off += s.bytes;
     }
     return KVC_OK;
 }
@@ -113,6 +132,7 @@ static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 *
         kv->cap[h] = cap[h];
     }
     if (kv->dk) kv_layout_generation++; /* a pruned layout went */
+    kv_pruned_forget(kv);
     free(kv->kidx);
     kv->kidx = nullptr;
     kv->invd = nullptr;
@@ -120,17 +140,16 @@ static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 *
     return KVC_OK;
 }
 
-/* The core keeps the lengths (a replayed graph moves the device's without telling anyone here), so
- * rows are checked against the capacities. */
+/* Rows are checked against the lengths (core/kv_layout.h): the device's, read back, since a replayed graph
+ * moves them without telling anyone here (they follow the core's: kv_set_lens). */
 kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
     const kvc_kv *from = src ? src : kv;
-    for (int32_t h = 0; h < kv->Hkv; h++)
-        if (rows[h] < 0 || rows[h] > cap[h] || rows[h] > from->cap[h])
-            return fail(KVC_ERR_INTERNAL, "K/V resize: head %d keeps %lld of %lld rows into %lld", h, (long long)rows[h],
-                        (long long)from->cap[h], (long long)cap[h]);
+    int64_t held[KVC_MAX_KV];
+    KVC_TRY(kv_host_lens(from, held));
+    for (int32_t h = 0; h < kv->Hkv; h++) KVC_TRY(kv_rows_check(KVC_KV_RESIZE, kv, h, 0, rows[h], nullptr, held[h], cap[h]));
     if (from->dk) { /* the pruned prefix goes along */
         int64_t np[KVC_MAX_KV];
-        for (int32_t h = 0; h < kv->Hkv; h++) np[h] = rows[h] < from->np[h] ? rows[h] : from->np[h];
+        for (int32_t h = 0; h < kv->Hkv; h++) np[h] = kvc_kv_resized_pruned(rows[h], from->np[h]);
         return kv_restage(kv, from, cap, nullptr, rows, np, from->dk, from->kidx);
     }
     void *arena;
@@ -152,23 +171,15 @@ kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const 
 }
 
 kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
-    int64_t total = 0;
+    int64_t total = 0, held[KVC_MAX_KV];
+    KVC_TRY(kv_host_lens(kv, held));
     for (int32_t h = 0; h < kv->Hkv; h++) {
-        if (n_keep[h] < 0 || n_keep[h] > kv->cap[h] || n_keep[h] > cap[h])
-            return fail(KVC_ERR_INTERNAL, "K/V gather: head %d keeps %lld of %lld rows", h, (long long)n_keep[h],
-                        (long long)kv->cap[h]);
-        for (int64_t i = 0; i < n_keep[h]; i++)
-            if (keep[h][i] < 0 || keep[h][i] >= kv->cap[h] || (i > 0 && keep[h][i] <= keep[h][i - 1]))
-                return fail(KVC_ERR_INTERNAL, "K/V gather: head %d rows are not increasing inside [0, %lld)", h,
-                            (long long)kv->cap[h]);
+        KVC_TRY(kv_rows_check(KVC_KV_GATHER, kv, h, 0, n_keep[h], keep[h], held[h], cap[h]));
         total += n_keep[h];
     }
     if (kv->dk) { /* kept rows of the pruned prefix stay pruned */
         int64_t np[KVC_MAX_KV];
-        for (int32_t h = 0; h < kv->Hkv; h++) {
-            np[h] = 0;
-            while (np[h] < n_keep[h] && keep[h][np[h]] < kv->np[h]) np[h]++;
-        }
+        for (int32_t h = 0; h < kv->Hkv; h++) np[h] = kvc_kv_gathered_pruned(keep[h], n_keep[h], kv->np[h]);
         return kv_restage(kv, kv, cap, keep, n_keep, np, kv->dk, kv->kidx);
     }
     int32_t *rows = (int32_t *)malloc(sizeof(int32_t) * (size_t)(total > 0 ? total : 1));
@@ -228,8 +239,7 @@ kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
 }
 
 kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
-    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
-        return fail(KVC_ERR_INTERNAL, "K/V write outside head %d's %lld rows", h, (long long)kv->cap[h]);
+    KVC_TRY(kv_rows_check(KVC_KV_WRITE, kv, h, row0, rows, nullptr, 0, h >= 0 && h < kv->Hkv ? kv->cap[h] : 0));
     if (rows == 0) return KVC_OK;
     if (kv->dk) return kv_write_pruned(kv, h, row0, rows, k, v);
     const int64_t n = rows * kv->d;
@@ -245,8 +255,9 @@ kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const flo
 }
 
 kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
-    if (h < 0 || h >= kv->Hkv || row0 < 0 || rows < 0 || row0 + rows > kv->cap[h])
-        return fail(KVC_ERR_INTERNAL, "K/V read outside head %d's %lld rows", h, (long long)kv->cap[h]);
+    int64_t held[KVC_MAX_KV];
+    KVC_TRY(kv_host_lens(kv, held));
+    KVC_TRY(kv_rows_check(KVC_KV_READ, kv, h, row0, rows, nullptr, h >= 0 && h < kv->Hkv ? held[h] : 0, 0));
     if (rows == 0) return KVC_OK;
     if (kv->dk) return kv_read_pruned(kv, h, row0, rows, k, v);
     const int64_t n = rows * kv->d;

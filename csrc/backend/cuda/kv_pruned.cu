@@ -14,8 +14,12 @@ namespace kvc {
 
 uint64_t kv_layout_generation = 0;
 static Buf g_stage_p, g_kexp; /* row conversions, expanded keys (one layer at a time) */
+static kvc_kv *g_pruned;      /* the stores with pruned rows: their expanded-key tables point into g_kexp */
 
-static size_t slice_p(int32_t d, int64_t rows) { return ((size_t)rows * d * sizeof(bf16) + 255) & ~(size_t)255; }
+/* a head's block: Kp [np, dk] | K [cap - np, d] | V [cap, d] (core/kv_layout.h) */
+static kvc_kv_slices slices_p(int32_t d, int32_t dk, int64_t cap, int64_t np) {
+    return kvc_kv_head_slices(sizeof(bf16), d, dk, cap, np, KV_ALIGN);
+}
 
 /* n f32 values from the host into bf16 device memory, and back */
 static kvc_status put_f32(const float *src, bf16 *dst, int64_t n) {
@@ -55,7 +59,7 @@ kvc_status kv_read_pruned(const kvc_kv *kv, int32_t h, int64_t row0, int64_t row
         KVC_TRY(st);
     }
     const int64_t f0 = pe > row0 ? pe : row0; /* full rows [f0, row0 + rows) */
-    return get_f32(kv->kh[h] + (f0 - np) * d, k + (f0 - row0) * d, (row0 + rows - f0) * d);
+    return get_f32(kv->kh[h] + kvc_kv_full_row(f0, np) * d, k + (f0 - row0) * d, (row0 + rows - f0) * d);
 }
 
 /* the same rows written: a pruned row keeps its kept channels only */
@@ -75,16 +79,64 @@ kvc_status kv_write_pruned(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, co
         KVC_TRY(st);
     }
     const int64_t f0 = pe > row0 ? pe : row0;
-    return put_f32(k + (f0 - row0) * d, kv->kh[h] + (f0 - np) * d, (row0 + rows - f0) * d);
+    return put_f32(k + (f0 - row0) * d, kv->kh[h] + kvc_kv_full_row(f0, np) * d, (row0 + rows - f0) * d);
 }
 
-/* the device lengths, on the host */
-static kvc_status host_lens(const kvc_kv *kv, int64_t *len) {
-    int32_t l32[KVC_MAX_KV];
-    CU_TRY(cudaMemcpyAsync(l32, kv->lend, sizeof(int32_t) * kv->Hkv, cudaMemcpyDeviceToHost, g.stream), "K/V lengths");
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V lengths");
-    for (int32_t h = 0; h < kv->Hkv; h++) len[h] = l32[h];
+/* ---- the expansion scratch ------------------------------------------------------------------------
+ * Sized and pointed at when a layout changes (restage), never during a graph capture: a capture's
+ * kv_keys_full then finds the scratch big enough and the store's table current. A store's heads sit at
+ * the scratch's start, head h after heads < h at their capacities. */
+
+/* where the expanded heads of a store of Hkv heads of d channels with capacities cap go in the scratch as
+ * it is; the bytes they need */
+static size_t kexp_heads(int32_t Hkv, int32_t d, const int64_t *cap, bf16 **outs) {
+    size_t off = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        outs[h] = g_kexp.as<bf16>() + off;
+        off += (size_t)cap[h] * d;
+    }
+    return sizeof(bf16) * (off ? off : 1);
+}
+
+/* the store's device table of expanded heads points at them for capacities cap (uploaded when it changed;
+ * the host copy changes once the upload is done) */
+static kvc_status kexp_point(kvc_kv *kv, const int64_t *cap) {
+    bf16 *outs[KVC_MAX_KV];
+    kexp_heads(kv->Hkv, kv->d, cap, outs);
+    if (!memcmp(outs, kv->kxh, sizeof(bf16 *) * kv->Hkv)) return KVC_OK;
+    CU_TRY(cudaMemcpyAsync(kv->kxd, outs, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
+    CU_TRY(cudaStreamSynchronize(g.stream), "pruned keys table"); /* outs lives on this stack frame */
+    memcpy(kv->kxh, outs, sizeof(bf16 *) * kv->Hkv);
     return KVC_OK;
+}
+
+/* The scratch holds a store kv with capacities cap: when it grows, every listed store's table moves with
+ * it (graphs captured before read the old one, hence the generation). */
+static kvc_status kexp_reserve(const kvc_kv *kv, const int64_t *cap) {
+    bf16 *outs[KVC_MAX_KV];
+    if (kexp_heads(kv->Hkv, kv->d, cap, outs) <= g_kexp.bytes) return KVC_OK;
+    KVC_TRY(scratch(g_kexp, kexp_heads(kv->Hkv, kv->d, cap, outs), "pruned keys expanded"));
+    kv_layout_generation++;
+    for (kvc_kv *o = g_pruned; o; o = o->pruned_next) KVC_TRY(kexp_point(o, o->cap));
+    return KVC_OK;
+}
+
+static void kexp_list(kvc_kv *kv) {
+    if (kv->pruned_listed) return;
+    kv->pruned_next = g_pruned;
+    g_pruned = kv;
+    kv->pruned_listed = 1;
+}
+
+void kv_pruned_forget(kvc_kv *kv) {
+    if (!kv->pruned_listed) return;
+    for (kvc_kv **p = &g_pruned; *p; p = &(*p)->pruned_next)
+        if (*p == kv) {
+            *p = kv->pruned_next;
+            break;
+        }
+    kv->pruned_next = nullptr;
+    kv->pruned_listed = 0;
 }
 
 kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const int64_t *const *keep, const int64_t *n,
@@ -99,19 +151,21 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
         if (cap[h] < 0 || cap[h] >= 2147483647 || np[h] > cap[h] || n[h] > cap[h])
             return fail(KVC_ERR_INTERNAL, "K/V restage: head %d holds %lld rows (%lld pruned) in %lld", h,
                         (long long)n[h], (long long)np[h], (long long)cap[h]);
-        bytes += slice_p(dk, np[h]) + slice_p(d, cap[h] - np[h]) + slice_p(d, cap[h]);
+        bytes += slices_p(d, dk, cap[h], np[h]).bytes;
     }
     const size_t map_off = bytes;
     if (dk) bytes += sizeof(int32_t) * (size_t)Hkv * d;
+    if (dk) KVC_TRY(kexp_reserve(kv, cap)); /* here, never in a capture's kv_keys_full */
     void *arena = nullptr;
     if (bytes) KVC_TRY(dalloc(&arena, bytes, MEM_CACHE, "KV cache"));
     bf16 *nkp[KVC_MAX_KV], *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
     size_t off = 0;
     for (int32_t h = 0; h < Hkv; h++) {
-        nkp[h] = (bf16 *)((char *)arena + off);
-        nk[h] = (bf16 *)((char *)arena + off + slice_p(dk, np[h]));
-        nv[h] = (bf16 *)((char *)arena + off + slice_p(dk, np[h]) + slice_p(d, cap[h] - np[h]));
-        off += slice_p(dk, np[h]) + slice_p(d, cap[h] - np[h]) + slice_p(d, cap[h]);
+        const kvc_kv_slices sl = slices_p(d, dk, cap[h], np[h]);
+        nkp[h] = (bf16 *)((char *)arena + off + sl.kp);
+        nk[h] = (bf16 *)((char *)arena + off + sl.k);
+        nv[h] = (bf16 *)((char *)arena + off + sl.v);
+        off += sl.bytes;
     }
     int32_t *ixc = dk ? (int32_t *)malloc(sizeof(int32_t) * (size_t)Hkv * dk) : nullptr;
     int32_t *inv = dk ? (int32_t *)malloc(sizeof(int32_t) * (size_t)Hkv * d) : nullptr;
@@ -155,6 +209,7 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
         if (st == KVC_OK) st = put_f32(K + np[h] * d, nk[h], (n[h] - np[h]) * d);
         if (st == KVC_OK) st = put_f32(V, nv[h], n[h] * d);
     }
+    if (st == KVC_OK && dk) st = kexp_point(kv, cap);
     if (st == KVC_OK) st = kv_upload_tables(kv, nk, nv, np, n);
     if (st != KVC_OK) {
         cudaStreamSynchronize(g.stream);
@@ -176,6 +231,8 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
         kv->dk = dk;
         kv->invd = dk ? (int32_t *)((char *)arena + map_off) : nullptr;
         kv_layout_generation++;
+        if (dk) kexp_list(kv);
+        else kv_pruned_forget(kv);
     }
     free(inv);
     free(K);
@@ -193,7 +250,7 @@ kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
                 return fail(KVC_ERR_INTERNAL, "K/V prune: head %d channels are not increasing inside [0, %d)", h, kv->d);
         }
     int64_t len[KVC_MAX_KV], cap[KVC_MAX_KV];
-    KVC_TRY(host_lens(kv, len));
+    KVC_TRY(kv_host_lens(kv, len));
     for (int32_t h = 0; h < kv->Hkv; h++) cap[h] = kv->cap[h];
     return kv_restage(kv, kv, cap, nullptr, len, len, dk, kidx); /* every row held becomes pruned */
 }
@@ -227,31 +284,23 @@ kvc_status kv_keys_full(const kvc_kv *kvc, const bf16 **heads, bf16 ***table) {
     const int32_t Hkv = kv->Hkv, d = kv->d;
     cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
     CU_TRY(cudaStreamIsCapturing(g.stream, &cs), "pruned keys");
-    size_t rows = 0;
     int64_t maxcap = 1;
-    for (int32_t h = 0; h < Hkv; h++) {
-        rows += (size_t)kv->cap[h];
-        maxcap = kv->cap[h] > maxcap ? kv->cap[h] : maxcap;
-    }
-    const size_t need = sizeof(bf16) * (rows ? rows : 1) * d;
-    if (need > g_kexp.bytes) {
-        /* growing moves the scratch: illegal while a graph is being captured (the engine's eager first step
-         * sizes it), and graphs captured before read the old one */
+    for (int32_t h = 0; h < Hkv; h++) maxcap = kv->cap[h] > maxcap ? kv->cap[h] : maxcap;
+    bf16 *outs[KVC_MAX_KV];
+    if (kexp_heads(Hkv, d, kv->cap, outs) > g_kexp.bytes) {
+        /* a safety net (restage sizes the scratch and points the table): growing moves the scratch, illegal
+         * while a graph is being captured, and graphs captured before read the old one */
         if (cs != cudaStreamCaptureStatusNone)
-            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key scratch must grow during a graph capture: run one eager step first");
-        KVC_TRY(scratch(g_kexp, need, "pruned keys expanded"));
-        kv_layout_generation++;
+            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key scratch must grow during a graph capture");
+        KVC_TRY(kexp_reserve(kv, kv->cap));
+        kexp_heads(Hkv, d, kv->cap, outs);
     }
     ExpandInfo ei;
     memset(&ei, 0, sizeof ei);
-    bf16 *outs[KVC_MAX_KV];
-    size_t off = 0;
     int changed = 0;
     for (int32_t h = 0; h < Hkv; h++) {
-        outs[h] = g_kexp.as<bf16>() + off;
         heads[h] = outs[h];
         changed |= outs[h] != kv->kxh[h];
-        off += (size_t)kv->cap[h] * d;
         ei.kp[h] = kv->kph[h];
         ei.kf[h] = kv->kh[h];
         ei.out[h] = outs[h];
@@ -259,7 +308,7 @@ kvc_status kv_keys_full(const kvc_kv *kvc, const bf16 **heads, bf16 ***table) {
     }
     if (changed) { /* the store's table of expanded heads (fixed address) follows the scratch */
         if (cs != cudaStreamCaptureStatusNone)
-            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key table changed during a graph capture: run one eager step first");
+            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key table changed during a graph capture");
         memcpy(kv->kxh, outs, sizeof(bf16 *) * Hkv);
         CU_TRY(cudaMemcpyAsync(kv->kxd, kv->kxh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
     }
