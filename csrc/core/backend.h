@@ -137,7 +137,8 @@ typedef struct kvc_backend {
     /* Wait for the work enqueued so far; an asynchronous fault comes back here as a status, so the call
      * that caused it fails and rolls back (NULL: every entry completes before it returns). */
     kvc_status (*sync)(void);
-    /* Named settings (tests and benchmarks): "builtin_gemm" 0/1, "attention_kernel" 0 (default) / 1.
+    /* Named settings (tests and benchmarks): "builtin_gemm" 0/1, "attention_kernel" 0 (default) / 1 (a
+     * preference: head dims its kernel cannot do run the default one).
      * KVC_ERR_ARG for a name or value the backend does not know. */
     kvc_status (*set_option)(const char *name, int value);
     /* KVC_ERR_UNSUPPORTED with the reason for a model shape the kernels do not take (NULL: any) */

@@ -628,8 +628,9 @@ KVC_API kvc_status kvc_device_memory_stats(int32_t device, int64_t *out);
 KVC_API kvc_status kvc_device_reset_peak(int32_t device);
 /* Named settings of a device: CUDA and emulated take "builtin_gemm" (1: the built-in GEMM even where
  * cuBLAS was found) and "attention_kernel" (prefill attention: 0 the WMMA kernel, 1 the register-tile
- * mma.sync kernel); the emulated device also takes "fail_after" n (its (n+1)-th operation from now
- * fails once with KVC_ERR_DEVICE, as a CUDA error would; -1 cancels). KVC_ERR_ARG for others. */
+ * mma.sync kernel where it applies, head_dim 64 or 128: other head dims run the generic kernel); the
+ * emulated device also takes "fail_after" n (its (n+1)-th operation from now fails once with
+ * KVC_ERR_DEVICE, as a CUDA error would; -1 cancels). KVC_ERR_ARG for others. */
 KVC_API kvc_status kvc_device_set_option(int32_t device, const char *name, int32_t value);
 /* Device-only timing (benchmarks; KVC_ERR_UNSUPPORTED without device timers): seconds per call, best of
  * reps after a warm-up, of the GEMM (what 0, dims {m, n, k}) or of the causal GQA prefill attention

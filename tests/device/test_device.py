@@ -154,7 +154,9 @@ def run_attention(fn, q, ks, vs, past, scale, *extra, device=None, start=None):
 
 
 @pytest.mark.parametrize("n,H,Hkv,d", [(1, 32, 8, 128), (1, 9, 3, 64), (100, 8, 2, 128), (257, 4, 4, 64),
-                                       (70, 6, 2, 32), (1, 4, 1, 16)])
+                                       (70, 6, 2, 32), (1, 4, 1, 16),
+                                       # head dims the mma kernel cannot do: attention_kernel 1 falls back
+                                       (40, 4, 2, 80), (33, 4, 4, 96), (20, 2, 1, 256)])
 @pytest.mark.parametrize("force_prefill", [0, 1])
 def test_attention_ragged(rng, device, attention_kernel, n, H, Hkv, d, force_prefill):
     past = rng.integers(0, 3000, size=Hkv).astype(np.int64)

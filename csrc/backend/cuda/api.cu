@@ -165,8 +165,8 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
     /* the prefill kernels read past = len - n per head */
     CU_TRY(cudaMemcpyAsync(kv->pastd, kv->lend, sizeof(int32_t) * Hkv, cudaMemcpyDeviceToDevice, g.stream), "attention");
     KVC_TRY(add_lens(kv->pastd, Hkv, -(int32_t)n));
-    if (attention_mma_enabled())
-        return attention_prefill_mma(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, lo, scale, at<bf16>(out), out.ld);
+    /* attention_prefill picks the kernel: the mma one when it is preferred (attention_kernel 1) and takes the
+     * shape (head_dim 64 or 128, aligned rows), else WMMA or the generic one (head_dim 80, 96, 256, ...) */
     return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, lo, scale, at<bf16>(out), out.ld);
 }
 

@@ -10,7 +10,8 @@
  * goes through shared memory.
  *
  * Opt-in until measured against the WMMA kernel and the CPU on a GPU: KVC_ATTN_MMA=1 in the
- * environment, or kvc_cuda_set_attention_kernel(1). head_dim 64 and 128. */
+ * environment, or the setting attention_kernel 1. A preference: head_dim 64 and 128 only, so
+ * attention_prefill (the one entry) runs the other kernels for the other head dims. */
 #include <stdlib.h>
 #include <string.h>
 

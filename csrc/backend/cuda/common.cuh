@@ -225,7 +225,8 @@ kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, i
                              const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
                              float scale, bf16 *out, int64_t ldo);
 
-/* ---- attention_prefill_mma.cu: the register-tile kernel (opt-in: KVC_ATTN_MMA=1 or attention_use_mma) ---- */
+/* ---- attention_prefill_mma.cu: the register-tile kernel (opt-in: KVC_ATTN_MMA=1 or attention_use_mma; a
+ * preference attention_prefill honours for head_dim 64 and 128, the other kernels doing the rest) ---- */
 kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                                  const bf16 *const *kp, const bf16 *const *vp, const int32_t *past,
                                  const int64_t *start, float scale, bf16 *out, int64_t ldo);
