@@ -335,6 +335,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
             return 0;
         }
         s->graph_generation = s->act.generation;
+        s->decodes_since_capture = 0; /* the next capture (activations replaced) gets its eager step too */
     }
     kvc_status g = be->graph_launch(s->graph);
     if (g == KVC_ERR_UNSUPPORTED) { /* the backend's scratch moved: capture again */

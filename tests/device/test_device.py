@@ -408,6 +408,28 @@ def test_decode_graph_replays_the_eager_steps(dev_model, rng):
     assert rel(out[0], out[1]) < 1e-5
 
 
+def test_decode_graph_recapture_after_activation_growth_runs_an_eager_step_first(dev_model):
+    """A longer forward replaces the activations a captured graph holds: the next decode step runs eagerly
+    (it sizes the backend's scratch outside a capture), the one after captures again, and the logits equal
+    those of eager steps."""
+    m = dev_model
+    ids = np.random.default_rng(1).integers(3, m.config["vocab"], size=100).astype(np.int32)
+    out, steps = [], []
+    for graphs in (True, False):
+        s = m.new_session()
+        s.forward(ids[:4], logits="none")
+        s.set_decode_graphs(graphs)
+        rows = [s.forward(ids[4 + i:5 + i], logits="last") for i in range(5)]  # 1 eager, 4 replayed
+        steps.append(s.graph_info["graph_steps"])
+        s.forward(ids[9:90], logits="none")  # 81 rows: more activations than the 4-row prefill had
+        rows += [s.forward(ids[90 + i:91 + i], logits="last") for i in range(5)]
+        steps.append(s.graph_info["graph_steps"])
+        assert s.graph_info["error"] == ""
+        out.append(np.stack(rows))
+    assert steps == [4, 8, 0, 0]  # after the growth: 1 eager step again, then 4 replayed
+    assert rel(out[0], out[1]) < 1e-5
+
+
 def test_decode_graph_is_refused_on_the_cpu(cpu_model):
     with pytest.raises(NotImplementedError, match="no graphs"):
         cpu_model.new_session().set_decode_graphs(True)
