@@ -256,6 +256,16 @@ static kvc_status t_sync(void) {
 }
 static const float *t_host_f32(const kvc_buf *b) { return nullptr; }
 
+/* An entry that fails fast once the context is lost (context_alive): after an illegal address nothing
+ * can run or be rolled back, so every later call says so instead of trying. */
+template <auto F> struct alive;
+template <typename... A, kvc_status (*F)(A...)> struct alive<F> {
+    static kvc_status call(A... a) {
+        KVC_TRY(context_alive());
+        return F(a...);
+    }
+};
+
 static kvc_backend make_table(void) {
     kvc_backend t;
     memset(&t, 0, sizeof t);
@@ -270,39 +280,39 @@ static kvc_backend make_table(void) {
     t.gemm_name = gemm_name;
     t.memory_stats = t_memory_stats;
     t.reset_peak = reset_peak;
-    t.sync = t_sync;
-    t.set_option = t_set_option;
-    t.check_model = t_check_model;
-    t.alloc = buf_alloc;
+    t.sync = alive<t_sync>::call;
+    t.set_option = alive<t_set_option>::call;
+    t.check_model = alive<t_check_model>::call;
+    t.alloc = alive<buf_alloc>::call;
     t.free = buf_free;
-    t.upload = buf_upload;
-    t.download = buf_download;
+    t.upload = alive<buf_upload>::call;
+    t.download = alive<buf_download>::call;
     t.host_f32 = t_host_f32;
     t.wrap = nullptr; /* weights live in device memory: the loader copies them */
-    t.kv_new = kv_new;
+    t.kv_new = alive<kv_new>::call;
     t.kv_free = kv_free;
     t.kv_bytes = kv_bytes;
-    t.kv_resize = kv_resize;
-    t.kv_gather = kv_gather;
-    t.kv_set_lens = kv_set_lens;
-    t.kv_prune_keys = kv_prune_keys;
-    t.kv_write = kv_write;
-    t.kv_read = kv_read;
-    t.embed = t_embed;
-    t.rmsnorm = t_rmsnorm;
-    t.head_rmsnorm = t_head_rmsnorm;
-    t.matmul = t_matmul;
-    t.add_bias = t_add_bias;
-    t.rope = t_rope;
-    t.kv_append = kv_append;
-    t.attention = t_attention;
-    t.swiglu = t_swiglu;
-    t.score = score;
-    t.topk = topk;
-    t.cos_sum = cos_sum;
-    t.bench = k_bench;
-    t.graph_capture = t_graph_capture;
-    t.graph_launch = t_graph_launch;
+    t.kv_resize = alive<kv_resize>::call;
+    t.kv_gather = alive<kv_gather>::call;
+    t.kv_set_lens = alive<kv_set_lens>::call;
+    t.kv_prune_keys = alive<kv_prune_keys>::call;
+    t.kv_write = alive<kv_write>::call;
+    t.kv_read = alive<kv_read>::call;
+    t.embed = alive<t_embed>::call;
+    t.rmsnorm = alive<t_rmsnorm>::call;
+    t.head_rmsnorm = alive<t_head_rmsnorm>::call;
+    t.matmul = alive<t_matmul>::call;
+    t.add_bias = alive<t_add_bias>::call;
+    t.rope = alive<t_rope>::call;
+    t.kv_append = alive<kv_append>::call;
+    t.attention = alive<t_attention>::call;
+    t.swiglu = alive<t_swiglu>::call;
+    t.score = alive<score>::call;
+    t.topk = alive<topk>::call;
+    t.cos_sum = alive<cos_sum>::call;
+    t.bench = alive<k_bench>::call;
+    t.graph_capture = alive<t_graph_capture>::call;
+    t.graph_launch = alive<t_graph_launch>::call;
     t.graph_free = t_graph_free;
     return t;
 }

@@ -26,6 +26,9 @@ kvc_status fail(kvc_status st, const char *fmt, ...) __attribute__((format(print
 kvc_status cuda_fail(cudaError_t e, const char *what);
 /* The last launch error, if any, as a status. */
 kvc_status check_launch(const char *what);
+/* KVC_OK unless an error killed the context (an illegal address, a kernel fault: cuda_fail saw it); then
+ * KVC_ERR_DEVICE "the CUDA context is lost after <error>: restart the process", on every call. */
+kvc_status context_alive(void);
 
 #define KVC_TRY(expr)                            \
     do {                                         \

@@ -1,6 +1,7 @@
 /* The device context: initialisation (device, stream, GEMM handle), error reporting through the
  * core, and tracked device allocation (current and peak bytes per category, for the memory report). */
 #include <dlfcn.h>
+#include <atomic>
 #include <mutex>
 #include <stdarg.h>
 #include <stdio.h>
@@ -25,7 +26,39 @@ kvc_status fail(kvc_status st, const char *fmt, ...) {
     return st;
 }
 
+/* Errors after which the context is dead (every later CUDA call returns them, nothing can be rolled back):
+ * the first one is remembered, and every later entry of the backend fails fast with it (context_alive). */
+static std::atomic<int> g_lost{0};
+static char g_lost_why[512];
+
+static int context_killer(cudaError_t e) {
+    switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable: return 1;
+    default: return 0;
+    }
+}
+
+kvc_status context_alive(void) {
+    if (g_lost.load(std::memory_order_acquire)) return fail(KVC_ERR_DEVICE, "%s", g_lost_why);
+    return KVC_OK;
+}
+
 kvc_status cuda_fail(cudaError_t e, const char *what) {
+    if (context_killer(e) && !g_lost.load(std::memory_order_acquire)) {
+        snprintf(g_lost_why, sizeof g_lost_why, "the CUDA context is lost after %s (%s) in %s: restart the process",
+                 cudaGetErrorString(e), cudaGetErrorName(e), what);
+        g_lost.store(1, std::memory_order_release);
+    }
+    if (g_lost.load(std::memory_order_acquire)) return fail(KVC_ERR_DEVICE, "%s", g_lost_why);
     cudaGetLastError(); /* clear a non-sticky error so the context stays usable */
     if (e == cudaErrorMemoryAllocation) {
         size_t fr = 0, tot = 0;
