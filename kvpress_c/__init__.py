@@ -8,18 +8,8 @@ from . import _core
 from ._paths import core_library_path, cublas_path, default_model_path, openblas_path
 from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
-from .presses import (AdaKVPress, BasePress, ChunkKVPress, EntropyGatedChunkKVPress, EDIEPress, TADAPress, TAKEPress, JudgeQPress, ResponseGuidedPress, KnormPress, ObservedAttentionPress, PyramidKVPress, RandomPress,
-                      ScorerPress, SnapKVPress, StreamingLLMPress, TOVAPress)
-from .presses import (CriticalAdaKVPress, CriticalKVPress, ExpectedAttentionPress, KeyDiffPress, LagKVPress,
-                      NonCausalAttnPress, KVzipPress, KVgradPress, RestoreKVPress, LeverageScorePress, CURPress, CompactorPress, FinchPress,
-                      SimLayerKVPress)  # kvpress's scorers
-from .presses import CompressionRatioDecodingPress, DecodingPress, PrefillDecodingPress  # compression while decoding
-from .presses import CAMPress, MergingPress  # value merging on eviction
-from .presses import CapPress, DMSPress, KVComposePress
-from .presses import BlockPress, ChunkPress, ComposedPress, KeyRerotationPress, PerLayerCompressionPress  # wrappers
-from .presses import ThinKPress  # key channels
-from .presses import DuoAttentionPress, KVzapPress, QFilterPress  # hub files, read from a local path
-from .presses import ExpectedAttentionStatsPress, FastKVzipPress, LUKVPress
+from . import presses as _presses
+from .presses import *  # noqa: F401,F403  (every press of kvpress_c/presses/, discovered there)
 
 __version__ = _core.__version__
 
@@ -101,11 +91,6 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
     return memory_stats("cuda", reset_peak)
 
 
-__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "BasePress", "ScorerPress", "SnapKVPress",
-           "PyramidKVPress", "StreamingLLMPress", "KnormPress", "TOVAPress", "ObservedAttentionPress",
-           "RandomPress", "AdaKVPress", "ExpectedAttentionPress", "KeyDiffPress", "LagKVPress", "CriticalKVPress", "CriticalAdaKVPress", "NonCausalAttnPress", "KVzipPress", "KVgradPress", "RestoreKVPress", "LeverageScorePress", "CURPress", "CompactorPress", "CapPress", "DMSPress", "KVComposePress", "FinchPress", "SimLayerKVPress", "ChunkKVPress", "EntropyGatedChunkKVPress", "EDIEPress", "TADAPress", "TAKEPress", "JudgeQPress", "ResponseGuidedPress",
-           "DecodingPress", "PrefillDecodingPress", "CompressionRatioDecodingPress", "CAMPress", "MergingPress", "ComposedPress",
-           "PerLayerCompressionPress", "BlockPress", "ChunkPress", "KeyRerotationPress", "ThinKPress", "DuoAttentionPress",
-           "QFilterPress", "KVzapPress", "ExpectedAttentionStatsPress", "LUKVPress", "FastKVzipPress", "default_model_path", "core_library_path", "set_num_threads",
-           "DEVICES", "device_available", "device_info", "memory_stats", "cuda_available", "cuda_info",
-           "cuda_memory_stats", "__version__"]
+__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", *_presses.__all__, "default_model_path",
+           "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
+           "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

@@ -1,82 +1,104 @@
-/* Press settings from Python: one parser of kvc_press_config keywords (Session.set_press, TAKE's inner
- * press, the checks below), the enum codes read from the C header, and the C validation and budget
- * arithmetic the dataclasses call instead of repeating them. */
+/* Press settings from Python: keywords set by name through the C table (kvc_press_config_set_*, csrc/press/
+ * params.c), so no list of fields or format string is repeated here; the C validation and budget arithmetic
+ * the dataclasses call instead of repeating them; the names of the choices read from the C table. */
 #include "core.h"
 
-static char *press_kwlist[] = {"scorer", "allocation", "compression_ratio", "budget", "window", "kernel", "pool_max",
-                               "gqa_max", "pool_then_reduce", "n_sink", "seed", "alpha_safeguard", "safeguard",
-                               "pyramid_beta", "record_scores", "chunk_length", "reuse_layers", "edie_alpha",
-                               "drop_window",
-                               /* kvpress's scorers */
-                               "lag_size", "cross_scoring", "n_future", "use_covariance", "use_vnorm", "epsilon",
-                               "critical", "critical_eps", "first_stage_ratio", "attn_chunk", "sketch_dim", "cur_type", "cur_random", "cur_window",
-                               "cmp_sink_start", "cmp_sink_end", "cmp_blend",
-                               /* kvpress's wrappers that change the selection */
-                               "chunk_press", "finch_normalize", "finch_chunk", "lazy_threshold",
-                               "n_recent", "low_entropy_chunk",
-                               /* value merging, CapPress, DMSPress */
-                               "merge", "merge_threshold", "merge_fraction", "cap_tau",
-                               "dms", "dms_threshold", "dms_window", NULL};
+/* The setters of one config kind, by name. */
+typedef struct {
+    void *obj;
+    kvc_status (*set_i64)(void *obj, const char *name, int64_t v);
+    kvc_status (*set_u64)(void *obj, const char *name, uint64_t v);
+    kvc_status (*set_f64)(void *obj, const char *name, double v);
+    kvc_status (*set_str)(void *obj, const char *name, const char *v);
+    int32_t (*known)(const char *name);
+    const char *what;
+} setters;
 
-int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
-    kvc_press_config_defaults(c);
+/* One keyword: a str sets a choice by name, a bool or an int an integer (a large one an unsigned), a float a
+ * number; None only clears a flag. The C setter says what is wrong with a value (ValueError). */
+static int set_one(const setters *t, PyObject *key, PyObject *value) {
+    const char *name = PyUnicode_Check(key) ? PyUnicode_AsUTF8(key) : NULL;
+    if (!name) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "press settings are keywords (str)");
+        return -1;
+    }
+    if (!t->known(name)) {
+        PyErr_Format(PyExc_TypeError, "'%s' is not a %s setting (kvpress_c.press_params() lists them)", name, t->what);
+        return -1;
+    }
+    kvc_status st;
+    if (PyUnicode_Check(value)) {
+        const char *v = PyUnicode_AsUTF8(value);
+        if (!v) return -1;
+        st = t->set_str(t->obj, name, v);
+    } else if (value == Py_None) {
+        st = t->set_i64(t->obj, name, 0);
+    } else if (PyBool_Check(value)) {
+        st = t->set_i64(t->obj, name, value == Py_True);
+    } else if (PyFloat_Check(value)) {
+        st = t->set_f64(t->obj, name, PyFloat_AS_DOUBLE(value));
+    } else {
+        PyObject *i = PyNumber_Index(value); /* ints and NumPy integers */
+        if (!i) {
+            PyErr_Clear();
+            const double d = PyFloat_AsDouble(value);
+            if (d == -1.0 && PyErr_Occurred()) {
+                PyErr_Format(PyExc_TypeError, "%s must be a number or a name, got %R", name, value);
+                return -1;
+            }
+            st = t->set_f64(t->obj, name, d);
+        } else {
+            int overflow = 0;
+            const long long v = PyLong_AsLongLongAndOverflow(i, &overflow);
+            if (overflow > 0) {
+                const unsigned long long u = PyLong_AsUnsignedLongLong(i);
+                Py_DECREF(i);
+                if (u == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+                st = t->set_u64(t->obj, name, u);
+            } else {
+                Py_DECREF(i);
+                if (overflow < 0 || (v == -1 && PyErr_Occurred())) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_ValueError, "%s: %R is out of range", name, value);
+                    return -1;
+                }
+                st = t->set_i64(t->obj, name, v);
+            }
+        }
+    }
+    return st == KVC_OK ? 0 : (kvc_py_raise(st), -1);
+}
+
+static int set_all(const setters *t, PyObject *kwargs) {
     if (!kwargs) return 0;
-    PyObject *empty = PyTuple_New(0);
-    if (!empty) return -1;
-    long long budget = 0;
-    unsigned long long seed = 0;
-    const int ok = PyArg_ParseTupleAndKeywords(empty, kwargs, "|$iidLiiiiiiKfiipiifpipippfpffiiipiiifipifiipfffpfi", press_kwlist, &c->scorer,
-                                               &c->allocation, &c->compression_ratio, &budget, &c->window, &c->kernel,
-                                               &c->pool_max, &c->gqa_max, &c->pool_then_reduce, &c->n_sink, &seed,
-                                               &c->alpha_safeguard, &c->safeguard, &c->pyramid_beta, &c->record_scores,
-                                               &c->chunk_length, &c->reuse_layers, &c->edie_alpha, &c->drop_window,
-                                               &c->lag_size, &c->cross_scoring, &c->n_future, &c->use_covariance,
-                                               &c->use_vnorm, &c->epsilon, &c->critical, &c->critical_eps,
-                                               &c->first_stage_ratio, &c->attn_chunk, &c->sketch_dim, &c->cur_type,
-                                               &c->cur_random, &c->cur_window, &c->cmp_sink_start, &c->cmp_sink_end,
-                                               &c->cmp_blend, &c->chunk_press,
-                                               &c->finch_normalize, &c->finch_chunk, &c->lazy_threshold,
-                                               &c->n_recent, &c->low_entropy_chunk,
-                                               &c->merge, &c->merge_threshold, &c->merge_fraction,
-                                               &c->cap_tau, &c->dms, &c->dms_threshold, &c->dms_window);
-    Py_DECREF(empty);
-    if (!ok) return -1;
-    c->budget = budget;
-    c->seed = seed;
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(kwargs, &pos, &key, &value))
+        if (set_one(t, key, value) < 0) return -1;
     return 0;
 }
 
-/* ---- decoding presses: the decoding fields, the rest is the base press's ---- */
+#define SETTERS(kind, type)                                                                                        \
+    static kvc_status kind##_i64(void *o, const char *n, int64_t v) { return kvc_##kind##_set_i64((type *)o, n, v); } \
+    static kvc_status kind##_u64(void *o, const char *n, uint64_t v) { return kvc_##kind##_set_u64((type *)o, n, v); } \
+    static kvc_status kind##_f64(void *o, const char *n, double v) { return kvc_##kind##_set_f64((type *)o, n, v); } \
+    static kvc_status kind##_str(void *o, const char *n, const char *v) { return kvc_##kind##_set_str((type *)o, n, v); }
+SETTERS(press_config, kvc_press_config)
+SETTERS(decoding_config, kvc_decoding_config)
+static int32_t press_known(const char *name) { return kvc_press_param_index(name) >= 0; }
+
+int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
+    kvc_press_config_defaults(c);
+    const setters t = {c, press_config_i64, press_config_u64, press_config_f64, press_config_str, press_known, "press"};
+    return set_all(&t, kwargs);
+}
+
+/* ---- decoding presses: the decoding settings, the rest the base press's ---- */
 int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *c) {
     kvc_decoding_config_defaults(c);
-    PyObject *rest = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
-    if (!rest) return -1;
-    static const char *keys[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
-                                 "hidden_states_buffer_size", "cam_merge_budget", "cam_seed"};
-    PyObject *mine = PyDict_New();
-    int r = mine ? 0 : -1;
-    for (int i = 0; i < 7 && r == 0; i++) {
-        PyObject *v = PyDict_GetItemString(rest, keys[i]); /* borrowed */
-        if (v && (PyDict_SetItemString(mine, keys[i], v) < 0 || PyDict_DelItemString(rest, keys[i]) < 0)) r = -1;
-    }
-    if (r == 0) {
-        static char *kw[] = {"compression_interval", "target_size", "ratio_target", "target_compression_ratio",
-                             "hidden_states_buffer_size", "cam_merge_budget", "cam_seed", NULL};
-        long long interval = c->compression_interval, target = c->target_size;
-        unsigned long long cam_seed = 0;
-        PyObject *empty = PyTuple_New(0);
-        r = empty && PyArg_ParseTupleAndKeywords(empty, mine, "|$LLpdiiK", kw, &interval, &target, &c->ratio_target,
-                                                 &c->target_compression_ratio, &c->hidden_states_buffer_size,
-                                                 &c->cam_merge_budget, &cam_seed) ? 0 : -1;
-        c->cam_seed = cam_seed;
-        Py_XDECREF(empty);
-        c->compression_interval = interval;
-        c->target_size = target;
-    }
-    if (r == 0) r = kvc_py_press_config(rest, &c->base);
-    Py_XDECREF(mine);
-    Py_DECREF(rest);
-    return r;
+    const setters t = {c, decoding_config_i64, decoding_config_u64, decoding_config_f64, decoding_config_str,
+                       kvc_decoding_param_known, "decoding press"};
+    return set_all(&t, kwargs);
 }
 
 /* decoding_config_check(**settings): ValueError with the C message when kvc_decoding_config_check refuses them. */
@@ -153,40 +175,50 @@ PyMethodDef kvc_py_press_methods[] = {
      "each in [lo, hi], summing to total."},
     {NULL, NULL, 0, NULL}};
 
-/* SCORERS, ALLOCATIONS, SAFEGUARDS: name -> the C enum code (csrc/include/kvpress_c.h) */
-static int add_codes(PyObject *m, const char *name, const char *const *keys, const int *codes, int n) {
+/* SCORERS, ALLOCATIONS, SAFEGUARDS: name -> code, the choices of those settings in the C table; PRESS_PARAMS:
+ * every setting's name -> (type, default, lo, hi, doc, choices) */
+static int add_choices(PyObject *m, const char *attr, const kvc_param_info *p) {
     PyObject *d = PyDict_New();
     if (!d) return -1;
-    for (int i = 0; i < n; i++) {
-        PyObject *v = PyLong_FromLong(codes[i]);
-        if (!v || PyDict_SetItemString(d, keys[i], v) < 0) {
+    for (int32_t i = 0; i < p->n_choices; i++) {
+        PyObject *v = PyLong_FromLong(i);
+        if (!v || PyDict_SetItemString(d, p->choices[i], v) < 0) {
             Py_XDECREF(v);
             Py_DECREF(d);
             return -1;
         }
         Py_DECREF(v);
     }
-    const int r = PyModule_AddObjectRef(m, name, d);
+    const int r = PyModule_AddObjectRef(m, attr, d);
     Py_DECREF(d);
     return r;
 }
 
 int kvc_py_press_constants(PyObject *m) {
-    static const char *scorers[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie",
-                                    /* kvpress's scorers */
-                                    "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage", "cur", "compactor", "finch", "simlayerkv",
-                                    "cap"};
-    static const int scorer_codes[] = {KVC_SCORE_STREAMING, KVC_SCORE_KNORM, KVC_SCORE_RANDOM, KVC_SCORE_TOVA,
-                                       KVC_SCORE_OBSERVED, KVC_SCORE_SNAPKV, KVC_SCORE_EDIE,
-                                       /* kvpress's scorers */
-                                       KVC_SCORE_KEYDIFF, KVC_SCORE_LAGKV, KVC_SCORE_EXPECTED, KVC_SCORE_NONCAUSAL,
-                                       KVC_SCORE_LEVERAGE, KVC_SCORE_CUR, KVC_SCORE_COMPACTOR, KVC_SCORE_FINCH,
-                                       KVC_SCORE_SIMLAYERKV, KVC_SCORE_CAP};
-    static const char *allocations[] = {"uniform", "pyramid", "adakv", "layer"};
-    static const int allocation_codes[] = {KVC_ALLOC_UNIFORM, KVC_ALLOC_PYRAMID, KVC_ALLOC_ADAKV, KVC_ALLOC_LAYER};
-    static const char *safeguards[] = {"floor", "protect"};
-    static const int safeguard_codes[] = {KVC_SAFEGUARD_FLOOR, KVC_SAFEGUARD_PROTECT};
-    if (add_codes(m, "SCORERS", scorers, scorer_codes, (int)(sizeof scorer_codes / sizeof *scorer_codes)) < 0) return -1;
-    if (add_codes(m, "ALLOCATIONS", allocations, allocation_codes, 4) < 0) return -1;
-    return add_codes(m, "SAFEGUARDS", safeguards, safeguard_codes, 2);
+    PyObject *params = PyDict_New();
+    if (!params) return -1;
+    int r = 0;
+    for (int32_t i = 0; i < kvc_press_param_count() && r == 0; i++) {
+        kvc_param_info p;
+        if (kvc_press_param_info(i, &p) != KVC_OK) {
+            r = -1;
+            kvc_py_raise(KVC_ERR_ARG);
+            break;
+        }
+        PyObject *choices = PyTuple_New(p.n_choices);
+        for (int32_t j = 0; choices && j < p.n_choices; j++) PyTuple_SET_ITEM(choices, j, PyUnicode_FromString(p.choices[j]));
+        PyObject *row = choices ? Py_BuildValue("{s:s,s:d,s:d,s:d,s:s,s:N}", "type", p.type, "default", p.default_value, "lo",
+                                               p.lo, "hi", p.hi, "doc", p.doc, "choices", choices)
+                                : NULL;
+        if (!row || PyDict_SetItemString(params, p.name, row) < 0) r = -1;
+        Py_XDECREF(row);
+        if (r == 0 && p.n_choices) {
+            const char *attr = !strcmp(p.name, "scorer") ? "SCORERS" : !strcmp(p.name, "allocation") ? "ALLOCATIONS"
+                             : !strcmp(p.name, "safeguard") ? "SAFEGUARDS" : NULL;
+            if (attr) r = add_choices(m, attr, &p);
+        }
+    }
+    if (r == 0) r = PyModule_AddObjectRef(m, "PRESS_PARAMS", params);
+    Py_DECREF(params);
+    return r;
 }

@@ -296,6 +296,65 @@ typedef struct kvc_press_config {
     int32_t dms_window;        /* DMSPress sliding_window_size: the last rows, never judged yet (128) */
 } kvc_press_config;
 
+/* ---- Presses by name: the interface for bindings and C clients (no struct to mirror, no codes) ---- */
+/* A press's settings, opaque: made from a scorer's name ("snapkv", "knorm", ...: kvc_press_param_info of
+ * "scorer" lists them) with kvpress's defaults, then set by name. Every setting is a row of one table
+ * (csrc/press/params.c); kvc_press_spec_check is the one validation. */
+typedef struct kvc_press_spec kvc_press_spec;
+KVC_API kvc_status kvc_press_spec_new(const char *scorer, kvc_press_spec **out);
+KVC_API void kvc_press_spec_free(kvc_press_spec *p);
+/* Set a setting by name: integers and flags (set_i64; seed also set_u64), numbers (set_f64: an integer
+ * setting takes an integral value), names of a choice (set_str: scorer, allocation, safeguard). An unknown
+ * name or a value its type cannot hold: KVC_ERR_ARG naming it. */
+KVC_API kvc_status kvc_press_spec_set_i64(kvc_press_spec *p, const char *name, int64_t value);
+KVC_API kvc_status kvc_press_spec_set_u64(kvc_press_spec *p, const char *name, uint64_t value);
+KVC_API kvc_status kvc_press_spec_set_f64(kvc_press_spec *p, const char *name, double value);
+KVC_API kvc_status kvc_press_spec_set_str(kvc_press_spec *p, const char *name, const char *value);
+/* A setting's value as a double (a choice: its index in the choices of kvc_press_param_info). */
+KVC_API kvc_status kvc_press_spec_get(const kvc_press_spec *p, const char *name, double *value);
+KVC_API kvc_status kvc_press_spec_check(const kvc_press_spec *p);
+/* Tokens a head of n rows keeps at `layer` (kvc_press_kept's rule). */
+KVC_API kvc_status kvc_press_spec_kept(const kvc_press_spec *p, int32_t layer, int32_t n_layers, int64_t n, int64_t *out);
+/* Attach (NULL detaches) / chain after the attached press (ComposedPress). The spec is copied: free it after. */
+KVC_API kvc_status kvc_session_attach_press(kvc_session *s, const kvc_press_spec *p);
+KVC_API kvc_status kvc_session_chain_press(kvc_session *s, const kvc_press_spec *p);
+/* The press on arrays (kvc_device_press_compute), every array with its size in values: q and attn (NULL: none)
+ * [n, H, d], k and v [Hkv, len, d] (n_kv_values each), scores and keep [Hkv, len]; n_keep [Hkv]. */
+KVC_API kvc_status kvc_press_spec_compute(int32_t device, const kvc_press_spec *p, int32_t H, int32_t Hkv, int32_t d,
+                                          int32_t layer, int32_t n_layers, const float *q, int64_t n_q, const float *attn,
+                                          int64_t n_attn, int64_t n, const float *k, const float *v, int64_t n_kv_values,
+                                          int64_t len, int64_t layer_total, float *scores, int64_t n_scores, int64_t *keep,
+                                          int64_t n_keep_rows, int64_t *n_keep);
+typedef struct kvc_decoding_config kvc_decoding_config; /* below */
+/* The same setters on the config structs that TAKE's and the decoding presses' configs embed (kvc_take_config.inner,
+ * kvc_decoding_config: its own settings by name, then its base press's). */
+KVC_API kvc_status kvc_press_config_set_i64(kvc_press_config *c, const char *name, int64_t value);
+KVC_API kvc_status kvc_press_config_set_u64(kvc_press_config *c, const char *name, uint64_t value);
+KVC_API kvc_status kvc_press_config_set_f64(kvc_press_config *c, const char *name, double value);
+KVC_API kvc_status kvc_press_config_set_str(kvc_press_config *c, const char *name, const char *value);
+KVC_API kvc_status kvc_press_config_get(const kvc_press_config *c, const char *name, double *value);
+KVC_API kvc_status kvc_decoding_config_set_i64(kvc_decoding_config *c, const char *name, int64_t value);
+KVC_API kvc_status kvc_decoding_config_set_u64(kvc_decoding_config *c, const char *name, uint64_t value);
+KVC_API kvc_status kvc_decoding_config_set_f64(kvc_decoding_config *c, const char *name, double value);
+KVC_API kvc_status kvc_decoding_config_set_str(kvc_decoding_config *c, const char *name, const char *value);
+/* Whether `name` is a setting of a press (kvc_press_param_index >= 0) or of a decoding press. */
+KVC_API int32_t kvc_press_param_index(const char *name);
+KVC_API int32_t kvc_decoding_param_known(const char *name);
+/* Introspection: the settings, their types ("int", "uint", "float", "bool", "choice"), defaults and the range
+ * the check accepts (documentation: kvc_press_spec_check is the rule). */
+typedef struct kvc_param_info {
+    const char *name;
+    const char *type;
+    const char *doc;
+    double default_value;        /* a choice: the index of default_choice */
+    double lo, hi;
+    int32_t n_choices;           /* a choice: its names */
+    const char *const *choices;
+    const char *default_choice;
+} kvc_param_info;
+KVC_API int32_t kvc_press_param_count(void);
+KVC_API kvc_status kvc_press_param_info(int32_t i, kvc_param_info *out);
+
 /* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
 KVC_API void kvc_press_config_defaults(kvc_press_config *cfg);
 /* The one validation of a press config (kvc_session_set_press and every press API call it; the Python

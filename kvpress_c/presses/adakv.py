@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ALLOCATIONS, SAFEGUARDS, ScorerPress, c_check, check_number, WrapperPress
+from .base import SAFEGUARDS, ScorerPress, c_check, check_number, WrapperPress
 
 
 @dataclass
@@ -30,6 +30,6 @@ class AdaKVPress(WrapperPress):
 
     def c_config(self) -> dict:
         cfg = self.press.c_config()
-        cfg.update(allocation=ALLOCATIONS["adakv"], alpha_safeguard=float(self.alpha_safeguard),
-                   safeguard=SAFEGUARDS[self.safeguard])
+        cfg.update(allocation="adakv", alpha_safeguard=float(self.alpha_safeguard),
+                   safeguard=self.safeguard)
         return cfg

@@ -1,9 +1,10 @@
 """Base classes of the presses: a press is a dataclass that turns into a C press config.
 
-One source of truth for the settings: the dataclasses check types (and the choices named by strings);
-the values are checked by the C core (kvc_press_config_check, through _core.press_config_check), with
-the messages every other caller gets; the enum codes come from the C header and the budget arithmetic
-from C (_core.press_kept)."""
+One source of truth for the settings: the C table of press settings (csrc/press/params.c). A press's
+c_config() is a dict of settings by name (choices such as the scorer by their names); the dataclasses
+check types, and the values are checked by the C core (kvc_press_config_check, through
+_core.press_config_check), with the messages every other caller gets; the budget arithmetic is C's too
+(_core.press_kept). press_params() lists every setting with its type, default, range and doc."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,10 +12,16 @@ from typing import Optional
 
 from .. import _core
 
-# Codes of the C enums (csrc/include/kvpress_c.h), read from the module
-SCORERS = dict(_core.SCORERS)
-ALLOCATIONS = dict(_core.ALLOCATIONS)
-SAFEGUARDS = dict(_core.SAFEGUARDS)
+# The names of the choice settings, read from the C table
+SCORERS = tuple(_core.SCORERS)
+ALLOCATIONS = tuple(_core.ALLOCATIONS)
+SAFEGUARDS = tuple(_core.SAFEGUARDS)
+
+
+def press_params() -> dict:
+    """Every press setting of the C core: name -> {type, default, lo, hi, doc, choices}. The range is
+    what the C check accepts where a single range says it; the check itself is the rule."""
+    return {name: dict(row) for name, row in _core.PRESS_PARAMS.items()}
 
 
 def check_int(name: str, value, minimum: Optional[int] = None) -> None:
@@ -137,7 +144,7 @@ class ScorerPress(BasePress):
         check_budget(self.compression_ratio, self.budget)
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS[self.scorer], "allocation": ALLOCATIONS["uniform"],
+        return {"scorer": self.scorer, "allocation": "uniform",
                 "compression_ratio": float(self.compression_ratio), "budget": int(self.budget or 0),
                 "window": 0, "kernel": 1}
 

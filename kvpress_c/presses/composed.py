@@ -24,7 +24,7 @@ class ComposedPress(BasePress):
                     or not p.attach_to_session or type(p).prefill is not BasePress.prefill:
                 raise ValueError(f"ComposedPress members act after each layer's attention (scorer presses, AdaKVPress, "
                                  f"ChunkKVPress...); {type(p).__name__} cannot be one")
-        if any(p.c_config().get("scorer") == 4 and not p.is_noop for p in self.presses[1:]):
+        if any(p.c_config().get("scorer") == "observed" and not p.is_noop for p in self.presses[1:]):
             raise ValueError("ObservedAttentionPress can only be the first press of a ComposedPress")
 
     @property

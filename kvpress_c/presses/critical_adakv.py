@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import SAFEGUARDS, ScorerPress, check_number
+from .base import ScorerPress, check_number
 from .criticalkv import CriticalKVPress
 
 
@@ -25,5 +25,5 @@ class CriticalAdaKVPress(CriticalKVPress):
 
     def c_config(self) -> dict:
         cfg = super().c_config()
-        cfg.update(alpha_safeguard=float(self.alpha_safeguard), safeguard=SAFEGUARDS["protect"])
+        cfg.update(alpha_safeguard=float(self.alpha_safeguard), safeguard="protect")
         return cfg

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ALLOCATIONS, ScorerPress, c_check, check_number, WrapperPress
+from .base import ScorerPress, c_check, check_number, WrapperPress
 
 
 @dataclass
@@ -29,6 +29,6 @@ class CriticalKVPress(WrapperPress):
 
     def c_config(self) -> dict:
         cfg = self.press.c_config()
-        cfg.update(allocation=ALLOCATIONS[self.allocation], critical=1, critical_eps=float(self.epsilon),
+        cfg.update(allocation=self.allocation, critical=1, critical_eps=float(self.epsilon),
                    first_stage_ratio=float(self.first_stage_ratio))
         return cfg

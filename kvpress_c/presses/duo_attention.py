@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import ALLOCATIONS, SCORERS, BasePress, check_number
+from .base import BasePress, check_number
 
 PATTERNS_URL = "https://github.com/mit-han-lab/duo-attention/tree/main/attn_patterns"
 
@@ -46,7 +46,7 @@ class DuoAttentionPress(BasePress):
         return not self.streaming_mask.any()
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS["streaming"], "allocation": ALLOCATIONS["uniform"], "compression_ratio": 0.0,
+        return {"scorer": "streaming", "allocation": "uniform", "compression_ratio": 0.0,
                 "budget": 0, "window": 0, "kernel": 1, "n_sink": int(self.sink_size)}
 
     def head_budgets(self) -> np.ndarray:

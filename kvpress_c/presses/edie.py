@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import ALLOCATIONS, SCORERS, ScorerPress, check_int, check_number
+from .base import ScorerPress, check_int, check_number
 
 
 @dataclass
@@ -27,6 +27,6 @@ class EDIEPress(ScorerPress):
         check_number("alpha", self.alpha)
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS["edie"], "allocation": ALLOCATIONS["uniform"],
+        return {"scorer": "edie", "allocation": "uniform",
                 "compression_ratio": float(self.compression_ratio), "budget": int(self.budget or 0),
                 "window": self.window_size, "kernel": self.kernel_size, "edie_alpha": float(self.alpha)}

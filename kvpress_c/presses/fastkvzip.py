@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import ALLOCATIONS, SCORERS, BasePress, check_int, check_number
+from .base import BasePress, check_int, check_number
 
 GATES_URL = "https://huggingface.co/Jang-Hyun/Fast-KVzip/tree/main"
 # a layer's gate tensors, as in the Fast-KVzip repository's state dicts (the layer index is the prefix in
@@ -60,7 +60,7 @@ class FastKVzipPress(BasePress):
         return self.compression_ratio == 0
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS["knorm"], "allocation": ALLOCATIONS["uniform"],  # the scorer: the gates (set below)
+        return {"scorer": "knorm", "allocation": "uniform",  # the scorer: the gates (set below)
                 "compression_ratio": float(self.compression_ratio), "budget": 0, "window": 0, "kernel": 1}
 
     def before_prefill(self, session, n: int, config: dict) -> None:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import numpy as np
 
-from .base import SCORERS, ALLOCATIONS, BasePress, c_check, check_budget, check_int
+from .base import BasePress, c_check, check_budget, check_int
 
 
 @dataclass
@@ -39,7 +39,7 @@ class FinchPress(BasePress):
 
     def c_config(self) -> dict:
         # before a prompt sets the window, a one-row window stands in (the prefill sets the press again)
-        return {"scorer": SCORERS["finch"], "allocation": ALLOCATIONS["uniform"],
+        return {"scorer": "finch", "allocation": "uniform",
                 "compression_ratio": float(self.compression_ratio), "budget": 0, "window": int(self.window_size or 1),
                 "kernel": 1, "finch_normalize": int(bool(self.normalize_scores)),
                 "finch_chunk": int(self.chunk_length or 0)}

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from .base import SCORERS, BasePress, c_check, check_budget, check_choice, check_int
+from .base import BasePress, c_check, check_budget, check_choice, check_int
 
 
 def load_soft_embeddings(source) -> np.ndarray:
@@ -56,7 +56,7 @@ class _QueryRowsPress(BasePress):
         c_check({**self.c_config(), "window": 1})  # the window is the extra rows, known at prefill
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS["snapkv"], "compression_ratio": float(self.compression_ratio),
+        return {"scorer": "snapkv", "compression_ratio": float(self.compression_ratio),
                 "budget": int(self.budget or 0), "kernel": self.kernel_size, "pool_max": int(self.pooling == "max"),
                 "gqa_max": int(self.gqa_reduce == "max"), "drop_window": 1}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import ALLOCATIONS, check_int
+from .base import check_int
 from .snapkv import SnapKVPress
 
 
@@ -24,5 +24,5 @@ class PyramidKVPress(SnapKVPress):
 
     def c_config(self) -> dict:
         cfg = super().c_config()
-        cfg.update(allocation=ALLOCATIONS["pyramid"], pyramid_beta=self.beta)
+        cfg.update(allocation="pyramid", pyramid_beta=self.beta)
         return cfg

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import SCORERS, ALLOCATIONS, BasePress, c_check, check_int, check_number
+from .base import BasePress, c_check, check_int, check_number
 
 
 @dataclass
@@ -27,7 +27,7 @@ class SimLayerKVPress(BasePress):
         c_check(self.c_config())
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS["simlayerkv"], "allocation": ALLOCATIONS["uniform"], "compression_ratio": 0.0,
+        return {"scorer": "simlayerkv", "allocation": "uniform", "compression_ratio": 0.0,
                 "budget": 0, "window": self.n_last, "kernel": 1, "n_sink": self.n_initial,
                 "lazy_threshold": float(self.lazy_threshold), "n_recent": self.n_recent}
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import ALLOCATIONS, SCORERS, ScorerPress, check_choice, check_int
+from .base import ScorerPress, check_choice, check_int
 
 
 @dataclass
@@ -34,7 +34,7 @@ class SnapKVPress(ScorerPress):
         check_choice("gqa_reduce", self.gqa_reduce, ("mean", "max"))
 
     def c_config(self) -> dict:
-        return {"scorer": SCORERS["snapkv"], "allocation": ALLOCATIONS["uniform"],
+        return {"scorer": "snapkv", "allocation": "uniform",
                 "compression_ratio": float(self.compression_ratio), "budget": int(self.budget or 0),
                 "window": self.window_size, "kernel": self.kernel_size, "pool_max": int(self.pooling == "max"),
                 "gqa_max": int(self.gqa_reduce == "max"), "pool_then_reduce": int(bool(self.pool_then_reduce))}

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _core
-from .base import ALLOCATIONS, ScorerPress, c_check, kept_per_head, WrapperPress
+from .base import ScorerPress, c_check, kept_per_head, WrapperPress
 from .edie import EDIEPress
 
 
@@ -38,7 +38,7 @@ class TADAPress(WrapperPress):
 
     def c_config(self) -> dict:
         cfg = self.press.c_config()
-        cfg["allocation"] = ALLOCATIONS["layer"]
+        cfg["allocation"] = "layer"
         return cfg
 
     def layer_budgets(self, n: int, n_layers: int, n_kv: int) -> np.ndarray:

@@ -5,7 +5,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .base import SCORERS, BasePress, ScorerPress
+from .base import BasePress, ScorerPress
 
 
 @dataclass
@@ -89,7 +89,7 @@ class TAKEPress(BasePress):
         # a prompt of one chunk: its K/V do not depend on the probes that follow it, so the probes can
         # run after a shared prefill on a copy of its full cache (2 or more: one row is a decode step),
         # unless the inner scorer reads every query of the forward call (observed attention)
-        observed = self.press is not None and self.press.c_config().get("scorer") == SCORERS["observed"]
+        observed = self.press is not None and self.press.c_config().get("scorer") == "observed"
         return len(ids) <= self.chunk_size and len(self.probe_ids(ids, question_ids)) >= 2 and not observed
 
     def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:

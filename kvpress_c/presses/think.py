@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import ALLOCATIONS, SCORERS, BasePress, check_int, check_number
+from .base import BasePress, check_int, check_number
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ThinKPress(BasePress):
         return self.key_channel_compression_ratio == 0
 
     def c_config(self) -> dict:  # no token eviction of its own
-        return {"scorer": SCORERS["knorm"], "allocation": ALLOCATIONS["uniform"], "compression_ratio": 0.0, "budget": 0,
+        return {"scorer": "knorm", "allocation": "uniform", "compression_ratio": 0.0, "budget": 0,
                 "window": 0, "kernel": 1}
 
     def before_prefill(self, session, n: int, config: dict) -> None:

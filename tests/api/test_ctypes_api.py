@@ -3,7 +3,7 @@ import ctypes as C
 
 import numpy as np
 
-from capi import PressConfig, lib
+from capi import PressSpec, lib
 
 
 def test_ctypes_forward_matches_module(default_gguf, default_model, rng):
@@ -21,13 +21,17 @@ def test_ctypes_forward_matches_module(default_gguf, default_model, rng):
     ref = default_model.logits(ids)[-1]
     np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-4 * np.abs(ref).max())
     assert lib.kvc_session_cache_len(s, 0, 0) == 40
-    # a press through the plain struct: Knorm keeping 10 per head on the next prefill
-    cfg = PressConfig()
-    lib.kvc_press_config_defaults(C.byref(cfg))
-    cfg.scorer, cfg.budget, cfg.window = 1, 10, 0
+    # a press by name: Knorm keeping 10 per head on the next prefill
+    spec = C.c_void_p()
+    assert lib.kvc_press_spec_new(b"knorm", C.byref(spec)) == 0
+    assert lib.kvc_press_spec_set_i64(spec, b"budget", 10) == 0 and lib.kvc_press_spec_set_i64(spec, b"window", 0) == 0
+    assert lib.kvc_press_spec_set_i64(spec, b"no_such_setting", 1) == 1
+    assert b"no_such_setting" in lib.kvc_last_error()
+    assert lib.kvc_press_spec_set_str(spec, b"scorer", b"knrm") == 1 and b"knorm" in lib.kvc_last_error()
     s2 = C.c_void_p()
     assert lib.kvc_session_new(m, 0, C.byref(s2)) == 0
-    assert lib.kvc_session_set_press(s2, C.byref(cfg)) == 0
+    assert lib.kvc_session_attach_press(s2, spec) == 0
+    lib.kvc_press_spec_free(spec)
     assert lib.kvc_forward(s2, ids, 40, 1, logits) == 0
     assert lib.kvc_session_cache_len(s2, 5, 1) == 10
     assert lib.kvc_session_cache_bytes(s2) < lib.kvc_session_cache_bytes(s)

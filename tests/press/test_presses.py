@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import ALLOCATIONS, SAFEGUARDS, SCORERS as CODES, CError, press_compute, press_config
+from capi import ALLOCATIONS, SAFEGUARDS, SCORERS as CODES, CError, lib, press_compute, press_config
 from method_reference import topk_rows
 from press_reference import (adakv_floor, adakv_floor_caps, adakv_protect, knorm_scores, n_kept, n_kept_ratio,
                              observed_scores, pyramid_budget, snapkv_scores, streaming_keep, streaming_scores,
@@ -35,14 +35,14 @@ SHAPES = [(4, 2, 16, 90, 90), (6, 3, 32, 70, 100), (4, 4, 16, 40, 40), (8, 2, 64
 W, KERNEL, N_SINK = 8, 5, 4
 
 
-def test_ctypes_structs_match_the_header(tmp_path):
-    """capi.PressConfig and capi.Config mirror kvc_press_config and kvc_config field by field: compare every
-    offset and the size with what a C compiler makes of the public header, and the press defaults with
-    kvc_press_config_defaults."""
+def test_press_settings_by_name(tmp_path):
+    """The press settings reach C by name (kvc_press_spec; no struct mirrored in Python): kvpress's defaults
+    read back through the ABI, every setting of the table listed with its type and default, and capi.Config
+    still mirrors kvc_config field by field (offsets and size from a C compiler)."""
     import os
     import shutil
     import subprocess
-    from capi import Config, PressConfig
+    from capi import Config
     cfg = press_config()
     want = dict(scorer=SNAPKV, allocation=UNIFORM, compression_ratio=0.0, budget=0, window=64, kernel=5, pool_max=0,
                 gqa_max=0, pool_then_reduce=1, n_sink=4, seed=0, safeguard=PROTECT, pyramid_beta=20, record_scores=0,
@@ -50,11 +50,20 @@ def test_ctypes_structs_match_the_header(tmp_path):
     for k, v in want.items():
         assert getattr(cfg, k) == v, k
     assert cfg.alpha_safeguard == pytest.approx(0.2) and cfg.edie_alpha == pytest.approx(0.1)
+    params = kvpress_c.press_params()
+    assert len(params) == lib.kvc_press_param_count()
+    assert params["window"]["type"] == "int" and params["window"]["default"] == 64
+    assert params["scorer"]["choices"] == tuple(CODES) and params["allocation"]["choices"][ADAKV] == "adakv"
+    for name, row in params.items():  # every default passes its own documented range
+        if row["type"] != "choice":
+            assert row["lo"] <= row["default"] <= row["hi"], name
+    with pytest.raises(CError, match="unknown press setting 'windw'"):
+        press_config(windw=3)
     cc = shutil.which("cc") or shutil.which("gcc")
     include = os.path.join(os.path.dirname(__file__), "..", "..", "csrc", "include")
     if not cc or not os.path.exists(os.path.join(include, "kvpress_c.h")):
         pytest.skip("no C compiler or no source tree")
-    for struct, c_name in ((PressConfig, "kvc_press_config"), (Config, "kvc_config")):
+    for struct, c_name in ((Config, "kvc_config"),):
         names = [f[0] for f in struct._fields_]
         src = tmp_path / f"{c_name}.c"
         src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include \"kvpress_c.h\"\nint main(void) {\n"

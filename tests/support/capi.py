@@ -41,28 +41,6 @@ class Config(C.Structure):  # kvc_config
                 ("qk_norm", C.c_int32), ("sliding_window", C.c_int32), ("window_first_layer", C.c_int32)]
 
 
-class PressConfig(C.Structure):  # kvc_press_config
-    _fields_ = [("scorer", C.c_int32), ("allocation", C.c_int32), ("compression_ratio", C.c_double),
-                ("budget", C.c_int64), ("window", C.c_int32), ("kernel", C.c_int32), ("pool_max", C.c_int32),
-                ("gqa_max", C.c_int32), ("pool_then_reduce", C.c_int32), ("n_sink", C.c_int32),
-                ("seed", C.c_uint64), ("alpha_safeguard", C.c_float), ("safeguard", C.c_int32),
-                ("pyramid_beta", C.c_int32), ("record_scores", C.c_int32), ("chunk_length", C.c_int32),
-                ("reuse_layers", C.c_int32), ("edie_alpha", C.c_float), ("drop_window", C.c_int32),
-                # issue 16 scorers
-                ("lag_size", C.c_int32), ("cross_scoring", C.c_int32), ("n_future", C.c_int32),
-                ("use_covariance", C.c_int32), ("use_vnorm", C.c_int32), ("epsilon", C.c_float),
-                ("critical", C.c_int32), ("critical_eps", C.c_float), ("first_stage_ratio", C.c_float),
-                ("attn_chunk", C.c_int32), ("sketch_dim", C.c_int32),
-                ("cur_type", C.c_int32), ("cur_random", C.c_int32), ("cur_window", C.c_int32),
-                ("cmp_sink_start", C.c_int32), ("cmp_sink_end", C.c_int32), ("cmp_blend", C.c_float),
-                ("chunk_press", C.c_int32), ("finch_normalize", C.c_int32), ("finch_chunk", C.c_int32),
-                ("lazy_threshold", C.c_float), ("n_recent", C.c_int32), ("low_entropy_chunk", C.c_int32),
-                # value merging
-                ("merge", C.c_int32), ("merge_threshold", C.c_float), ("merge_fraction", C.c_float),
-                ("cap_tau", C.c_float),
-                ("dms", C.c_int32), ("dms_threshold", C.c_float), ("dms_window", C.c_int32)]
-
-
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
 SIGNATURES = {  # name: (restype, argtypes)
     "kvc_last_error": (C.c_char_p, []),
@@ -83,13 +61,19 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_forward": (_I, [_V, I32P, _I64, _I32, F32P]),
     "kvc_session_cache_len": (_I64, [_V, _I32, _I32]),
     "kvc_session_cache_bytes": (_SZ, [_V]),
-    "kvc_session_set_press": (_I, [_V, C.POINTER(PressConfig)]),
-    "kvc_press_config_defaults": (None, [C.POINTER(PressConfig)]),
-    "kvc_press_config_check": (_I, [C.POINTER(PressConfig)]),
-    "kvc_press_compute_ex": (_I, [C.POINTER(PressConfig), _I32, _I32, _I32, _I32, _I32, F32P, _V, _I64, F32P, F32P, _I64,
-                                  _I64, F32P, I64P, I64P]),
-    "kvc_device_press_compute": (_I, [_I32, C.POINTER(PressConfig), _I32, _I32, _I32, _I32, _I32, F32P, _V, _I64, F32P,
-                                      F32P, _I64, _I64, F32P, I64P, I64P]),
+    # presses by name (kvc_press_spec): no struct mirrored here
+    "kvc_press_spec_new": (_I, [C.c_char_p, C.POINTER(_V)]),
+    "kvc_press_spec_free": (None, [_V]),
+    "kvc_press_spec_set_i64": (_I, [_V, C.c_char_p, _I64]),
+    "kvc_press_spec_set_u64": (_I, [_V, C.c_char_p, C.c_uint64]),
+    "kvc_press_spec_set_f64": (_I, [_V, C.c_char_p, _D]),
+    "kvc_press_spec_set_str": (_I, [_V, C.c_char_p, C.c_char_p]),
+    "kvc_press_spec_get": (_I, [_V, C.c_char_p, C.POINTER(_D)]),
+    "kvc_press_spec_check": (_I, [_V]),
+    "kvc_session_attach_press": (_I, [_V, _V]),
+    "kvc_press_spec_compute": (_I, [_I32, _V, _I32, _I32, _I32, _I32, _I32, F32P, _I64, _V, _I64, _I64, F32P, F32P, _I64,
+                                    _I64, _I64, F32P, _I64, I64P, _I64, I64P]),
+    "kvc_press_param_count": (_I32, []),
     "kvc_kernel_matmul": (_I, [F32P, F32P, F32P, _I64, _I64, _I64]),
     "kvc_kernel_rmsnorm": (_I, [F32P, F32P, F32P, _I64, _I64, _F]),
     "kvc_kernel_rope": (_I, [F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
@@ -145,15 +129,43 @@ def last_error() -> str:
     return lib.kvc_last_error().decode(errors="replace")
 
 
-def press_config(**kw) -> PressConfig:
-    cfg = PressConfig()
-    lib.kvc_press_config_defaults(C.byref(cfg))
-    for k, v in kw.items():
-        setattr(cfg, k, v)
-    return cfg
+class PressSpec:
+    """A press's settings by name through the C ABI (kvc_press_spec): attributes read and set its settings."""
+
+    def __init__(self, **settings):
+        p = C.c_void_p()
+        check(lib.kvc_press_spec_new(None, C.byref(p)))
+        object.__setattr__(self, "_p", p)
+        for k, v in settings.items():
+            setattr(self, k, v)
+
+    def __setattr__(self, name, value):
+        key = name.encode()
+        if isinstance(value, str):
+            check(lib.kvc_press_spec_set_str(self._p, key, value.encode()))
+        elif isinstance(value, float):
+            check(lib.kvc_press_spec_set_f64(self._p, key, value))
+        elif int(value) > 2**63 - 1:
+            check(lib.kvc_press_spec_set_u64(self._p, key, int(value)))
+        else:
+            check(lib.kvc_press_spec_set_i64(self._p, key, int(value)))
+
+    def __getattr__(self, name):
+        out = C.c_double()
+        check(lib.kvc_press_spec_get(self._p, name.encode(), C.byref(out)))
+        return out.value
+
+    def __del__(self):
+        p = self.__dict__.get("_p")
+        if p:
+            lib.kvc_press_spec_free(p)
 
 
-def press_compute(cfg: PressConfig, q, k, v, layer=0, n_layers=1, attn=None, layer_total=-1, device="cpu"):
+def press_config(**kw) -> PressSpec:
+    return PressSpec(**kw)
+
+
+def press_compute(cfg: PressSpec, q, k, v, layer=0, n_layers=1, attn=None, layer_total=-1, device="cpu"):
     """q [n, H, d], k/v [Hkv, len, d] -> scores [Hkv, len], kept rows per head (list of arrays), on a device."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     k = np.ascontiguousarray(k, dtype=np.float32)
@@ -164,9 +176,9 @@ def press_compute(cfg: PressConfig, q, k, v, layer=0, n_layers=1, attn=None, lay
     keep = np.zeros((Hkv, length), dtype=np.int64)
     n_keep = np.zeros(Hkv, dtype=np.int64)
     a = None if attn is None else np.ascontiguousarray(attn, dtype=np.float32)
-    check(lib.kvc_device_press_compute(DEVICES[device], C.byref(cfg), H, Hkv, d, layer, n_layers, q,
-                                       None if a is None else a.ctypes.data, n, k, v, length, layer_total, scores, keep,
-                                       n_keep))
+    check(lib.kvc_press_spec_compute(DEVICES[device], cfg._p, H, Hkv, d, layer, n_layers, q, q.size,
+                                     None if a is None else a.ctypes.data, 0 if a is None else a.size, n, k, v, k.size,
+                                     length, layer_total, scores, scores.size, keep, keep.size, n_keep))
     return scores, [keep[h, :n_keep[h]].copy() for h in range(Hkv)]
 
 
