@@ -38,6 +38,10 @@ const kvc_scorer_i *kvc_scorer_at(int32_t i) {
 kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t *traits, const char *const **params) {
     const kvc_scorer_i *s = kvc_scorer_at(i);
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_scorer_info: no scorer %d (there are %d)", i, kvc_scorer_count());
+    /* a row's promises, checked where the tests read every row: a host scorer has its function, a window
+     * scorer no fixed last query */
+    if (!(s->traits & KVC_SCORER_HOST) != !s->host || ((s->traits & KVC_SCORER_WINDOW) && (s->traits & KVC_SCORER_LAST_QUERY)))
+        return kvc_fail(KVC_ERR_INTERNAL, "scorer %s: its traits 0x%x disagree with its row", s->name, (unsigned)s->traits);
     if (name) *name = s->name;
     if (code) *code = s->code;
     if (traits) *traits = s->traits;

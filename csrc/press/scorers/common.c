@@ -76,7 +76,7 @@ kvc_status kvc_query_moments(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
 
 /* mu [H, d] and the biased cov [H, d, d] (NULL: no covariance) of this call's queries i >= n_sink, RoPE undone. */
 kvc_status kvc_query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
-                              double *mu, double *cov) {
+                           double *mu, double *cov) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, d = c->head_dim;
     const int64_t qd = (int64_t)H * d, m = ctx->n - n_sink;
@@ -107,7 +107,7 @@ void kvc_avg_rotate(int32_t pairing, int32_t d, const double *cb, const double *
 /* RoPE averaged over the n_future positions that follow this call's last query, as kvpress averages it
  * (ExpectedAttention, CapPress): cb[j], sb[j] = the mean cos, sin of pair j's angle; freq[j] its frequency. */
 kvc_status kvc_future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *freq, double *cb,
-                              double *sb) {
+                           double *sb) {
     const int32_t half = lr->mc->head_dim / 2;
     KVC_TRY(kvc_layer_freqs(lr, freq));
     const int64_t next = ctx->future_from > 0 ? ctx->future_from

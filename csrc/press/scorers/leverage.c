@@ -61,7 +61,7 @@ static kvc_status leverage_head(const double *x, int64_t n, int32_t d, const flo
 
 /* LeverageScore's z-scores of the prefill's rows [r0, r0 + n) alone, written to scores[h][r0 + r]. */
 kvc_status kvc_leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                 const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
+                              const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t Hkv = c->n_kv_heads, d = c->head_dim, half = d / 2, kk = cfg->sketch_dim;
     double freq[128];

@@ -13,7 +13,7 @@
 /* NonCausalAttn's z-scores of the prefill's rows [r0, r0 + n) alone (Compactor scores a middle slice),
  * written to scores[h][r0 + r]. */
 kvc_status kvc_noncausal_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                  const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
+                               const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const int64_t qd = (int64_t)H * d, C = cfg->attn_chunk;

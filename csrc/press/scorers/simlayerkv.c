@@ -8,7 +8,7 @@
 #include "common.h"
 
 static kvc_status simlayer_select(const kvc_config *mc, const kvc_press_config *cfg, const int64_t *len,
-                                 const float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+                                  const float *const *scores, int64_t *const *keep, int64_t *n_keep) {
     const int32_t Hkv = mc->n_kv_heads, w = cfg->window;
     const int64_t ni = cfg->n_sink, nr = cfg->n_recent;
     int compress = cfg->lazy_threshold < 1.0f;
