@@ -99,9 +99,10 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
         return kvc_fail(KVC_ERR_ARG, "PyramidKV beta must be >= 1, got %d", c->pyramid_beta);
     if (c->chunk_press < 0) return kvc_fail(KVC_ERR_ARG, "ChunkPress chunk_length must be a positive integer, got %d", c->chunk_press);
     if (c->chunk_press > 0) {
+        char which[256];
         if (!kvc_chunk_press_scorer(c->scorer))
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk alone: wrap SnapKVPress, TOVAPress, KnormPress, "
-                            "KeyDiffPress, LagKVPress, StreamingLLMPress or RandomPress");
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk alone: wrap a press of %s",
+                            kvc_scorer_titles(KVC_SCORER_CHUNKABLE, which, sizeof which));
         if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
             return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
                             "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");

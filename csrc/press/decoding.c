@@ -73,9 +73,11 @@ kvc_status kvc_decoding_config_check(const kvc_decoding_config *c) {
     if (!c) return kvc_fail(KVC_ERR_ARG, "decoding config is NULL");
     if (c->base.dms) { /* DMSPress's decoding part: the threshold and window of its base decide, nothing else */
         KVC_TRY(kvc_press_config_check(&c->base));
+        char which[256];
         if (kvc_scorer_has(c->base.scorer, KVC_SCORER_FIRST_ONLY | KVC_SCORER_READS_ATTN))
             return kvc_fail(KVC_ERR_UNSUPPORTED, "DMSPress while decoding scores each call's rows from its queries: wrap a "
-                            "scorer press other than ObservedAttention or EDIE");
+                            "scorer press other than %s",
+                            kvc_scorer_titles(KVC_SCORER_FIRST_ONLY | KVC_SCORER_READS_ATTN, which, sizeof which));
         if (c->cam_merge_budget > 0 || c->ratio_target) return kvc_fail(KVC_ERR_ARG, "DMSPress is neither CAMPress nor a ratio target");
         return KVC_OK;
     }

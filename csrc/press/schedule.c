@@ -124,9 +124,10 @@ static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, 
 
 kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size) {
     if (block_size < 0) return kvc_fail(KVC_ERR_ARG, "block_size must be >= 1, got %lld", (long long)block_size);
+    char which[256];
     if (block_size > 0 && !kvc_scorer_has(p->cfg.scorer, KVC_SCORER_BLOCKABLE))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "BlockPress scores each block from its keys alone: wrap a scorer that reads no "
-                        "queries (Knorm, StreamingLLM, Random)");
+                        "queries (%s)", kvc_scorer_titles(KVC_SCORER_BLOCKABLE, which, sizeof which));
     if (block_size > 0 && (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep ||
                            p->head_prune || p->fastkvzip))
         return kvc_fail(KVC_ERR_ARG, "BlockPress keeps the same count in every head: use a plain scorer press");

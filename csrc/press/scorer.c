@@ -3,6 +3,7 @@
  * declared hidden here (the linker exports them protected), so the library binds to its own table. The
  * section's order is the link order: kvc_scorer_at ranks the rows by code instead (a handful of rows: a
  * scan, no state to build). */
+#include <stdio.h>
 #include <string.h>
 
 #include "../core/common.h"
@@ -33,6 +34,22 @@ const kvc_scorer_i *kvc_scorer_at(int32_t i) {
         if (rank == i) return *r;
     }
     return NULL;
+}
+
+const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size) {
+    int32_t n = 0, k = 0;
+    for (int32_t i = 0; i < kvc_scorer_count(); i++) n += (kvc_scorer_at(i)->traits & traits) != 0;
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int32_t i = 0; i < kvc_scorer_count() && used < size; i++) {
+        const kvc_scorer_i *s = kvc_scorer_at(i);
+        if (!(s->traits & traits)) continue;
+        const char *sep = k == 0 ? "" : k == n - 1 ? " or " : ", ";
+        const int w = snprintf(buf + used, size - used, "%s%s", sep, s->title);
+        used += w > 0 ? (size_t)w : 0;
+        k++;
+    }
+    return buf;
 }
 
 kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t *traits, const char *const **params) {

@@ -65,6 +65,9 @@ static inline int kvc_scorer_has(int32_t code, uint32_t trait) {
     const kvc_scorer_i *s = kvc_scorer_of(code);
     return s && (s->traits & trait) != 0;
 }
+/* The titles of the scorers with any of the traits, in code order, as "A, B or C", into buf (size bytes):
+ * for messages that list what a press may wrap. Returns buf. */
+const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size);
 /* How messages name a scorer. */
 static inline const char *kvc_scorer_title(int32_t code) {
     const kvc_scorer_i *s = kvc_scorer_of(code);

@@ -62,3 +62,12 @@ def test_traits_match_the_presses():
     assert has(READS_ATTN) == {"edie"} and has(FIRST_ONLY) == {"observed"} and has(OWN_BUDGET) == {"simlayerkv"}
     assert has(SAME_LEN) == has(LAST_QUERY) == {"tova"}
     assert {"observed", "keydiff", "finch", "cap"} <= has(HOST) and not has(HOST) & {"snapkv", "tova", "knorm", "edie"}
+
+
+def test_messages_list_the_table():
+    c = PressConfig()
+    lib.kvc_press_config_defaults(C.byref(c))
+    c.scorer, c.chunk_press, c.compression_ratio = _core.SCORERS["observed"], 8, 0.5
+    assert lib.kvc_press_config_check(C.byref(c)) != 0
+    msg = lib.kvc_last_error().decode()
+    assert "scores each chunk alone" in msg and msg.endswith("StreamingLLM, Knorm, Random, TOVA, SnapKV, KeyDiff or LagKV"), msg
