@@ -19,8 +19,8 @@ kvc_status kvc_score_buffer(const kvc_backend *be, int32_t Hkv, kvc_buf **buf, i
 
 /* What a backend scorer needs of the call, from its traits: the window's queries, the attention outputs,
  * heads of equal length. */
-static kvc_status check_backend_scorer(const kvc_scorer_i *sc, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                                       int32_t window, const int64_t *len, int32_t Hkv) {
+static kvc_status check_backend_scorer(const kvc_scorer_i *sc, const kvc_layer_ctx *ctx, int32_t window, const int64_t *len,
+                                       int32_t Hkv) {
     if (sc->traits & KVC_SCORER_SAME_LEN)
         for (int32_t h = 1; h < Hkv; h++)
             if (len[h] != len[0]) return kvc_fail(KVC_ERR_ARG, "%s needs every head of a layer to hold the same tokens", sc->title);
@@ -51,7 +51,7 @@ kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
         for (int32_t h = 0; h < Hkv; h++) KVC_TRY(be->upload(kvc_view_at(scores, h, 0), 1, len[h], host[h], KVC_F32));
         return KVC_OK;
     }
-    KVC_TRY(check_backend_scorer(sc, ctx, cfg, window, len, Hkv));
+    KVC_TRY(check_backend_scorer(sc, ctx, window, len, Hkv));
     kvc_score_args a;
     memset(&a, 0, sizeof a);
     a.scorer = cfg->scorer;
