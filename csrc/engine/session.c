@@ -157,9 +157,9 @@ static kvc_status last_press(kvc_session *s, kvc_press **out) {
 kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
     if (!s || !cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
     if (!s->press) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first): add_press chains after it");
-    if (cfg->scorer == KVC_SCORE_OBSERVED)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "ObservedAttention cannot follow another press: it reads the attention rows of "
-                        "the uncompressed layer (put it first)");
+    if (kvc_scorer_has(cfg->scorer, KVC_SCORER_FIRST_ONLY))
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s cannot follow another press: it reads the attention rows of "
+                        "the uncompressed layer (put it first)", kvc_scorer_title(cfg->scorer));
     kvc_press *p = NULL;
     KVC_TRY(kvc_press_new(cfg, &s->model->cfg, s->be, &p));
     kvc_press *last = s->press;

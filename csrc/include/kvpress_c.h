@@ -363,6 +363,12 @@ KVC_API kvc_status kvc_press_config_check(const kvc_press_config *cfg);
 /* Tokens a head of `n` rows keeps at `layer` of `n_layers` (uniform: min(n, budget) or kvpress's
  * max(1, int(n (1 - ratio))); PyramidKV: the layer's share of its schedule). */
 KVC_API kvc_status kvc_press_kept(const kvc_press_config *cfg, int32_t layer, int32_t n_layers, int64_t n, int64_t *out);
+/* The scorer table (csrc/press/scorer.h), for introspection: how many scorers, and the i-th in code order
+ * (0 <= i < kvc_scorer_count()): its `scorer` name, kvc_scorer code, trait bits and the NULL-terminated names of
+ * the config fields it reads (any output may be NULL). Strings are static. */
+KVC_API int32_t kvc_scorer_count(void);
+KVC_API kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t *traits,
+                                   const char *const **params);
 /* TADA's layer capacities: integer budgets proportional to weights[L] (negative or non-finite count as 0),
  * each in [lo, hi], summing to total clamped to [L lo, L hi] (bisection on the scale, then largest
  * remainders). */

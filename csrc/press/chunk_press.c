@@ -66,7 +66,7 @@ kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
     const int64_t n = len[0], C = cfg->chunk_press;
     for (int32_t h = 1; h < Hkv; h++)
         if (len[h] != n) return kvc_fail(KVC_ERR_ARG, "ChunkPress needs every head of a layer to hold the same rows");
-    const int32_t w = cfg->scorer == KVC_SCORE_TOVA ? 1 : cfg->scorer == KVC_SCORE_SNAPKV ? cfg->window : 0;
+    const int32_t w = kvc_scorer_query_rows(cfg);
     const int64_t past = n - ctx->n, qd = (int64_t)lr->mc->n_heads * lr->mc->head_dim;
     int64_t *rows[KVC_MAX_KV_HEADS] = {0};
     float *part[KVC_MAX_KV_HEADS];

@@ -18,7 +18,8 @@ kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg,
     const int32_t w = kvc_press_window(cfg);
     if (w > 0 && n <= w)
         return kvc_fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%d)", (long long)n, w);
-    if (cfg->scorer == KVC_SCORE_EDIE && !attn) return kvc_fail(KVC_ERR_ARG, "EDIE needs the attention outputs of the window queries");
+    if (kvc_scorer_has(cfg->scorer, KVC_SCORER_READS_ATTN) && !attn)
+        return kvc_fail(KVC_ERR_ARG, "%s needs the attention outputs of the window queries", kvc_scorer_title(cfg->scorer));
     const kvc_backend *be;
     KVC_TRY(kvc_backend_get(device, &be));
     kvc_config mc;

@@ -42,7 +42,8 @@ void kvc_press_config_defaults(kvc_press_config *c) {
 
 kvc_status kvc_press_config_check(const kvc_press_config *c) {
     if (!c) return kvc_fail(KVC_ERR_ARG, "press config is NULL");
-    if (c->scorer < KVC_SCORE_STREAMING || c->scorer > KVC_SCORE_LAST) return kvc_fail(KVC_ERR_ARG, "unknown scorer %d", c->scorer);
+    const kvc_scorer_i *sc = kvc_scorer_of(c->scorer);
+    if (!sc) return kvc_fail(KVC_ERR_ARG, "unknown scorer %d", c->scorer);
     if (c->allocation < KVC_ALLOC_UNIFORM || c->allocation > KVC_ALLOC_LAYER)
         return kvc_fail(KVC_ERR_ARG, "unknown allocation %d", c->allocation);
     if (!(c->compression_ratio >= 0 && c->compression_ratio < 1))
@@ -62,20 +63,8 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
         return kvc_fail(KVC_ERR_ARG, "alpha_safeguard must be in [0, 1], got %g", c->alpha_safeguard);
     if (c->safeguard != KVC_SAFEGUARD_FLOOR && c->safeguard != KVC_SAFEGUARD_PROTECT)
         return kvc_fail(KVC_ERR_ARG, "unknown safeguard %d", c->safeguard);
-    if (!(c->edie_alpha > 0 && c->edie_alpha < 100)) return kvc_fail(KVC_ERR_ARG, "EDIE alpha must be in (0, 100), got %g", c->edie_alpha);
-    /* kvpress's scorers */
-    if (c->lag_size < 1) return kvc_fail(KVC_ERR_ARG, "lag_size must be a positive integer, got %d", c->lag_size);
-    if (c->n_future < 1) return kvc_fail(KVC_ERR_ARG, "n_future_positions must be a positive integer, got %d", c->n_future);
-    if (!(c->epsilon >= 0 && isfinite(c->epsilon))) return kvc_fail(KVC_ERR_ARG, "epsilon must be finite and >= 0, got %g", c->epsilon);
-    if (c->cur_type < 0 || c->cur_type > 3)
-        return kvc_fail(KVC_ERR_ARG, "leverage_type must be 'key', 'value', 'kv_avg' or 'kv_product' (0-3), got %d", c->cur_type);
-    if (c->cur_window < 0) return kvc_fail(KVC_ERR_ARG, "local_window_size must be a positive integer, got %d", c->cur_window);
-    if (c->cmp_sink_start < 0 || c->cmp_sink_end < 0)
-        return kvc_fail(KVC_ERR_ARG, "sink_size_start and sink_size_end must be >= 0, got %d and %d", c->cmp_sink_start, c->cmp_sink_end);
-    if (!isfinite(c->cmp_blend)) return kvc_fail(KVC_ERR_ARG, "blending must be finite, got %g", c->cmp_blend);
-    if (c->sketch_dim < 1) return kvc_fail(KVC_ERR_ARG, "sketch_dimension must be a positive integer, got %d", c->sketch_dim);
-    if (c->attn_chunk < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be a positive integer, got %d", c->attn_chunk);
-    if (!isfinite(c->cap_tau)) return kvc_fail(KVC_ERR_ARG, "tau must be finite, got %g", c->cap_tau);
+    /* the scorer's own settings (its row's check: scorers/<name>.c) */
+    if (sc->check) KVC_TRY(sc->check(c));
     if (c->dms) {
         if (!isfinite(c->dms_threshold)) return kvc_fail(KVC_ERR_ARG, "DMSPress needs a finite threshold, got %g", c->dms_threshold);
         if (c->dms_window < 0) return kvc_fail(KVC_ERR_ARG, "sliding_window_size must be >= 0, got %d", c->dms_window);
@@ -110,23 +99,13 @@ kvc_status kvc_press_config_check(const kvc_press_config *c) {
         return kvc_fail(KVC_ERR_ARG, "PyramidKV beta must be >= 1, got %d", c->pyramid_beta);
     if (c->chunk_press < 0) return kvc_fail(KVC_ERR_ARG, "ChunkPress chunk_length must be a positive integer, got %d", c->chunk_press);
     if (c->chunk_press > 0) {
+        char which[256];
         if (!kvc_chunk_press_scorer(c->scorer))
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk alone: wrap SnapKVPress, TOVAPress, KnormPress, "
-                            "KeyDiffPress, LagKVPress, StreamingLLMPress or RandomPress");
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "ChunkPress scores each chunk alone: wrap a press of %s",
+                            kvc_scorer_titles(KVC_SCORER_CHUNKABLE, which, sizeof which));
         if (c->budget > 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 || c->critical || c->drop_window)
             return kvc_fail(KVC_ERR_ARG, "ChunkPress keeps the inner press's compression_ratio of every chunk: give it a "
                             "plain scorer press with compression_ratio (no budget, Ada-KV, ChunkKV or CriticalKV)");
-    }
-    if (c->scorer == KVC_SCORE_SIMLAYERKV) {
-        if (!(c->lazy_threshold >= 0 && c->lazy_threshold <= 1))
-            return kvc_fail(KVC_ERR_ARG, "lazy_threshold should be in [0, 1], got %g", c->lazy_threshold);
-        if (c->n_recent <= c->window)
-            return kvc_fail(KVC_ERR_ARG, "n_recent (%d) must be larger than n_last (%d): a lazy layer keeps n_recent - n_last "
-                            "recent rows", c->n_recent, c->window);
-        if (c->budget > 0 || c->compression_ratio != 0 || c->allocation != KVC_ALLOC_UNIFORM || c->chunk_length > 0 ||
-            c->chunk_press > 0 || c->critical || c->drop_window)
-            return kvc_fail(KVC_ERR_ARG, "SimLayerKV decides each layer's cache from its attention: it takes no "
-                            "compression_ratio, budget, allocation or chunks");
     }
     if (c->low_entropy_chunk < 0)
         return kvc_fail(KVC_ERR_ARG, "low_entropy_chunk_length must be >= 1, got %d", c->low_entropy_chunk);

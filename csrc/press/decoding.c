@@ -52,7 +52,7 @@ struct kvc_decoding {
 };
 
 /* Whether the base scorer reads every buffered row (ExpectedAttention's query statistics). */
-static int reads_all_rows(const kvc_press_config *b) { return b->scorer == KVC_SCORE_EXPECTED; }
+static int reads_all_rows(const kvc_press_config *b) { return kvc_scorer_has(b->scorer, KVC_SCORER_QUERY_STATS); }
 
 void kvc_decoding_config_defaults(kvc_decoding_config *c) {
     memset(c, 0, sizeof *c);
@@ -66,16 +66,18 @@ void kvc_decoding_config_defaults(kvc_decoding_config *c) {
 /* Query rows a compression of this scorer reads. */
 static int32_t query_rows(const kvc_press_config *b) {
     if (reads_all_rows(b)) return 0; /* its own buffer of every row */
-    return b->scorer == KVC_SCORE_TOVA ? 1 : kvc_press_window(b);
+    return kvc_scorer_query_rows(b);
 }
 
 kvc_status kvc_decoding_config_check(const kvc_decoding_config *c) {
     if (!c) return kvc_fail(KVC_ERR_ARG, "decoding config is NULL");
     if (c->base.dms) { /* DMSPress's decoding part: the threshold and window of its base decide, nothing else */
         KVC_TRY(kvc_press_config_check(&c->base));
-        if (c->base.scorer == KVC_SCORE_OBSERVED || c->base.scorer == KVC_SCORE_EDIE)
+        char which[256];
+        if (kvc_scorer_has(c->base.scorer, KVC_SCORER_FIRST_ONLY | KVC_SCORER_READS_ATTN))
             return kvc_fail(KVC_ERR_UNSUPPORTED, "DMSPress while decoding scores each call's rows from its queries: wrap a "
-                            "scorer press other than ObservedAttention or EDIE");
+                            "scorer press other than %s",
+                            kvc_scorer_titles(KVC_SCORER_FIRST_ONLY | KVC_SCORER_READS_ATTN, which, sizeof which));
         if (c->cam_merge_budget > 0 || c->ratio_target) return kvc_fail(KVC_ERR_ARG, "DMSPress is neither CAMPress nor a ratio target");
         return KVC_OK;
     }
@@ -83,10 +85,10 @@ kvc_status kvc_decoding_config_check(const kvc_decoding_config *c) {
     b.compression_ratio = 0;
     b.budget = 0;
     KVC_TRY(kvc_press_config_check(&b));
-    if (b.scorer == KVC_SCORE_OBSERVED || b.scorer == KVC_SCORE_EDIE)
+    if (kvc_scorer_has(b.scorer, KVC_SCORER_FIRST_ONLY | KVC_SCORER_READS_ATTN))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "a decoding press scores with the buffered queries only: %s needs every "
                         "query's attention row (use SnapKV, TOVA, Knorm, StreamingLLM or Random as the base press)",
-                        b.scorer == KVC_SCORE_OBSERVED ? "ObservedAttention" : "EDIE");
+                        kvc_scorer_title(b.scorer));
     if (b.drop_window) return kvc_fail(KVC_ERR_ARG, "drop_window does not apply to a decoding press");
     if (c->cam_merge_budget < 0) return kvc_fail(KVC_ERR_ARG, "merge_budget must be positive, got %d", c->cam_merge_budget);
     if (c->cam_merge_budget > 0) {
@@ -509,10 +511,11 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
         if (len[h] <= w)
             return kvc_fail(KVC_ERR_ARG, "a head holds %lld rows, not more than the press window (%d)", (long long)len[h], w);
     if (d->rq) KVC_TRY(all_rows_ctx(d, l, &c2));
-    if (cfg.scorer == KVC_SCORE_STREAMING)
+    if (kvc_scorer_has(cfg.scorer, KVC_SCORER_SINK_ROWS))
         for (int32_t h = 0; h < Hkv; h++)
             if (len[h] <= cfg.n_sink)
-                return kvc_fail(KVC_ERR_ARG, "StreamingLLM needs more tokens (%lld) than n_sink (%d)", (long long)len[h], cfg.n_sink);
+                return kvc_fail(KVC_ERR_ARG, "%s needs more tokens (%lld) than n_sink (%d)", kvc_scorer_title(cfg.scorer),
+                                (long long)len[h], cfg.n_sink);
     float *scores[KVC_MAX_KV_HEADS] = {0};
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS] = {0};
     kvc_status st = KVC_OK;

@@ -1,7 +1,14 @@
 /* The presses: scorer x allocation x selection x schedule (docs/METHODS.md), written once over the
  * backend interface. Internal API between the files of this folder and engine/session.c:
- *   config.c      defaults, the one validation of a press config, budget arithmetic
- *   score.c       a layer's scores: the backend's scorers, or the host algorithms (observed.c)
+ *   config.c      defaults, the one validation of a press config (a scorer's own through its row), budget arithmetic
+ *   scorer.h/.c   the scorer interface: a row per scorer (name, code, trait bits, the fields it reads, its
+ *                 check, its host function), registered by its own file; lookups by code and name
+ *   scorers/      one file per scorer holding its row (and its host algorithm: KeyDiff, LagKV,
+ *                 ExpectedAttention, NonCausalAttn, LeverageScore, CUR, Compactor, FINCH, SimLayerKV,
+ *                 CapPress); scorers/common.c the host helpers they share (RoPE undone, query statistics,
+ *                 z-scores, the Gaussian sketch, Cholesky)
+ *   score.c       a layer's scores: the backend's scorers, or a row's host function; the scorer checks
+ *                 a backend would otherwise answer (window length, attention outputs, equal heads)
  *   observed.c    host algorithms: ObservedAttention's scores, Ada-KV's eviction loss
  *   allocation.c  how many rows each head keeps and which: uniform, PyramidKV, Ada-KV, layer totals
  *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
@@ -13,6 +20,7 @@
 #define KVC_PRESS_H
 
 #include "../engine/session.h"
+#include "scorer.h"
 
 /* Per-session press state: config, recorded diagnostics and scratch. */
 typedef struct kvc_press {
@@ -53,15 +61,16 @@ typedef struct kvc_press {
 
 /* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
-static inline int kvc_scorer_has_window(int32_t scorer) {
-    return scorer == KVC_SCORE_SNAPKV || scorer == KVC_SCORE_EDIE || scorer == KVC_SCORE_FINCH ||
-           scorer == KVC_SCORE_SIMLAYERKV;
-}
+static inline int kvc_scorer_has_window(int32_t scorer) { return kvc_scorer_has(scorer, KVC_SCORER_WINDOW); }
 /* kvpress's int(n (1 - ratio)), at least 1; tokens a head of n rows keeps at a layer (kvc_press_kept). */
 int64_t kvc_n_kept_ratio(int64_t n, double compression_ratio);
 int64_t kvc_layer_budget(const kvc_press_config *p, int32_t layer, int32_t n_layers, int64_t n);
 /* The protected window of a config (0 for scorers without one). */
 static inline int32_t kvc_press_window(const kvc_press_config *p) { return kvc_scorer_has_window(p->scorer) ? p->window : 0; }
+/* The query rows a config's scorer reads at the end of the call: 1 for TOVA's last query, else its window. */
+static inline int32_t kvc_scorer_query_rows(const kvc_press_config *p) {
+    return kvc_scorer_has(p->scorer, KVC_SCORER_LAST_QUERY) ? 1 : kvc_press_window(p);
+}
 
 /* ---- schedule.c ---- */
 kvc_status kvc_press_new(const kvc_press_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_press **out);
@@ -114,7 +123,7 @@ static inline kvc_layer_rows kvc_press_layer_rows_of(const kvc_press *p, const k
 
 /* A layer's scores for every head's first len[h] rows: the window is the last `window` queries of ctx
  * (kvc_score_args). Computed by the backend into *buf (grown as needed; f32 [Hkv, *ld]) and copied to
- * host[h] (len[h] each); ObservedAttention is computed on the host (observed.c) and uploaded. */
+ * host[h] (len[h] each); a host scorer (KVC_SCORER_HOST) by its row's host function, then uploaded. */
 kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            int32_t window, const int64_t *len, kvc_buf **buf, int64_t *ld, float *const *host);
 /* The score buffer of a backend for Hkv rows of maxlen. */
@@ -137,28 +146,14 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
 kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
                               const int64_t *const *keep, const int64_t *n_keep, double *out);
 
-/* ---- host_scorers.c: kvpress's scorers on the host (KeyDiff, LagKV, ExpectedAttention, NonCausalAttn) ---- */
-static inline int kvc_scorer_on_host(int32_t scorer) {
-    return scorer == KVC_SCORE_OBSERVED || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
-           scorer == KVC_SCORE_EXPECTED || scorer == KVC_SCORE_NONCAUSAL ||
-           scorer == KVC_SCORE_LEVERAGE || scorer == KVC_SCORE_CUR ||
-           scorer == KVC_SCORE_COMPACTOR || scorer == KVC_SCORE_FINCH || scorer == KVC_SCORE_SIMLAYERKV ||
-           scorer == KVC_SCORE_CAP;
-}
 /* Presses that act with neither a compression_ratio nor a budget. */
-static inline int kvc_press_decides_own_budget(const kvc_press_config *cfg) { return cfg->scorer == KVC_SCORE_SIMLAYERKV; }
-kvc_status kvc_host_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                           const int64_t *len, float *const *scores);
+static inline int kvc_press_decides_own_budget(const kvc_press_config *cfg) {
+    return kvc_scorer_has(cfg->scorer, KVC_SCORER_OWN_BUDGET);
+}
+/* ---- scorers/common.c ---- */
 /* sum [H, d] += x, outer [H, d, d] (lower triangle) += x x^T over this call's queries i >= n_sink, RoPE undone
  * (the pre-RoPE queries ExpectedAttention's statistics are made of; kvc_session_query_moments). */
 kvc_status kvc_query_moments(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *sum, double *outer);
-/* finch.c: FinchPress's scores (the window = the question after FINCH's delimiter); SimLayerKV's window
- * attention (unnormalised) too */
-kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                            const int64_t *len, float *const *scores);
-/* simlayerkv.c: from the window attention in scores, all rows (a busy layer) or sinks + recent (a lazy one) */
-kvc_status kvc_simlayer_select(const kvc_config *mc, const kvc_press_config *cfg, const int64_t *len,
-                               const float *const *scores, int64_t *const *keep, int64_t *n_keep);
 
 /* ---- critical.c: CriticalKV / CriticalAdaKV's two stages over host scores (rewritten in place) ---- */
 kvc_status kvc_critical_select(const kvc_layer_rows *lr, const kvc_press_config *cfg, int32_t layer, int32_t n_layers,
@@ -175,11 +170,7 @@ kvc_status kvc_entropy_chunk_select(const kvc_press_config *p, int32_t n_kv, int
 /* ---- chunk_press.c: kvpress ChunkPress (FINCH's per-chunk selection) ---- */
 /* Scorers ChunkPress runs as kvpress does on a chunk alone: those that read only its rows, and the window
  * scorers (their queries: the chunk's last rows at the prompt's last positions, kvpress's). */
-static inline int kvc_chunk_press_scorer(int32_t scorer) {
-    return scorer == KVC_SCORE_KNORM || scorer == KVC_SCORE_KEYDIFF || scorer == KVC_SCORE_LAGKV ||
-           scorer == KVC_SCORE_STREAMING || scorer == KVC_SCORE_RANDOM || scorer == KVC_SCORE_SNAPKV ||
-           scorer == KVC_SCORE_TOVA;
-}
+static inline int kvc_chunk_press_scorer(int32_t scorer) { return kvc_scorer_has(scorer, KVC_SCORER_CHUNKABLE); }
 /* Every chunk of cfg->chunk_press rows scored alone (a scratch K/V store of its rows), its own top
  * max(1, int(rows (1 - ratio))) kept; scores[h] receives the chunks' scores side by side. */
 kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,

@@ -124,10 +124,10 @@ static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, 
 
 kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size) {
     if (block_size < 0) return kvc_fail(KVC_ERR_ARG, "block_size must be >= 1, got %lld", (long long)block_size);
-    const int32_t sc = p->cfg.scorer;
-    if (block_size > 0 && sc != KVC_SCORE_KNORM && sc != KVC_SCORE_STREAMING && sc != KVC_SCORE_RANDOM)
+    char which[256];
+    if (block_size > 0 && !kvc_scorer_has(p->cfg.scorer, KVC_SCORER_BLOCKABLE))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "BlockPress scores each block from its keys alone: wrap a scorer that reads no "
-                        "queries (Knorm, StreamingLLM, Random)");
+                        "queries (%s)", kvc_scorer_titles(KVC_SCORER_BLOCKABLE, which, sizeof which));
     if (block_size > 0 && (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep ||
                            p->head_prune || p->fastkvzip))
         return kvc_fail(KVC_ERR_ARG, "BlockPress keeps the same count in every head: use a plain scorer press");
@@ -217,7 +217,7 @@ kvc_status kvc_query_stats_set(int32_t L, int32_t H, int32_t d, const float *mea
 
 kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
                                      int32_t H, int32_t d) {
-    if (p->cfg.scorer != KVC_SCORE_EXPECTED)
+    if (!kvc_scorer_has(p->cfg.scorer, KVC_SCORER_QUERY_STATS))
         return kvc_fail(KVC_ERR_ARG, "query statistics are ExpectedAttention's: attach an ExpectedAttention press first");
     return kvc_query_stats_set(p->n_layers, H, d, mean, cov, n_mean, n_cov, &p->q_mean, &p->q_cov);
 }
@@ -309,11 +309,11 @@ static kvc_status check_layer(const kvc_press_config *cfg, const int64_t *len, i
             return kvc_fail(KVC_ERR_ARG, "the prompt (%lld tokens) must be longer than the press window (%d)", (long long)len[h], w);
     if (w > 0 && n < w)
         return kvc_fail(KVC_ERR_ARG, "the press window (%d) is longer than this forward call (%lld tokens)", w, (long long)n);
-    if (cfg->scorer == KVC_SCORE_STREAMING)
+    if (kvc_scorer_has(cfg->scorer, KVC_SCORER_SINK_ROWS))
         for (int32_t h = 0; h < Hkv; h++)
             if (len[h] <= cfg->n_sink)
-                return kvc_fail(KVC_ERR_ARG, "StreamingLLM needs more tokens (%lld) than n_sink (%d)", (long long)len[h],
-                                cfg->n_sink);
+                return kvc_fail(KVC_ERR_ARG, "%s needs more tokens (%lld) than n_sink (%d)", kvc_scorer_title(cfg->scorer),
+                                (long long)len[h], cfg->n_sink);
     return KVC_OK;
 }
 

@@ -1,6 +1,7 @@
 /* A layer's scores, wherever they are computed: by the session's backend (the scorers of the kernel
- * table), or on the host for ObservedAttention, which needs every query's whole attention row (no
- * flash-style device kernel forms it; observed.c downloads the rows and queries it reads). */
+ * table), or on the host by a scorer row's host function (ObservedAttention needs every query's whole
+ * attention row, which no flash-style device kernel forms; kvpress's host scorers, scorers/). The checks a
+ * scorer's traits ask for are made here, once, before the backend is called: its messages are the user's. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,6 +17,24 @@ kvc_status kvc_score_buffer(const kvc_backend *be, int32_t Hkv, kvc_buf **buf, i
     return KVC_OK;
 }
 
+/* What a backend scorer needs of the call, from its traits: the window's queries, the attention outputs,
+ * heads of equal length. */
+static kvc_status check_backend_scorer(const kvc_scorer_i *sc, const kvc_layer_ctx *ctx, int32_t window, const int64_t *len,
+                                       int32_t Hkv) {
+    if (sc->traits & KVC_SCORER_SAME_LEN)
+        for (int32_t h = 1; h < Hkv; h++)
+            if (len[h] != len[0]) return kvc_fail(KVC_ERR_ARG, "%s needs every head of a layer to hold the same tokens", sc->title);
+    if ((sc->traits & KVC_SCORER_READS_ATTN) && !ctx->attn.buf)
+        return kvc_fail(KVC_ERR_ARG, "%s needs the attention outputs of the window queries", sc->title);
+    if (sc->traits & (KVC_SCORER_WINDOW | KVC_SCORER_LAST_QUERY)) {
+        const int64_t m = sc->traits & KVC_SCORER_LAST_QUERY ? 1 : window;
+        if (m < 1 || m > ctx->n)
+            return kvc_fail(KVC_ERR_ARG, "the press window (%lld) needs that many queries in this call (%lld)", (long long)m,
+                            (long long)ctx->n);
+    }
+    return KVC_OK;
+}
+
 kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
                            int32_t window, const int64_t *len, kvc_buf **buf, int64_t *ld, float *const *host) {
     const kvc_config *c = lr->mc;
@@ -25,12 +44,14 @@ kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
     KVC_TRY(kvc_score_buffer(be, Hkv, buf, ld, maxlen));
     const kvc_view scores = kvc_view_of(*buf, 0, *ld);
-    if (kvc_scorer_on_host(cfg->scorer)) {
-        KVC_TRY(cfg->scorer == KVC_SCORE_OBSERVED ? kvc_observed_scores(lr, ctx, len, host)
-                                                  : kvc_host_scores(lr, ctx, cfg, len, host));
+    const kvc_scorer_i *sc = kvc_scorer_of(cfg->scorer);
+    if (!sc) return kvc_fail(KVC_ERR_ARG, "unknown scorer %d", cfg->scorer);
+    if (sc->traits & KVC_SCORER_HOST) {
+        KVC_TRY(sc->host(lr, ctx, cfg, len, host));
         for (int32_t h = 0; h < Hkv; h++) KVC_TRY(be->upload(kvc_view_at(scores, h, 0), 1, len[h], host[h], KVC_F32));
         return KVC_OK;
     }
+    KVC_TRY(check_backend_scorer(sc, ctx, window, len, Hkv));
     kvc_score_args a;
     memset(&a, 0, sizeof a);
     a.scorer = cfg->scorer;
@@ -42,9 +63,9 @@ kvc_status kvc_score_layer(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, c
     a.len = len;
     a.q = ctx->q;
     a.n = ctx->n;
-    a.attn = cfg->scorer == KVC_SCORE_EDIE ? ctx->attn : kvc_view_of(NULL, 0, 0);
-    a.window = cfg->scorer == KVC_SCORE_TOVA ? 1 : window;
-    a.kernel = cfg->scorer == KVC_SCORE_TOVA ? 1 : cfg->kernel;
+    a.attn = sc->traits & KVC_SCORER_READS_ATTN ? ctx->attn : kvc_view_of(NULL, 0, 0);
+    a.window = sc->traits & KVC_SCORER_LAST_QUERY ? 1 : window;
+    a.kernel = sc->traits & KVC_SCORER_LAST_QUERY ? 1 : cfg->kernel;
     a.pool_max = cfg->pool_max;
     a.gqa_max = cfg->gqa_max;
     a.pool_then_reduce = cfg->pool_then_reduce;
@@ -64,8 +85,8 @@ kvc_status kvc_press_score_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
     if (cfg->chunk_press > 0) return kvc_chunk_press_select(lr, ctx, cfg, len, buf, ld, scores, keep, n_keep);
     KVC_TRY(kvc_score_layer(lr, ctx, cfg, w, len, buf, ld, scores));
     if (cfg->critical) return kvc_critical_select(lr, cfg, layer, L, len, w, layer_total, scores, keep, n_keep);
-    if (cfg->scorer == KVC_SCORE_SIMLAYERKV)
-        return kvc_simlayer_select(lr->mc, cfg, len, (const float *const *)scores, keep, n_keep);
+    const kvc_scorer_i *sc = kvc_scorer_of(cfg->scorer);
+    if (sc && sc->select) return sc->select(lr->mc, cfg, len, (const float *const *)scores, keep, n_keep);
     if (cfg->finch_chunk > 0)
         return kvc_chunk_topk(Hkv, len, cfg->finch_chunk, cfg->compression_ratio, (const float *const *)scores, keep, n_keep);
     if (cfg->drop_window) {

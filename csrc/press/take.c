@@ -159,7 +159,7 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
                             "run the chunked prefill", (long long)n, (long long)cfg.chunk_size);
         if (cfg.n_probe < 2)
             return kvc_fail(KVC_ERR_ARG, "prompt_cached needs at least 2 probe tokens (one token is a decode step)");
-        if (cfg.use_inner && cfg.inner.scorer == KVC_SCORE_OBSERVED)
+        if (cfg.use_inner && kvc_scorer_has(cfg.inner.scorer, KVC_SCORER_FIRST_ONLY))
             return kvc_fail(KVC_ERR_ARG, "prompt_cached: the observed-attention scorer reads every query of the "
                             "chunk's call, which already ran: run the chunked prefill");
         int full = kvc_session_position(s) == n;

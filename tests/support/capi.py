@@ -98,6 +98,9 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_kv_rows": (_I, [_I32, _I32, _I32, _I32, _I64, _I32, _I64, _I64]),
     "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
     "kvc_merge_similar": (_I, [F32P, F32P, _I64, _I32, I64P, _I64, _F, _F, F32P]),
+    "kvc_scorer_count": (_I32, []),
+    "kvc_scorer_info": (_I, [_I32, C.POINTER(C.c_char_p), C.POINTER(_I32), C.POINTER(C.c_uint32),
+                             C.POINTER(C.POINTER(C.c_char_p))]),
     "kvc_cam_merge": (_I, [F32P, F32P, F32P, _I32, _I64, _I32, _I64, _I64, _I32, C.c_uint64, _I32, _I64, I64P, F32P]),
 }
 

@@ -11,10 +11,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "press.h"
+#include "common.h"
 
 kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
-                            const int64_t *len, float *const *scores) {
+                            const int64_t *len, int normalize, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim, w = cfg->window;
     const int64_t qd = (int64_t)H * d;
@@ -49,7 +49,7 @@ kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, 
                     mx = fmax(mx, logit[r]);
                 }
                 for (int64_t r = 0; r < vis; r++) sum += exp(logit[r] - mx);
-                const double weight = cfg->scorer == KVC_SCORE_FINCH && cfg->finch_normalize ? (double)(past + j) : 1.0;
+                const double weight = normalize ? (double)(past + j) : 1.0;
                 for (int64_t r = 0; r < past; r++) acc[r] += exp(logit[r] - mx) / sum * weight;
             }
         for (int64_t r = 0; r < past; r++) {
@@ -65,3 +65,23 @@ kvc_status kvc_finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, 
     free(acc);
     return st;
 }
+
+static kvc_status finch_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const kvc_press_config *cfg,
+                               const int64_t *len, float *const *scores) {
+    return kvc_finch_scores(lr, ctx, cfg, len, cfg->finch_normalize, scores);
+}
+
+static const char *const params[] = {"window", "finch_normalize", NULL};
+
+static const kvc_scorer_i finch_scorer = {
+    .name = "finch",
+    .title = "FinchPress",
+    .code = KVC_SCORE_FINCH,
+    .traits = KVC_SCORER_HOST | KVC_SCORER_WINDOW,
+    .params = params,
+    .check = NULL,
+    .host = finch_scores,
+    .select = NULL,
+    .doc = "window queries' attention, each times the keys it sees - 1, unpooled (FINCH, Corallo & Papotti 2024)",
+};
+KVC_REGISTER_SCORER(finch_scorer);

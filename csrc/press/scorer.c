@@ -1,0 +1,67 @@
+/* The scorer table: the rows the scorer files registered (scorer.h's KVC_REGISTER_SCORER) in the linker
+ * section "kvc_scorers". The GNU linker defines __start_/__stop_ of a section whose name is a C identifier;
+ * declared hidden here (the linker exports them protected), so the library binds to its own table. The
+ * section's order is the link order: kvc_scorer_at ranks the rows by code instead (a handful of rows: a
+ * scan, no state to build). */
+#include <stdio.h>
+#include <string.h>
+
+#include "../core/common.h"
+#include "scorer.h"
+
+extern const kvc_scorer_i *const __start_kvc_scorers[] __attribute__((visibility("hidden")));
+extern const kvc_scorer_i *const __stop_kvc_scorers[] __attribute__((visibility("hidden")));
+
+int32_t kvc_scorer_count(void) { return (int32_t)(__stop_kvc_scorers - __start_kvc_scorers); }
+
+const kvc_scorer_i *kvc_scorer_of(int32_t code) {
+    for (const kvc_scorer_i *const *r = __start_kvc_scorers; r < __stop_kvc_scorers; r++)
+        if ((*r)->code == code) return *r;
+    return NULL;
+}
+
+const kvc_scorer_i *kvc_scorer_find(const char *name) {
+    for (const kvc_scorer_i *const *r = __start_kvc_scorers; name && r < __stop_kvc_scorers; r++)
+        if (strcmp((*r)->name, name) == 0) return *r;
+    return NULL;
+}
+
+const kvc_scorer_i *kvc_scorer_at(int32_t i) {
+    for (const kvc_scorer_i *const *r = __start_kvc_scorers; r < __stop_kvc_scorers; r++) {
+        int32_t rank = 0;
+        for (const kvc_scorer_i *const *o = __start_kvc_scorers; o < __stop_kvc_scorers; o++)
+            rank += (*o)->code < (*r)->code;
+        if (rank == i) return *r;
+    }
+    return NULL;
+}
+
+const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size) {
+    int32_t n = 0, k = 0;
+    for (int32_t i = 0; i < kvc_scorer_count(); i++) n += (kvc_scorer_at(i)->traits & traits) != 0;
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int32_t i = 0; i < kvc_scorer_count() && used < size; i++) {
+        const kvc_scorer_i *s = kvc_scorer_at(i);
+        if (!(s->traits & traits)) continue;
+        const char *sep = k == 0 ? "" : k == n - 1 ? " or " : ", ";
+        const int w = snprintf(buf + used, size - used, "%s%s", sep, s->title);
+        used += w > 0 ? (size_t)w : 0;
+        k++;
+    }
+    return buf;
+}
+
+kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t *traits, const char *const **params) {
+    const kvc_scorer_i *s = kvc_scorer_at(i);
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_scorer_info: no scorer %d (there are %d)", i, kvc_scorer_count());
+    /* a row's promises, checked where the tests read every row: a host scorer has its function, a window
+     * scorer no fixed last query */
+    if (!(s->traits & KVC_SCORER_HOST) != !s->host || ((s->traits & KVC_SCORER_WINDOW) && (s->traits & KVC_SCORER_LAST_QUERY)))
+        return kvc_fail(KVC_ERR_INTERNAL, "scorer %s: its traits 0x%x disagree with its row", s->name, (unsigned)s->traits);
+    if (name) *name = s->name;
+    if (code) *code = s->code;
+    if (traits) *traits = s->traits;
+    if (params) *params = s->params;
+    return KVC_OK;
+}
