@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test build install install-test bench clean
+.PHONY: demo test test-fast build install install-test bench clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,12 @@ $(VENV)/.base:
 $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q pytest "transformers>=4.56,<5.3" gguf safetensors kvpress==0.5.5 rouge==1.0.1 fuzzywuzzy==0.18.0
+	touch $@
+
+# the fast tier's tools: pytest, the file readers the tests use (gguf, safetensors) and the two small pure-Python
+# references of the LongBench metrics (rouge, fuzzywuzzy); no torch
+$(VENV)/.test-fast: $(VENV)/.base
+	$(PIP) install -q pytest gguf safetensors rouge==1.0.1 fuzzywuzzy==0.18.0
 	touch $@
 
 # its own stamp, so that a .venv made before these were test dependencies gets them too
@@ -48,6 +54,12 @@ demo: install
 
 test: install-test
 	$(PY) -m pytest -q tests
+
+# the tests that need no torch, transformers, kvpress, peft, Ray, llama.cpp or Jupyter (markers from
+# tests/conftest.py) and are not marked slow; KVC_FAST_TIER=1 makes importing those libraries fail
+FAST_MARKERS := not torch and not ray and not llamacpp and not notebook and not slow
+test-fast: $(VENV)/.test-fast build
+	KVC_FAST_TIER=1 $(PY) -m pytest -q -p no:cacheprovider -m "$(FAST_MARKERS)" tests
 
 bench: install-test
 	$(PY) benchmarks/cpu_forward.py

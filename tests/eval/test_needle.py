@@ -51,6 +51,7 @@ def needle_retention(model, pipe, context, question, answer, kept_indices):
     return float(np.mean([np.isin(span, k).mean() for row in kept_indices for k in row])), len(ids)
 
 
+@pytest.mark.slow  # 16 press runs over 4 prompts of 3k tokens: minutes on 2 cores, left out of make test-fast
 def test_needle_accuracy(default_model, prompts):
     pipe = kvpress_c.Pipeline(default_model)
     configs = [(name, budget, press) for budget in (128, 256) for name, press in presses(budget).items()]

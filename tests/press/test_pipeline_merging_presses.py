@@ -6,6 +6,7 @@ import pytest
 import kvpress_c as K
 
 
+@pytest.mark.slow  # every press through run_many and again alone on the default model: left out of make test-fast
 def test_run_many_equals_separate_runs(default_model):
     from kvpress_c.demo import needle_prompt
     context, question, _ = needle_prompt(default_model, n_tokens=250)

@@ -33,6 +33,7 @@ def presses(tmp_path):
                                    K.DecodingPress(K.KnormPress(), compression_interval=8, target_size=100))]
 
 
+@pytest.mark.slow  # every press through run_many and again alone on the default model: left out of make test-fast
 def test_run_many_equals_separate_runs(default_model, prompt, tmp_path):
     context, question = prompt
     pipe = K.Pipeline(default_model)

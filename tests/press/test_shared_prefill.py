@@ -81,6 +81,7 @@ def test_followers_equal_separate_prefills(tiny, rng):
         assert f.press_seconds == 0.0
 
 
+@pytest.mark.slow  # 2 x 20 presses, each also run alone, on 500 tokens of the default model: left out of make test-fast
 def test_run_many_equals_one_press_at_a_time(default_model):
     from kvpress_c.demo import needle_prompt
     context, question, _ = needle_prompt(default_model, n_tokens=500, seed=3)
