@@ -30,6 +30,7 @@ extern "C" {
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
+#define KVC_MAX_SCORERS 256 /* rows of the scorer table (press/scorer.c) */
 
 typedef enum kvc_dtype { KVC_F32 = 0, KVC_BF16 = 1, KVC_I32 = 2, KVC_I64 = 3 } kvc_dtype;
 
@@ -94,6 +95,30 @@ static inline kvc_view kvc_view_at(kvc_view v, int64_t r0, int64_t c0) {
 
 /* Scorers a backend computes (press/score.c calls them; docs/METHODS.md, "Baseline scorers"). Besides the
  * public kvc_scorer codes: TAKE's probes, which see every row given and nothing causal. */
+/* The built-in scorers' indices (a config's `scorer`; csrc/press/scorers/ has a row for each). A backend computes
+ * those without a host function (the first seven); the rest run on the host. A scorer new to the project needs no
+ * code here: its row says code -1 and the table gives it the next index (press/scorer.c). */
+typedef enum kvc_scorer {
+    KVC_SCORE_STREAMING = 0, /* first n_sink + most recent */
+    KVC_SCORE_KNORM = 1,     /* -||k|| */
+    KVC_SCORE_RANDOM = 2,    /* seeded uniform */
+    KVC_SCORE_TOVA = 3,      /* last query's attention, mean over all heads */
+    KVC_SCORE_OBSERVED = 4,  /* H2O one-shot: attention summed over prompt queries / queries that see it */
+    KVC_SCORE_SNAPKV = 5,    /* window queries' attention, pooled, GQA-reduced */
+    KVC_SCORE_EDIE = 6,      /* error-driven upper bound with mid-range weighting (EDIE) */
+    /* ---- kvpress's scorers (docs/METHODS.md "kvpress scorers"); computed on the host ---- */
+    KVC_SCORE_KEYDIFF = 7,   /* KeyDiff: -cos(k, mean of the normalised keys) */
+    KVC_SCORE_LAGKV = 8,     /* LagKV: min-max normalised K/V std against the next partition, ranked */
+    KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
+    KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
+    KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
+    KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
+    KVC_SCORE_COMPACTOR = 13, /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
+    KVC_SCORE_FINCH = 14,     /* FINCH: window queries' attention (each times the keys it sees - 1), unpooled */
+    KVC_SCORE_SIMLAYERKV = 15, /* SimLayerKV: a lazy layer (the last queries' attention on sinks + recent rows above a
+                                  threshold) keeps n_sink + n_recent - window rows, another every row */
+    KVC_SCORE_CAP = 16        /* CAPKV: w v^T (I + sum (w + eps) v v^T)^-1 v, w = exp(tau cos(k, R mean q)) */
+} kvc_scorer;
 #define KVC_SCORE_PROBE 100
 
 /* One layer's scoring: scores[h][r] for r < len[h] (protected rows at max + 1, as on the CPU). */

@@ -201,29 +201,9 @@ KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, i
 /* ---------------------------------------------------------------------------------------------- */
 /* Presses: what to keep when a prefill compresses the cache (see docs/METHODS.md).                     */
 
-typedef enum kvc_scorer {
-    KVC_SCORE_STREAMING = 0, /* first n_sink + most recent */
-    KVC_SCORE_KNORM = 1,     /* -||k|| */
-    KVC_SCORE_RANDOM = 2,    /* seeded uniform */
-    KVC_SCORE_TOVA = 3,      /* last query's attention, mean over all heads */
-    KVC_SCORE_OBSERVED = 4,  /* H2O one-shot: attention summed over prompt queries / queries that see it */
-    KVC_SCORE_SNAPKV = 5,    /* window queries' attention, pooled, GQA-reduced */
-    KVC_SCORE_EDIE = 6,      /* error-driven upper bound with mid-range weighting (EDIE) */
-    /* ---- kvpress's scorers (docs/METHODS.md "kvpress scorers"); computed on the host ---- */
-    KVC_SCORE_KEYDIFF = 7,   /* KeyDiff: -cos(k, mean of the normalised keys) */
-    KVC_SCORE_LAGKV = 8,     /* LagKV: min-max normalised K/V std against the next partition, ranked */
-    KVC_SCORE_EXPECTED = 9,  /* ExpectedAttention: softmax of E[q] k + k^T Cov[q] k / 2, over future positions */
-    KVC_SCORE_NONCAUSAL = 10, /* NonCausalAttn: chunked non-causal attention x ||v||, pooled, z-normalised */
-    KVC_SCORE_LEVERAGE = 11,  /* LeverageScore: approximate leverage of the pre-RoPE keys (Gaussian sketch), z-scored */
-    KVC_SCORE_CUR = 12,       /* CUR (CurDKV): ||k||^2, ||v||^2 (optionally sketched), windowed, combined, normalised */
-    KVC_SCORE_COMPACTOR = 13, /* Compactor: blend x LeverageScore + NonCausalAttn between sinks kept at the maximum */
-    KVC_SCORE_FINCH = 14,     /* FINCH: window queries' attention (each times the keys it sees - 1), unpooled */
-    KVC_SCORE_SIMLAYERKV = 15, /* SimLayerKV: a lazy layer (the last queries' attention on sinks + recent rows above a
-                                  threshold) keeps n_sink + n_recent - window rows, another every row */
-    KVC_SCORE_CAP = 16        /* CAPKV: w v^T (I + sum (w + eps) v v^T)^-1 v, w = exp(tau cos(k, R mean q)) */
-} kvc_scorer;
-/* The last scorer code (validation). */
-#define KVC_SCORE_LAST KVC_SCORE_CAP
+/* The scorers are named ("snapkv", "knorm", ...: kvc_scorer_info lists them, kvc_press_param_info's "scorer"
+ * choices too); a config's `scorer` field holds a scorer's index in that list, set by name with
+ * kvc_press_config_set_str(cfg, "scorer", name). */
 
 typedef enum kvc_allocation {
     KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
@@ -238,7 +218,7 @@ typedef enum kvc_safeguard {
 } kvc_safeguard;
 
 typedef struct kvc_press_config {
-    int32_t scorer;            /* kvc_scorer */
+    int32_t scorer;            /* the scorer's index (set it by name: kvc_press_config_set_str) */
     int32_t allocation;        /* kvc_allocation */
     double compression_ratio;  /* fraction removed, in [0, 1); used when budget == 0 */
     int64_t budget;            /* tokens kept per KV head per layer on average (window inside); 0: ratio */
@@ -363,9 +343,9 @@ KVC_API kvc_status kvc_press_config_check(const kvc_press_config *cfg);
 /* Tokens a head of `n` rows keeps at `layer` of `n_layers` (uniform: min(n, budget) or kvpress's
  * max(1, int(n (1 - ratio))); PyramidKV: the layer's share of its schedule). */
 KVC_API kvc_status kvc_press_kept(const kvc_press_config *cfg, int32_t layer, int32_t n_layers, int64_t n, int64_t *out);
-/* The scorer table (csrc/press/scorer.h), for introspection: how many scorers, and the i-th in code order
- * (0 <= i < kvc_scorer_count()): its `scorer` name, kvc_scorer code, trait bits and the NULL-terminated names of
- * the config fields it reads (any output may be NULL). Strings are static. */
+/* The scorer table (csrc/press/scorer.h), for introspection: how many scorers, and the i-th (0 <= i <
+ * kvc_scorer_count()): its `scorer` name, its index (i: what a config's `scorer` holds), trait bits and the
+ * NULL-terminated names of the settings it reads (any output may be NULL). Strings are static. */
 KVC_API int32_t kvc_scorer_count(void);
 KVC_API kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t *traits,
                                    const char *const **params);

@@ -142,6 +142,7 @@ int64_t kvc_layer_budget(const kvc_press_config *p, int32_t layer, int32_t n_lay
     if (p->budget > 0 && n <= p->budget) return n;
     if (p->allocation != KVC_ALLOC_PYRAMID) {
         int64_t k = p->budget > 0 ? p->budget : kvc_n_kept_ratio(n, p->compression_ratio);
+        if (kvc_scorer_has(p->scorer, KVC_SCORER_KEEP_WINDOW) && k < p->window) k = p->window;
         return k > n ? n : k;
     }
     /* PyramidKV (kvpress integer schedule): budgets fall linearly with depth from max_num to

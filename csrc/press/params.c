@@ -11,6 +11,7 @@
 
 #include "params.h"
 #include "press.h"
+#include "scorer.h"
 
 typedef enum { T_I32, T_I64, T_U64, T_F32, T_F64, T_BOOL, T_CHOICE } ptype;
 
@@ -97,12 +98,16 @@ static const param_row decoding_rows[] = {
 #undef F
 #define N_DECODING_ROWS ((int32_t)(sizeof decoding_rows / sizeof *decoding_rows))
 
-/* ---- the scorers' names (index = code) ---- */
-static const char *const scorer_names[] = {"streaming", "knorm", "random", "tova", "observed", "snapkv", "edie",
-                                           "keydiff", "lagkv", "expected_attention", "non_causal_attn", "leverage",
-                                           "cur", "compactor", "finch", "simlayerkv", "cap", NULL};
+/* ---- the scorers' names (index = the config's scorer), from the scorer table ---- */
+static const char *const *scorer_names(void) {
+    static const char *names[KVC_MAX_SCORERS + 1]; /* refilled each call with the same values: no state to race on */
+    const int32_t n = kvc_scorer_count() < KVC_MAX_SCORERS ? kvc_scorer_count() : KVC_MAX_SCORERS;
+    for (int32_t i = 0; i < n; i++) names[i] = kvc_scorer_at(i)->name;
+    names[n] = NULL;
+    return names;
+}
 
-static const char *const *choices_of(const param_row *r) { return r->choices ? r->choices : scorer_names; }
+static const char *const *choices_of(const param_row *r) { return r->choices ? r->choices : scorer_names(); }
 
 static int32_t choice_code(const char *const *names, const char *name) {
     for (int32_t i = 0; names[i]; i++)
@@ -110,12 +115,6 @@ static int32_t choice_code(const char *const *names, const char *name) {
     return -1;
 }
 
-int32_t kvc_scorer_code(const char *name) { return name ? choice_code(scorer_names, name) : -1; }
-const char *kvc_scorer_name(int32_t code) {
-    for (int32_t i = 0; scorer_names[i]; i++)
-        if (i == code) return scorer_names[i];
-    return NULL;
-}
 
 static const param_row *find_in(const param_row *t, int32_t n, const char *name) {
     if (name)

@@ -1,8 +1,10 @@
 /* The scorer table: the rows the scorer files registered (scorer.h's KVC_REGISTER_SCORER) in the linker
  * section "kvc_scorers". The GNU linker defines __start_/__stop_ of a section whose name is a C identifier;
  * declared hidden here (the linker exports them protected), so the library binds to its own table. The
- * section's order is the link order: kvc_scorer_at ranks the rows by code instead (a handful of rows: a
- * scan, no state to build). */
+ * section's order is the link order: kvc_scorer_at ranks the rows instead (a handful of rows: a scan, no
+ * state to build): the built-in scorers by their code (core/backend.h's kvc_scorer), then the rows that say
+ * code -1 by name, so a scorer added as one file gets the next index without a code of its own. A scorer's
+ * index is what a config's `scorer` holds; bindings and clients name scorers, never use the index. */
 #include <stdio.h>
 #include <string.h>
 
@@ -14,10 +16,18 @@ extern const kvc_scorer_i *const __stop_kvc_scorers[] __attribute__((visibility(
 
 int32_t kvc_scorer_count(void) { return (int32_t)(__stop_kvc_scorers - __start_kvc_scorers); }
 
-const kvc_scorer_i *kvc_scorer_of(int32_t code) {
-    for (const kvc_scorer_i *const *r = __start_kvc_scorers; r < __stop_kvc_scorers; r++)
-        if ((*r)->code == code) return *r;
-    return NULL;
+/* Whether row a ranks before row b: built-in codes first, in order, then the others by name. */
+static int before(const kvc_scorer_i *a, const kvc_scorer_i *b) {
+    if ((a->code >= 0) != (b->code >= 0)) return a->code >= 0;
+    return a->code >= 0 ? a->code < b->code : strcmp(a->name, b->name) < 0;
+}
+
+const kvc_scorer_i *kvc_scorer_of(int32_t code) { return kvc_scorer_at(code); }
+
+int32_t kvc_scorer_index(const kvc_scorer_i *s) {
+    int32_t rank = 0;
+    for (const kvc_scorer_i *const *o = __start_kvc_scorers; s && o < __stop_kvc_scorers; o++) rank += before(*o, s);
+    return s ? rank : -1;
 }
 
 const kvc_scorer_i *kvc_scorer_find(const char *name) {
@@ -27,12 +37,8 @@ const kvc_scorer_i *kvc_scorer_find(const char *name) {
 }
 
 const kvc_scorer_i *kvc_scorer_at(int32_t i) {
-    for (const kvc_scorer_i *const *r = __start_kvc_scorers; r < __stop_kvc_scorers; r++) {
-        int32_t rank = 0;
-        for (const kvc_scorer_i *const *o = __start_kvc_scorers; o < __stop_kvc_scorers; o++)
-            rank += (*o)->code < (*r)->code;
-        if (rank == i) return *r;
-    }
+    for (const kvc_scorer_i *const *r = __start_kvc_scorers; i >= 0 && r < __stop_kvc_scorers; r++)
+        if (kvc_scorer_index(*r) == i) return *r;
     return NULL;
 }
 
@@ -60,7 +66,7 @@ kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t
     if (!(s->traits & KVC_SCORER_HOST) != !s->host || ((s->traits & KVC_SCORER_WINDOW) && (s->traits & KVC_SCORER_LAST_QUERY)))
         return kvc_fail(KVC_ERR_INTERNAL, "scorer %s: its traits 0x%x disagree with its row", s->name, (unsigned)s->traits);
     if (name) *name = s->name;
-    if (code) *code = s->code;
+    if (code) *code = i;
     if (traits) *traits = s->traits;
     if (params) *params = s->params;
     return KVC_OK;

@@ -29,6 +29,7 @@ enum {
     KVC_SCORER_QUERY_STATS = 1u << 10, /* scores from the call's query statistics, which given ones may replace
                                         * (ExpectedAttentionStatsPress); a decoding press buffers every row */
     KVC_SCORER_SINK_ROWS = 1u << 11,  /* needs more rows than n_sink in every head (StreamingLLM) */
+    KVC_SCORER_KEEP_WINDOW = 1u << 12, /* a head keeps at least its window, whatever the ratio (DropKV, kvpress's) */
 };
 
 /* A layer's scores on the host: scores[h][0 .. len[h]) for every KV head h. */
@@ -41,7 +42,7 @@ typedef kvc_status (*kvc_scorer_select_fn)(const kvc_config *mc, const kvc_press
 typedef struct kvc_scorer_i {
     const char *name;          /* the Python presses' `scorer` string ("snapkv", "knorm", ...) */
     const char *title;         /* how messages name it ("SnapKV", "TOVA", ...) */
-    int32_t code;              /* its kvc_scorer code (the public enum) */
+    int32_t code;              /* a built-in scorer's kvc_scorer code (core/backend.h); -1: the table gives the index */
     uint32_t traits;           /* KVC_SCORER_* bits */
     const char *const *params; /* the kvc_press_config fields it reads, NULL-terminated (introspection) */
     kvc_status (*check)(const kvc_press_config *c); /* its own settings' validation, or NULL */
@@ -54,11 +55,12 @@ typedef struct kvc_scorer_i {
 #define KVC_REGISTER_SCORER(row) \
     static const kvc_scorer_i *const kvc_scorer_entry_##row __attribute__((used, section("kvc_scorers"))) = &row
 
-/* The row of a code, NULL if none. */
+/* The row at an index (a config's `scorer`), NULL if none; and the index of a row. */
 const kvc_scorer_i *kvc_scorer_of(int32_t code);
+int32_t kvc_scorer_index(const kvc_scorer_i *s);
 /* The row of a name, NULL if none. */
 const kvc_scorer_i *kvc_scorer_find(const char *name);
-/* The rows in code order: i in [0, kvc_scorer_count()) (kvc_scorer_count is public, kvpress_c.h). */
+/* The rows in index order: i in [0, kvc_scorer_count()) (kvc_scorer_count is public, kvpress_c.h). */
 const kvc_scorer_i *kvc_scorer_at(int32_t i);
 
 static inline int kvc_scorer_has(int32_t code, uint32_t trait) {

@@ -1,10 +1,12 @@
-"""The scorer table (csrc/press/scorer.h) through the public ABI: one row per kvc_scorer code, found by the
-linker section the scorer files register in, consistent with the Python presses' `scorer` strings."""
+"""The scorer table (csrc/press/scorer.h) through the public ABI: one row per index, found by the linker section
+the scorer files register in (the built-in scorers at their kvc_scorer codes, scorers added as one file after
+them), consistent with the Python presses' `scorer` strings and the settings table."""
 import ctypes as C
 import inspect
 
 import kvpress_c.presses as presses
-from capi import PressConfig, lib
+import kvpress_c
+from capi import PressSpec, lib
 from kvpress_c import _core
 
 # csrc/press/scorer.h's trait bits
@@ -23,6 +25,10 @@ def rows():
             j += 1
         out.append((name.value.decode(), code.value, traits.value, names))
     return out
+
+
+# the built-in scorers (core/backend.h's kvc_scorer codes 0..16); rows after them are scorers added as a file
+BUILTIN = 17
 
 
 def test_one_row_per_code_in_code_order():
@@ -46,14 +52,14 @@ def test_python_presses_name_rows():
     assert used and used <= names, used - names
 
 
-def test_params_are_config_fields():
-    fields = {f for f, _ in PressConfig._fields_}
+def test_params_are_settings():
+    fields = set(kvpress_c.press_params())
     for name, _, _, params in rows():
         assert set(params) <= fields, (name, set(params) - fields)
 
 
 def test_traits_match_the_presses():
-    t = {name: traits for name, _, traits, _ in rows()}
+    t = {name: traits for name, code, traits, _ in rows() if code < BUILTIN}
     def has(bit):
         return {n for n, v in t.items() if v & bit}
     assert has(WINDOW) == {"snapkv", "edie", "finch", "simlayerkv"}
@@ -65,9 +71,7 @@ def test_traits_match_the_presses():
 
 
 def test_messages_list_the_table():
-    c = PressConfig()
-    lib.kvc_press_config_defaults(C.byref(c))
-    c.scorer, c.chunk_press, c.compression_ratio = _core.SCORERS["observed"], 8, 0.5
-    assert lib.kvc_press_config_check(C.byref(c)) != 0
+    c = PressSpec(scorer="observed", chunk_press=8, compression_ratio=0.5)
+    assert lib.kvc_press_spec_check(c._p) != 0
     msg = lib.kvc_last_error().decode()
     assert "scores each chunk alone" in msg and msg.endswith("StreamingLLM, Knorm, Random, TOVA, SnapKV, KeyDiff or LagKV"), msg
