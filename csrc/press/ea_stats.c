@@ -1,7 +1,8 @@
 /* The producer of ExpectedAttentionStats: the pre-RoPE query moments of a prompt, per layer and query head, by a
  * layer hook on a forward of the prompt (the same un-rotation as ExpectedAttention's own statistics,
  * kvc_query_moments in host_scorers.c). kvpress collects them with HF transformers over a corpus; Python sums
- * the moments over the texts and writes the mean and covariance in kvpress's folder format. */
+ * the moments over the texts and writes the mean and covariance in kvpress's folder format. The consumer's setter
+ * (kvc_session_set_query_stats: given statistics for the attached press) is here too. */
 #include <stdlib.h>
 #include <string.h>
 
