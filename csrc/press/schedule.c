@@ -234,8 +234,8 @@ static kvc_status kvzap_select(kvc_press *p, const kvc_press_config *cfg, kvc_se
                             (long long)len[h], (long long)ctx->n);
         maxlen = len[h] > maxlen ? len[h] : maxlen;
     }
-    KVC_TRY(kvc_score_buffer(kvc_door_backend(s), p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
-    KVC_TRY(kvc_kvzap_scores(p->kvzap, kvc_door_backend(s), ctx, scores));
+    KVC_TRY(kvc_score_buffer(be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    KVC_TRY(kvc_kvzap_scores(p->kvzap, be, ctx, scores));
     for (int32_t h = 0; h < p->n_kv; h++) {
         KVC_TRY(be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32));
         const int64_t kk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, len[h]);
@@ -254,7 +254,7 @@ static kvc_status filter_select(kvc_press *p, const kvc_press_config *cfg, kvc_s
     const kvc_layer_cache *L = &kvc_door_cache(s)->layers[ctx->layer];
     int64_t maxlen = 1;
     for (int32_t h = 0; h < p->n_kv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
-    KVC_TRY(kvc_score_buffer(kvc_door_backend(s), p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    KVC_TRY(kvc_score_buffer(be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
     float *k = malloc(sizeof(float) * (size_t)maxlen * (size_t)d);
     kvc_status st = k ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: Q-filter scores");
     for (int32_t h = 0; h < p->n_kv && st == KVC_OK; h++) {
@@ -283,8 +283,9 @@ static kvc_status layer_stats(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
         for (int64_t r = 0; r < len[h] - w; r++) e += scores[h][r];
     p->e_internal[ctx->layer] = e;
     const int64_t nw = w > 0 ? (w < ctx->n ? w : ctx->n) : 1, D = kvc_door_model(s)->cfg.hidden;
+    const kvc_backend *be = kvc_door_backend(s);
     double cos_sum = 0;
-    KVC_TRY(kvc_door_backend(s)->cos_sum(kvc_view_at(ctx->resid, ctx->n - nw, 0), kvc_view_at(ctx->o, ctx->n - nw, 0), nw, D, &cos_sum));
+    KVC_TRY(be->cos_sum(kvc_view_at(ctx->resid, ctx->n - nw, 0), kvc_view_at(ctx->o, ctx->n - nw, 0), nw, D, &cos_sum));
     p->dissim[ctx->layer] = 1.0 - cos_sum / nw;
     return KVC_OK;
 }

@@ -42,7 +42,7 @@ static kvc_status probe_select(take_state *t, kvc_session *s, int32_t l, const f
     const int64_t p = t->cfg->n_probe, qd = (int64_t)t->H * t->d;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < t->Hkv; h++) maxlen = real[h] > maxlen ? real[h] : maxlen;
-    KVC_TRY(kvc_score_buffer(kvc_door_backend(s), t->Hkv, &t->scores, &t->ld, maxlen));
+    KVC_TRY(kvc_score_buffer(be, t->Hkv, &t->scores, &t->ld, maxlen));
     if (!t->qbuf) KVC_TRY(be->alloc(KVC_F32, p * qd, KVC_MEM_ACT, "TAKE probe queries", &t->qbuf));
     KVC_TRY(be->upload(kvc_view_of(t->qbuf, 0, qd), p, qd, qa, KVC_F32));
     kvc_score_args a;
@@ -199,10 +199,10 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
                             t.last_chunk && logits ? len - 1 : KVC_ROW_NONE, logits, len);
     }
     if (st != KVC_OK) kvc_door_request_reset(s);
-    kvc_backend_lock(kvc_door_backend(s));
+    kvc_backend_lock(be);
     if (t.qbuf) be->free(t.qbuf);
     if (t.scores) be->free(t.scores);
-    kvc_backend_unlock(kvc_door_backend(s));
+    kvc_backend_unlock(be);
     kvc_free(t.qa);
     kvc_free(t.qp);
     free(t.has_qa);

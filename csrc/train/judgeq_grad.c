@@ -199,7 +199,8 @@ static kvc_status target_and_prompt(kvc_judgeq_pair *pair, kvc_model *host, cons
     if (st == KVC_OK) st = kvc_door_probe(s, ids, lenr, NULL, 0, resp_hook, &rc, KVC_ROW_NONE, NULL, lenr);
     for (int32_t l = 0; l < c->n_layers && st == KVC_OK; l++)
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-            st = kvc_door_backend(s)->kv_read(kvc_door_cache(s)->layers[l].kv, h, 0, P, pk(&pair->cache, l, h, 0), pk(&pair->cache, l, h, 1));
+            st = kvc_door_backend(s)->kv_read(kvc_door_cache(s)->layers[l].kv, h, 0, P, pk(&pair->cache, l, h, 0),
+                                              pk(&pair->cache, l, h, 1));
     kvc_session_free(s);
     kvc_free(rc.qresp);
     kvc_free(rc.kbuf);
