@@ -5,17 +5,17 @@
  * One layer, on the backend's kernels (core/backend.h):
  *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); [qwen3: RMSNorm of each q and k head]; RoPE on q and k;
  *   K/V appended to the cache; attention (within the sliding window, in window layers);
- *   o = att Wo^T; [hook: a press may compact the layer]; x += o and xn = rmsnorm(x) (one kernel);
+ *   o = att Wo^T; [the attached presses' hooks (core/press_i.h): one may compact the layer];
+ *   x += o and xn = rmsnorm(x) (one kernel);
  *   per row block: gu = xn Wgu^T; gu = silu(gate) * up; x += gu Wdown^T.
  * The same layer serves the prefill and the decode step of one session, a shared prefill (followers
- * take each layer's K/V rows), a batched decode (one token of each of B sessions: the weight GEMMs run
+ * receive each layer's K/V rows), a batched decode (one token of each of B sessions: the weight GEMMs run
  * once on B rows, attention per session over its own cache) and the decode step replayed as a graph. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
 
-#include "../press/press.h"
 #include "session.h"
 
 #define LOGIT_ROWS 64 /* rows of logits per chunk: a bounded buffer whatever the rows asked for */
@@ -127,25 +127,41 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The hook, timed: a press's own cost, apart from the forward it rides on (benchmarks). */
-static kvc_status run_hook(kvc_session *s, const kvc_layer_ctx *ctx) {
-    const double t0 = now_seconds();
-    kvc_status st = s->hook(s->hook_user, s, ctx);
-    s->press_seconds += now_seconds() - t0;
-    return st;
+/* The attached presses' hooks after a layer's attention, each timed: a press's own cost, apart from the
+ * forward it rides on (benchmarks). on_layer runs in multi-token calls (followers too); on_decode_layer in
+ * every call after the session's first. */
+static int has_layer_hook(const kvc_session *s) {
+    for (int32_t i = 0; i < KVC_N_SLOTS; i++)
+        if (s->slots[i].vt && s->slots[i].vt->on_layer) return 1;
+    return 0;
 }
 
-/* The decoding press after a layer's attention in a call that is not the session's first (and not inside a
- * prefill that swapped in its own hook: TAKE, Judge Q), timed with the press. */
-static int decoding_active(const kvc_session *s) {
-    return s->decoding && s->pos > 0 && (!s->hook || s->hook == kvc_press_hook);
+static int decode_hooks_active(const kvc_session *s) {
+    if (s->pos <= 0) return 0;
+    for (int32_t i = 0; i < KVC_N_SLOTS; i++)
+        if (s->slots[i].vt && s->slots[i].vt->on_decode_layer) return 1;
+    return 0;
 }
 
-static kvc_status run_decoding(kvc_session *s, const kvc_layer_ctx *ctx) {
-    const double t0 = now_seconds();
-    kvc_status st = kvc_decoding_hook(s->decoding, s, ctx);
-    s->press_seconds += now_seconds() - t0;
-    return st;
+/* A press whose decode steps work on the host between layers: its steps run eagerly (no graph). */
+static int eager_decode(const kvc_session *s) {
+    for (int32_t i = 0; i < KVC_N_SLOTS; i++)
+        if (s->slots[i].vt && (s->slots[i].vt->traits & KVC_PRESS_EAGER_DECODE)) return 1;
+    return 0;
+}
+
+static kvc_status run_hooks(kvc_session *s, const kvc_layer_ctx *ctx, int decode) {
+    for (int32_t i = 0; i < KVC_N_SLOTS; i++) {
+        const kvc_press_slot *slot = &s->slots[i];
+        kvc_status (*fn)(void *, kvc_session *, const kvc_layer_ctx *) =
+            !slot->vt ? NULL : decode ? slot->vt->on_decode_layer : slot->vt->on_layer;
+        if (!fn) continue;
+        const double t0 = now_seconds();
+        const kvc_status st = fn(slot->self, s, ctx);
+        s->press_seconds += now_seconds() - t0;
+        if (st != KVC_OK) return st;
+    }
+    return KVC_OK;
 }
 
 /* ---- the layer --------------------------------------------------------------------------------------- */
@@ -220,11 +236,11 @@ static kvc_layer_ctx layer_ctx(const kvc_session *s, int32_t l, int64_t n, const
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, ldq = qd + 2 * (int64_t)c->n_kv_heads * c->head_dim;
     kvc_layer_ctx ctx = {l, n, past, kvc_view_of(s->act.qkv, 0, ldq), kvc_view_of(s->act.att, 0, qd),
                          kvc_view_of(s->act.o, 0, c->hidden), kvc_view_of(s->act.x, 0, c->hidden), s->positions,
-                         kvc_view_of(s->act.xn, 0, c->hidden), 0};
+                         kvc_view_of(s->act.xn, 0, c->hidden)};
     return ctx;
 }
 
-/* A follower of a shared forward (kvc_forward_shared) takes this layer's new K/V rows into its own
+/* A follower of a shared forward (kvc_forward_shared) receives this layer's new K/V rows into its own
  * cache and lets its own hook act, as if it had computed the layer itself: a press acts after the
  * layer's attention, so the hidden states of the leader and of every follower are the same. */
 static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_t l, int64_t n) {
@@ -234,20 +250,20 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
     KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
     memcpy(past, f->cache.layers[l].len, sizeof(int64_t) * (size_t)c->n_kv_heads);
     KVC_TRY(kvc_cache_append(&f->cache, l, kvc_view_of(lead->act.qkv, 0, qd + 2 * kd), qd, qd + kd, lead->positions, n));
-    if (!f->hook || n <= 1) return KVC_OK;
+    if (!has_layer_hook(f) || n <= 1) return KVC_OK;
     const kvc_layer_ctx ctx = layer_ctx(lead, l, n, past);
-    return run_hook(f, &ctx);
+    return run_hooks(f, &ctx, 0);
 }
 
 /* One layer of one session's call on n rows: the attention block, the hooks, the MLP. */
 static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n) {
     int64_t past[KVC_MAX_KV_HEADS];
     KVC_TRY(attention_block(s, &s, 1, l, n, 0, past));
-    const int decoding = decoding_active(s);
-    if ((s->hook && n > 1) || decoding) {
+    const int prefill = n > 1 && has_layer_hook(s), decode = decode_hooks_active(s);
+    if (prefill || decode) {
         const kvc_layer_ctx ctx = layer_ctx(s, l, n, past);
-        if (s->hook && n > 1) KVC_TRY(run_hook(s, &ctx));
-        if (decoding) KVC_TRY(run_decoding(s, &ctx));
+        if (prefill) KVC_TRY(run_hooks(s, &ctx, 0));
+        if (decode) KVC_TRY(run_hooks(s, &ctx, 1));
     }
     for (int32_t i = 0; i < s->n_followers; i++) KVC_TRY(follower_layer(s->followers[i], s, l, n));
     return mlp_block(s, l, n);
@@ -379,10 +395,9 @@ static kvc_status forward_locked(kvc_session *s, const int32_t *ids, int64_t n_i
                                  int64_t logits_row, float *logits) {
     const kvc_config *c = &s->model->cfg;
     const int64_t n = n_ids + n_emb;
-    if (s->pos == 0 && s->capacity_hint > 0) /* preallocate every layer once for the expected sequence length */
+    if (s->pos == 0 && s->capacity_hint > 0) /* preallocate every layer once for the announced sequence length */
         for (int32_t l = 0; l < c->n_layers; l++) KVC_TRY(kvc_cache_reserve(&s->cache, l, s->capacity_hint));
-    /* a decoding press compacts between layers on the host: its steps run eagerly */
-    if (s->graphs && s->be->graph_capture && n_ids == 1 && n_emb == 0 && s->n_followers == 0 && !s->decoding) {
+    if (s->graphs && s->be->graph_capture && n_ids == 1 && n_emb == 0 && s->n_followers == 0 && !eager_decode(s)) {
         kvc_status st;
         if (decode_graph(s, ids, logits_row, logits, &st)) return st;
     }
@@ -481,14 +496,14 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_status st = attention_block(s0, ss, B, l, 1, 0, NULL);
         for (int32_t i = 0; i < B && st == KVC_OK; i++) {
-            if (!decoding_active(ss[i])) continue;
+            if (!decode_hooks_active(ss[i])) continue;
             kvc_layer_ctx ctx = layer_ctx(s0, l, 1, NULL); /* session i's row of the batch */
             ctx.q = kvc_view_at(ctx.q, i, 0);
             ctx.attn = kvc_view_at(ctx.attn, i, 0);
             ctx.o = kvc_view_at(ctx.o, i, 0);
             ctx.resid = kvc_view_at(ctx.resid, i, 0);
             ctx.pos = s0->positions + i; /* its position, not row 0's */
-            st = run_decoding(ss[i], &ctx);
+            st = run_hooks(ss[i], &ctx, 1);
         }
         if (st == KVC_OK) st = mlp_block(s0, l, B);
         if (st != KVC_OK) {
@@ -524,7 +539,7 @@ kvc_status kvc_forward_batch(kvc_session *const *ss, int32_t B, const int32_t *i
         if (s->model != s0->model) return kvc_fail(KVC_ERR_ARG, "session %d belongs to another model", i);
         if (s->needs_reset)
             return kvc_fail(KVC_ERR_ARG, "session %d failed in the middle of a compressed prefill: reset it", i);
-        if (s->press) return kvc_fail(KVC_ERR_ARG, "session %d has a press attached: detach it before batched decoding", i);
+        if (has_layer_hook(s)) return kvc_fail(KVC_ERR_ARG, "session %d has a press attached: detach it before batched decoding", i);
         if (ids[i] < 0 || ids[i] >= c->vocab)
             return kvc_fail(KVC_ERR_ARG, "token id %d for session %d is outside the vocabulary [0, %d)", ids[i], i, c->vocab);
         for (int32_t j = 0; j < i; j++)

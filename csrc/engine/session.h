@@ -1,30 +1,12 @@
 /* A session: one sequence on a model's backend: its KV cache, position counter, activations, the
- * press attached to it and the decode graph. Every kvc_session_* function is in session.c; the forward
- * passes (prefill, decode step, shared prefill, batched decode) in forward.c. */
+ * press slots and the decode graph. The engine's kvc_session_* functions (life cycle, position, cache,
+ * slots, graphs) are in session.c; the forward passes (prefill, decode step, shared prefill, batched
+ * decode) in forward.c; what a press may see of it (the door, core/press_i.h) in press_door.c. Only
+ * engine/ includes this file: presses see kvc_session as an opaque type. */
 #ifndef KVC_SESSION_H
 #define KVC_SESSION_H
 
-#include "../cache/kv_cache.h"
-#include "../model/model.h"
-
-/* What a layer hook sees right after a layer's attention block of a multi-token forward (views of the
- * session's activations on its backend; read them with be->download or hand them to kernels). */
-typedef struct kvc_layer_ctx {
-    int32_t layer;
-    int64_t n;               /* rows of this forward call */
-    const int64_t *past_len; /* [Hkv] rows each head held before this call's rows were appended */
-    kvc_view q;              /* [n, H*d] queries after RoPE (the q columns of the q|k|v rows) */
-    kvc_view attn;           /* [n, H*d] attention output before o_proj */
-    kvc_view o;              /* [n, D] attention block output (after o_proj) */
-    kvc_view resid;          /* [n, D] f32 residual stream entering the block */
-    const int64_t *pos;      /* host [n] positions of this call's rows; NULL: past_len[0] + i */
-    kvc_view xn;             /* [n, D] the block's normed input (buf NULL where not given) */
-    int64_t future_from;     /* ExpectedAttention's first future position; 0: the one after the last row */
-} kvc_layer_ctx;
-
-struct kvc_session;
-/* Called after each layer's attention block of a multi-token forward; may compact that layer's cache. */
-typedef kvc_status (*kvc_layer_hook)(void *user, struct kvc_session *s, const kvc_layer_ctx *ctx);
+#include "../core/press_i.h"
 
 /* The activations of a forward call, buffers of the backend grown on demand. */
 typedef struct kvc_act {
@@ -42,8 +24,11 @@ typedef struct kvc_act {
     uint64_t generation; /* bumped whenever a buffer is replaced (a captured graph holds the old ones) */
 } kvc_act;
 
-struct kvc_press;
-struct kvc_decoding;
+/* An attached press (core/press_i.h). */
+typedef struct kvc_press_slot {
+    const kvc_press_vt *vt; /* NULL: empty */
+    void *self;
+} kvc_press_slot;
 
 struct kvc_session {
     kvc_model *model;
@@ -52,16 +37,13 @@ struct kvc_session {
     int64_t pos;              /* next token position */
     int64_t capacity_hint;
     int needs_reset;          /* a failed call left the cache inconsistent */
-    double press_seconds;     /* wall time spent in the layer hook since the last reset */
+    double press_seconds;     /* wall time spent in the presses' hooks since the last reset */
     kvc_act act;
     int64_t *positions;       /* host positions of this call's rows */
     size_t positions_cap;
     int64_t *win;             /* host sliding-window starts (as act.win), positions_cap x Hkv at least */
     size_t win_cap;
-    struct kvc_press *press;  /* the attached press (press/schedule.c), or NULL */
-    struct kvc_decoding *decoding; /* the attached decoding press (press/decoding.c), or NULL */
-    kvc_layer_hook hook;      /* the hook a forward calls: the press's, or TAKE's or Judge Q's while they run */
-    void *hook_user;
+    kvc_press_slot slots[KVC_N_SLOTS]; /* the attached presses; a probe's hook while one runs (press_door.c) */
     /* kvc_forward_shared: sessions that receive this forward's K/V rows and run their own hook */
     struct kvc_session *const *followers;
     int32_t n_followers;

@@ -57,8 +57,8 @@ kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg,
     if (st == KVC_OK) {
         const kvc_layer_ctx ctx = {layer, n, past, kvc_view_of(qb, 0, qd), kvc_view_of(ab, 0, qd), kvc_view_of(NULL, 0, 0),
                                    kvc_view_of(NULL, 0, 0), NULL, /* rows at positions past + i */
-                                   kvc_view_of(NULL, 0, 0), 0};
-        const kvc_layer_rows lr = {be, &mc, kv, NULL, kvc_view_of(NULL, 0, 0), NULL, NULL}; /* no model: no W_o */
+                                   kvc_view_of(NULL, 0, 0)};
+        const kvc_layer_rows lr = {be, &mc, kv, NULL, kvc_view_of(NULL, 0, 0), NULL, NULL, 0}; /* no model: no W_o */
         st = kvc_press_score_select(&lr, &ctx, cfg, lens, layer_total, &sb, &ld, sp, kp, n_keep);
     }
     if (sb) be->free(sb);

@@ -337,9 +337,9 @@ kvc_status kvc_decoding_set_query_stats(kvc_decoding *d, const float *mean, cons
 
 /* ExpectedAttention's view of the buffer: every buffered row's query and position uploaded in order (none with given
  * statistics), the future positions from the buffer's length as kvpress counts them. */
-static kvc_status all_rows_ctx(kvc_decoding *d, int32_t l, kvc_layer_ctx *c2) {
+static kvc_status all_rows_ctx(kvc_decoding *d, int32_t l, kvc_layer_ctx *c2, int64_t *future_from) {
     const int64_t n = buffered_rows(d, l);
-    c2->future_from = n;
+    *future_from = n;
     if (d->q_mean) return KVC_OK; /* the scorer reads no query */
     if (d->rq_n[l] != n)
         return kvc_fail(KVC_ERR_INTERNAL, "decoding press: %lld buffered query rows for %lld buffered rows",
@@ -382,9 +382,9 @@ static kvc_status all_rows_ctx(kvc_decoding *d, int32_t l, kvc_layer_ctx *c2) {
 /* ---- CAMPress (kvpress CAMPress; CaM, "CaM: Cache Merging for Memory-efficient LLMs Inference") ---- */
 
 /* Every head of a CAM layer holds the same rows: one selection is shared. */
-static kvc_status cam_rows(const kvc_session *s, int32_t l, int64_t *n) {
-    const int64_t *len = s->cache.layers[l].len;
-    for (int32_t h = 1; h < s->cache.n_kv; h++)
+static kvc_status cam_rows(kvc_session *s, int32_t l, int64_t *n) {
+    const int64_t *len = kvc_door_cache(s)->layers[l].len;
+    for (int32_t h = 1; h < kvc_door_cache(s)->n_kv; h++)
         if (len[h] != len[0])
             return kvc_fail(KVC_ERR_UNSUPPORTED, "CAMPress shares one selection across a layer's KV heads: they must hold "
                             "the same number of rows (layer %d holds %lld and %lld)", l, (long long)len[0], (long long)len[h]);
@@ -396,7 +396,7 @@ static kvc_status cam_rows(const kvc_session *s, int32_t l, int64_t *n) {
  * query heads) added to the layer's cumulative attention; rows appended since the last step start at zero. */
 static kvc_status cam_accumulate(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx) {
     const int32_t l = ctx->layer, Hkv = d->n_kv;
-    const kvc_config *mc = &s->model->cfg;
+    const kvc_config *mc = &kvc_door_model(s)->cfg;
     const int32_t dh = mc->head_dim, g = mc->n_heads / Hkv;
     int64_t n = 0;
     KVC_TRY(cam_rows(s, l, &n));
@@ -423,7 +423,7 @@ static kvc_status cam_accumulate(kvc_decoding *d, kvc_session *s, const kvc_laye
     if (st == KVC_OK) st = d->be->download(kvc_view_at(ctx->q, ctx->n - 1, 0), 1, d->qd, q, KVC_F32);
     const double scale = 1.0 / sqrt((double)dh);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        st = d->be->kv_read(s->cache.layers[l].kv, h, 0, n, k, NULL);
+        st = d->be->kv_read(kvc_door_cache(s)->layers[l].kv, h, 0, n, k, NULL);
         float *sum = d->cam_attn[l] + (size_t)h * d->cam_cap[l];
         for (int32_t j = 0; j < g && st == KVC_OK; j++) {
             const float *qh = q + (size_t)(h * g + j) * dh;
@@ -485,7 +485,7 @@ static void cam_prune(kvc_decoding *d, int32_t l, int32_t Hkv, const int64_t *ke
 /* Compress layer l to `target` rows per head. */
 static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx *ctx, int64_t target) {
     const int32_t l = ctx->layer, Hkv = d->n_kv;
-    const int64_t *len = s->cache.layers[l].len;
+    const int64_t *len = kvc_door_cache(s)->layers[l].len;
     int evict = 0;
     for (int32_t h = 0; h < Hkv; h++) evict |= len[h] > target;
     if (!evict) return KVC_OK; /* kvpress: ratio 0, the layer stays as it is */
@@ -510,7 +510,8 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
     for (int32_t h = 0; h < Hkv && w > 0; h++)
         if (len[h] <= w)
             return kvc_fail(KVC_ERR_ARG, "a head holds %lld rows, not more than the press window (%d)", (long long)len[h], w);
-    if (d->rq) KVC_TRY(all_rows_ctx(d, l, &c2));
+    int64_t future_from = 0; /* ExpectedAttention's: after the buffer (all_rows_ctx) */
+    if (d->rq) KVC_TRY(all_rows_ctx(d, l, &c2, &future_from));
     if (kvc_scorer_has(cfg.scorer, KVC_SCORER_SINK_ROWS))
         for (int32_t h = 0; h < Hkv; h++)
             if (len[h] <= cfg.n_sink)
@@ -525,19 +526,20 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
         if (!scores[h] || !keep[h]) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
     }
     kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
+    lr.future_from = future_from;
     if (d->q_mean) { /* ExpectedAttentionStats */
-        const size_t hd = (size_t)s->model->cfg.n_heads * s->model->cfg.head_dim;
+        const size_t hd = (size_t)lr.mc->n_heads * lr.mc->head_dim;
         lr.q_mean = d->q_mean + (size_t)l * hd;
-        lr.q_cov = d->q_cov + (size_t)l * hd * s->model->cfg.head_dim;
+        lr.q_cov = d->q_cov + (size_t)l * hd * lr.mc->head_dim;
     }
     if (st == KVC_OK && d->cfg.cam_merge_budget > 0) {
         st = cam_select_merge(d, &lr, &c2, &cfg, len, target, scores, keep, n_keep);
-        if (st != KVC_OK) s->cache.compactions++; /* kept rows may hold merged values already: no undoing the call */
+        if (st != KVC_OK) kvc_door_cache(s)->compactions++; /* kept rows may hold merged values already: no undoing the call */
     } else if (st == KVC_OK)
         st = kvc_press_score_select(&lr, &c2, &cfg, len, -1, &d->dev_scores, &d->dev_ld, scores, keep, n_keep);
     /* room for the steps until the next compression: the arena does not grow in between */
     if (st == KVC_OK)
-        st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, d->cfg.compression_interval);
+        st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, d->cfg.compression_interval);
     if (st == KVC_OK && d->cfg.cam_merge_budget > 0) cam_prune(d, l, Hkv, keep[0], n_keep[0]);
     if (st == KVC_OK) d->compressions++;
     for (int32_t h = 0; h < Hkv; h++) {
@@ -554,11 +556,11 @@ kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ct
     if (d->cfg.cam_merge_budget > 0) KVC_TRY(cam_accumulate(d, s, ctx));
     d->steps[l]++;
     const int64_t target = d->cfg.ratio_target
-                               ? kvc_n_kept_ratio(s->pos + ctx->n, d->cfg.target_compression_ratio) /* tokens seen */
+                               ? kvc_n_kept_ratio(kvc_door_position(s) + ctx->n, d->cfg.target_compression_ratio) /* tokens seen */
                                : d->cfg.target_size;
     /* CAMPress waits, counting steps, until the layer holds more than target rows (kvpress's CAMPress) */
     const int interval_due = d->steps[l] >= d->cfg.compression_interval &&
-                             (d->cfg.cam_merge_budget == 0 || s->cache.layers[l].len[0] > target);
+                             (d->cfg.cam_merge_budget == 0 || kvc_door_cache(s)->layers[l].len[0] > target);
     if (interval_due || ctx->n >= target) {
         KVC_TRY(compress(d, s, ctx, target));
         clear_buffers(d, l);
@@ -566,4 +568,41 @@ kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ct
     }
     trim(d, l);
     return KVC_OK;
+}
+
+/* ---- the decoding press's slot and its kvc_session_* functions ---- */
+
+static kvc_status on_decode_layer(void *self, kvc_session *s, const kvc_layer_ctx *ctx) {
+    return kvc_decoding_hook(self, s, ctx);
+}
+static void reset_self(void *self) { kvc_decoding_reset(self); }
+static void free_self(void *self) { kvc_decoding_free(self); }
+
+const kvc_press_vt kvc_decoding_slot_vt = {"decoding", KVC_PRESS_EAGER_DECODE, NULL, on_decode_layer, reset_self,
+                                           free_self};
+
+kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    kvc_decoding *d = NULL;
+    if (cfg) KVC_TRY(kvc_decoding_new(cfg, &kvc_door_model(s)->cfg, kvc_door_backend(s), &d));
+    const kvc_status st = kvc_session_attach(s, KVC_SLOT_DECODING, d ? &kvc_decoding_slot_vt : NULL, d);
+    if (st != KVC_OK) {
+        kvc_backend_lock(kvc_door_backend(s));
+        kvc_decoding_free(d);
+        kvc_backend_unlock(kvc_door_backend(s));
+    }
+    return st;
+}
+
+int64_t kvc_session_decoding_compressions(const kvc_session *s) {
+    return s ? kvc_decoding_count(kvc_door_slot(s, &kvc_decoding_slot_vt)) : 0;
+}
+
+kvc_status kvc_session_set_decoding_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
+                                                int64_t n_cov) {
+    if (!s || !mean || !cov) return kvc_fail(KVC_ERR_ARG, "null argument");
+    kvc_decoding *d = kvc_door_slot(s, &kvc_decoding_slot_vt);
+    if (!d) return kvc_fail(KVC_ERR_ARG, "no decoding press is attached to this session (set_decoding_press first)");
+    const kvc_config *mc = &kvc_door_model(s)->cfg;
+    return kvc_decoding_set_query_stats(d, mean, cov, n_mean, n_cov, mc->n_heads, mc->head_dim);
 }

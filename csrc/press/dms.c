@@ -52,7 +52,7 @@ kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
         }
         for (int32_t i = 0; i < p->n_layers; i++) p->dms_tail_n[i] = -1;
     }
-    const int64_t *len = s->cache.layers[l].len, n = ctx->n;
+    const int64_t *len = kvc_door_cache(s)->layers[l].len, n = ctx->n;
     float *scores[KVC_MAX_KV_HEADS] = {0};
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS] = {0};
     kvc_status st = alloc_rows(Hkv, len, scores, keep);
@@ -66,7 +66,7 @@ kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
         memcpy(p->dms_tail + ((size_t)l * Hkv + h) * (W > 0 ? W : 1), scores[h] + judged, sizeof(float) * (size_t)tail);
     }
     if (st == KVC_OK) p->dms_tail_n[l] = tail;
-    if (st == KVC_OK && evict) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK && evict) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     free_rows(Hkv, scores, keep);
     return st;
 }
@@ -122,7 +122,7 @@ void kvc_dms_reset(kvc_dms *d) {
 /* The scores of this call's n rows alone: copied into a scratch store (kv_read / kv_write), scored there. */
 static kvc_status score_call(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx, float *const *scores) {
     const int32_t Hkv = d->n_kv, dh = d->d;
-    const int64_t n = ctx->n, *len = s->cache.layers[ctx->layer].len;
+    const int64_t n = ctx->n, *len = kvc_door_cache(s)->layers[ctx->layer].len;
     int64_t rows[KVC_MAX_KV_HEADS], zero[KVC_MAX_KV_HEADS] = {0};
     for (int32_t h = 0; h < Hkv; h++) rows[h] = n;
     if (!d->tmp) KVC_TRY(d->be->kv_new(Hkv, dh, &d->tmp));
@@ -130,7 +130,7 @@ static kvc_status score_call(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ct
     float *k = malloc(sizeof(float) * (size_t)(n * dh)), *v = malloc(sizeof(float) * (size_t)(n * dh));
     kvc_status st = k && v ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        st = d->be->kv_read(s->cache.layers[ctx->layer].kv, h, len[h] - n, n, k, v);
+        st = d->be->kv_read(kvc_door_cache(s)->layers[ctx->layer].kv, h, len[h] - n, n, k, v);
         if (st == KVC_OK) st = d->be->kv_write(d->tmp, h, 0, n, k, v);
     }
     free(k);
@@ -150,9 +150,9 @@ static kvc_status score_call(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ct
 
 kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx) {
     const int32_t Hkv = d->n_kv, l = ctx->layer, W = d->cfg.dms_window;
-    const int64_t n = ctx->n, *len = s->cache.layers[l].len;
+    const int64_t n = ctx->n, *len = kvc_door_cache(s)->layers[l].len;
     if (d->nq[l] < 0) { /* the first call after the prefill: the prefill press's unjudged window, if it left one */
-        const kvc_press *p = s->press;
+        const kvc_press *p = kvc_door_slot(s, &kvc_press_slot_vt);
         if (p && p->cfg.dms && p->dms_tail_n && p->dms_tail_n[l] > 0 && p->cfg.dms_window == W) {
             const int64_t t = p->dms_tail_n[l];
             if (!(d->queue[l] = malloc(sizeof(float) * (size_t)Hkv * (size_t)(t + n)))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
@@ -190,7 +190,7 @@ kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx) 
     }
     if (st == KVC_OK) d->nq[l] = total - judged;
     /* room for the window's worth of calls before the arena grows again */
-    if (st == KVC_OK && evict) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, W > 0 ? W : 1);
+    if (st == KVC_OK && evict) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, W > 0 ? W : 1);
     free_rows(Hkv, scores, keep);
     return st;
 }

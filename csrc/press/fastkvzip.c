@@ -188,7 +188,7 @@ static kvc_status record(kvc_press *p, int32_t l, const float *layer_scores, int
 kvc_status kvc_fastkvzip_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx) {
     kvc_fastkvzip *z = p->fastkvzip;
     const int32_t l = ctx->layer;
-    const int64_t n = ctx->n, *len = s->cache.layers[l].len;
+    const int64_t n = ctx->n, *len = kvc_door_cache(s)->layers[l].len;
     if (!ctx->xn.buf) return kvc_fail(KVC_ERR_UNSUPPORTED, "FastKVzip needs the hidden states of the forward call");
     for (int32_t h = 0; h < z->Hkv; h++)
         if (len[h] != n)
@@ -205,10 +205,27 @@ kvc_status kvc_fastkvzip_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx
     if (l != z->scored || n != z->n)
         return kvc_fail(KVC_ERR_INTERNAL, "FastKVzip: layer %d of a prefill whose layers before it were not scored", l);
     float *out = z->scores + (size_t)l * z->Hkv * n;
-    KVC_TRY(gate_scores(z, s->be, ctx, out));
+    KVC_TRY(gate_scores(z, kvc_door_backend(s), ctx, out));
     protect(z, n, out);
     if (p->cfg.record_scores) KVC_TRY(record(p, l, out, n));
     z->scored = l + 1;
     if (l < z->L - 1 || p->cfg.compression_ratio <= 0) return KVC_OK;
     return kvc_evict_lowest(s, z->scores, n, p->cfg.compression_ratio, z->layerwise, 0); /* sinks already score 1 */
+}
+
+kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip_config *cfg) {
+    kvc_press *p = NULL;
+    if (!cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_last_press(s, &p));
+    kvc_press *first = kvc_door_slot(s, &kvc_press_slot_vt);
+    if (first->next) /* its eviction ranks every layer's full rows at once */
+        return kvc_fail(KVC_ERR_ARG, "FastKVzip evicts over all layers at once after scoring them: use it alone, not in a chain");
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->cfg.budget > 0 || p->head_keep ||
+        p->head_prune || p->block_size || p->key_filters || p->kvzap)
+        return kvc_fail(KVC_ERR_ARG, "FastKVzip makes its own global selection from a compression_ratio: attach a plain press");
+    kvc_fastkvzip *z = NULL;
+    KVC_TRY(kvc_fastkvzip_new(&kvc_door_model(s)->cfg, cfg, &z));
+    kvc_fastkvzip_free(p->fastkvzip);
+    p->fastkvzip = z;
+    return KVC_OK;
 }

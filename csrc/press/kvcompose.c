@@ -25,11 +25,11 @@ typedef struct {
 
 static kvc_status profile_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
     profile_state *t = user;
-    const kvc_config *c = &s->model->cfg;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t l = ctx->layer, H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const int64_t q = ctx->n, qd = (int64_t)H * d, n_ctx = t->n_ctx, rows = n_ctx + q;
     const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
-    const int64_t *len = s->cache.layers[l].len;
+    const int64_t *len = kvc_door_cache(s)->layers[l].len;
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     float *qh = malloc(sizeof(float) * (size_t)(q * qd));
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
@@ -37,7 +37,7 @@ static kvc_status profile_hook(void *user, kvc_session *s, const kvc_layer_ctx *
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
         if (len[h] != rows) st = kvc_fail(KVC_ERR_INTERNAL, "KVCompose: head %d holds %lld rows, not %lld", h, (long long)len[h], (long long)rows);
     if (st == KVC_OK) st = kvc_press_layer_rows(&lr, len, 0, k, v, &block);
-    if (st == KVC_OK) st = s->be->download(ctx->q, q, qd, qh, KVC_F32);
+    if (st == KVC_OK) st = kvc_door_backend(s)->download(ctx->q, q, qd, qh, KVC_F32);
     float *out = t->out + (size_t)l * H * n_ctx;
     int failed = 0;
     if (st == KVC_OK) {
@@ -83,44 +83,28 @@ static kvc_status profile_hook(void *user, kvc_session *s, const kvc_layer_ctx *
         for (int64_t r = 0; st == KVC_OK && r < n_ctx; r++) keep[h][r] = r;
         n_keep[h] = n_ctx;
     }
-    if (st == KVC_OK) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     kvc_free(block);
     free(qh);
     return st;
 }
 
-/* Whether every layer and head holds exactly the session's s->pos rows (the full cache of the context). */
-static int holds_full_cache(const kvc_session *s) {
-    for (int32_t l = 0; l < s->cache.n_layers; l++)
-        for (int32_t h = 0; h < s->cache.n_kv; h++)
-            if (s->cache.layers[l].len[h] != s->pos) return 0;
-    return 1;
-}
-
 kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum, float *out) {
-    const kvc_config *c = &s->model->cfg;
-    const int64_t n_ctx = s->pos;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    const int64_t n_ctx = kvc_door_position(s);
     if (!ids || !out) return kvc_fail(KVC_ERR_ARG, "kvcompose_profile: null argument");
-    if (n_ctx < 1 || !holds_full_cache(s))
+    if (n_ctx < 1 || !kvc_door_holds_full_cache(s))
         return kvc_fail(KVC_ERR_ARG, "kvcompose_profile: the session must hold the full cache of the context (prefill it "
                         "without a press first)");
     if (q_len < 1) return kvc_fail(KVC_ERR_ARG, "kvcompose_profile: the prompt is empty");
     for (int64_t i = 0; i < q_len; i++)
         if (ids[i] < 0 || ids[i] >= c->vocab) return kvc_fail(KVC_ERR_ARG, "token %d outside the vocabulary", ids[i]);
     profile_state t = {n_ctx, sum != 0, out};
-    kvc_layer_hook saved_hook = s->hook;
-    void *saved_user = s->hook_user;
-    s->hook = profile_hook;
-    s->hook_user = &t;
     /* a one-token prompt takes the decode path, which runs no hook: it goes through as a prefill row would */
-    kvc_status st = q_len > 1 ? kvc_forward_ex(s, ids, q_len, NULL, 0, KVC_ROW_NONE, NULL)
-                              : kvc_fail(KVC_ERR_ARG, "kvcompose_profile: the prompt needs at least 2 tokens");
-    s->hook = saved_hook;
-    s->hook_user = saved_user;
-    if (st == KVC_OK) s->pos = n_ctx;
-    else if (q_len > 1) s->needs_reset = 1;
-    return st;
+    if (q_len < 2) return kvc_fail(KVC_ERR_ARG, "kvcompose_profile: the prompt needs at least 2 tokens");
+    /* the hook drops the prompt's rows again: the position goes back */
+    return kvc_door_probe(s, ids, q_len, NULL, 0, profile_hook, &t, KVC_ROW_NONE, NULL, 0);
 }
 
 typedef struct { double s; int64_t i; } ranked;
@@ -153,13 +137,13 @@ static kvc_status top_counts(const double *comp, int64_t bins, int64_t n, int64_
 kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double ratio, int32_t structured,
                                        int32_t group_max, int32_t head_max, int32_t add_v_norm, int32_t add_mean,
                                        int64_t lower_bound) {
-    const kvc_config *c = &s->model->cfg;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t L = c->n_layers, H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const int64_t n = s->pos, LH = (int64_t)L * Hkv;
+    const int64_t n = kvc_door_position(s), LH = (int64_t)L * Hkv;
     if (!task) return kvc_fail(KVC_ERR_ARG, "kvcompose_evict: null scores");
     if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
     if (lower_bound < 0) return kvc_fail(KVC_ERR_ARG, "keep_token_lower_bound must be >= 0, got %lld", (long long)lower_bound);
-    if (n < 1 || !holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvcompose_evict: the session must hold the full cache of the context");
+    if (n < 1 || !kvc_door_holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvcompose_evict: the session must hold the full cache of the context");
     const int64_t lb = lower_bound < n ? lower_bound : n;
     double *sc = malloc(sizeof(double) * (size_t)(LH * n)), *comp = malloc(sizeof(double) * (size_t)(LH * n));
     double *lay = calloc((size_t)(L * n), sizeof(double)), *mean = malloc(sizeof(double) * (size_t)n);
@@ -182,7 +166,7 @@ kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double
                 o[r] = a;
             }
             if (add_v_norm) {
-                st = s->be->kv_read(s->cache.layers[l].kv, h, 0, n, NULL, vrow);
+                st = kvc_door_backend(s)->kv_read(kvc_door_cache(s)->layers[l].kv, h, 0, n, NULL, vrow);
                 for (int64_t r = 0; r < n && st == KVC_OK; r++) {
                     double vv = 0;
                     for (int32_t i = 0; i < d; i++) vv += (double)vrow[r * d + i] * vrow[r * d + i];
@@ -240,9 +224,9 @@ kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double
             qsort(keep[h], (size_t)k, sizeof(int64_t), by_row);
             n_keep[h] = k;
         }
-        st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+        st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     }
-    if (st != KVC_OK) s->needs_reset = 1;
+    if (st != KVC_OK) kvc_door_request_reset(s);
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     free(sc); free(comp); free(lay); free(mean); free(vrow); free(count); free(lcount); free(order);
     return st;

@@ -56,21 +56,13 @@ static kvc_status kvgrad_layer(void *user, const kvc_rows_layer *view, const flo
                                t->scores + (size_t)l * Hkv * n);
 }
 
-/* Every head of every layer holds the session's s->pos rows (the full cache of the context). */
-static int holds_full_cache(const kvc_session *s) {
-    for (int32_t l = 0; l < s->model->cfg.n_layers; l++)
-        for (int32_t h = 0; h < s->model->cfg.n_kv_heads; h++)
-            if (s->cache.layers[l].len[h] != s->pos) return 0;
-    return 1;
-}
-
-static kvc_status check_args(const kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+static kvc_status check_args(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
                              int32_t n_sink, const float *scores) {
-    const kvc_config *c = &s->model->cfg;
-    const int64_t n_ctx = s->pos;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    const int64_t n_ctx = kvc_door_position(s);
     if (!ids || !scores) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: null argument");
-    if (s->needs_reset) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session failed a call: reset() it first");
-    if (n_ctx < 1 || !holds_full_cache(s))
+    if (kvc_door_needs_reset(s)) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session failed a call: reset() it first");
+    if (n_ctx < 1 || !kvc_door_holds_full_cache(s))
         return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session must hold the full cache of the context (prefill it "
                         "without a press first)");
     if (q_len < 1 || q_len > (1LL << 24))
@@ -88,10 +80,10 @@ static kvc_status check_args(const kvc_session *s, const int32_t *ids, int64_t q
 kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
                             int32_t n_sink, float *scores, float *grad_norms) {
     KVC_TRY(check_args(s, ids, q_len, start, end, n_sink, scores));
-    const kvc_config *c = &s->model->cfg;
-    const int64_t n_ctx = s->pos, D = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, n = end - start;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    const int64_t n_ctx = kvc_door_position(s), D = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, n = end - start;
     const kvc_host_weights *hw = NULL;
-    KVC_TRY(kvc_model_host_weights(s->model, &hw));
+    KVC_TRY(kvc_door_host_weights(s, &hw));
     kvgrad_state t = {c, hw, start, end, n_sink, scores, grad_norms, kvc_malloc(sizeof(float) * (size_t)(qd * D), "KVgrad W_o"),
                       kvc_malloc(sizeof(double) * (size_t)q_len, "KVgrad gradient norms"),
                       kvc_malloc(sizeof(double) * (size_t)(c->n_heads * n), "KVgrad |v W_o|")};
@@ -117,4 +109,10 @@ kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, i
     kvc_free(t.gnorm);
     kvc_free(t.wov);
     return st;
+}
+
+kvc_status kvc_session_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                                    int32_t n_sink, float *scores, float *grad_norms) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: null session");
+    return kvc_kvgrad_score(s, ids, q_len, start, end, n_sink, scores, grad_norms);
 }

@@ -89,3 +89,17 @@ kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc
     free(hbuf);
     return st;
 }
+
+kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
+                                 const float *b2) {
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_last_press(s, &p));
+    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size || p->key_filters ||
+        p->head_prune || p->fastkvzip)
+        return kvc_fail(KVC_ERR_ARG, "KVzap scores with uniform top-k per head: use it with a plain budget");
+    kvc_kvzap *z = NULL;
+    KVC_TRY(kvc_kvzap_new(&kvc_door_model(s)->cfg, hidden_dim, w1, b1, w2, b2, &z));
+    kvc_kvzap_free(p->kvzap);
+    p->kvzap = z;
+    return KVC_OK;
+}

@@ -104,13 +104,13 @@ kvc_status kvc_kvzip_chunk_max(const kvc_config *c, const float *qh, int64_t q, 
 }
 
 static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
+    const kvc_backend *be = kvc_door_backend(s);
     kvzip_state *t = user;
-    const kvc_config *c = &s->model->cfg;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t l = ctx->layer, H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
     const int64_t q = ctx->n, qd = (int64_t)H * d, D = c->hidden, n_ctx = t->n_ctx, m = t->end - t->start;
-    const kvc_layer_rows lr = {s->be, c, s->cache.layers[l].kv, s->model->rope_inv_freq, s->model->layers[l].wo,
-                               NULL, NULL};
-    const int64_t *len = s->cache.layers[l].len;
+    const kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
+    const int64_t *len = kvc_door_cache(s)->layers[l].len;
 
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     float *qh = malloc(sizeof(float) * (size_t)(q * qd));
@@ -121,12 +121,12 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
     kvc_status st = qh && hinv && (!t->plus || (wov && resid && w && wt)) ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: KVzip");
     if (st == KVC_OK) st = kvc_press_layer_rows(&lr, len, t->plus, k, v, &block);
-    if (st == KVC_OK) st = s->be->download(ctx->q, q, qd, qh, KVC_F32);
+    if (st == KVC_OK) st = be->download(ctx->q, q, qd, qh, KVC_F32);
     for (int64_t i = 0; i < q; i++) hinv[i] = 1.0;
     if (st == KVC_OK && t->plus) { /* 1 / ||RMSNorm(x) w|| per query, |v W_o| per chunk row and query head */
         if (!lr.wo.buf) st = kvc_fail(KVC_ERR_ARG, "KVzip+ needs the model's output projection");
-        if (st == KVC_OK) st = s->be->download(ctx->resid, q, D, resid, KVC_F32);
-        if (st == KVC_OK) st = s->be->download(s->model->layers[l].attn_norm, 1, D, w, KVC_F32);
+        if (st == KVC_OK) st = be->download(ctx->resid, q, D, resid, KVC_F32);
+        if (st == KVC_OK) st = be->download(kvc_door_model(s)->layers[l].attn_norm, 1, D, w, KVC_F32);
         for (int64_t i = 0; i < q && st == KVC_OK; i++) {
             double ms = 0, nn = 0;
             for (int64_t j = 0; j < D; j++) ms += (double)resid[i * D + j] * resid[i * D + j];
@@ -149,7 +149,7 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
         for (int64_t r = 0; st == KVC_OK && r < n_ctx; r++) keep[h][r] = r;
         n_keep[h] = n_ctx;
     }
-    if (st == KVC_OK) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     kvc_free(block);
     free(qh);
@@ -161,21 +161,12 @@ static kvc_status kvzip_hook(void *user, kvc_session *s, const kvc_layer_ctx *ct
     return st;
 }
 
-/* Whether every layer and head holds exactly the session's s->pos rows (the full cache of the context). */
-static int holds_full_cache(const kvc_session *s) {
-    const kvc_config *c = &s->model->cfg;
-    for (int32_t l = 0; l < c->n_layers; l++)
-        for (int32_t h = 0; h < c->n_kv_heads; h++)
-            if (kvc_session_cache_len(s, l, h) != s->pos) return 0;
-    return 1;
-}
-
 kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
                            int32_t n_sink, int32_t plus, float *scores) {
-    const kvc_config *c = &s->model->cfg;
-    const int64_t n_ctx = s->pos;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    const int64_t n_ctx = kvc_door_position(s);
     if (!ids || !scores) return kvc_fail(KVC_ERR_ARG, "kvzip_score: null argument");
-    if (n_ctx < 1 || !holds_full_cache(s))
+    if (n_ctx < 1 || !kvc_door_holds_full_cache(s))
         return kvc_fail(KVC_ERR_ARG, "kvzip_score: the session must hold the full cache of the context (prefill it "
                         "without a press first)");
     if (q_len < 2) return kvc_fail(KVC_ERR_ARG, "kvzip_score: the reconstruction prompt needs at least 2 tokens");
@@ -186,16 +177,8 @@ kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, in
     for (int64_t i = 0; i < q_len; i++)
         if (ids[i] < 0 || ids[i] >= c->vocab) return kvc_fail(KVC_ERR_ARG, "token %d outside the vocabulary", ids[i]);
     kvzip_state t = {start, end, n_ctx, n_sink, plus != 0, scores};
-    kvc_layer_hook saved_hook = s->hook;
-    void *saved_user = s->hook_user;
-    s->hook = kvzip_hook;
-    s->hook_user = &t;
-    kvc_status st = kvc_forward_ex(s, ids, q_len, NULL, 0, KVC_ROW_NONE, NULL);
-    s->hook = saved_hook;
-    s->hook_user = saved_user;
-    if (st == KVC_OK) s->pos = n_ctx;
-    else s->needs_reset = 1;
-    return st;
+    /* the hook drops the reconstruction rows again: the position goes back */
+    return kvc_door_probe(s, ids, q_len, NULL, 0, kvzip_hook, &t, KVC_ROW_NONE, NULL, 0);
 }
 
 typedef struct { float s; int64_t i; } scored_row;
@@ -210,7 +193,7 @@ static int by_score(const void *a, const void *b) {
  * once, or int(Hkv n ratio) per layer (kvpress's KVzip). The first n_sink rows rank above everything; rows
  * after the n scored ones (RestoreKV's restore rows) always stay. Every head must hold the same rows. */
 kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise, int32_t n_sink) {
-    const kvc_config *c = &s->model->cfg;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t L = c->n_layers, Hkv = c->n_kv_heads;
     const int64_t rows = kvc_session_cache_len(s, 0, 0), per_layer = (int64_t)Hkv * n, total = (int64_t)L * per_layer;
     if (!scores) return kvc_fail(KVC_ERR_ARG, "eviction: null scores");
@@ -238,17 +221,17 @@ kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, doub
     int64_t *keep[KVC_MAX_KV_HEADS] = {0}, n_keep[KVC_MAX_KV_HEADS];
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
         if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)rows))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: eviction");
-    kvc_backend_lock(s->be);
+    kvc_backend_lock(kvc_door_backend(s));
     for (int32_t l = 0; l < L && st == KVC_OK; l++) {
         for (int32_t h = 0; h < Hkv; h++) {
             n_keep[h] = 0;
             for (int64_t r = 0; r < rows; r++)
                 if (r >= n || !pruned[(int64_t)l * per_layer + (int64_t)h * n + r]) keep[h][n_keep[h]++] = r;
         }
-        st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+        st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     }
-    kvc_backend_unlock(s->be);
-    if (st != KVC_OK) s->needs_reset = 1; /* some layers compacted, some not */
+    kvc_backend_unlock(kvc_door_backend(s));
+    if (st != KVC_OK) kvc_door_request_reset(s); /* some layers compacted, some not */
     for (int32_t h = 0; h < Hkv; h++) free(keep[h]);
     free(sr);
     free(pruned);
@@ -257,7 +240,29 @@ kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, doub
 
 kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, int64_t n_ctx, double ratio, int32_t layerwise,
                            int32_t n_sink) {
-    if (s->pos < 1 || !holds_full_cache(s))
+    if (kvc_door_position(s) < 1 || !kvc_door_holds_full_cache(s))
         return kvc_fail(KVC_ERR_ARG, "kvzip_evict: the session must hold the full cache of the context");
     return kvc_evict_lowest(s, scores, n_ctx, ratio, layerwise, n_sink);
+}
+
+/* ---- kvpress_c.h ---- */
+
+kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
+                                   int32_t n_sink, int32_t plus, float *scores) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_score: null session");
+    return kvc_kvzip_score(s, ids, q_len, start, end, n_sink, plus, scores);
+}
+
+kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
+                                   int32_t n_sink) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
+    if (!(compression_ratio >= 0 && compression_ratio < 1))
+        return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", compression_ratio);
+    return kvc_kvzip_evict(s, scores, kvc_door_position(s), compression_ratio, layerwise, n_sink);
+}
+
+kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx, double compression_ratio,
+                                          int32_t layerwise, int32_t n_sink) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
+    return kvc_kvzip_evict(s, scores, n_ctx, compression_ratio, layerwise, n_sink);
 }

@@ -58,6 +58,7 @@ void kvc_lukv_counts(const float *prune, int32_t Hkv, int64_t n, int64_t *out) {
 
 kvc_status kvc_lukv_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                            const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    const kvc_backend *be = kvc_door_backend(s);
     const int32_t Hkv = p->n_kv;
     const int64_t n = len[0];
     for (int32_t h = 1; h < Hkv; h++)
@@ -72,8 +73,15 @@ kvc_status kvc_lukv_select(kvc_press *p, const kvc_press_config *cfg, kvc_sessio
     for (int32_t h = 0; h < Hkv; h++) {
         for (int64_t r = 0; r < sink; r++) scores[h][r] = top;
         for (int64_t r = w0; r < n; r++) scores[h][r] = top;
-        KVC_TRY(s->be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, n, scores[h], KVC_F32));
+        KVC_TRY(be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, n, scores[h], KVC_F32));
     }
     kvc_lukv_counts(p->head_prune + (size_t)ctx->layer * Hkv, Hkv, n, n_keep);
-    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), Hkv, len, n_keep, keep);
+    return be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), Hkv, len, n_keep, keep);
+}
+
+kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink, int32_t window) {
+    kvc_press *p = NULL;
+    if (!prune) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_last_press(s, &p));
+    return kvc_press_set_head_ratios(p, prune, n, sink, window);
 }

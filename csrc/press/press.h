@@ -1,25 +1,30 @@
 /* The presses: scorer x allocation x selection x schedule (docs/METHODS.md), written once over the
- * backend interface. Internal API between the files of this folder and engine/session.c:
+ * backend interface. A press sees a session only through the door (core/press_i.h): the engine calls it
+ * through its slot's vtable (kvc_press_slot_vt, kvc_decoding_slot_vt) and never names it. Internal API
+ * between the files of this folder:
+ *   session_press.c the attached press's kvc_session_* setters and diagnostics, its slot vtable
  *   config.c      defaults, the one validation of a press config (a scorer's own through its row), budget arithmetic
- *   scorer.h/.c   the scorer interface: a row per scorer (name, code, trait bits, the fields it reads, its
- *                 check, its host function), registered by its own file; lookups by code and name
+ *   params.c      the settings table: every setting by name (kvc_press_spec, the by-name setters, introspection)
+ *   scorer.h/.c   the scorer interface: a row per scorer (name, code, trait bits, the settings it reads, its
+ *                 check, its host function), registered by its own file; lookups by index and name
  *   scorers/      one file per scorer holding its row (and its host algorithm: KeyDiff, LagKV,
  *                 ExpectedAttention, NonCausalAttn, LeverageScore, CUR, Compactor, FINCH, SimLayerKV,
- *                 CapPress); scorers/common.c the host helpers they share (RoPE undone, query statistics,
- *                 z-scores, the Gaussian sketch, Cholesky)
+ *                 CapPress, DropKV); scorers/common.c the host helpers they share (RoPE undone, query
+ *                 statistics, z-scores, the Gaussian sketch, Cholesky)
  *   score.c       a layer's scores: the backend's scorers, or a row's host function; the scorer checks
  *                 a backend would otherwise answer (window length, attention outputs, equal heads)
  *   observed.c    host algorithms: ObservedAttention's scores, Ada-KV's eviction loss
  *   allocation.c  how many rows each head keeps and which: uniform, PyramidKV, Ada-KV, layer totals
  *                 (TADA), ChunkKV's chunks; TADA's layer capacities from its statistics
  *   schedule.c    the post-prefill schedule (kvpress's): each layer compressed after its attention
- *   take.c        TAKE's chunked prefill with probes and delayed eviction
+ *   take.c        TAKE's chunked prefill with probes and delayed eviction (kvc_session_prefill_take)
+ *   kvzip.c, kvgrad.c, kvcompose.c, restorekv.c, ea_stats.c  whole-cache methods over the door's probes
  *   decoding.c    compression while decoding (kvpress DecodingPress, CAMPress)
  *   merge.c       value merging on eviction (MergingPress, CAMPress) */
 #ifndef KVC_PRESS_H
 #define KVC_PRESS_H
 
-#include "../engine/session.h"
+#include "../core/press_i.h"
 #include "scorer.h"
 
 /* Per-session press state: config, recorded diagnostics and scratch. */
@@ -75,7 +80,7 @@ static inline int32_t kvc_scorer_query_rows(const kvc_press_config *p) {
 /* ---- schedule.c ---- */
 kvc_status kvc_press_new(const kvc_press_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_press **out);
 void kvc_press_free(kvc_press *p);
-/* The layer hook kvc_session_set_press installs. */
+/* The attached press's on_layer (its slot's vtable: kvc_press_slot_vt). */
 kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx);
 kvc_status kvc_press_recorded_scores(const kvc_press *p, int32_t layer, int32_t h, float *out, int64_t *n);
 kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32_t n_layers);
@@ -90,6 +95,14 @@ kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const floa
 kvc_status kvc_query_stats_set(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
                                int64_t n_cov, float **m_slot, float **c_slot);
 
+/* ---- session_press.c ---- */
+/* The slot of a press attached by kvc_session_set_press. */
+extern const kvc_press_vt kvc_press_slot_vt;
+/* The attached press (the first of a chain), or an error. */
+kvc_status kvc_attached_press(const kvc_session *s, kvc_press **out);
+/* The press the wrapper settings apply to: the last one of the chain (ComposedPress adds a member, then sets it). */
+kvc_status kvc_last_press(const kvc_session *s, kvc_press **out);
+
 /* ---- score.c ---- */
 /* What the scoring of one layer reads: the backend, the model's dimensions, the layer's K/V. */
 typedef struct kvc_layer_rows {
@@ -100,23 +113,25 @@ typedef struct kvc_layer_rows {
     kvc_view wo;           /* the layer's o_proj weight [D, H d] (CriticalKV); buf NULL without a model */
     const float *q_mean;   /* [H, d] given pre-RoPE query mean of this layer (ExpectedAttentionStats), or NULL */
     const float *q_cov;    /* [H, d, d] its covariance (with q_mean) */
+    int64_t future_from;   /* ExpectedAttention's first future position; 0: the one after the call's last row */
 } kvc_layer_rows;
 
 /* The rows of a session's layer `l` with what the scorers need of its model; kv: the session's own K/V
  * store of that layer, or another store of the same layer (BlockPress's scratch). */
-static inline kvc_layer_rows kvc_session_layer_rows(const kvc_session *s, int32_t l, kvc_kv *kv) {
-    const kvc_layer_rows lr = {s->be, &s->model->cfg, kv ? kv : s->cache.layers[l].kv, s->model->rope_inv_freq,
-                               s->model->layers[l].wo, NULL, NULL};
+static inline kvc_layer_rows kvc_session_layer_rows(kvc_session *s, int32_t l, kvc_kv *kv) {
+    const kvc_model *m = kvc_door_model(s);
+    const kvc_layer_rows lr = {kvc_door_backend(s), &m->cfg, kv ? kv : kvc_door_cache(s)->layers[l].kv,
+                               m->rope_inv_freq, m->layers[l].wo, NULL, NULL, 0};
     return lr;
 }
 
 /* The rows of a session's layer as its press scores them: with the press's given query statistics (EAStats). */
-static inline kvc_layer_rows kvc_press_layer_rows_of(const kvc_press *p, const kvc_session *s, int32_t l) {
+static inline kvc_layer_rows kvc_press_layer_rows_of(const kvc_press *p, kvc_session *s, int32_t l) {
     kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
     if (p->q_mean) {
-        const size_t hd = (size_t)s->model->cfg.n_heads * s->model->cfg.head_dim;
+        const size_t hd = (size_t)lr.mc->n_heads * lr.mc->head_dim;
         lr.q_mean = p->q_mean + (size_t)l * hd;
-        lr.q_cov = p->q_cov + (size_t)l * hd * s->model->cfg.head_dim;
+        lr.q_cov = p->q_cov + (size_t)l * hd * lr.mc->head_dim;
     }
     return lr;
 }
@@ -239,8 +254,10 @@ kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx);
 /* ---- rerotate.c: KeyRerotationPress ---- */
 kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);
 
-/* ---- decoding.c: compression while decoding (kvc_decoding_config) ---- */
+/* ---- decoding.c: compression while decoding (kvc_decoding_config; kvc_session_set_decoding_press) ---- */
 typedef struct kvc_decoding kvc_decoding;
+/* The slot of a decoding press: on_decode_layer, eager decode steps. */
+extern const kvc_press_vt kvc_decoding_slot_vt;
 kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_decoding **out);
 void kvc_decoding_free(kvc_decoding *d);
 /* Counters and buffers back to the start (a session reset). */

@@ -119,7 +119,7 @@ static kvc_status head_budget_select(kvc_press *p, const kvc_press_config *cfg, 
         const int64_t k = p->head_keep[(size_t)ctx->layer * p->n_kv + h];
         n_keep[h] = k < 0 || k > len[h] ? len[h] : k;
     }
-    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
+    return kvc_door_backend(s)->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
 }
 
 kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size) {
@@ -141,8 +141,8 @@ kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size) {
  * rows), and the top n_kept become the kept rows. */
 static kvc_status block_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                                const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
-    const kvc_backend *be = s->be;
-    const int32_t Hkv = p->n_kv, d = s->model->cfg.head_dim;
+    const kvc_backend *be = kvc_door_backend(s);
+    const int32_t Hkv = p->n_kv, d = kvc_door_model(s)->cfg.head_dim;
     const int64_t n = len[0];
     for (int32_t h = 1; h < Hkv; h++)
         if (len[h] != n) return kvc_fail(KVC_ERR_ARG, "BlockPress needs every head of a layer to hold the same rows");
@@ -165,7 +165,7 @@ static kvc_status block_select(kvc_press *p, const kvc_press_config *cfg, kvc_se
             for (int64_t r = i; r < end; r++) cand[h][nk + r - i] = r;
             mm[h] = nk + end - i;
         }
-        st = be->kv_resize(tmp, full, full, s->cache.layers[ctx->layer].kv);
+        st = be->kv_resize(tmp, full, full, kvc_door_cache(s)->layers[ctx->layer].kv);
         if (st == KVC_OK) st = be->kv_gather(tmp, (const int64_t *const *)cand, mm, mm);
         if (st == KVC_OK) st = kvc_score_layer(&lr, ctx, cfg, 0, mm, &p->dev_scores, &p->dev_ld, scores);
         if (st == KVC_OK) st = be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), Hkv, mm, kk, keep);
@@ -225,6 +225,7 @@ kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const floa
 /* KVzapPress: the surrogate model's scores of this call's rows (host), uploaded, each head's top k. */
 static kvc_status kvzap_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                                const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    const kvc_backend *be = kvc_door_backend(s);
     int64_t maxlen = 1;
     for (int32_t h = 0; h < p->n_kv; h++) {
         if (len[h] != ctx->n)
@@ -233,43 +234,44 @@ static kvc_status kvzap_select(kvc_press *p, const kvc_press_config *cfg, kvc_se
                             (long long)len[h], (long long)ctx->n);
         maxlen = len[h] > maxlen ? len[h] : maxlen;
     }
-    KVC_TRY(kvc_score_buffer(s->be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
-    KVC_TRY(kvc_kvzap_scores(p->kvzap, s->be, ctx, scores));
+    KVC_TRY(kvc_score_buffer(be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    KVC_TRY(kvc_kvzap_scores(p->kvzap, be, ctx, scores));
     for (int32_t h = 0; h < p->n_kv; h++) {
-        KVC_TRY(s->be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32));
+        KVC_TRY(be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32));
         const int64_t kk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, len[h]);
         n_keep[h] = kk < len[h] ? kk : len[h];
     }
-    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
+    return be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
 }
 
 /* QFilterPress: scores -<k_r, filter[layer][h]> on the host (the rows come through kv_read), uploaded to the
  * backend's score buffer, then each head's top k there. */
 static kvc_status filter_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
                                 const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep) {
+    const kvc_backend *be = kvc_door_backend(s);
     if (p->kvzap) return kvzap_select(p, cfg, s, ctx, len, scores, keep, n_keep);
-    const int32_t d = s->model->cfg.head_dim;
-    const kvc_layer_cache *L = &s->cache.layers[ctx->layer];
+    const int32_t d = kvc_door_model(s)->cfg.head_dim;
+    const kvc_layer_cache *L = &kvc_door_cache(s)->layers[ctx->layer];
     int64_t maxlen = 1;
     for (int32_t h = 0; h < p->n_kv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
-    KVC_TRY(kvc_score_buffer(s->be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    KVC_TRY(kvc_score_buffer(be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
     float *k = malloc(sizeof(float) * (size_t)maxlen * (size_t)d);
     kvc_status st = k ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: Q-filter scores");
     for (int32_t h = 0; h < p->n_kv && st == KVC_OK; h++) {
         const float *f = p->key_filters + ((size_t)ctx->layer * p->n_kv + h) * d;
-        st = s->be->kv_read(L->kv, h, 0, len[h], k, NULL);
+        st = be->kv_read(L->kv, h, 0, len[h], k, NULL);
         for (int64_t r = 0; r < len[h] && st == KVC_OK; r++) {
             double dot = 0;
             for (int32_t j = 0; j < d; j++) dot += (double)k[r * d + j] * f[j];
             scores[h][r] = (float)-dot;
         }
-        if (st == KVC_OK) st = s->be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32);
+        if (st == KVC_OK) st = be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32);
         const int64_t kk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, len[h]);
         n_keep[h] = kk < len[h] ? kk : len[h];
     }
     free(k);
     if (st != KVC_OK) return st;
-    return s->be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
+    return be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
 }
 
 /* TADA statistics: E_internal (the scores over heads and past rows) and 1 - cos(R, R + O) over the
@@ -280,9 +282,10 @@ static kvc_status layer_stats(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     for (int32_t h = 0; h < p->n_kv; h++)
         for (int64_t r = 0; r < len[h] - w; r++) e += scores[h][r];
     p->e_internal[ctx->layer] = e;
-    const int64_t nw = w > 0 ? (w < ctx->n ? w : ctx->n) : 1, D = s->model->cfg.hidden;
+    const int64_t nw = w > 0 ? (w < ctx->n ? w : ctx->n) : 1, D = kvc_door_model(s)->cfg.hidden;
+    const kvc_backend *be = kvc_door_backend(s);
     double cos_sum = 0;
-    KVC_TRY(s->be->cos_sum(kvc_view_at(ctx->resid, ctx->n - nw, 0), kvc_view_at(ctx->o, ctx->n - nw, 0), nw, D, &cos_sum));
+    KVC_TRY(be->cos_sum(kvc_view_at(ctx->resid, ctx->n - nw, 0), kvc_view_at(ctx->o, ctx->n - nw, 0), nw, D, &cos_sum));
     p->dissim[ctx->layer] = 1.0 - cos_sum / nw;
     return KVC_OK;
 }
@@ -369,7 +372,7 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     if (cfg->budget == 0 && cfg->compression_ratio == 0 && !p->head_keep && !p->head_prune && !kvc_press_decides_own_budget(cfg))
         return p->key_channel_ratio > 0 ? kvc_press_think(p, s, ctx) : KVC_OK;
     const int32_t Hkv = p->n_kv, layer = ctx->layer, w = kvc_press_window(cfg);
-    const int64_t *len = s->cache.layers[layer].len;
+    const int64_t *len = kvc_door_cache(s)->layers[layer].len;
     KVC_TRY(check_layer(cfg, len, Hkv, w, ctx->n));
     if (cfg->budget > 0 && !cfg->drop_window) {
         int evict = 0;
@@ -407,9 +410,9 @@ static kvc_status press_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx 
     if (st == KVC_OK && cfg->merge) { /* MergingPress: evicted values folded into the kept rows first */
         const kvc_layer_rows lr = kvc_session_layer_rows(s, layer, NULL);
         st = kvc_press_merge(&lr, cfg, len, (const int64_t *const *)keep, n_keep);
-        if (st != KVC_OK) s->cache.compactions++; /* kept rows may hold merged values already: no undoing the call */
+        if (st != KVC_OK) kvc_door_cache(s)->compactions++; /* kept rows may hold merged values already: no undoing the call */
     }
-    if (st == KVC_OK) st = kvc_cache_compact(&s->cache, layer, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK) st = kvc_cache_compact(kvc_door_cache(s), layer, (const int64_t *const *)keep, n_keep, 0);
     if (st == KVC_OK && p->rerotate) st = kvc_press_rerotate(s, layer);
     if (st == KVC_OK && p->key_channel_ratio > 0) st = kvc_press_think(p, s, ctx);
     for (int32_t h = 0; h < Hkv; h++) {

@@ -48,10 +48,10 @@ const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size) {
     size_t used = 0;
     buf[0] = '\0';
     for (int32_t i = 0; i < kvc_scorer_count() && used < size; i++) {
-        const kvc_scorer_i *s = kvc_scorer_at(i);
-        if (!(s->traits & traits)) continue;
+        const kvc_scorer_i *sc = kvc_scorer_at(i);
+        if (!(sc->traits & traits)) continue;
         const char *sep = k == 0 ? "" : k == n - 1 ? " or " : ", ";
-        const int w = snprintf(buf + used, size - used, "%s%s", sep, s->title);
+        const int w = snprintf(buf + used, size - used, "%s%s", sep, sc->title);
         used += w > 0 ? (size_t)w : 0;
         k++;
     }
@@ -59,15 +59,15 @@ const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size) {
 }
 
 kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, uint32_t *traits, const char *const **params) {
-    const kvc_scorer_i *s = kvc_scorer_at(i);
-    if (!s) return kvc_fail(KVC_ERR_ARG, "kvc_scorer_info: no scorer %d (there are %d)", i, kvc_scorer_count());
+    const kvc_scorer_i *sc = kvc_scorer_at(i);
+    if (!sc) return kvc_fail(KVC_ERR_ARG, "kvc_scorer_info: no scorer %d (there are %d)", i, kvc_scorer_count());
     /* a row's promises, checked where the tests read every row: a host scorer has its function, a window
      * scorer no fixed last query */
-    if (!(s->traits & KVC_SCORER_HOST) != !s->host || ((s->traits & KVC_SCORER_WINDOW) && (s->traits & KVC_SCORER_LAST_QUERY)))
-        return kvc_fail(KVC_ERR_INTERNAL, "scorer %s: its traits 0x%x disagree with its row", s->name, (unsigned)s->traits);
-    if (name) *name = s->name;
+    if (!(sc->traits & KVC_SCORER_HOST) != !sc->host || ((sc->traits & KVC_SCORER_WINDOW) && (sc->traits & KVC_SCORER_LAST_QUERY)))
+        return kvc_fail(KVC_ERR_INTERNAL, "scorer %s: its traits 0x%x disagree with its row", sc->name, (unsigned)sc->traits);
+    if (name) *name = sc->name;
     if (code) *code = i;
-    if (traits) *traits = s->traits;
-    if (params) *params = s->params;
+    if (traits) *traits = sc->traits;
+    if (params) *params = sc->params;
     return KVC_OK;
 }

@@ -11,7 +11,7 @@
 #include "../include/kvpress_c.h"
 
 typedef struct kvc_layer_rows kvc_layer_rows; /* press.h */
-typedef struct kvc_layer_ctx kvc_layer_ctx;   /* engine/session.h */
+typedef struct kvc_layer_ctx kvc_layer_ctx;   /* core/press_i.h */
 
 /* What a press may ask of a scorer. */
 enum {
@@ -64,16 +64,16 @@ const kvc_scorer_i *kvc_scorer_find(const char *name);
 const kvc_scorer_i *kvc_scorer_at(int32_t i);
 
 static inline int kvc_scorer_has(int32_t code, uint32_t trait) {
-    const kvc_scorer_i *s = kvc_scorer_of(code);
-    return s && (s->traits & trait) != 0;
+    const kvc_scorer_i *sc = kvc_scorer_of(code);
+    return sc && (sc->traits & trait) != 0;
 }
 /* The titles of the scorers with any of the traits, in code order, as "A, B or C", into buf (size bytes):
  * for messages that list what a press may wrap. Returns buf. */
 const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size);
 /* How messages name a scorer. */
 static inline const char *kvc_scorer_title(int32_t code) {
-    const kvc_scorer_i *s = kvc_scorer_of(code);
-    return s ? s->title : "unknown scorer";
+    const kvc_scorer_i *sc = kvc_scorer_of(code);
+    return sc ? sc->title : "unknown scorer";
 }
 
 #endif

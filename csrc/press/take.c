@@ -38,12 +38,13 @@ void kvc_take_config_defaults(kvc_take_config *c) {
  * those rows, mean over the probes, average pooling, GQA mean), and the top kk[h] are kept. */
 static kvc_status probe_select(take_state *t, kvc_session *s, int32_t l, const float *qa, const int64_t *real,
                                const int64_t *kk, int64_t *const *keep) {
+    const kvc_backend *be = kvc_door_backend(s);
     const int64_t p = t->cfg->n_probe, qd = (int64_t)t->H * t->d;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < t->Hkv; h++) maxlen = real[h] > maxlen ? real[h] : maxlen;
-    KVC_TRY(kvc_score_buffer(s->be, t->Hkv, &t->scores, &t->ld, maxlen));
-    if (!t->qbuf) KVC_TRY(s->be->alloc(KVC_F32, p * qd, KVC_MEM_ACT, "TAKE probe queries", &t->qbuf));
-    KVC_TRY(s->be->upload(kvc_view_of(t->qbuf, 0, qd), p, qd, qa, KVC_F32));
+    KVC_TRY(kvc_score_buffer(be, t->Hkv, &t->scores, &t->ld, maxlen));
+    if (!t->qbuf) KVC_TRY(be->alloc(KVC_F32, p * qd, KVC_MEM_ACT, "TAKE probe queries", &t->qbuf));
+    KVC_TRY(be->upload(kvc_view_of(t->qbuf, 0, qd), p, qd, qa, KVC_F32));
     kvc_score_args a;
     memset(&a, 0, sizeof a);
     a.scorer = KVC_SCORE_PROBE;
@@ -51,15 +52,15 @@ static kvc_status probe_select(take_state *t, kvc_session *s, int32_t l, const f
     a.H = t->H;
     a.Hkv = t->Hkv;
     a.d = t->d;
-    a.kv = s->cache.layers[l].kv;
+    a.kv = kvc_door_cache(s)->layers[l].kv;
     a.len = real;
     a.q = kvc_view_of(t->qbuf, 0, qd);
     a.n = p;
     a.kernel = t->cfg->kernel;
     a.pool_then_reduce = 1;
     a.scores = kvc_view_of(t->scores, 0, t->ld);
-    KVC_TRY(s->be->score(&a));
-    return s->be->topk(a.scores, t->Hkv, real, kk, keep);
+    KVC_TRY(be->score(&a));
+    return be->topk(a.scores, t->Hkv, real, kk, keep);
 }
 
 static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
@@ -67,11 +68,11 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
     const kvc_take_config *cfg = t->cfg;
     const int32_t l = ctx->layer, Hkv = t->Hkv, W = cfg->warmup_layers;
     const int64_t p = cfg->n_probe, qn = p * t->H * t->d;
-    const int64_t *len = s->cache.layers[l].len;
+    const int64_t *len = kvc_door_cache(s)->layers[l].len;
 
     /* EMA of the probe queries at this layer (the call's last p rows) */
     float *qa = t->qa + (size_t)l * qn;
-    KVC_TRY(s->be->download(kvc_view_at(ctx->q, ctx->n - p, 0), p, (int64_t)t->H * t->d, t->qp, KVC_F32));
+    KVC_TRY(kvc_door_backend(s)->download(kvc_view_at(ctx->q, ctx->n - p, 0), p, (int64_t)t->H * t->d, t->qp, KVC_F32));
     if (!t->has_qa[l]) {
         memcpy(qa, t->qp, sizeof(float) * (size_t)qn);
         t->has_qa[l] = 1;
@@ -115,11 +116,11 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
             n_keep[h] = real[h];
         }
     }
-    if (st == KVC_OK) st = kvc_cache_compact(&s->cache, l, (const int64_t *const *)keep, n_keep, 0);
+    if (st == KVC_OK) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     if (st == KVC_OK && cfg->delayed && l == W - 1) {
         /* delayed eviction: the earlier warm-up layers hold the same rows as this one did */
         for (int32_t m = 0; m < W - 1 && st == KVC_OK; m++)
-            st = kvc_cache_compact(&s->cache, m, (const int64_t *const *)keep, n_keep, 0);
+            st = kvc_cache_compact(kvc_door_cache(s), m, (const int64_t *const *)keep, n_keep, 0);
     }
     for (int32_t h = 0; h < Hkv; h++) {
         free(keep[h]);
@@ -129,8 +130,9 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
 }
 
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg_in, float *logits) {
+    const kvc_backend *be = kvc_door_backend(s);
     kvc_take_config cfg = *cfg_in;
-    const kvc_config *mc = &s->model->cfg;
+    const kvc_config *mc = &kvc_door_model(s)->cfg;
     if (n < 1) return kvc_fail(KVC_ERR_ARG, "prefill_take: empty prompt");
     if (cfg.chunk_size < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be >= 1, got %lld", (long long)cfg.chunk_size);
     if (cfg.budget < 1) return kvc_fail(KVC_ERR_ARG, "TAKE budget must be >= 1, got %lld", (long long)cfg.budget);
@@ -162,10 +164,7 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
         if (cfg.use_inner && kvc_scorer_has(cfg.inner.scorer, KVC_SCORER_FIRST_ONLY))
             return kvc_fail(KVC_ERR_ARG, "prompt_cached: the observed-attention scorer reads every query of the "
                             "chunk's call, which already ran: run the chunked prefill");
-        int full = kvc_session_position(s) == n;
-        for (int32_t l = 0; full && l < mc->n_layers; l++)
-            for (int32_t h = 0; full && h < mc->n_kv_heads; h++) full = kvc_session_cache_len(s, l, h) == n;
-        if (!full)
+        if (kvc_door_position(s) != n || !kvc_door_holds_full_cache(s))
             return kvc_fail(KVC_ERR_ARG, "prompt_cached: the session must hold the full cache of the %lld prompt "
                             "tokens and nothing else", (long long)n);
     }
@@ -185,36 +184,34 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
     kvc_status st = (!t.qa || !t.qp || !t.has_qa || (!buf && !cfg.prompt_cached)) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE")
                                                                                   : KVC_OK;
 
-    /* TAKE's hook replaces the attached press's for the duration */
-    kvc_layer_hook saved_hook = s->hook;
-    void *saved_user = s->hook_user;
-    s->hook = take_hook;
-    s->hook_user = &t;
+    /* TAKE's hook replaces the attached presses for the duration (the door's probes) */
     if (st == KVC_OK && cfg.prompt_cached) {
-        const int64_t pos0 = s->pos;
         t.last_chunk = 1;
-        st = kvc_forward_ex(s, cfg.probe_ids, cfg.n_probe, NULL, 0, KVC_ROW_NONE, NULL);
-        if (st == KVC_OK) s->pos = pos0;
+        st = kvc_door_probe(s, cfg.probe_ids, cfg.n_probe, NULL, 0, take_hook, &t, KVC_ROW_NONE, NULL, 0);
     }
     for (int64_t start = 0; start < n && st == KVC_OK && !cfg.prompt_cached; start += cfg.chunk_size) {
         const int64_t len = n - start < cfg.chunk_size ? n - start : cfg.chunk_size;
         t.last_chunk = start + len == n;
         memcpy(buf, ids + start, sizeof(int32_t) * (size_t)len);
         memcpy(buf + len, cfg.probe_ids, sizeof(int32_t) * (size_t)cfg.n_probe);
-        const int64_t pos0 = s->pos;
-        st = kvc_forward_ex(s, buf, len + cfg.n_probe, NULL, 0, t.last_chunk && logits ? len - 1 : KVC_ROW_NONE, logits);
-        if (st == KVC_OK) s->pos = pos0 + len; /* the probes' positions are reused by the next chunk */
+        /* the probes' positions are reused by the next chunk */
+        st = kvc_door_probe(s, buf, len + cfg.n_probe, NULL, 0, take_hook, &t,
+                            t.last_chunk && logits ? len - 1 : KVC_ROW_NONE, logits, len);
     }
-    if (st != KVC_OK) s->needs_reset = 1;
-    s->hook = saved_hook;
-    s->hook_user = saved_user;
-    kvc_backend_lock(s->be);
-    if (t.qbuf) s->be->free(t.qbuf);
-    if (t.scores) s->be->free(t.scores);
-    kvc_backend_unlock(s->be);
+    if (st != KVC_OK) kvc_door_request_reset(s);
+    kvc_backend_lock(be);
+    if (t.qbuf) be->free(t.qbuf);
+    if (t.scores) be->free(t.scores);
+    kvc_backend_unlock(be);
     kvc_free(t.qa);
     kvc_free(t.qp);
     free(t.has_qa);
     free(buf);
     return st;
+}
+
+kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg,
+                                    float *logits) {
+    if (!s || !ids || !cfg) return kvc_fail(KVC_ERR_ARG, "prefill_take: null argument");
+    return kvc_take_prefill(s, ids, n, cfg, logits);
 }

@@ -12,12 +12,13 @@
 #include "press.h"
 
 kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx) {
-    const kvc_config *c = &s->model->cfg;
+    const kvc_backend *be = kvc_door_backend(s);
+    const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, g = H / Hkv;
     const int64_t w = p->channel_window < ctx->n ? p->channel_window : ctx->n, qd = (int64_t)H * d;
     const int32_t n_pruned = (int32_t)((double)d * p->key_channel_ratio), dk = d - n_pruned;
     if (n_pruned <= 0 || d <= 0) return KVC_OK;
-    const kvc_layer_cache *L = &s->cache.layers[ctx->layer];
+    const kvc_layer_cache *L = &kvc_door_cache(s)->layers[ctx->layer];
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = L->len[h] > maxlen ? L->len[h] : maxlen;
     float *q = malloc(sizeof(float) * (size_t)(w * qd)), *k = malloc(sizeof(float) * (size_t)(maxlen * d));
@@ -25,10 +26,10 @@ kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
     char *cut = malloc((size_t)d);
     int32_t *kidx = malloc(sizeof(int32_t) * (size_t)Hkv * (size_t)dk); /* kept channels per head */
     kvc_status st = (!q || !k || !score || !cut || !kidx) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: ThinK") : KVC_OK;
-    if (st == KVC_OK) st = s->be->download(kvc_view_at(ctx->q, ctx->n - w, 0), w, qd, q, KVC_F32);
+    if (st == KVC_OK) st = be->download(kvc_view_at(ctx->q, ctx->n - w, 0), w, qd, q, KVC_F32);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         const int64_t n = L->len[h];
-        st = n > 0 ? s->be->kv_read(L->kv, h, 0, n, k, NULL) : KVC_OK;
+        st = n > 0 ? be->kv_read(L->kv, h, 0, n, k, NULL) : KVC_OK;
         if (st != KVC_OK) break;
         for (int32_t ch = 0; ch < d; ch++) {
             double qs = 0, ks = 0;
@@ -53,13 +54,24 @@ kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
         for (int64_t r = 0; r < n; r++)
             for (int32_t ch = 0; ch < d; ch++)
                 if (cut[ch]) k[r * d + ch] = 0.0f;
-        st = s->be->kv_write(L->kv, h, 0, n, k, NULL);
+        st = be->kv_write(L->kv, h, 0, n, k, NULL);
     }
-    if (st == KVC_OK && p->channel_free) st = kvc_cache_prune_keys(&s->cache, ctx->layer, dk, kidx);
+    if (st == KVC_OK && p->channel_free) st = kvc_cache_prune_keys(kvc_door_cache(s), ctx->layer, dk, kidx);
     free(kidx);
     free(q);
     free(k);
     free(score);
     free(cut);
     return st;
+}
+
+kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels) {
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_last_press(s, &p));
+    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "key_channel_compression_ratio must be in [0, 1), got %g", ratio);
+    if (window < 1) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 1, got %d", window);
+    p->key_channel_ratio = ratio;
+    p->channel_window = window;
+    p->channel_free = free_channels != 0;
+    return KVC_OK;
 }

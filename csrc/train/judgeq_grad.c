@@ -25,7 +25,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
-#include "../engine/session.h"
+#include "../core/press_i.h"
 #include "rows_grad.h"
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -42,17 +42,18 @@ typedef struct resp_ctx {
 } resp_ctx;
 
 static kvc_status resp_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
+    const kvc_backend *be = kvc_door_backend(s);
     resp_ctx *r = user;
     const kvc_config *c = r->c;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const int64_t P = r->P, nr = r->nr, len = P + nr, qd = (int64_t)H * d;
-    const kvc_layer_cache *L = &s->cache.layers[ctx->layer];
+    const kvc_layer_cache *L = &kvc_door_cache(s)->layers[ctx->layer];
     for (int32_t h = 0; h < Hkv; h++)
         if (L->len[h] != len || ctx->past_len[h] != 0)
             return kvc_fail(KVC_ERR_INTERNAL, "judgeq: unexpected cache length %lld at layer %d (want %lld)",
                             (long long)L->len[h], ctx->layer, (long long)len);
-    KVC_TRY(s->be->download(kvc_view_at(ctx->q, P, 0), nr, qd, r->qresp, KVC_F32));
-    for (int32_t h = 0; h < Hkv; h++) KVC_TRY(s->be->kv_read(L->kv, h, 0, len, r->kbuf + (size_t)h * len * d, NULL));
+    KVC_TRY(be->download(kvc_view_at(ctx->q, P, 0), nr, qd, r->qresp, KVC_F32));
+    for (int32_t h = 0; h < Hkv; h++) KVC_TRY(be->kv_read(L->kv, h, 0, len, r->kbuf + (size_t)h * len * d, NULL));
     const float scale = 1.0f / sqrtf((float)d);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(kvc_host_threads())
     for (int32_t hq = 0; hq < H; hq++) {
@@ -195,16 +196,11 @@ static kvc_status target_and_prompt(kvc_judgeq_pair *pair, kvc_model *host, cons
                    kvc_malloc(np_ * sizeof(float), "judgeq response attention")};
     kvc_session *s = NULL;
     kvc_status st = (!rc.qresp || !rc.kbuf || !rc.qbuf || !rc.pbuf) ? KVC_ERR_NOMEM : kvc_session_new(host, lenr, &s);
-    if (st == KVC_OK) {
-        s->hook = resp_hook;
-        s->hook_user = &rc;
-        st = kvc_forward_ex(s, ids, lenr, NULL, 0, KVC_ROW_NONE, NULL);
-        s->hook = NULL;
-        s->hook_user = NULL;
-    }
+    if (st == KVC_OK) st = kvc_door_probe(s, ids, lenr, NULL, 0, resp_hook, &rc, KVC_ROW_NONE, NULL, lenr);
     for (int32_t l = 0; l < c->n_layers && st == KVC_OK; l++)
         for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
-            st = s->be->kv_read(s->cache.layers[l].kv, h, 0, P, pk(&pair->cache, l, h, 0), pk(&pair->cache, l, h, 1));
+            st = kvc_door_backend(s)->kv_read(kvc_door_cache(s)->layers[l].kv, h, 0, P, pk(&pair->cache, l, h, 0),
+                                              pk(&pair->cache, l, h, 1));
     kvc_session_free(s);
     kvc_free(rc.qresp);
     kvc_free(rc.kbuf);

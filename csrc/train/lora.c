@@ -3,7 +3,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "../engine/session.h"
+#include "../core/press_i.h"
 #include "rows_grad.h"
 
 static const char *const target_names[KVC_LORA_N] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
-#include "../engine/session.h"
+#include "../core/press_i.h"
 #include "rows_grad.h"
 
 #define ROWS_MAX_HEADS 256 /* query heads of the per-head terms kept on the stack */
@@ -475,11 +475,13 @@ kvc_status kvc_rows_backward(kvc_rows *r, const kvc_rows_prefix *pre, const kvc_
 static kvc_status session_layer(void *user, int32_t l, float **k, float **v) {
     kvc_session_prefix *p = user;
     kvc_session *s = p->s;
-    const int32_t Hkv = s->model->cfg.n_kv_heads, d = s->model->cfg.head_dim;
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    const int32_t Hkv = c->n_kv_heads, d = c->head_dim;
     const int64_t P = p->pre.P, rows = P + p->m;
-    const kvc_layer_cache *L = &s->cache.layers[l];
+    const kvc_layer_cache *L = &kvc_door_cache(s)->layers[l];
     kvc_status st = KVC_OK;
-    kvc_backend_lock(s->be);
+    const kvc_backend *be = kvc_door_backend(s);
+    kvc_backend_lock(be);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         k[h] = p->block + ((size_t)h * 2) * (size_t)rows * d;
         v[h] = p->block + ((size_t)h * 2 + 1) * (size_t)rows * d;
@@ -487,15 +489,16 @@ static kvc_status session_layer(void *user, int32_t l, float **k, float **v) {
             st = kvc_fail(KVC_ERR_INTERNAL, "rows pass: layer %d head %d holds %lld rows, not %lld", l, h,
                           (long long)L->len[h], (long long)P);
         else if (P > 0)
-            st = s->be->kv_read(L->kv, h, 0, P, k[h], v[h]);
+            st = be->kv_read(L->kv, h, 0, P, k[h], v[h]);
     }
-    kvc_backend_unlock(s->be);
+    kvc_backend_unlock(be);
     return st;
 }
 
 kvc_status kvc_session_prefix_init(kvc_session_prefix *p, kvc_session *s, int64_t P, int64_t m) {
     memset(p, 0, sizeof *p);
-    const size_t n = nfl((size_t)s->model->cfg.n_kv_heads * 2, (size_t)(P + m), (size_t)s->model->cfg.head_dim);
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    const size_t n = nfl((size_t)c->n_kv_heads * 2, (size_t)(P + m), (size_t)c->head_dim);
     if (!n) return kvc_fail(KVC_ERR_NOMEM, "out of memory: the prefix's size overflows");
     if (!(p->block = kvc_malloc(n * sizeof(float), "rows pass prefix K/V"))) return KVC_ERR_NOMEM;
     p->pre = (kvc_rows_prefix){P, session_layer, p};

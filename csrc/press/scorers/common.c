@@ -110,7 +110,7 @@ kvc_status kvc_future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, i
                            double *sb) {
     const int32_t half = lr->mc->head_dim / 2;
     KVC_TRY(kvc_layer_freqs(lr, freq));
-    const int64_t next = ctx->future_from > 0 ? ctx->future_from
+    const int64_t next = lr->future_from > 0 ? lr->future_from
                                               : (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
     for (int32_t j = 0; j < half; j++) {
         double cs = 0, sn = 0;

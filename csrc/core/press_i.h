@@ -1,0 +1,80 @@
+/* The interface between the engine and the presses: the engine includes only this of the press world,
+ * and a press sees a session only through it.
+ *   - kvc_layer_ctx: what a press sees right after a layer's attention;
+ *   - kvc_press_vt: what the engine calls on an attached press (a slot holds {vt, self});
+ *   - the door (engine/press_door.c): the session's model, backend, cache and position, the reset flag,
+ *     and probes (a forward with a temporary layer hook in place of the attached presses).
+ * struct kvc_session is defined in engine/session.h, which no press includes. */
+#ifndef KVC_PRESS_I_H
+#define KVC_PRESS_I_H
+
+#include "../cache/kv_cache.h"
+#include "../model/model.h"
+
+/* What a layer hook sees right after a layer's attention block (views of the session's activations on its
+ * backend; read them with be->download or hand them to kernels). */
+typedef struct kvc_layer_ctx {
+    int32_t layer;
+    int64_t n;               /* rows of this forward call */
+    const int64_t *past_len; /* [Hkv] rows each head held before this call's rows were appended */
+    kvc_view q;              /* [n, H*d] queries after RoPE (the q columns of the q|k|v rows) */
+    kvc_view attn;           /* [n, H*d] attention output before o_proj */
+    kvc_view o;              /* [n, D] attention block output (after o_proj) */
+    kvc_view resid;          /* [n, D] f32 residual stream entering the block */
+    const int64_t *pos;      /* host [n] positions of this call's rows; NULL: past_len[0] + i */
+    kvc_view xn;             /* [n, D] the block's normed input (buf NULL where not given) */
+} kvc_layer_ctx;
+
+/* A layer hook of a probe (kvc_door_probe); may compact that layer's cache. */
+typedef kvc_status (*kvc_layer_hook)(void *user, kvc_session *s, const kvc_layer_ctx *ctx);
+
+/* Traits of a press, for the engine's choices. */
+enum {
+    KVC_PRESS_EAGER_DECODE = 1u << 0, /* its decode steps do host work between layers: no decode graphs */
+};
+
+/* What the engine calls on an attached press. */
+typedef struct kvc_press_vt {
+    const char *name;
+    uint32_t traits;
+    /* after a layer's attention in a multi-token call (prefill), or NULL */
+    kvc_status (*on_layer)(void *self, kvc_session *s, const kvc_layer_ctx *ctx);
+    /* after a layer's attention in a call after the session's first, or NULL */
+    kvc_status (*on_decode_layer)(void *self, kvc_session *s, const kvc_layer_ctx *ctx);
+    void (*reset)(void *self); /* the session was reset, or NULL */
+    void (*free)(void *self);  /* called with the backend locked */
+} kvc_press_vt;
+
+/* A session's press slots: a prefill press and a decoding press may act at once (PrefillDecodingPress).
+ * In every call, the on_layer hooks run first (slot order), then the on_decode_layer ones. */
+enum { KVC_SLOT_PREFILL, KVC_SLOT_DECODING, KVC_N_SLOTS };
+
+/* ---- engine/session.c ---- */
+/* Attach self (vt: its press; NULL vt: detach) to slot `which`; what the slot held is freed. */
+kvc_status kvc_session_attach(kvc_session *s, int32_t which, const kvc_press_vt *vt, void *self);
+
+/* ---- engine/press_door.c: the only way a press sees a session ---- */
+const kvc_model *kvc_door_model(const kvc_session *s);
+const kvc_backend *kvc_door_backend(const kvc_session *s);
+/* Host fp32 weights of the session's model (kvc_model_host_weights). */
+kvc_status kvc_door_host_weights(const kvc_session *s, const kvc_host_weights **out);
+/* The session's cache: read, compact, evict, append through the cache's own API (cache/kv_cache.h). */
+kvc_cache *kvc_door_cache(kvc_session *s);
+int64_t kvc_door_position(const kvc_session *s);
+/* Move the position (a whole-cache method that appended rows itself, RestoreKV). */
+void kvc_door_set_position(kvc_session *s, int64_t pos);
+int kvc_door_needs_reset(const kvc_session *s);
+/* The cache is no longer consistent (a method failed after evicting): the next forward refuses until a reset. */
+void kvc_door_request_reset(kvc_session *s);
+/* Whether every layer and head holds exactly `position` rows (the full cache of the context). */
+int kvc_door_holds_full_cache(const kvc_session *s);
+/* The state of the press attached with vt (in any slot), or NULL. */
+void *kvc_door_slot(const kvc_session *s, const kvc_press_vt *vt);
+/* A forward of n ids then n_emb embedding rows over the session's cache (kvc_forward_ex's logits) with `hook`
+ * after every layer's attention in place of the attached presses (neither the prefill nor the decoding press
+ * runs). On success the position moves by `advance` rows from where it was (0: back where it was); on failure
+ * it stays and the session needs a reset (the hook may have evicted rows). */
+kvc_status kvc_door_probe(kvc_session *s, const int32_t *ids, int64_t n, const float *emb, int64_t n_emb,
+                          kvc_layer_hook hook, void *user, int64_t logits_row, float *logits, int64_t advance);
+
+#endif

@@ -1,0 +1,119 @@
+/* The attached press of a session (kvc_session_set_press): its slot's vtable, the chain (ComposedPress), the
+ * wrapper settings that apply to it (kvpress_c.h) and its diagnostics. The settings of one method live with it
+ * (kvzap.c, fastkvzip.c, lukv.c, think.c, ea_stats.c). */
+#include "press.h"
+
+static void press_free_self(void *self) { kvc_press_free(self); }
+
+const kvc_press_vt kvc_press_slot_vt = {"press", 0, kvc_press_hook, NULL, NULL, press_free_self};
+
+kvc_status kvc_attached_press(const kvc_session *s, kvc_press **out) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    kvc_press *p = kvc_door_slot(s, &kvc_press_slot_vt);
+    if (!p) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first)");
+    *out = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_last_press(const kvc_session *s, kvc_press **out) {
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_attached_press(s, &p));
+    while (p->next) p = p->next;
+    *out = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
+    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
+    kvc_press *p = NULL;
+    if (cfg) KVC_TRY(kvc_press_new(cfg, &kvc_door_model(s)->cfg, kvc_door_backend(s), &p));
+    const kvc_status st = kvc_session_attach(s, KVC_SLOT_PREFILL, p ? &kvc_press_slot_vt : NULL, p);
+    if (st != KVC_OK) {
+        kvc_backend_lock(kvc_door_backend(s));
+        kvc_press_free(p);
+        kvc_backend_unlock(kvc_door_backend(s));
+    }
+    return st;
+}
+
+kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
+    if (!s || !cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    kvc_press *last = kvc_door_slot(s, &kvc_press_slot_vt);
+    if (!last) return kvc_fail(KVC_ERR_ARG, "no press is attached to this session (set_press first): add_press chains after it");
+    if (kvc_scorer_has(cfg->scorer, KVC_SCORER_FIRST_ONLY))
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s cannot follow another press: it reads the attention rows of "
+                        "the uncompressed layer (put it first)", kvc_scorer_title(cfg->scorer));
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_press_new(cfg, &kvc_door_model(s)->cfg, kvc_door_backend(s), &p));
+    while (last->next) last = last->next;
+    last->next = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers) {
+    kvc_press *p = NULL;
+    if (!ratios) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_last_press(s, &p));
+    return kvc_press_set_layer_ratios(p, ratios, n_layers);
+}
+
+kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_attached_press(s, &p));
+    if (on && p->next) return kvc_fail(KVC_ERR_ARG, "key re-rotation applies to a single press, not a chain");
+    p->rerotate = on != 0;
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n) {
+    kvc_press *p = NULL;
+    if (!keep) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_last_press(s, &p));
+    return kvc_press_set_head_budgets(p, keep, n);
+}
+
+kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size) {
+    kvc_press *p = NULL;
+    KVC_TRY(kvc_last_press(s, &p));
+    return kvc_press_set_block_size(p, block_size);
+}
+
+kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n) {
+    kvc_press *p = NULL;
+    if (!filters) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_last_press(s, &p));
+    return kvc_press_set_key_filters(p, filters, n, kvc_door_model(s)->cfg.head_dim);
+}
+
+kvc_status kvc_session_press_scores(const kvc_session *s, int32_t layer, int32_t h, float *out, int64_t *n) {
+    kvc_press *p = NULL;
+    if (!n) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_attached_press(s, &p));
+    return kvc_press_recorded_scores(p, layer, h, out, n);
+}
+
+kvc_status kvc_session_press_error(const kvc_session *s, int32_t layer, double *out) {
+    kvc_press *p = NULL;
+    if (!out) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_attached_press(s, &p));
+    if (layer < 0 || layer >= p->n_layers) return kvc_fail(KVC_ERR_ARG, "layer %d out of range", layer);
+    *out = p->error[layer];
+    return KVC_OK;
+}
+
+kvc_status kvc_session_set_layer_budgets(kvc_session *s, const int64_t *totals, int32_t n_layers) {
+    kvc_press *p = NULL;
+    if (!totals) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_attached_press(s, &p));
+    return kvc_press_set_layer_totals(p, totals, n_layers);
+}
+
+kvc_status kvc_session_press_layer_stats(const kvc_session *s, int32_t layer, double *e_internal, double *dissimilarity) {
+    kvc_press *p = NULL;
+    if (!e_internal || !dissimilarity) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_attached_press(s, &p));
+    if (layer < 0 || layer >= p->n_layers) return kvc_fail(KVC_ERR_ARG, "layer %d out of range", layer);
+    *e_internal = p->e_internal[layer];
+    *dissimilarity = p->dissim[layer];
+    return KVC_OK;
+}
