@@ -148,6 +148,7 @@ build() {
         || { tail -30 "$OUT/build.log"; note "build FAILED (log build.log)"; finish; }
     if ! $PY -c 'import sys, kvpress_c; from kvpress_c import device_info; print("cuda:", device_info("cuda")); sys.exit(0 if kvpress_c.cuda_available() else 1)' 2>&1 | tee -a "$OUT/build.log"; then
         note "built, but the CUDA backend is not available (see the end of build.log)"
+        FAILED=3
         finish
     fi
     mkdir -p build && echo "$h" >build/.kvc_built
