@@ -1,91 +1,276 @@
 #!/usr/bin/env bash
-# A GPU session's checks in few device calls (device time is scarce): build for sm_90, the GPU tests,
-# then TTFT and decode against kvpress on the same GPU. One step per device call (each ends inside
-# the device's 10 minutes); the build and the 16 GB 8B-shaped model in /tmp are kept between calls
-# on a warm machine.
+# One GPU session that counts: three device calls (device time is scarce: 30 min a session, 10 min a call),
+# each ending inside its own budget whatever happens (every step runs under `timeout`, capped by what is
+# left of the call's budget), together at most 1,210 s (20.2 min) of commands plus the machine starts
+# (~1.5 min for the first; none for a call made within 30 s of the last one's end, else ~1.5 min each):
+# 21.7 to 24.7 min of the session's 30.
 #
-#   benchmarks/gpu_session.sh fetch-wheels   # here, once: kvpress 0.5.5 + transformers 5.2 and what they
-#                                            # import that the GPU image lacks, into .whl/ (in .gitignore)
-#   bash benchmarks/gpu_session.sh test      # on the GPU machine (device run, carry [".whl"]): build + the
-#                                            # device tests on small models (emulated and cuda), the
-#                                            # cuda-vs-cpu logits tolerance measured
-#   bash benchmarks/gpu_session.sh test8b    # the 8B-shaped tests: HF logits parity, TAKE at 128k
-#   bash benchmarks/gpu_session.sh bench     # TTFT 8k/32k and decode, kvpress_c (defaults) and kvpress
-#   bash benchmarks/gpu_session.sh bench-opt # the opt-in switches: mma prefill attention, decode graphs
-#   bash benchmarks/gpu_session.sh bench128k # TTFT at 128k, both systems
+# Before the session, HERE (this machine, in the checkout the device tool sends: the session's own one):
+#   bash benchmarks/gpu_session.sh fetch-wheels   # kvpress 0.5.5 + transformers 5.2 (+ what they import that
+#                                                 # the GPU image lacks) into .whl/ (ignored by git), once
+#   bash benchmarks/gpu_session.sh prebuild       # optional: the CUDA objects (nvcc 13, sm_90) into build/,
+#                                                 # so a bare machine only links; ignored if csrc/ changed since
 #
-# Logs and results go to $OUT (the device tool brings them back), else ./gpu_out.
+# The device calls, in this order, back to back (a machine stays warm 30 s after a call: the build in
+# build/ and kvpress_c/*.so, and the 16 GB 8B-shaped model in /tmp, are then reused; each call also works
+# on a bare machine, building again and writing the model again):
+#   (a) run command: bash benchmarks/gpu_session.sh test
+#       carry: C   timeout_s: 450   runs at most 400 s (~5 min warm, 6.5 min on a bare machine)
+#       build (parallel nvcc, log), every device test -k cuda (tests/device/*, tests/press/test_think_freed.py;
+#       junit xml + log), the CUDA kernel tests under compute-sanitizer memcheck and racecheck (a small
+#       subset, tight timeouts), the cuda-vs-cpu logits tolerance
+#   (b) run command: bash benchmarks/gpu_session.sh bench
+#       carry: C   timeout_s: 560   runs at most 510 s (8.5 min; its first run writes the 16 GB model)
+#       TTFT 8k/32k (full + seed presses), decode, TTFT 128k (full, snapkv), against kvpress/HF in the same
+#       run; peak memory, attention TFLOP/s per kernel, ratios to the FLOP and bandwidth floors; JSON naming
+#       the device, and the tables
+#   (c) run command: bash benchmarks/gpu_session.sh test8b
+#       carry: C   timeout_s: 360   runs at most 300 s (5 min; the model is reused on a warm machine)
+#       the 8B-shaped tests (HF logits parity, TAKE at 128k)
+# C, the carry list: [".whl", "build/temp.linux-x86_64-cpython-312"] after `prebuild`, else [".whl"]. Never
+# name build/temp...-312 without having it here: a carried path missing here is removed there, the warm
+# machine's objects with it. (docs/results/gpu/README.md says the same, and what to commit afterwards.)
+#
+# Other steps (not part of the three calls): bench-opt (the opt-in switches), bench128k (every press at 128k).
+# KVC_SESSION_BUDGET=<seconds> overrides a step's budget. Logs and results go to $OUT (the device tool
+# brings back at most 8 files: each step writes at most 7), else ./gpu_out.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+SELF=$(realpath "$0")
+cd "$(dirname "$SELF")/.." || exit 2
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
+T0=$SECONDS
+BUDGET=400
+SUMMARY="$OUT/summary.txt"
+FAILED=0
 
-wheels() {  # kvpress 0.5.x fails on transformers >= 5.3 (the GPU image has 5.17)
-    if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvp52 .whl/*.whl \
-            && export PYTHONPATH=/tmp/kvp52${PYTHONPATH:+:$PYTHONPATH}
-    else
-        echo "no .whl/: the kvpress columns will be missing (run 'benchmarks/gpu_session.sh fetch-wheels' here first)"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+left() { echo $((BUDGET - (SECONDS - T0))); }
+
+# upto CAP RESERVE: CAP seconds, or fewer so that RESERVE seconds stay for the steps after
+upto() {
+    local c=$(($(left) - 15 - $2))
+    ((c > $1)) && c=$1
+    echo "$c"
+}
+
+# step NAME CAP LOG CMD...: CMD under `timeout` for min(CAP, what is left of the budget less 15 s of margin),
+# its output appended to $OUT/LOG and shown; one line in the summary. Skipped when under 20 s are left.
+step() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local t
+    t=$(($(left) - 15))
+    ((t > cap)) && t=$cap
+    if ((t < 20)); then
+        note "$name: SKIPPED (no time left in the ${BUDGET} s budget)"
+        FAILED=1
+        return 124
     fi
+    local s=$SECONDS
+    echo "=== $name (limit $t s)" >>"$OUT/$log"
+    timeout -k 5 "$t" "$@" 2>&1 | tee -a "$OUT/$log"
+    local rc=${PIPESTATUS[0]}
+    local how=ok
+    ((rc == 124 || rc == 137)) && how="TIMED OUT"
+    ((rc != 0 && rc != 124 && rc != 137)) && how="FAILED"
+    note "$name: $how (rc $rc, $((SECONDS - s)) s of $t s; log $log)"
+    ((rc != 0)) && FAILED=1
+    return "$rc"
+}
+
+finish() {
+    note "total: $((SECONDS - T0)) s of the ${BUDGET} s budget; $([ "$FAILED" = 0 ] && echo 'every step passed' || echo 'some step FAILED')"
+    exit "$FAILED"
+}
+
+# Fail fast, before minutes of building, where no GPU or no CUDA build can be had.
+need_gpu() {
+    if [ "${KVC_CUDA:-1}" = "0" ]; then
+        note "KVC_CUDA=0 is set: the CUDA backend would not be built, and '$1' needs it. Nothing was run."
+        exit 3
+    fi
+    if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+        note "no NVIDIA GPU here (nvidia-smi missing or it found no device): '$1' runs on the GPU machine. Nothing was run."
+        exit 3
+    fi
+    if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+        note "no nvcc here: the CUDA backend cannot be built. Nothing was run."
+        exit 3
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$SUMMARY"
+}
+
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+ARCH=${KVC_CUDA_ARCH:-90}
+
+# The CUDA objects, compiled in parallel (setup.py's nvcc runs one file at a time) where setup.py looks for
+# them (build_temp of this Python); setup.py then reuses every object newer than its sources and links.
+# The flags are setup.py's (_build_cuda; one arch here). Objects compiled from other sources (a hash of
+# csrc/, setup.py and the arch) are compiled again. $1: the build_temp folder.
+cuda_objects() {
+    local tmp=$1 src_hash
+    src_hash=$( (find csrc -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.h' \) -print0 | sort -z | xargs -0 sha256sum
+                 sha256sum setup.py; echo "$ARCH") | sha256sum | cut -c1-16)
+    mkdir -p "$tmp/csrc"
+    if [ "$(cat "$tmp/cuda_sources.sha" 2>/dev/null)" = "$src_hash" ]; then
+        echo "CUDA objects in $tmp were compiled from these sources: reused"
+    else
+        echo "compiling the CUDA objects into $tmp ($(nproc) at a time)"
+        # shellcheck disable=SC2016  # expanded by the inner sh
+        find csrc -name '*.cu' | sort | xargs -P "$(nproc)" -I{} sh -c \
+            'mkdir -p "$(dirname "$1/$2.o")" && "$3" -O3 -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden \
+             -gencode=arch=compute_$4,code=sm_$4 -DKVC_WITH_CUDA=1 -Icsrc/include -c "$2" -o "$1/$2.o"' \
+            _ "$tmp" {} "$NVCC" "$ARCH" || return 1
+        echo "$src_hash" >"$tmp/cuda_sources.sha"
+    fi
+    # the arch stamp setup.py compares, then the objects after it (carried or copied files get new mtimes)
+    printf '%s' "$ARCH" >"$tmp/csrc/cuda_arch.txt"
+    sleep 1
+    find "$tmp/csrc" -name '*.cu.o' -exec touch {} +
 }
 
 build() {
-    if ! timeout 400 $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1; then
-        tail -40 "$OUT/build.log"
-        echo "build failed (log: $OUT/build.log)"
-        exit 1
+    local h
+    h=$( (find csrc python -type f -print0 | sort -z | xargs -0 sha256sum; sha256sum setup.py) | sha256sum | cut -c1-16)
+    if [ -f kvpress_c/libkvpress_c_cuda.so ] && [ "$(cat build/.kvc_built 2>/dev/null)" = "$h" ] \
+        && $PY -c 'import sys, kvpress_c; sys.exit(0 if kvpress_c.cuda_available() else 1)' 2>/dev/null; then
+        note "build: reused (this machine built these sources in an earlier call)"
+        return 0
     fi
-    $PY -c "import kvpress_c as k; print('cuda_available:', k.cuda_available())" | tee -a "$OUT/build.log"
+    local tmp
+    tmp=$($PY -c 'import sys, sysconfig; print(f"build/temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")')
+    step cuda-objects 300 build.log bash "$SELF" _cuda-objects "$tmp" || { tail -30 "$OUT/build.log"; note "build FAILED (log build.log)"; finish; }
+    KVC_CUDA_ARCH=$ARCH step build 200 build.log "$PY" setup.py -q build_ext --inplace \
+        || { tail -30 "$OUT/build.log"; note "build FAILED (log build.log)"; finish; }
+    if ! $PY -c 'import sys, kvpress_c; from kvpress_c import device_info; print("cuda:", device_info("cuda")); sys.exit(0 if kvpress_c.cuda_available() else 1)' 2>&1 | tee -a "$OUT/build.log"; then
+        note "built, but the CUDA backend is not available (see the end of build.log)"
+        FAILED=3
+        finish
+    fi
+    mkdir -p build && echo "$h" >build/.kvc_built
 }
 
-results() { cp benchmarks/results/gpu_*.json benchmarks/results/gpu_*.md "$OUT/" 2>/dev/null; }
+wheels() {  # kvpress 0.5.x fails on transformers >= 5.3 (the GPU image has 5.17)
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvp52 .whl/*.whl \
+            && export PYTHONPATH=/tmp/kvp52${PYTHONPATH:+:$PYTHONPATH}
+    else
+        note "no .whl/: the kvpress columns will be missing (run 'benchmarks/gpu_session.sh fetch-wheels' here first, carry .whl)"
+    fi
+}
+
+# pytest's own per-test limit where pytest-timeout is installed (the GPU image has it)
+per_test_timeout() { $PY -c 'import pytest_timeout' 2>/dev/null && echo "--timeout=$1"; }
+
+# The device tests of item 3 (every file, -k cuda) and the kernel cases the sanitizers run (small shapes).
+DEVICE_TESTS=(tests/device tests/press/test_think_freed.py)
+SANITIZE_K="cuda and (test_matmul and 7-33-65 or test_rmsnorm_with_residual and 37-576 or test_rope and 64-8-128-1 \
+or test_swiglu and 33-1536 or test_attention_ragged and (100-8-2-128 or 40-4-2-80) or test_topk_with_ties_and_nan and 1000 \
+or test_head_rmsnorm and 37-8-64 or test_attention_window_starts and 70-8-64)"
+
+sanitizer() {
+    command -v compute-sanitizer 2>/dev/null && return
+    local c
+    for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+        [ -x "$c" ] && echo "$c" && return
+    done
+}
 
 case "${1:-}" in
 fetch-wheels)
     rm -rf .whl && mkdir -p .whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl transformers==5.2.0 kvpress==0.5.5 cachetools datasets dill multiprocess fire || exit 1
+        -d .whl transformers==5.2.0 kvpress==0.5.5 cachetools datasets dill multiprocess fire termcolor || exit 1
     du -sh .whl
     ;;
+prebuild)  # here: the CUDA objects for the device's Python 3.12 (objects do not depend on Python; the path does)
+    BUDGET=1200
+    step cuda-objects 1200 build.log bash "$SELF" _cuda-objects build/temp.linux-x86_64-cpython-312 || exit 1
+    du -sh build
+    ;;
+_cuda-objects)  # inside step's timeout (a function cannot run under `timeout`)
+    cuda_objects "$2"
+    ;;
 test)
+    BUDGET=${KVC_SESSION_BUDGET:-400}
+    need_gpu test
     build
     wheels
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-    timeout 420 $PY -m pytest -q -rs tests/device/test_device.py -k "not llama8b" 2>&1 | tee "$OUT/test_device.log"
-    timeout 120 $PY benchmarks/device_tolerance.py --device cuda --seeds 10 \
-        --out benchmarks/results/device_tolerance_cuda.json 2>&1 | tail -2 | tee "$OUT/device_tolerance.log"
-    cp benchmarks/results/device_tolerance_cuda.json "$OUT/" 2>/dev/null
+    k=$(per_test_timeout 120)
+    # every device test on cuda (-x off): a failure does not stop the others
+    step device-tests "$(upto 300 150)" device_tests.log "$PY" -m pytest -q -rfEs -p no:cacheprovider ${k:+"$k"} \
+        --junitxml="$OUT/device_tests.xml" -k "cuda and not llama8b" "${DEVICE_TESTS[@]}"
+    grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$OUT/device_tests.log" | tail -1 | sed 's/^/device tests: /' | tee -a "$SUMMARY"
+    san=$(sanitizer)
+    if [ -n "$san" ]; then
+        for tool in memcheck racecheck; do
+            step "$tool" "$(upto 45 40)" "$tool.log" "$san" --tool "$tool" --target-processes all --print-limit 20 --error-exitcode 9 \
+                "$PY" -m pytest -q -p no:cacheprovider -k "$SANITIZE_K" tests/device/test_device.py
+            grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1 | sed "s/^/$tool: /" | tee -a "$SUMMARY"
+        done
+    else
+        note "compute-sanitizer not found: memcheck and racecheck not run"
+        FAILED=1
+    fi
+    step tolerance 60 device_tests.log "$PY" benchmarks/device_tolerance.py --device cuda --seeds 10 \
+        --out "$OUT/device_tolerance_cuda.json"
+    finish
     ;;
 test8b)
-    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
+    BUDGET=${KVC_SESSION_BUDGET:-300}
+    need_gpu test8b
+    build
     wheels
-    timeout 560 $PY -m pytest -q -rs -s tests/device/test_device.py -k llama8b 2>&1 | tee "$OUT/test_device_8b.log"
+    step test8b 290 test_device_8b.log "$PY" -m pytest -q -rfEs -s -p no:cacheprovider \
+        --junitxml="$OUT/test_device_8b.xml" -k llama8b tests/device/test_device.py
+    grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$OUT/test_device_8b.log" | tail -1 | sed 's/^/8b tests: /' | tee -a "$SUMMARY"
+    finish
     ;;
 bench)
-    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
+    BUDGET=${KVC_SESSION_BUDGET:-510}
+    need_gpu bench
+    build
     wheels
-    timeout 330 $PY benchmarks/gpu_prefill.py --lengths 8192 32768 2>&1 | tee "$OUT/gpu_prefill.log"
-    timeout 200 $PY benchmarks/gpu_decode.py 2>&1 | tee "$OUT/gpu_decode.log"
-    results
+    # 8k and 32k with every seed press (and the per-kernel TFLOP/s), both systems
+    step prefill-8k-32k "$(upto 260 220)" bench.log "$PY" benchmarks/gpu_prefill.py --lengths 8192 32768 --repeats 2
+    cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill.json" 2>/dev/null
+    cp benchmarks/results/gpu_prefill.md "$OUT/tables.md" 2>/dev/null
+    step decode "$(upto 110 110)" bench.log "$PY" benchmarks/gpu_decode.py --contexts 8192 32768 --steps 64
+    cp benchmarks/results/gpu_decode.json "$OUT/gpu_decode.json" 2>/dev/null
+    { echo; cat benchmarks/results/gpu_decode.md; } >>"$OUT/tables.md" 2>/dev/null
+    # 128k: the full cache and SnapKV (every press at 128k: bench128k, a call of its own)
+    step prefill-128k 200 bench.log "$PY" benchmarks/gpu_prefill.py --lengths 131072 --presses full snapkv --repeats 1
+    cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_128k.json" 2>/dev/null
+    { echo; cat benchmarks/results/gpu_prefill.md; } >>"$OUT/tables.md" 2>/dev/null
+    finish
     ;;
 bench-opt)
-    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
-    KVC_ATTN_MMA=1 timeout 240 $PY benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768 \
-        2>&1 | tee "$OUT/gpu_prefill_mma.log"
-    KVC_DECODE_GRAPHS=1 timeout 240 $PY benchmarks/gpu_decode.py --systems kvpress_c 2>&1 | tee "$OUT/gpu_decode_graphs.log"
-    results
+    BUDGET=${KVC_SESSION_BUDGET:-510}
+    need_gpu bench-opt
+    build
+    KVC_ATTN_MMA=1 step prefill-mma 240 bench.log "$PY" benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768
+    cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_mma.json" 2>/dev/null
+    KVC_DECODE_GRAPHS=1 step decode-graphs 240 bench.log "$PY" benchmarks/gpu_decode.py --systems kvpress_c
+    cp benchmarks/results/gpu_decode.json "$OUT/gpu_decode_graphs.json" 2>/dev/null
+    finish
     ;;
 bench128k)
-    [ -f kvpress_c/libkvpress_c_cuda.so ] || build
+    BUDGET=${KVC_SESSION_BUDGET:-540}
+    need_gpu bench128k
+    build
     wheels
-    timeout 560 $PY benchmarks/gpu_prefill.py --lengths 131072 2>&1 | tee "$OUT/gpu_prefill_128k.log"
-    results
+    step prefill-128k 520 bench.log "$PY" benchmarks/gpu_prefill.py --lengths 131072
+    cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_128k.json" 2>/dev/null
+    cp benchmarks/results/gpu_prefill.md "$OUT/tables.md" 2>/dev/null
+    finish
     ;;
 *)
-    echo "usage: $0 fetch-wheels | test | test8b | bench | bench-opt | bench128k"
+    echo "usage: $0 fetch-wheels | prebuild | test | test8b | bench | bench-opt | bench128k"
     exit 2
     ;;
 esac

@@ -6,6 +6,10 @@ fault at operation 0, 1, 2, ... until the call gets through, and after every fai
 engine promises: the session's position, cache lengths and kept positions are as before the call (or,
 once a press has compacted a cache, the session refuses to go on until reset), device memory comes back,
 and the call that finally succeeds gives the logits of a session that never failed.
+
+The CUDA backend has no injected faults: on `cuda` (where a GPU is; skipped with the build's reason
+otherwise) a real one is tried, an allocation larger than the card (cudaMalloc refuses: a non-sticky error,
+MemoryError).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import pytest
 
 import kvpress_c
 from kvpress_c import _core
-from capi import SCORERS as S
+from capi import SCORERS as S, why_no_cuda
 from random_llama import write_random_llama
 
 SHAPE = dict(layers=3, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=512)
@@ -217,3 +221,29 @@ def test_a_failed_restore_append_or_kvgrad_score_loses_nothing(model, rng):
         for h in range(Hkv):
             for a, b in zip(s.cache_rows(l, h), ref.cache_rows(l, h)):
                 np.testing.assert_array_equal(a, b)
+
+
+def test_a_real_cuda_allocation_failure_loses_nothing(path, rng):
+    """A session announcing more tokens than the card holds: its first forward fails (cudaMalloc refused: a
+    MemoryError naming the bytes), the session is as before, the device's memory comes back, and the model
+    goes on giving the logits it gave before (the error did not lose the CUDA context)."""
+    if not kvpress_c.cuda_available():
+        pytest.skip(why_no_cuda() or "no CUDA backend")
+    m = kvpress_c.load_model(path, device="cuda")
+    ids = rng.integers(3, SHAPE["vocab"], size=40).astype(np.int32)
+    want = m.logits(ids)
+    Hkv = m.config["n_kv_heads"]
+    base = kvpress_c.memory_stats("cuda")["current"]
+    total = kvpress_c.memory_stats("cuda")["device_total"]
+    d = SHAPE["hidden"] // SHAPE["heads"]
+    per_token = 2 * Hkv * d * 2  # K and V rows of one layer in bf16
+    s = m.new_session(capacity=2 * total // per_token)  # one layer's reservation is twice the card
+    with pytest.raises(MemoryError, match="out of memory"):
+        s.forward(ids, logits="none")
+    assert s.position == 0 and (s.cache_lengths() == 0).all()
+    del s
+    assert kvpress_c.memory_stats("cuda")["current"] == base
+    same_logits(m.logits(ids), want)
+    ok = m.new_session()
+    ok.forward(ids, logits="none")
+    assert ok.position == len(ids)

@@ -9,6 +9,9 @@ only (core/backend.h, kv_prune_keys). Checked here:
 - the KV bytes after compression equal the layout's formula (pruned K rows take dk / d of a row);
 - truncation into the pruned rows, a copied session, and decode graphs (emulated) over pruned rows;
 - the emulated device's freed layout against the CPU's.
+Every test that runs on the emulated device runs on `cuda` too where this build and machine have it (skipped
+with the build's reason otherwise); the CUDA backend stores q, K, V in bf16 like the emulated device, so it
+is held to the emulated device's bounds.
 """
 import ctypes as C
 
@@ -16,10 +19,15 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import DEVICES, check, lib
+from capi import DEVICES, check, lib, why_no_cuda
 from random_llama import write_random_llama
 
 SHAPE = dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=512)  # head_dim 64
+
+_NO_CUDA = None if kvpress_c.cuda_available() else (why_no_cuda() or "no CUDA backend")
+# "cuda" after "cpu" and "emulated" in every device parametrisation; skipped where CUDA is absent
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(_NO_CUDA is not None, reason=_NO_CUDA or ""))
+DEVICES_ALL = ["cpu", "emulated", CUDA]
 
 
 def rel(a, b):
@@ -72,10 +80,11 @@ def bf16(x):
 # CPU (fp32): measured max |ours - ref| / max |ref| up to 1.05e-6 over 8 seeds x these shapes; bound 1e-5.
 # Emulated (bf16 storage of q, K, V and the output; inputs already bf16 here, so only the output rounds):
 # measured up to 3.3e-3, below the 2^-8 of one bf16 rounding; bound 1e-2 as the device attention tests.
-TOL = {"cpu": 1e-5, "emulated": 1e-2}
+# CUDA: the emulated device's bound (the same bf16 storage; not yet measured on a GPU).
+TOL = {"cpu": 1e-5, "emulated": 1e-2, "cuda": 1e-2}
 
 
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("device", DEVICES_ALL)
 @pytest.mark.parametrize("n,H,Hkv,d,ratio", [(1, 8, 2, 64, 0.5), (3, 4, 4, 32, 0.25), (70, 6, 2, 64, 0.75),
                                               (150, 4, 1, 128, 0.5)])
 @pytest.mark.parametrize("force_prefill", [0, 1])
@@ -159,10 +168,10 @@ def run(model, press, ids, more, n_new=24, force=None):
 # emulated 8.1e-3 (a bf16 rounding of an activation flipped by the last fp32 bit propagates). Bounds
 # 1e-4 and 3e-2. Greedy tokens: equal on the CPU; on the emulated device equal wherever the zeroed run's
 # top two logits are further apart than the bound (a near tie, 2.4e-4 apart, did flip there).
-SAME = {"cpu": 1e-4, "emulated": 3e-2}
+SAME = {"cpu": 1e-4, "emulated": 3e-2, "cuda": 3e-2}  # cuda: the emulated bound (bf16 storage; unmeasured)
 
 
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("device", DEVICES_ALL)
 @pytest.mark.parametrize("ratio,snap", [(0.5, None), (0.25, None), (0.75, 0.5), (0.5, 0.5)])
 def test_freed_layout_equals_zeroing_layout(model_path, rng, device, ratio, snap):
     model = model_on(model_path, device)
@@ -188,7 +197,8 @@ def slice_bytes(rows, width, es):
     return (rows * width * es + 63) // 64 * 64
 
 
-@pytest.mark.parametrize("device,es", [("cpu", 4), ("emulated", 2)])
+@pytest.mark.parametrize("device,es", [("cpu", 4), ("emulated", 2),
+                                       pytest.param("cuda", 2, marks=CUDA.marks, id="cuda-2")])
 @pytest.mark.parametrize("ratio,snap", [(0.5, None), (0.75, None), (0.5, 0.5)])
 def test_kv_bytes_after_compression_follow_the_layout(model_path, rng, device, es, ratio, snap):
     """Per layer and KV head after the compressed prefill: Kp [np, dk] + K [cap - np, d] + V [cap, d]
@@ -217,8 +227,9 @@ def test_kv_bytes_after_compression_follow_the_layout(model_path, rng, device, e
     assert zeroed - freed == L * Hkv * (slice_bytes(kept, d, es) - slice_bytes(kept, dk, es))
 
 
-def test_emulated_freed_layout_against_cpu(model_path, rng):
-    """The emulated device (bf16 storage) against the CPU (fp32), fed the CPU's tokens. After ThinK the
+@pytest.mark.parametrize("device", ["emulated", CUDA])
+def test_emulated_freed_layout_against_cpu(model_path, rng, device):
+    """The emulated device (bf16 storage) against the CPU (fp32), fed the CPU's tokens (and CUDA, held to the same bounds). After ThinK the
     devices may keep different channels (near ties of the channel scores from bf16 and fp32 queries), so
     their decode logits differ, as much in kvpress's zeroing layout: measured max step difference 0.794
     in both layouts over 12 seeds, identical to 6 digits. Held here: the freed layout adds nothing to the
@@ -230,16 +241,16 @@ def test_emulated_freed_layout_against_cpu(model_path, rng):
     diff, nbytes = {}, {}
     for free in (True, False):
         lc, tc, bc, _ = run(model_on(model_path, "cpu"), think(0.5, free), ids, more, n_new=8)
-        le, _, be, _ = run(model_on(model_path, "emulated"), think(0.5, free), ids, more, n_new=8, force=tc)
+        le, _, be, _ = run(model_on(model_path, device), think(0.5, free), ids, more, n_new=8, force=tc)
         assert rel(le[0], lc[0]) < 0.0957
         diff[free] = np.array([rel(a, b) for a, b in zip(le, lc)])
         nbytes[free] = (bc, be)
-    assert np.abs(diff[True] - diff[False]).max() < SAME["emulated"]
+    assert np.abs(diff[True] - diff[False]).max() < SAME[device]
     bc, be = nbytes[True]
     assert be < bc and nbytes[True][1] < nbytes[False][1]
 
 
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("device", DEVICES_ALL)
 def test_truncate_into_the_pruned_rows_and_fork(model_path, rng, device):
     """Truncating into the pruned prefix (the store rebuilds: the rows appended after it are full again)
     and forking a session (the copy carries the prefix) give the zeroing layout's logits, bytes following."""
@@ -267,10 +278,11 @@ def test_truncate_into_the_pruned_rows_and_fork(model_path, rng, device):
     assert nbytes[True] < nbytes[False]
 
 
-def test_decode_graph_over_pruned_rows(model_path, rng):
-    """Emulated decode steps replayed from a graph over a cache with pruned rows equal the eager steps
+@pytest.mark.parametrize("device", ["emulated", CUDA])
+def test_decode_graph_over_pruned_rows(model_path, rng, device):
+    """Emulated (and CUDA) decode steps replayed from a graph over a cache with pruned rows equal the eager steps
     (bound of tests/device/test_device.py's graph test, 1e-5), growth of the arenas included."""
-    model = model_on(model_path, "emulated")
+    model = model_on(model_path, device)
     ids = rng.integers(3, SHAPE["vocab"], size=100)
     steps = rng.integers(3, SHAPE["vocab"], size=40)
     out = []
@@ -287,7 +299,7 @@ def test_decode_graph_over_pruned_rows(model_path, rng):
     assert rel(out[0], out[1]) < 1e-5
 
 
-@pytest.mark.parametrize("device", ["cpu", "emulated"])
+@pytest.mark.parametrize("device", DEVICES_ALL)
 def test_decoding_press_over_pruned_rows(model_path, rng, device):
     """A decoding press (Knorm every 8 steps down to 60 rows) after ThinK: its scorer reads the pruned rows
     as kv_read gives them (dropped channels zero) and its compactions keep kept pruned rows pruned; the
