@@ -1,5 +1,5 @@
 /* kvpress_c._core: the CPython face of the C core, one file per type (module.c, model.c, session.c,
- * judgeq.c, device.c), one for the press arguments (press_args.c), and one file per press
+ * judgeq.c, device.c, presses/spec.c), one for the press arguments (press_args.c), and one file per press
  * for the Session methods that serve that press alone (presses/ files, assembled into the Session type at
  * module init from kvc_py_session_method_tables). Argument checks, NumPy arrays in
  * and out, the GIL released around compute, C status codes turned into Python exceptions: no logic of
@@ -20,6 +20,7 @@
 typedef struct {
     PyTypeObject *model_type;
     PyTypeObject *session_type;
+    PyTypeObject *press_spec_type;
 } core_state;
 
 extern struct PyModuleDef kvc_core_module;
@@ -105,9 +106,20 @@ extern PyMethodDef kvc_py_kvzip_methods[], kvc_py_kvgrad_methods[], kvc_py_take_
     kvc_py_kvcompose_methods[], kvc_py_hub_methods[], kvc_py_expected_attention_methods[], kvc_py_wrapper_methods[],
     kvc_py_decoding_methods[], kvc_py_diagnostics_methods[];
 
+/* presses/spec.c: kvpress_c._core.PressSpec, a kvc_press_spec by name */
+extern PyType_Spec kvc_py_press_spec_spec;
+typedef struct {
+    PyObject_HEAD
+    kvc_press_spec *spec;
+} PressSpecObject;
+/* A new kvc_press_spec from keyword settings (None or a dict; set_one's rules); NULL with the exception. */
+kvc_press_spec *kvc_py_press_spec_from(PyObject *kwargs);
+
 /* press_args.c */
 /* Press settings from keyword arguments (kvc_press_config field names), on top of the defaults. 0 or -1. */
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *out);
+/* One setting of a spec by name, with the same rules (TypeError: unknown name; ValueError: the C message). */
+int kvc_py_press_spec_set(kvc_press_spec *spec, PyObject *name, PyObject *value);
 extern PyMethodDef kvc_py_press_methods[];
 /* A decoding press from keyword arguments: its own fields and the base press's (kvc_press_config names). */
 int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *out);

@@ -152,6 +152,8 @@ static int module_exec(PyObject *m) {
     if (kvc_py_session_methods_init() < 0) return -1;
     state->session_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_session_spec, NULL);
     if (!state->session_type || PyModule_AddType(m, state->session_type) < 0) return -1;
+    state->press_spec_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_press_spec_spec, NULL);
+    if (!state->press_spec_type || PyModule_AddType(m, state->press_spec_type) < 0) return -1;
     if (add_methods(m, kvc_py_press_methods) < 0 || add_methods(m, kvc_py_judgeq_methods) < 0 ||
         add_methods(m, kvc_py_device_methods) < 0)
         return -1;
@@ -164,6 +166,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     core_state *state = get_state(m);
     Py_VISIT(state->model_type);
     Py_VISIT(state->session_type);
+    Py_VISIT(state->press_spec_type);
     return 0;
 }
 
@@ -171,6 +174,7 @@ static int module_clear(PyObject *m) {
     core_state *state = get_state(m);
     Py_CLEAR(state->model_type);
     Py_CLEAR(state->session_type);
+    Py_CLEAR(state->press_spec_type);
     return 0;
 }
 

@@ -185,19 +185,13 @@ static PyObject *Session_forward_shared(SessionObject *self, PyObject *args, PyO
         npy_intp dims[1] = {cfg.vocab};
         if (!(logits = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_FLOAT32))) goto done;
     }
-    kvc_status st;
-    self->busy = 1;
-    for (; marked < nf; marked++) ((SessionObject *)items[marked])->busy = 1;
-    Py_BEGIN_ALLOW_THREADS
-    st = kvc_forward_shared(self->session, fs, (int32_t)nf, (const int32_t *)PyArray_DATA(ids), n,
-                            want_logits ? n - 1 : KVC_ROW_NONE, logits ? (float *)PyArray_DATA(logits) : NULL);
-    Py_END_ALLOW_THREADS
-    self->busy = 0;
+    int rc;
+    for (; marked < nf; marked++) ((SessionObject *)items[marked])->busy = 1; /* the followers; self: KVC_PY_CALL */
+    KVC_PY_CALL(self, rc, kvc_forward_shared(self->session, fs, (int32_t)nf, (const int32_t *)PyArray_DATA(ids), n,
+                                             want_logits ? n - 1 : KVC_ROW_NONE,
+                                             logits ? (float *)PyArray_DATA(logits) : NULL));
     for (Py_ssize_t i = 0; i < marked; i++) ((SessionObject *)items[i])->busy = 0;
-    if (st != KVC_OK) {
-        Py_CLEAR(logits);
-        kvc_py_raise(st);
-    }
+    if (rc < 0) Py_CLEAR(logits);
 done:
     PyMem_Free(fs);
     Py_XDECREF(ids);
@@ -237,17 +231,33 @@ static PyObject *Session_cache_lengths(SessionObject *self, PyObject *unused) {
 }
 
 
+/* set_press(None) or set_press(**settings): the same path as attach_press(PressSpec(**settings)). */
 static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0))
-        return kvc_py_none(kvc_session_set_press(self->session, NULL));
+        return kvc_py_none(kvc_session_attach_press(self->session, NULL));
     if (PyTuple_GET_SIZE(args) != 0) {
         PyErr_SetString(PyExc_TypeError, "set_press takes None or keyword arguments (the fields of kvc_press_config)");
         return NULL;
     }
-    kvc_press_config c;
-    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
-    return kvc_py_none(kvc_session_set_press(self->session, &c));
+    kvc_press_spec *spec = kvc_py_press_spec_from(kwds);
+    if (!spec) return NULL;
+    PyObject *res = kvc_py_none(kvc_session_attach_press(self->session, spec));
+    kvc_press_spec_free(spec);
+    return res;
+}
+
+/* attach_press(spec): a PressSpec's press compresses the next prefill (the spec is copied); None detaches. */
+static PyObject *Session_attach_press(SessionObject *self, PyObject *arg) {
+    if (kvc_py_check_session(self) < 0) return NULL;
+    if (arg == Py_None) return kvc_py_none(kvc_session_attach_press(self->session, NULL));
+    PyObject *module = PyType_GetModuleByDef(Py_TYPE(self), &kvc_core_module);
+    if (!module) return NULL;
+    if (!PyObject_TypeCheck(arg, get_state(module)->press_spec_type)) {
+        PyErr_Format(PyExc_TypeError, "attach_press() takes a PressSpec or None, not %.100s", Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    return kvc_py_none(kvc_session_attach_press(self->session, ((PressSpecObject *)arg)->spec));
 }
 
 static PyObject *Session_get_decoding_compressions(SessionObject *self, void *c) {
@@ -387,6 +397,9 @@ static PyMethodDef Session_methods[] = {
     {"set_press", (PyCFunction)(void (*)(void))Session_set_press, METH_VARARGS | METH_KEYWORDS,
      "set_press(None) or set_press(scorer=..., allocation=..., compression_ratio=..., budget=..., ...):\n"
      "attach the press that compresses the next prefill (fields of kvc_press_config)."},
+    {"attach_press", (PyCFunction)Session_attach_press, METH_O,
+     "attach_press(spec): the PressSpec's press compresses the next prefill (a copy: changing spec later does\n"
+     "not change it); None detaches. set_press(**settings) is attach_press(PressSpec(**settings))."},
     {"cache_positions", (PyCFunction)Session_cache_positions, METH_VARARGS, "cache_positions(layer, kv_head): original positions of the kept rows (int64)."},
     {"cache_rows", (PyCFunction)Session_cache_rows, METH_VARARGS,
      "cache_rows(layer, kv_head) -> (k, v): the cached key and value rows as float32 [rows, head_dim]."},

@@ -9,9 +9,11 @@ static PyObject *add_press(SessionObject *self, PyObject *args, PyObject *kwds) 
         PyErr_SetString(PyExc_TypeError, "add_press takes keyword arguments (the fields of kvc_press_config)");
         return NULL;
     }
-    kvc_press_config c;
-    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
-    return kvc_py_none(kvc_session_add_press(self->session, &c));
+    kvc_press_spec *spec = kvc_py_press_spec_from(kwds);
+    if (!spec) return NULL;
+    PyObject *res = kvc_py_none(kvc_session_chain_press(self->session, spec));
+    kvc_press_spec_free(spec);
+    return res;
 }
 
 /* A 1-D array of one dtype, whatever the caller passed (None on failure, with the exception). */
