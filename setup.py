@@ -184,7 +184,7 @@ class BuildExt(build_ext):
 
 core = Extension(
     "kvpress_c._core",
-    sources=sorted(glob.glob(os.path.join("python", "*.c"))),
+    sources=sorted(glob.glob(os.path.join("python", "*.c")) + glob.glob(os.path.join("python", "presses", "*.c"))),
     include_dirs=["csrc/include", "python", numpy.get_include()],
     depends=["python/core.h", "csrc/include/kvpress_c.h"],
     extra_compile_args=["-std=c11", "-O2", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"],

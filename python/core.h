@@ -1,5 +1,7 @@
 /* kvpress_c._core: the CPython face of the C core, one file per type (module.c, model.c, session.c,
- * judgeq.c, device.c) and one for the press arguments (press_args.c). Argument checks, NumPy arrays in
+ * judgeq.c, device.c, presses/spec.c), one for the press arguments (press_args.c), and one file per press
+ * for the Session methods that serve that press alone (presses/ files, assembled into the Session type at
+ * module init from kvc_py_session_method_tables). Argument checks, NumPy arrays in
  * and out, the GIL released around compute, C status codes turned into Python exceptions: no logic of
  * its own. Multi-phase init, heap types, module state (PEP 489/573, as CPython's _sha1module.c). */
 #ifndef KVC_PY_CORE_H
@@ -18,6 +20,7 @@
 typedef struct {
     PyTypeObject *model_type;
     PyTypeObject *session_type;
+    PyTypeObject *press_spec_type;
 } core_state;
 
 extern struct PyModuleDef kvc_core_module;
@@ -53,12 +56,70 @@ int kvc_py_device(const char *name);
 
 /* session.c */
 extern PyType_Spec kvc_py_session_spec;
+/* Assemble the Session type's method table (the session's own methods, then every array of
+ * kvc_py_session_method_tables) into kvc_py_session_spec; once, before the type is made. 0 or -1. */
+int kvc_py_session_methods_init(void);
 int kvc_py_check_session(SessionObject *self);
 PyObject *kvc_py_forward_batch(PyObject *m, PyObject *args);
+/* The model's dimensions (n_layers, n_heads, n_kv_heads, head_dim, hidden, vocab). */
+static inline kvc_config kvc_py_config(SessionObject *self) {
+    kvc_config c;
+    kvc_model_get_config(self->model->model, &c);
+    return c;
+}
+
+/* The shape every binding repeats: `call` (an expression of type kvc_status) runs with the session marked
+ * busy (kvc_py_check_session refuses it to other threads meanwhile) and the GIL released; then busy is
+ * cleared and a failure raises the exception of its status. rc: 0, or -1 with the exception set. */
+#define KVC_PY_CALL(self, rc, call)                                  \
+    do {                                                             \
+        kvc_status st__;                                             \
+        (self)->busy = 1;                                            \
+        Py_BEGIN_ALLOW_THREADS                                       \
+        st__ = (call);                                               \
+        Py_END_ALLOW_THREADS                                         \
+        (self)->busy = 0;                                            \
+        (rc) = st__ == KVC_OK ? 0 : (kvc_py_raise(st__), -1);        \
+    } while (0)
+
+/* None, or the exception of a failed status (a quick call that keeps the GIL). */
+static inline PyObject *kvc_py_none(kvc_status st) {
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+/* O& converters (Py_CLEANUP_SUPPORTED: a later argument's failure releases what they took). The target is
+ * a PyArrayObject * (NULL for None where a converter accepts None), owned by the caller on success. */
+int kvc_py_f32_array(PyObject *obj, void *out);     /* float32, C-contiguous, any shape */
+int kvc_py_f32_opt(PyObject *obj, void *out);       /* the same, or None -> NULL */
+int kvc_py_f64_array(PyObject *obj, void *out);     /* float64, C-contiguous, any shape */
+int kvc_py_i64_array(PyObject *obj, void *out);     /* int64, C-contiguous, any shape */
+int kvc_py_i32_ids(PyObject *obj, void *out);       /* token ids: kvc_py_ids */
+/* An array's shape against what the model needs: nd dimensions (the varargs, npy_intp each; -1: any), else
+ * ValueError "<what> must have shape (a, b, ...), got (x, y, ...)". 0 or -1. */
+int kvc_py_shape(PyArrayObject *a, const char *what, int nd, ...);
+/* An array's size in values against what the model needs: "<what> has N values, this model needs M". */
+int kvc_py_size(PyArrayObject *a, const char *what, int64_t want);
+
+/* presses/ files: the Session methods of one press each (NULL-terminated PyMethodDef arrays) */
+extern PyMethodDef kvc_py_kvzip_methods[], kvc_py_kvgrad_methods[], kvc_py_take_methods[], kvc_py_restorekv_methods[],
+    kvc_py_kvcompose_methods[], kvc_py_hub_methods[], kvc_py_expected_attention_methods[], kvc_py_wrapper_methods[],
+    kvc_py_decoding_methods[], kvc_py_diagnostics_methods[];
+
+/* presses/spec.c: kvpress_c._core.PressSpec, a kvc_press_spec by name */
+extern PyType_Spec kvc_py_press_spec_spec;
+typedef struct {
+    PyObject_HEAD
+    kvc_press_spec *spec;
+} PressSpecObject;
+/* A new kvc_press_spec from keyword settings (None or a dict; set_one's rules); NULL with the exception. */
+kvc_press_spec *kvc_py_press_spec_from(PyObject *kwargs);
 
 /* press_args.c */
 /* Press settings from keyword arguments (kvc_press_config field names), on top of the defaults. 0 or -1. */
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *out);
+/* One setting of a spec by name, with the same rules (TypeError: unknown name; ValueError: the C message). */
+int kvc_py_press_spec_set(kvc_press_spec *spec, PyObject *name, PyObject *value);
 extern PyMethodDef kvc_py_press_methods[];
 /* A decoding press from keyword arguments: its own fields and the base press's (kvc_press_config names). */
 int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *out);

@@ -2,6 +2,7 @@
  * and the CPU backend's runtime settings (threads, external BLAS). */
 #define KVC_PY_MODULE_C
 #include "core.h"
+#include <stdarg.h>
 
 PyObject *kvc_py_raise(kvc_status st) {
     const char *msg = kvc_last_error();
@@ -39,6 +40,66 @@ PyArrayObject *kvc_py_ids(PyObject *obj) {
     PyArrayObject *out = (PyArrayObject *)PyArray_Cast(arr, NPY_INT32);
     Py_DECREF(arr);
     return out;
+}
+
+/* ---- O& converters and shape checks (core.h) ---- */
+static int array_conv(PyObject *obj, void *out, int type, int allow_none) {
+    PyArrayObject **a = (PyArrayObject **)out;
+    if (!obj) { /* cleanup after a later argument failed */
+        Py_CLEAR(*a);
+        return 1;
+    }
+    if (allow_none && obj == Py_None) {
+        *a = NULL;
+        return 1;
+    }
+    *a = (PyArrayObject *)PyArray_FROMANY(obj, type, 0, 0, NPY_ARRAY_C_CONTIGUOUS);
+    return *a ? Py_CLEANUP_SUPPORTED : 0;
+}
+int kvc_py_f32_array(PyObject *obj, void *out) { return array_conv(obj, out, NPY_FLOAT32, 0); }
+int kvc_py_f32_opt(PyObject *obj, void *out) { return array_conv(obj, out, NPY_FLOAT32, 1); }
+int kvc_py_f64_array(PyObject *obj, void *out) { return array_conv(obj, out, NPY_FLOAT64, 0); }
+int kvc_py_i64_array(PyObject *obj, void *out) { return array_conv(obj, out, NPY_INT64, 0); }
+int kvc_py_i32_ids(PyObject *obj, void *out) {
+    PyArrayObject **a = (PyArrayObject **)out;
+    if (!obj) {
+        Py_CLEAR(*a);
+        return 1;
+    }
+    *a = kvc_py_ids(obj);
+    return *a ? Py_CLEANUP_SUPPORTED : 0;
+}
+
+static int shape_str(char *buf, size_t cap, int nd, const npy_intp *dims) {
+    size_t k = 0;
+    k += (size_t)snprintf(buf + k, cap - k, "(");
+    for (int i = 0; i < nd && k < cap; i++)
+        k += dims[i] < 0 ? (size_t)snprintf(buf + k, cap - k, "%sn", i ? ", " : "")
+                         : (size_t)snprintf(buf + k, cap - k, "%s%lld", i ? ", " : "", (long long)dims[i]);
+    if (k < cap) snprintf(buf + k, cap - k, ")");
+    return 0;
+}
+
+int kvc_py_shape(PyArrayObject *a, const char *what, int nd, ...) {
+    npy_intp want[NPY_MAXDIMS];
+    va_list ap;
+    va_start(ap, nd);
+    for (int i = 0; i < nd && i < NPY_MAXDIMS; i++) want[i] = va_arg(ap, npy_intp);
+    va_end(ap);
+    int ok = PyArray_NDIM(a) == nd;
+    for (int i = 0; ok && i < nd; i++) ok = want[i] < 0 || PyArray_DIM(a, i) == want[i];
+    if (ok) return 0;
+    char w[160], g[160];
+    shape_str(w, sizeof w, nd, want);
+    shape_str(g, sizeof g, PyArray_NDIM(a), PyArray_DIMS(a));
+    PyErr_Format(PyExc_ValueError, "%s must have shape %s, got %s", what, w, g);
+    return -1;
+}
+
+int kvc_py_size(PyArrayObject *a, const char *what, int64_t want) {
+    if ((int64_t)PyArray_SIZE(a) == want) return 0;
+    PyErr_Format(PyExc_ValueError, "%s has %lld values, this model needs %lld", what, (long long)PyArray_SIZE(a), (long long)want);
+    return -1;
 }
 
 static PyObject *mod_set_blas(PyObject *m, PyObject *args) {
@@ -88,8 +149,11 @@ static int module_exec(PyObject *m) {
     core_state *state = get_state(m);
     state->model_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_model_spec, NULL);
     if (!state->model_type || PyModule_AddType(m, state->model_type) < 0) return -1;
+    if (kvc_py_session_methods_init() < 0) return -1;
     state->session_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_session_spec, NULL);
     if (!state->session_type || PyModule_AddType(m, state->session_type) < 0) return -1;
+    state->press_spec_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_press_spec_spec, NULL);
+    if (!state->press_spec_type || PyModule_AddType(m, state->press_spec_type) < 0) return -1;
     if (add_methods(m, kvc_py_press_methods) < 0 || add_methods(m, kvc_py_judgeq_methods) < 0 ||
         add_methods(m, kvc_py_device_methods) < 0)
         return -1;
@@ -102,6 +166,7 @@ static int module_traverse(PyObject *m, visitproc visit, void *arg) {
     core_state *state = get_state(m);
     Py_VISIT(state->model_type);
     Py_VISIT(state->session_type);
+    Py_VISIT(state->press_spec_type);
     return 0;
 }
 
@@ -109,6 +174,7 @@ static int module_clear(PyObject *m) {
     core_state *state = get_state(m);
     Py_CLEAR(state->model_type);
     Py_CLEAR(state->session_type);
+    Py_CLEAR(state->press_spec_type);
     return 0;
 }
 

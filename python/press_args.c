@@ -85,7 +85,26 @@ static int set_all(const setters *t, PyObject *kwargs) {
     static kvc_status kind##_str(void *o, const char *n, const char *v) { return kvc_##kind##_set_str((type *)o, n, v); }
 SETTERS(press_config, kvc_press_config)
 SETTERS(decoding_config, kvc_decoding_config)
+SETTERS(press_spec, kvc_press_spec)
 static int32_t press_known(const char *name) { return kvc_press_param_index(name) >= 0; }
+
+/* ---- a kvc_press_spec (PressSpec, Session.set_press, Session.add_press): the same rules ---- */
+int kvc_py_press_spec_set(kvc_press_spec *spec, PyObject *name, PyObject *value) {
+    const setters t = {spec, press_spec_i64, press_spec_u64, press_spec_f64, press_spec_str, press_known, "press"};
+    return set_one(&t, name, value);
+}
+
+kvc_press_spec *kvc_py_press_spec_from(PyObject *kwargs) {
+    kvc_press_spec *spec = NULL;
+    kvc_status st = kvc_press_spec_new(NULL, &spec);
+    if (st != KVC_OK) return (kvc_py_raise(st), NULL);
+    const setters t = {spec, press_spec_i64, press_spec_u64, press_spec_f64, press_spec_str, press_known, "press"};
+    if (set_all(&t, kwargs) < 0) {
+        kvc_press_spec_free(spec);
+        return NULL;
+    }
+    return spec;
+}
 
 int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
     kvc_press_config_defaults(c);
