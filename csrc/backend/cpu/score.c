@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "../../core/hostmath.h"
+#include "../../core/rng.h"
 #include "cpu.h"
 #include "host.h"
 
@@ -252,13 +253,6 @@ static kvc_status score_edie(const layer_in *in, const kvc_score_args *a, float 
     return st;
 }
 
-static uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
 static kvc_status score_host(const layer_in *in, const kvc_score_args *a, float *const *scores) {
     const int32_t Hkv = in->Hkv, d = in->d;
     switch (a->scorer) {
@@ -286,11 +280,7 @@ static kvc_status score_host(const layer_in *in, const kvc_score_args *a, float 
         return KVC_OK;
     case KVC_SCORE_RANDOM:
         for (int32_t h = 0; h < Hkv; h++)
-            for (int64_t r = 0; r < in->len[h]; r++) {
-                const uint64_t x =
-                    splitmix64(a->seed ^ splitmix64(((uint64_t)a->layer << 40) ^ ((uint64_t)h << 32) ^ (uint64_t)r));
-                scores[h][r] = (float)((x >> 40) * (1.0 / 16777216.0));
-            }
+            for (int64_t r = 0; r < in->len[h]; r++) scores[h][r] = kvc_random_score(a->seed, a->layer, h, r);
         return KVC_OK;
     default:
         return kvc_fail(KVC_ERR_UNSUPPORTED, "scorer %d is not a backend scorer", a->scorer);
