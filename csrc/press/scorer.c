@@ -1,13 +1,15 @@
 /* The scorer table: the rows the scorer files registered (scorer.h's KVC_REGISTER_SCORER) in the linker
  * section "kvc_scorers". The GNU linker defines __start_/__stop_ of a section whose name is a C identifier;
  * declared hidden here (the linker exports them protected), so the library binds to its own table. The
- * section's order is the link order: kvc_scorer_at ranks the rows instead (a handful of rows: a scan, no
- * state to build): the built-in scorers by their code (core/backend.h's kvc_scorer), then the rows that say
+ * section's order is the link order: the rows are ranked once, at first use (pthread_once; the decoding
+ * presses ask a row's traits at every step of every layer): the built-in scorers by their code (core/backend.h's kvc_scorer), then the rows that say
  * code -1 by name, so a scorer added as one file gets the next index without a code of its own. A scorer's
  * index is what a config's `scorer` holds; bindings and clients name scorers, never use the index. */
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/backend.h" /* KVC_MAX_SCORERS */
 #include "../core/common.h"
 #include "scorer.h"
 
@@ -22,12 +24,24 @@ static int before(const kvc_scorer_i *a, const kvc_scorer_i *b) {
     return a->code >= 0 ? a->code < b->code : strcmp(a->name, b->name) < 0;
 }
 
+/* The rows in index order, ranked once. */
+static const kvc_scorer_i *ranked[KVC_MAX_SCORERS];
+static pthread_once_t ranked_once = PTHREAD_ONCE_INIT;
+
+static void rank_rows(void) {
+    for (const kvc_scorer_i *const *r = __start_kvc_scorers; r < __stop_kvc_scorers; r++) {
+        int32_t rank = 0;
+        for (const kvc_scorer_i *const *o = __start_kvc_scorers; o < __stop_kvc_scorers; o++) rank += before(*o, *r);
+        if (rank < KVC_MAX_SCORERS) ranked[rank] = *r;
+    }
+}
+
 const kvc_scorer_i *kvc_scorer_of(int32_t code) { return kvc_scorer_at(code); }
 
 int32_t kvc_scorer_index(const kvc_scorer_i *s) {
-    int32_t rank = 0;
-    for (const kvc_scorer_i *const *o = __start_kvc_scorers; s && o < __stop_kvc_scorers; o++) rank += before(*o, s);
-    return s ? rank : -1;
+    for (int32_t i = 0; s && i < kvc_scorer_count(); i++)
+        if (kvc_scorer_at(i) == s) return i;
+    return -1;
 }
 
 const kvc_scorer_i *kvc_scorer_find(const char *name) {
@@ -37,9 +51,9 @@ const kvc_scorer_i *kvc_scorer_find(const char *name) {
 }
 
 const kvc_scorer_i *kvc_scorer_at(int32_t i) {
-    for (const kvc_scorer_i *const *r = __start_kvc_scorers; i >= 0 && r < __stop_kvc_scorers; r++)
-        if (kvc_scorer_index(*r) == i) return *r;
-    return NULL;
+    if (i < 0 || i >= kvc_scorer_count() || i >= KVC_MAX_SCORERS) return NULL;
+    pthread_once(&ranked_once, rank_rows);
+    return ranked[i];
 }
 
 const char *kvc_scorer_titles(uint32_t traits, char *buf, size_t size) {
