@@ -51,6 +51,7 @@ enum { KVC_SLOT_PREFILL, KVC_SLOT_DECODING, KVC_N_SLOTS };
 
 /* ---- engine/session.c ---- */
 /* Attach self (vt: its press; NULL vt: detach) to slot `which`; what the slot held is freed. */
+/* The slot takes ownership of self: on a refusal it is freed through vt->free. */
 kvc_status kvc_session_attach(kvc_session *s, int32_t which, const kvc_press_vt *vt, void *self);
 
 /* ---- engine/press_door.c: the only way a press sees a session ---- */

@@ -133,8 +133,10 @@ kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
 /* ---- press slots (core/press_i.h) ---- */
 
 kvc_status kvc_session_attach(kvc_session *s, int32_t which, const kvc_press_vt *vt, void *self) {
-    if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
-    if (which < 0 || which >= KVC_N_SLOTS) return kvc_fail(KVC_ERR_ARG, "no press slot %d", which);
+    if (!s || which < 0 || which >= KVC_N_SLOTS) { /* the slot owns self from here: a refused one is freed */
+        if (vt && vt->free) vt->free(self);
+        return s ? kvc_fail(KVC_ERR_ARG, "no press slot %d", which) : kvc_fail(KVC_ERR_ARG, "session is NULL");
+    }
     kvc_press_slot *slot = &s->slots[which];
     kvc_backend_lock(s->be);
     if (slot->vt && slot->vt->free) slot->vt->free(slot->self);

@@ -585,13 +585,7 @@ kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_con
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
     kvc_decoding *d = NULL;
     if (cfg) KVC_TRY(kvc_decoding_new(cfg, &kvc_door_model(s)->cfg, kvc_door_backend(s), &d));
-    const kvc_status st = kvc_session_attach(s, KVC_SLOT_DECODING, d ? &kvc_decoding_slot_vt : NULL, d);
-    if (st != KVC_OK) {
-        kvc_backend_lock(kvc_door_backend(s));
-        kvc_decoding_free(d);
-        kvc_backend_unlock(kvc_door_backend(s));
-    }
-    return st;
+    return kvc_session_attach(s, KVC_SLOT_DECODING, d ? &kvc_decoding_slot_vt : NULL, d); /* the slot owns it, freed if refused */
 }
 
 int64_t kvc_session_decoding_compressions(const kvc_session *s) {

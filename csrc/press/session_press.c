@@ -27,13 +27,7 @@ kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");
     kvc_press *p = NULL;
     if (cfg) KVC_TRY(kvc_press_new(cfg, &kvc_door_model(s)->cfg, kvc_door_backend(s), &p));
-    const kvc_status st = kvc_session_attach(s, KVC_SLOT_PREFILL, p ? &kvc_press_slot_vt : NULL, p);
-    if (st != KVC_OK) {
-        kvc_backend_lock(kvc_door_backend(s));
-        kvc_press_free(p);
-        kvc_backend_unlock(kvc_door_backend(s));
-    }
-    return st;
+    return kvc_session_attach(s, KVC_SLOT_PREFILL, p ? &kvc_press_slot_vt : NULL, p); /* the slot owns it, freed if refused */
 }
 
 kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
