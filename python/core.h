@@ -125,6 +125,11 @@ extern PyMethodDef kvc_py_press_methods[];
 int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *out);
 int kvc_py_press_constants(PyObject *module);
 
+/* presses/pyscorer.c: presses written in Python (the module's kvc_scorer_callback) */
+extern PyMethodDef kvc_py_pyscorer_methods[];
+/* Raise this thread's kept exception of a failed Python press when the C failure is its; 1 if raised, else 0. */
+int kvc_py_raise_pending(void);
+
 /* judgeq.c, device.c */
 extern PyMethodDef kvc_py_judgeq_methods[];
 extern PyMethodDef kvc_py_device_methods[];
