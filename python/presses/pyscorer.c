@@ -57,6 +57,7 @@ static PyObject *layer_dict(const kvc_scorer_view *v) {
     SET_ITEM(d, "n_kv_heads", PyLong_FromLong(v->n_kv_heads));
     SET_ITEM(d, "head_dim", PyLong_FromLong(v->head_dim));
     SET_ITEM(d, "device", PyLong_FromLong(v->device));
+    SET_ITEM(d, "window", PyLong_FromLong(v->window));
     SET_ITEM(d, "lengths", view_array(v->len, NPY_INT64, 1, l_dims, one));
     SET_ITEM(d, "keys", view_array(v->keys, NPY_FLOAT32, 3, kv_dims, kv_str));
     SET_ITEM(d, "values", view_array(v->values, NPY_FLOAT32, 3, kv_dims, kv_str));
@@ -88,7 +89,7 @@ static int take_scores(const kvc_scorer_view *v, PyObject *res) {
         Py_XDECREF(shape);
         return -1;
     }
-    PyArrayObject *f = (PyArrayObject *)PyArray_FROMANY(res, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS);
+    PyArrayObject *f = (PyArrayObject *)PyArray_FROMANY(res, NPY_FLOAT32, 2, 2, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST);
     if (!f) return -1;
     memcpy(v->scores, PyArray_DATA(f), sizeof(float) * (size_t)v->n_kv_heads * (size_t)v->max_len);
     Py_DECREF(f);
@@ -123,7 +124,7 @@ static int take_keep(const kvc_scorer_view *v, PyObject *res) {
             rc = -1;
             break;
         }
-        PyArrayObject *i64 = (PyArrayObject *)PyArray_FROMANY((PyObject *)a, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
+        PyArrayObject *i64 = (PyArrayObject *)PyArray_FROMANY((PyObject *)a, NPY_INT64, 1, 1, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST);
         Py_DECREF(a);
         if (!i64) { rc = -1; break; }
         if (m) memcpy(v->keep + (size_t)h * v->max_len, PyArray_DATA(i64), sizeof(int64_t) * (size_t)m);

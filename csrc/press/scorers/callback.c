@@ -127,6 +127,15 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
                               ctx->layer, h, (long long)r, isnan(sh[r]) ? "NaN" : "infinite");
         if (st == KVC_OK) memcpy(scores[h], sh, sizeof(float) * (size_t)len[h]);
     }
+    if (st == KVC_OK && (kvc_scorer_of(cfg->scorer)->traits & KVC_SCORER_WINDOW)) {
+        /* the window protected as kvpress's window presses do: the layer's highest score + 1 */
+        float top = -INFINITY;
+        for (int32_t h = 0; h < Hkv; h++)
+            for (int64_t r = 0; r < len[h] - w; r++) top = scores[h][r] > top ? scores[h][r] : top;
+        top = isfinite(top) ? top + 1 : 1;
+        for (int32_t h = 0; h < Hkv; h++)
+            for (int64_t r = len[h] - w > 0 ? len[h] - w : 0; r < len[h]; r++) scores[h][r] = top;
+    }
     free(f), free(keep), free(pos);
     return st;
 }
@@ -152,7 +161,7 @@ static const char *const params[] = {"callback", "callback_user", "callback_need
 
 static const kvc_scorer_i callback_scorer = {
     .name = "callback",
-    .title = "a callback scorer",
+    .title = "Callback",
     .code = -1,
     .traits = KVC_SCORER_HOST | KVC_SCORER_CHUNKABLE,
     .params = params,
@@ -165,7 +174,7 @@ KVC_REGISTER_SCORER(callback_scorer);
 
 static const kvc_scorer_i callback_window_scorer = {
     .name = "callback_window",
-    .title = "a callback scorer with a window",
+    .title = "CallbackWindow",
     .code = -1,
     .traits = KVC_SCORER_HOST | KVC_SCORER_WINDOW | KVC_SCORER_CHUNKABLE,
     .params = params,
@@ -178,7 +187,7 @@ KVC_REGISTER_SCORER(callback_window_scorer);
 
 static const kvc_scorer_i callback_select_scorer = {
     .name = "callback_select",
-    .title = "a callback selection",
+    .title = "CallbackSelect",
     .code = -1,
     .traits = KVC_SCORER_HOST | KVC_SCORER_OWN_BUDGET,
     .params = params,

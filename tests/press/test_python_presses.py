@@ -1,0 +1,91 @@
+"""Presses written in Python run inside the engine (kvpress_c/presses/python_press.py, csrc/press/scorers/
+callback.c): Python re-implementations of Knorm, KeyDiff, TOVA and SnapKV (python_presses.py, float64 NumPy
+from docs/METHODS.md) keep the rows of the C presses, alone and under AdaKVPress, ChunkKVPress, DecodingPress
+and TAKE, on the CPU and the emulated device; where the kept sets differ, the rows that differ tie."""
+import numpy as np
+import pytest
+
+import kvpress_c as K
+from python_presses import PRESSES
+from random_llama import write_random_llama
+
+C_PRESSES = {"knorm": lambda **kw: K.KnormPress(**kw), "keydiff": lambda **kw: K.KeyDiffPress(**kw),
+             "tova": lambda **kw: K.TOVAPress(**kw),
+             "snapkv": lambda **kw: K.SnapKVPress(window_size=16, **kw)}
+N = 160
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_random_llama(str(tmp_path_factory.mktemp("pypress")), layers=3, hidden=256, heads=4, kv_heads=2,
+                              vocab=512, seed=7)
+
+
+@pytest.fixture(scope="module", params=["cpu", "emulated"])
+def model(request, model_dir):
+    return K.load_model(model_dir, device=request.param)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print("prompt seed", seed)
+    return np.random.default_rng(seed).integers(3, 512, size=N).astype(np.int32)
+
+
+def wrap(kind, make, ratio):
+    keep = int(N * (1 - ratio))
+    if kind == "alone":
+        return make(compression_ratio=ratio)
+    if kind == "adakv":
+        return K.AdaKVPress(make(compression_ratio=ratio))
+    if kind == "chunkkv":
+        return K.ChunkKVPress(make(compression_ratio=ratio), chunk_length=8)
+    if kind == "decoding":
+        return K.DecodingPress(make(), compression_interval=20, target_size=max(keep, 24), hidden_states_buffer_size=32)
+    if kind == "take":
+        return K.TAKEPress(budget=keep, chunk_size=64, press=make())
+    raise AssertionError(kind)
+
+
+def kept(model, press, ids, n_decode=45):
+    """Kept positions [layer][kv head] after the prefill (and, for a decoding press, greedy steps)."""
+    s = model.new_session()
+    cfg = model.config
+    if press.decoding_config() is not None:
+        s.set_decoding_press(**press.decoding_config())
+        logits = s.forward(ids, logits="last")
+        for _ in range(n_decode):
+            logits = s.forward(np.array([int(np.argmax(logits))], np.int32))
+    else:
+        if press.attach_to_session:
+            s.set_press(**press.c_config())
+        press.prefill(s, ids, cfg, question_ids=ids[-12:])
+    return [[s.cache_positions(l, h) for h in range(cfg["n_kv_heads"])] for l in range(cfg["n_layers"])]
+
+
+def inner(press):
+    return getattr(press, "base_press", None) or getattr(press, "press", None) or press
+
+
+@pytest.mark.parametrize("kind", ["alone", "adakv", "chunkkv", "decoding", "take"])
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+@pytest.mark.parametrize("name", sorted(PRESSES))
+def test_python_press_keeps_the_c_press_rows(model, ids, name, ratio, kind):
+    ours = wrap(kind, PRESSES[name], ratio)
+    theirs = wrap(kind, C_PRESSES[name], ratio)
+    got, want = kept(model, ours, ids), kept(model, theirs, ids)
+    recorded = inner(ours).recorded
+    assert recorded, "the Python press was never called"
+    for l, (gl, wl) in enumerate(zip(got, want)):
+        for h, (g, w) in enumerate(zip(gl, wl)):
+            if np.array_equal(g, w):
+                continue
+            # the sets differ: only where the prefill's rows are its positions can the scores say they tie
+            assert kind not in ("decoding", "take"), (l, h, np.setxor1d(g, w))
+            lens, s = recorded[l]
+            a, b = np.setdiff1d(g, w), np.setdiff1d(w, g)
+            assert len(a) == len(b), (l, h, a, b)
+            scale = np.abs(s[h, :lens[h]]).max()
+            # float32 scores in C, float64 here: a tie is within a few float32 ulps of the scale
+            assert np.abs(s[h, a].min() - s[h, b].max()) <= 1e-6 * scale, (l, h, s[h, a], s[h, b])
