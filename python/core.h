@@ -129,6 +129,8 @@ int kvc_py_press_constants(PyObject *module);
 extern PyMethodDef kvc_py_pyscorer_methods[];
 /* Raise this thread's kept exception of a failed Python press when the C failure is its; 1 if raised, else 0. */
 int kvc_py_raise_pending(void);
+/* Whether this thread's last raised failure was a Python press's exception. */
+int kvc_py_press_raised(void);
 
 /* judgeq.c, device.c */
 extern PyMethodDef kvc_py_judgeq_methods[];

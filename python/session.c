@@ -121,9 +121,17 @@ static PyObject *Session_forward(SessionObject *self, PyObject *args, PyObject *
     }
     if (row != KVC_ROW_NONE && !logits) goto fail;
     int rc;
+    const int64_t pos0 = kvc_session_position(self->session);
     KVC_PY_CALL(self, rc, kvc_forward_ex(self->session, ids ? (const int32_t *)PyArray_DATA(ids) : NULL, n_ids,
                                          emb ? (const float *)PyArray_DATA(emb) : NULL, n_emb, row,
                                          logits ? (float *)PyArray_DATA(logits) : NULL));
+    /* a Python press raised in a prefill from an empty session: the session is empty again, as before the call
+     * (the rows earlier layers evicted were all this call's), and usable without reset() */
+    if (rc < 0 && pos0 == 0 && kvc_py_press_raised()) {
+        Py_BEGIN_ALLOW_THREADS /* the reset takes the device's lock, which a forward in a Python press may hold */
+        kvc_session_reset(self->session);
+        Py_END_ALLOW_THREADS
+    }
     if (rc < 0) goto fail;
     Py_XDECREF(ids);
     Py_XDECREF(emb);

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import weakref
 
 import numpy as np
 
@@ -32,13 +31,25 @@ def is_python_press(press) -> bool:
 
 
 def _token(press) -> int:
+    """The press's number in the registry. The registry holds the press (a strong reference, one per press
+    object, not per call): C copies configs freely (TAKE's inner press, a chain, a decoding press), so no
+    binding can tell when the last config naming it is gone, and `session.set_press(**MyPress().c_config())`
+    must not leave the session with a dangling press."""
     tok = press.__dict__.get("_kvc_token")
     if tok is None:
         with _lock:
             tok = next(_tokens)
-            _registry[tok] = weakref.ref(press, lambda _, t=tok: _registry.pop(t, None))
+            _registry[tok] = press
         press.__dict__["_kvc_token"] = tok
     return tok
+
+
+def release(press) -> None:
+    """Let the registry drop a press no session will run again (a session that still names it raises
+    ReferenceError at its next compression)."""
+    tok = press.__dict__.pop("_kvc_token", None)
+    with _lock:
+        _registry.pop(tok, None)
 
 
 def c_config(press) -> dict:
@@ -109,10 +120,9 @@ def _as_numpy(x):
 
 
 def _dispatch(token: int, select: bool, d: dict):
-    ref = _registry.get(token)
-    press = ref() if ref is not None else None
+    press = _registry.get(token)
     if press is None:
-        raise ReferenceError("the Python press attached to this session no longer exists")
+        raise ReferenceError("the Python press attached to this session was released (python_press.release)")
     layer = Layer(d, press)
     if select:
         return [_as_numpy(k) for k in press.compress(layer)]

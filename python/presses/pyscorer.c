@@ -20,9 +20,14 @@ static void keep_pending(void) {
     if (pending_tb) PyException_SetTraceback(pending_value, pending_tb);
 }
 
+static _Thread_local int raised_last; /* whether this thread's last kvc_py_raise was a Python press's exception */
+
+int kvc_py_press_raised(void) { return raised_last; }
+
 int kvc_py_raise_pending(void) {
-    if (!pending_type) return 0;
     const char *msg = kvc_last_error();
+    raised_last = msg && strstr(msg, "the callback scorer") != NULL; /* its result refused by the core's checks */
+    if (!pending_type) return 0;
     PyObject *t = pending_type, *v = pending_value, *tb = pending_tb;
     pending_type = pending_value = pending_tb = NULL;
     if (!msg || !strstr(msg, "the callback scorer failed")) { /* a stale one: the failure is another's */
@@ -30,6 +35,7 @@ int kvc_py_raise_pending(void) {
         return 0;
     }
     PyErr_Restore(t, v, tb);
+    raised_last = 1;
     return 1;
 }
 
@@ -78,8 +84,8 @@ static int take_scores(const kvc_scorer_view *v, PyObject *res) {
     PyArrayObject *a = (PyArrayObject *)res;
     const int t = PyArray_TYPE(a);
     if (t != NPY_FLOAT32 && t != NPY_FLOAT64) {
-        PyErr_Format(PyExc_ValueError, "layer %d: score() returned %s scores, not float32 or float64", v->layer,
-                     PyArray_DESCR(a)->typeobj->tp_name);
+        PyErr_Format(PyExc_ValueError, "layer %d: score() returned %S scores, not float32 or float64", v->layer,
+                     (PyObject *)PyArray_DESCR(a));
         return -1;
     }
     if (PyArray_NDIM(a) != 2 || PyArray_DIM(a, 0) != v->n_kv_heads || PyArray_DIM(a, 1) != v->max_len) {

@@ -54,12 +54,12 @@ static kvc_status check_keep(int32_t layer, int32_t h, int64_t len, int64_t *kee
                         (long long)len);
     for (int64_t i = 0; i < n; i++)
         if (keep[i] < 0 || keep[i] >= len)
-            return kvc_fail(KVC_ERR_ARG, "layer %d, head %d: kept row %lld is outside [0, %lld)", layer, h, (long long)keep[i],
+            return kvc_fail(KVC_ERR_ARG, "layer %d, head %d: the callback scorer's kept row %lld is outside [0, %lld)", layer, h, (long long)keep[i],
                             (long long)len);
     qsort(keep, (size_t)n, sizeof *keep, cmp_i64);
     for (int64_t i = 1; i < n; i++)
         if (keep[i] == keep[i - 1])
-            return kvc_fail(KVC_ERR_ARG, "layer %d, head %d: kept row %lld is given twice", layer, h, (long long)keep[i]);
+            return kvc_fail(KVC_ERR_ARG, "layer %d, head %d: the callback scorer's kept row %lld is given twice", layer, h, (long long)keep[i]);
     return KVC_OK;
 }
 
