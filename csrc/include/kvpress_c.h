@@ -293,6 +293,8 @@ enum {
     KVC_VIEW_QUERIES = 1 << 1,    /* the window queries after RoPE */
     KVC_VIEW_HIDDEN = 1 << 2,     /* the layer's normed input rows of this call */
     KVC_VIEW_ATTENTIONS = 1 << 3, /* the window queries' attention over every row (softmax, causal) */
+    KVC_VIEW_ALL_QUERIES = 1 << 4, /* the window is every query of the call (ExpectedAttention's statistics), not
+                                    * the config's window (which TAKE sets to its probes) */
 };
 typedef struct kvc_scorer_view {
     int32_t layer, n_layers;       /* the layer scored, of how many */

@@ -9,7 +9,8 @@ takes it. What the press reads beyond the keys it declares as class attributes:
 
     window_size = 0       the call's last queries it reads (queries, attentions)
     protect_window = False  the last window_size rows of every head are kept whatever their scores (SnapKV)
-    reads = ()            any of "values", "queries", "hidden_states", "attentions"
+    reads = ()            any of "values", "queries", "hidden_states", "attentions", and "all_queries" (the
+                          queries are every query of the call, not the window's: TAKE's window is its probes)
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from .. import _core
 
-_NEEDS = {"values": 1, "queries": 2, "hidden_states": 4, "attentions": 8}  # KVC_VIEW_* (kvpress_c.h)
+_NEEDS = {"values": 1, "queries": 2, "hidden_states": 4, "attentions": 8, "all_queries": 16}  # KVC_VIEW_* (kvpress_c.h)
 _registry: dict = {}
 _tokens = itertools.count(1)
 _lock = threading.Lock()
@@ -86,7 +87,7 @@ class Layer:
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
-        if value is None and name in _NEEDS:
+        if value is None and name in ("values", "queries", "hidden_states", "attentions"):
             raise AttributeError(f"{type(object.__getattribute__(self, '_press')).__name__} reads layer.{name}: "
                                  f"add {name!r} to its `reads` (and a window_size for queries and attentions)")
         return value

@@ -81,4 +81,50 @@ class PySnapKV(Recording):
         return out
 
 
-PRESSES = {"knorm": PyKnorm, "keydiff": PyKeyDiff, "tova": PyTOVA, "snapkv": PySnapKV}
+def _rope_pairs(d, pairing):
+    j = np.arange(d // 2)
+    return (j, j + d // 2) if pairing == "half" else (2 * j, 2 * j + 1)
+
+
+@dataclass
+class PyExpectedAttention(Recording):
+    """The call's queries after the first n_sink, RoPE undone: mean mu and biased covariance S per query head;
+    R = RoPE averaged over the n_future positions after the call; rows r >= n_sink score the softmax over them
+    of k.R mu / sqrt(d) + k^T R S R^T k / 2d, mean over the group, times ||v||; the sinks the layer's max + 1."""
+    rope_theta: float = 500000.0
+    rope_pairing: str = "half"
+    n_sink: int = 4
+    n_future: int = 512
+    reads = ("all_queries", "values")
+
+    def scores(self, layer):
+        d, g, ns = layer.head_dim, layer.group_size, self.n_sink
+        a, b = _rope_pairs(d, self.rope_pairing)
+        freq = self.rope_theta ** (-2.0 * np.arange(d // 2) / d)
+        q = layer.queries.astype(np.float64)                             # [H, n, d] after RoPE, the call's
+        if q.shape[1] <= ns:
+            raise ValueError(f"ExpectedAttention needs more queries in the call ({q.shape[1]}) than n_sink ({ns})")
+        ang = layer.positions[:, None] * freq                            # [n, d/2]
+        pre = q.copy()                                                   # RoPE undone: rotate by -angle
+        pre[..., a] = np.cos(ang) * q[..., a] + np.sin(ang) * q[..., b]
+        pre[..., b] = -np.sin(ang) * q[..., a] + np.cos(ang) * q[..., b]
+        pre = pre[:, ns:]
+        mu = pre.mean(1)                                                 # [H, d]
+        cov = np.einsum("hni,hnj->hij", pre - mu[:, None], pre - mu[:, None]) / pre.shape[1]
+        fut = (layer.positions[-1] + 1 + np.arange(self.n_future))[:, None] * freq
+        R = np.zeros((d, d))
+        R[a, a], R[a, b], R[b, a], R[b, b] = np.cos(fut).mean(0), -np.sin(fut).mean(0), np.sin(fut).mean(0), np.cos(fut).mean(0)
+        mu, cov = mu @ R.T, R @ cov @ R.T
+        out = np.zeros(layer.keys.shape[:2])
+        for h, n in enumerate(layer.lengths):
+            k = layer.keys[h, ns:n].astype(np.float64)
+            acc = 0
+            for hq in range(h * g, (h + 1) * g):
+                acc = acc + _softmax(k @ mu[hq] / np.sqrt(d) + np.einsum("ri,ij,rj->r", k, cov[hq], k) / (2 * d)) / g
+            out[h, ns:n] = acc * np.linalg.norm(layer.values[h, ns:n].astype(np.float64), axis=-1)
+        out[:, :ns] = max(out[h, ns:n].max() for h, n in enumerate(layer.lengths)) + 1
+        return out
+
+
+PRESSES = {"knorm": PyKnorm, "keydiff": PyKeyDiff, "tova": PyTOVA, "snapkv": PySnapKV,
+           "expected_attention": PyExpectedAttention}

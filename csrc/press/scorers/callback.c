@@ -72,16 +72,17 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     const int select = kvc_scorer_of(cfg->scorer)->select != NULL;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
-    int32_t w = cfg->window < 0 ? 0 : cfg->window;
+    int32_t w = needs & KVC_VIEW_ALL_QUERIES ? (int32_t)ctx->n : cfg->window < 0 ? 0 : cfg->window;
     if (w > ctx->n) w = (int32_t)ctx->n;
-    if ((needs & (KVC_VIEW_QUERIES | KVC_VIEW_ATTENTIONS)) && w < 1)
+    const int32_t needs_q = KVC_VIEW_QUERIES | KVC_VIEW_ALL_QUERIES;
+    if ((needs & (needs_q | KVC_VIEW_ATTENTIONS)) && w < 1)
         return kvc_fail(KVC_ERR_ARG, "the callback scorer reads window queries: window must be >= 1");
     if ((needs & KVC_VIEW_HIDDEN) && !ctx->xn.buf)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "layer %d: this call gives no hidden states to the callback scorer", ctx->layer);
 
     const size_t rows = (size_t)Hkv * (size_t)maxlen;
     const size_t nk = rows * (size_t)d, nv = needs & KVC_VIEW_VALUES ? nk : 0;
-    const size_t nq = needs & (KVC_VIEW_QUERIES | KVC_VIEW_ATTENTIONS) ? (size_t)w * H * d : 0;
+    const size_t nq = needs & (needs_q | KVC_VIEW_ATTENTIONS) ? (size_t)w * H * d : 0;
     const size_t nh = needs & KVC_VIEW_HIDDEN ? (size_t)ctx->n * D : 0;
     const size_t na = needs & KVC_VIEW_ATTENTIONS ? (size_t)H * w * (size_t)maxlen : 0;
     float *f = calloc(nk + nv + nq + nh + na + rows, sizeof(float));
@@ -104,7 +105,7 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     const kvc_scorer_view view = {
         .layer = ctx->layer, .n_layers = c->n_layers, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d, .hidden_dim = D,
         .device = be->device, .len = len, .max_len = maxlen, .keys = k, .values = nv ? v : NULL, .n_call = ctx->n,
-        .positions = pos, .window = w, .queries = needs & KVC_VIEW_QUERIES ? q : NULL, .hidden = nh ? hid : NULL,
+        .positions = pos, .window = w, .queries = needs & needs_q ? q : NULL, .hidden = nh ? hid : NULL,
         .attentions = na ? att : NULL, .scores = select ? NULL : sc, .keep = keep, .n_keep = keep ? keep + rows : NULL,
         .message = message, .message_size = (int32_t)sizeof message};
     const kvc_scorer_callback fn = (kvc_scorer_callback)(uintptr_t)cfg->callback;
