@@ -93,3 +93,32 @@ def test_python_press_keeps_the_c_press_rows(model, ids, name, ratio, kind):
             scale = np.abs(s[h, :lens[h]]).max()
             # float32 scores in C, float64 here: a tie is within a few float32 ulps of the scale
             assert np.abs(s[h, a].min() - s[h, b].max()) <= 1e-6 * scale, (l, h, s[h, a], s[h, b])
+
+
+@pytest.mark.parametrize("kind", ["composed", "block", "chunk_press", "pyramid"])
+def test_python_press_under_other_wrappers(model, ids, kind):
+    """ComposedPress (a Python press after a C one and the other way round), BlockPress, ChunkPress and a
+    PyramidKV allocation over a Python scorer keep what the same C presses keep."""
+    from python_presses import PyKnorm, PySnapKV
+    if kind == "composed":
+        ours = K.ComposedPress([PySnapKV(compression_ratio=0.3), K.KnormPress(compression_ratio=0.3), PyKnorm(compression_ratio=0.2)])
+        theirs = K.ComposedPress([K.SnapKVPress(compression_ratio=0.3, window_size=16), K.KnormPress(compression_ratio=0.3),
+                                  K.KnormPress(compression_ratio=0.2)])
+    elif kind == "block":
+        ours, theirs = (K.BlockPress(p(compression_ratio=0.6), block_size=32) for p in (PyKnorm, K.KnormPress))
+    elif kind == "chunk_press":
+        ours, theirs = (K.ChunkPress(p(compression_ratio=0.6), chunk_length=40) for p in (PyKnorm, K.KnormPress))
+    else:  # PyramidKV's layer budgets over the window scorer: the allocation is the config's
+        ours, theirs = PySnapKV(compression_ratio=0.6), K.SnapKVPress(compression_ratio=0.6, window_size=16)
+    got, want = run_with(model, ours, ids, pyramid=kind == "pyramid"), run_with(model, theirs, ids, pyramid=kind == "pyramid")
+    assert got == want
+
+
+def run_with(model, press, ids, pyramid=False):
+    s = model.new_session()
+    cfg = press.c_config()
+    if pyramid:
+        cfg.update(allocation="pyramid")
+    s.set_press(**cfg)
+    press.prefill(s, ids, model.config)
+    return [[s.cache_positions(l, h).tolist() for h in range(2)] for l in range(3)]
