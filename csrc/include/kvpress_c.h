@@ -316,6 +316,8 @@ typedef struct kvc_scorer_view {
     int64_t *n_keep;               /* out [n_kv_heads]: how many */
     char *message;                 /* a failing callback may say why here (message_size bytes) */
     int32_t message_size;
+    int32_t rope_pairing;          /* the model's kvc_rope_pairing of the keys' and queries' channels */
+    const double *rope_freq;       /* [head_dim / 2] RoPE's frequency of each pair (scaling applied) */
 } kvc_scorer_view;
 typedef int32_t (*kvc_scorer_callback)(void *user, const kvc_scorer_view *view);
 

@@ -72,6 +72,9 @@ static PyObject *layer_dict(const kvc_scorer_view *v) {
     SET_ITEM(d, "queries", view_array(v->queries, NPY_FLOAT32, 3, q_dims, q_str));
     SET_ITEM(d, "hidden_states", view_array(v->hidden, NPY_FLOAT32, 2, h_dims, h_str));
     SET_ITEM(d, "attentions", view_array(v->attentions, NPY_FLOAT32, 3, a_dims, a_str));
+    const npy_intp f_dims[1] = {v->head_dim / 2};
+    SET_ITEM(d, "rope_freqs", view_array(v->rope_freq, NPY_FLOAT64, 1, f_dims, one));
+    SET_ITEM(d, "rope_pairing", PyUnicode_FromString(v->rope_pairing == KVC_ROPE_ADJACENT ? "adjacent" : "half"));
     return d;
 }
 
