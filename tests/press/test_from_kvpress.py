@@ -33,7 +33,13 @@ def test_from_kvpress_keeps_kvpress_rows(name, ratio, hf_default, default_model,
     mean, exact, total = compare(name, ours, theirs, their_scores,
                                  kept_counts(name, theirs_press, hf_default, len(prompt_ids), ratio))
     print(f"from_kvpress {name} @ {ratio}: mean Jaccard {mean:.4f}, exact heads {exact}/{total}")
-    assert mean >= (0.97 if name == "LagKV" else 0.99), mean
+    if name == "LagKV":
+        # its scores are ranks in a partition: the cut falls among exact ties (test_kvpress_parity's EXACT_TIES),
+        # which kvpress breaks by torch.topk's order and the engine by the lower row; the ties are asserted by
+        # compare(), and the engine's selection on kvpress's scores is the one it makes on the C LagKV's
+        assert ours == kept_ours(default_model, make_press(kvpress_c, name, 32, ratio), prompt_ids)
+    else:
+        assert mean >= 0.99, mean
 
 
 def test_from_kvpress_wraps_and_refuses(default_model, prompt_ids):
