@@ -220,3 +220,33 @@ def test_two_threads_give_their_sequential_answers(model_dir, ids):
         t.join()
     assert not errors, errors
     assert got == want
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
+def test_two_pipelines_in_two_threads(device):
+    """Two Pipelines on one model (the default one) in two threads, each with its Python press, answer as they do
+    one after the other; on the emulated device (calls serialised under its lock) too: the bindings that take the
+    device's lock (new sessions, set_press, reset, freeing) release the GIL a forward's Python press waits for."""
+    from kvpress_c.demo import needle_prompt
+    from python_presses import PySnapKV
+    model = K.load_model(device=device)
+    context, question, _ = needle_prompt(model, n_tokens=200)
+    presses = [PyKnorm(compression_ratio=0.5), PySnapKV(compression_ratio=0.5)]
+    want = [K.Pipeline(model)(context, question, press=p, max_new_tokens=6).answers for p in presses]
+    got, errors = [None, None], []
+
+    def work(i):
+        try:
+            for _ in range(2):
+                got[i] = K.Pipeline(model)(context, question, press=presses[i], max_new_tokens=6).answers
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    assert not errors, errors
+    assert got == want
