@@ -14,7 +14,12 @@ import os
 import sys
 import time
 
-import numpy as np
+# The Python presses' NumPy matmuls run on OpenBLAS's own pool: give it the engines' thread count (a second pool
+# of threads on the same cores made the Python SnapKV 5x slower on the 2-core machine, measured)
+if "--threads" in sys.argv[:-1] and sys.argv[sys.argv.index("--threads") + 1] != "0":
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", sys.argv[sys.argv.index("--threads") + 1])
+
+import numpy as np  # noqa: E402
 
 # run from a checkout without installing: the package is one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -122,3 +122,24 @@ def run_with(model, press, ids, pyramid=False):
     s.set_press(**cfg)
     press.prefill(s, ids, model.config)
     return [[s.cache_positions(l, h).tolist() for h in range(2)] for l in range(3)]
+
+
+def test_run_many_shares_the_prefill_with_python_presses(default_model):
+    """run_many's shared prefill: Python presses among C ones, each compressing its own copy, keep what they keep
+    in their own runs (and the Python Knorm what the C Knorm keeps)."""
+    from kvpress_c.demo import needle_prompt
+    from python_presses import PyKnorm, PySnapKV
+    context, question, _ = needle_prompt(default_model, n_tokens=250)
+    pipe = K.Pipeline(default_model)
+    presses = [PyKnorm(compression_ratio=0.5), K.KnormPress(compression_ratio=0.5), PySnapKV(compression_ratio=0.5),
+               K.AdaKVPress(PySnapKV(compression_ratio=0.5))]
+    many = pipe.run_many(context, question, presses=presses, max_new_tokens=4)
+    for press, res in zip(presses, many):
+        alone = pipe(context, question, press=press, max_new_tokens=4)
+        assert alone.answers == res.answers
+        for a, b in zip(alone.kept_indices, res.kept_indices):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+    for a, b in zip(many[0].kept_indices, many[1].kept_indices):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
