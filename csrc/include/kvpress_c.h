@@ -283,8 +283,9 @@ typedef struct kvc_press_config {
 
 /* ---- A scorer the caller gives: a C function the engine calls for every layer it compresses ----
  * With scorer "callback" (its scores ranked by the press's allocation), "callback_window" (the same, the last
- * `window` rows of every head protected, as SnapKV's) or "callback_select" (it chooses the kept rows itself: keep,
- * n_keep), the engine calls `callback` once per layer, at every compression (prefill, TAKE's chunks, a decoding
+ * `window` rows of every head protected, as SnapKV's), "callback_stats" (the same, a decoding press buffering every
+ * row's query for it: statistics of all queries, as ExpectedAttention's) or "callback_select" (it chooses the kept
+ * rows itself: keep, n_keep), the engine calls `callback` once per layer, at every compression (prefill, TAKE's chunks, a decoding
  * press's intervals), on the calling thread. Everything in the view is valid during the call only; arrays are
  * host fp32, row-major, with the sizes beside them. The callback returns 0, or nonzero to fail the forward (the
  * call is rolled back; message, if it wrote one, is the error's text). */
@@ -318,6 +319,8 @@ typedef struct kvc_scorer_view {
     int32_t message_size;
     int32_t rope_pairing;          /* the model's kvc_rope_pairing of the keys' and queries' channels */
     const double *rope_freq;       /* [head_dim / 2] RoPE's frequency of each pair (scaling applied) */
+    int64_t future_from;           /* the first position after the rows the queries came from (a decoding press's
+                                    * buffer: kvpress's q_len, as ExpectedAttention's future positions start) */
 } kvc_scorer_view;
 typedef int32_t (*kvc_scorer_callback)(void *user, const kvc_scorer_view *view);
 

@@ -66,7 +66,8 @@ def c_config(press) -> dict:
     protect = bool(getattr(press, "protect_window", False))
     if protect and select:
         raise ValueError("a press defining compress() chooses every kept row itself: protect_window does not apply")
-    scorer = "callback_select" if select else ("callback_window" if protect else "callback")
+    stats = "all_queries" in reads and not protect  # every query: a decoding press buffers them all for it
+    scorer = "callback_select" if select else ("callback_window" if protect else "callback_stats" if stats else "callback")
     cfg = {"scorer": scorer, "allocation": "uniform", "window": window, "kernel": 1,
            "callback": _core.scorer_callback_address(), "callback_user": _token(press),
            "callback_needs": sum(_NEEDS[r] for r in set(reads))}

@@ -65,6 +65,7 @@ static PyObject *layer_dict(const kvc_scorer_view *v) {
     SET_ITEM(d, "device", PyLong_FromLong(v->device));
     SET_ITEM(d, "window", PyLong_FromLong(v->window));
     SET_ITEM(d, "n_call", PyLong_FromLongLong(v->n_call));
+    SET_ITEM(d, "future_from", PyLong_FromLongLong(v->future_from));
     SET_ITEM(d, "lengths", view_array(v->len, NPY_INT64, 1, l_dims, one));
     SET_ITEM(d, "keys", view_array(v->keys, NPY_FLOAT32, 3, kv_dims, kv_str));
     SET_ITEM(d, "values", view_array(v->values, NPY_FLOAT32, 3, kv_dims, kv_str));

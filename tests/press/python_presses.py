@@ -111,7 +111,7 @@ class PyExpectedAttention(Recording):
         pre = pre[:, ns:]
         mu = pre.mean(1)                                                 # [H, d]
         cov = np.einsum("hni,hnj->hij", pre - mu[:, None], pre - mu[:, None]) / pre.shape[1]
-        fut = (layer.positions[-1] + 1 + np.arange(self.n_future))[:, None] * freq
+        fut = (layer.future_from + np.arange(self.n_future))[:, None] * freq
         R = np.zeros((d, d))
         R[a, a], R[a, b], R[b, a], R[b, b] = np.cos(fut).mean(0), -np.sin(fut).mean(0), np.sin(fut).mean(0), np.cos(fut).mean(0)
         mu, cov = mu @ R.T, R @ cov @ R.T

@@ -2,6 +2,8 @@
  * module's own callback (python/presses/pyscorer.c). Three rows, one per way its result is used:
  *   "callback"         its scores, ranked by the press's allocation (uniform, PyramidKV, Ada-KV, ChunkKV, ...);
  *   "callback_window"  the same with the last `window` rows of every head protected (WINDOW, as SnapKV's);
+ *   "callback_stats"   the same, reading every query of the call (all_queries): QUERY_STATS, so a decoding press
+ *                      buffers every row's query for it, as for ExpectedAttention;
  *   "callback_select"  its own kept rows (OWN_BUDGET): the host function marks them 1, the others 0, and the
  *                      row's selection keeps the marked rows.
  * The view (kvc_scorer_view) is built here on the host: every head's rows padded to the longest head, the
@@ -109,7 +111,8 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
         .device = be->device, .len = len, .max_len = maxlen, .keys = k, .values = nv ? v : NULL, .n_call = ctx->n,
         .positions = pos, .window = w, .queries = needs & needs_q ? q : NULL, .hidden = nh ? hid : NULL,
         .attentions = na ? att : NULL, .scores = select ? NULL : sc, .keep = keep, .n_keep = keep ? keep + rows : NULL,
-        .message = message, .message_size = (int32_t)sizeof message, .rope_pairing = c->rope_pairing, .rope_freq = freq};
+        .message = message, .message_size = (int32_t)sizeof message, .rope_pairing = c->rope_pairing, .rope_freq = freq,
+        .future_from = lr->future_from > 0 ? lr->future_from : (ctx->n > 0 ? pos[ctx->n - 1] + 1 : 0)};
     const kvc_scorer_callback fn = (kvc_scorer_callback)(uintptr_t)cfg->callback;
     if (st == KVC_OK && fn((void *)(uintptr_t)cfg->callback_user, &view) != 0) {
         message[sizeof message - 1] = 0;
@@ -187,6 +190,19 @@ static const kvc_scorer_i callback_window_scorer = {
     .doc = "scores from a function the caller gives, the last window rows protected",
 };
 KVC_REGISTER_SCORER(callback_window_scorer);
+
+static const kvc_scorer_i callback_stats_scorer = {
+    .name = "callback_stats",
+    .title = "CallbackStats",
+    .code = -1,
+    .traits = KVC_SCORER_HOST | KVC_SCORER_QUERY_STATS, /* a decoding press buffers every row's query for it */
+    .params = params,
+    .check = check,
+    .host = callback_scores,
+    .select = NULL,
+    .doc = "scores from a function the caller gives, from every query of the call (ExpectedAttention-like statistics)",
+};
+KVC_REGISTER_SCORER(callback_stats_scorer);
 
 static const kvc_scorer_i callback_select_scorer = {
     .name = "callback_select",
