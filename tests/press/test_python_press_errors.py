@@ -250,3 +250,43 @@ def test_two_pipelines_in_two_threads(device):
     assert not any(t.is_alive() for t in threads), "a thread is stuck"
     assert not errors, errors
     assert got == want
+
+
+@dataclass
+class ReadsAll(ScorerPress):
+    window_size: int = 8
+    reads = ("values", "queries", "hidden_states", "attentions")
+    seen: list = field(default_factory=list)
+
+    def score(self, layer):
+        self.seen.append({k: np.array(getattr(layer, k)) for k in ("keys", "values", "queries", "hidden_states",
+                                                                    "attentions", "lengths", "positions")})
+        return -np.linalg.norm(layer.keys, axis=-1)
+
+
+def test_the_views_a_press_asks_for(model, ids):
+    """attentions: the window queries' softmax over the head's rows, causal inside the window (float64 reference from
+    the same queries and keys); hidden_states one row per call row; positions the call's."""
+    press = ReadsAll(compression_ratio=0.5)
+    s = model.new_session()
+    s.forward(ids[:30], logits="none")  # a cached prefix: the call's rows follow it
+    s.set_press(**press.c_config())
+    s.forward(ids[30:], logits="none")
+    c = model.config
+    assert len(press.seen) == c["n_layers"]
+    for v in press.seen:
+        n, w, g, d = N, 8, c["n_heads"] // c["n_kv_heads"], c["head_dim"]
+        assert v["keys"].shape == v["values"].shape == (c["n_kv_heads"], n, d) and (v["lengths"] == n).all()
+        assert v["queries"].shape == (c["n_heads"], w, d) and v["attentions"].shape == (c["n_heads"], w, n)
+        assert v["hidden_states"].shape == (N - 30, c["hidden"]) and np.isfinite(v["hidden_states"]).all()
+        np.testing.assert_array_equal(v["positions"], np.arange(30, N))
+        for hq in range(c["n_heads"]):
+            k = v["keys"][hq // g].astype(np.float64)
+            for i in range(w):
+                vis = n - w + i + 1
+                logit = k[:vis] @ v["queries"][hq, i].astype(np.float64) / np.sqrt(d)
+                p = np.exp(logit - logit.max())
+                p /= p.sum()
+                # float32 softmax against float64: 1e-6 of the row's largest probability (measured 2e-7)
+                np.testing.assert_allclose(v["attentions"][hq, i, :vis], p, rtol=0, atol=1e-6 * p.max())
+                assert (v["attentions"][hq, i, vis:] == 0).all()
