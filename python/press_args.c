@@ -213,6 +213,29 @@ static int add_choices(PyObject *m, const char *attr, const kvc_param_info *p) {
     return r;
 }
 
+/* PRESS_ARRAYS: every press array's name -> (press, type, shape, doc) (kvc_press_array_info) */
+static int press_arrays(PyObject *m) {
+    static const char *const types[] = {"float32", "float64", "int64"};
+    PyObject *arrays = PyDict_New();
+    if (!arrays) return -1;
+    int r = 0;
+    for (int32_t i = 0; i < kvc_press_array_count() && r == 0; i++) {
+        kvc_press_array_desc d;
+        if (kvc_press_array_info(i, &d) != KVC_OK) {
+            kvc_py_raise(KVC_ERR_ARG);
+            r = -1;
+            break;
+        }
+        PyObject *row = Py_BuildValue("{s:s,s:s,s:s,s:s}", "press", d.press, "type", types[d.type], "shape", d.shape,
+                                      "doc", d.doc);
+        if (!row || PyDict_SetItemString(arrays, d.name, row) < 0) r = -1;
+        Py_XDECREF(row);
+    }
+    if (r == 0) r = PyModule_AddObjectRef(m, "PRESS_ARRAYS", arrays);
+    Py_DECREF(arrays);
+    return r;
+}
+
 int kvc_py_press_constants(PyObject *m) {
     PyObject *params = PyDict_New();
     if (!params) return -1;
@@ -239,5 +262,5 @@ int kvc_py_press_constants(PyObject *m) {
     }
     if (r == 0) r = PyModule_AddObjectRef(m, "PRESS_PARAMS", params);
     Py_DECREF(params);
-    return r;
+    return r == 0 ? press_arrays(m) : r;
 }

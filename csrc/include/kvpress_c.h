@@ -407,48 +407,33 @@ KVC_API kvc_status kvc_cam_merge(const float *scores, const float *attn, const f
  * queries, the layer's remaining rows), and so on down the chain in the order added. Needs an attached
  * press; ObservedAttention cannot follow (it reads the attention rows of the uncompressed layer). */
 KVC_API kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg);
-/* PerLayerCompressionPress: the attached press uses ratios[l] as layer l's compression_ratio (n_layers
- * values in [0, 1); 0 leaves a layer as it is). The press must use compression_ratio, not a budget. */
-KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers);
-/* KeyRerotationPress: after the attached press compresses a layer of a prefill, its kept keys are re-rotated
- * to positions 0 .. n_kept - 1 (new tokens keep their positions; cache positions stay the original ones). */
-KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
-/* Given rows per head (DuoAttention: -1 keeps a retrieval head whole, sink + recent for a streaming head):
- * keep[layer * Hkv + h] replaces the attached press's budget; its scorer picks which rows (top k per head). */
-KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n);
-/* BlockPress: the attached press selects block by block (kept rows + the next block_size rows, scored
- * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
-KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
-/* ThinKPress: after the press's token eviction, each KV head's int(d x ratio) key channels of lowest
- * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are
- * dropped from every cached row. free_channels 1: the rows are stored with the kept channels only (the
- * K store shrinks; attention reads them exactly); 0: the channels are set to zero in place, as kvpress
- * does (the K store keeps its head dim, no memory is freed). Rows appended later keep every channel. */
-KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels);
-/* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
- * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
-KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);
+/* Presses' arrays by name (PerLayerCompressionPress's "layer_ratios", DuoAttention's "head_budgets", BlockPress's
+ * "block_size", KeyRerotationPress's "key_rerotation", ThinK's "key_channel_ratio" / "channel_window" /
+ * "channel_free", QFilterPress's "key_filters", ExpectedAttentionStatsPress's "query_mean" / "query_cov", LU-KV's
+ * "head_prune" / "lukv_sink" / "lukv_window"): set on the last press of the chain, n values of `type`, checked
+ * against the array's row (its type, and its count from the model: kvc_press_array_info); a wrapper that cannot
+ * act on that press says why (KVC_ERR_ARG). What each array means: its doc, and docs/METHODS.md. */
+enum { KVC_ARRAY_F32 = 0, KVC_ARRAY_F64 = 1, KVC_ARRAY_I64 = 2 };
+KVC_API kvc_status kvc_session_set_press_array(kvc_session *s, const char *name, int32_t type, const void *data, int64_t n);
+typedef struct kvc_press_array_desc {
+    const char *name;
+    const char *press; /* the press it belongs to ("BlockPress", ...) */
+    int32_t type;      /* KVC_ARRAY_* */
+    const char *shape; /* its count: "one", "layers", "layers x kv_heads", ... */
+    const char *doc;
+} kvc_press_array_desc;
+KVC_API int32_t kvc_press_array_count(void);
+KVC_API kvc_status kvc_press_array_info(int32_t i, kvc_press_array_desc *out);
 /* KVzapPress: the press scores the rows of a prefill (into an empty session) with a per-layer model of the
  * attention block's normed input x [n, D]: hidden_dim 0: s = x W1^T + b1 (W1 [L, Hkv, D], b1 [L, Hkv]);
  * else s = GELU(x W1^T + b1) W2^T + b2 (W1 [L, hidden_dim, D], b1 [L, hidden_dim], W2 [L, Hkv, hidden_dim],
  * b2 [L, Hkv]; exact erf GELU). Scores are computed on the host, in float64 accumulation. */
 KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
                                          const float *w2, const float *b2);
-/* ExpectedAttentionStatsPress: the attached ExpectedAttention press takes the query mean [n_layers, H, head_dim]
- * and covariance [n_layers, H, head_dim, head_dim] (pre-RoPE, this model's channel order) as given, instead of
- * its forward call's queries; the averaged future RoPE then rotates them as usual. */
-KVC_API kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
-                                               int64_t n_cov);
 /* The same for the session's decoding press (its base an ExpectedAttention press): the given statistics instead of
  * the buffered queries'. */
 KVC_API kvc_status kvc_session_set_decoding_query_stats(kvc_session *s, const float *mean, const float *cov,
                                                         int64_t n_mean, int64_t n_cov);
-/* LUKVPress: each KV head of a layer keeps a share given by prune[layer * Hkv + h], the fraction of its rows it
- * prunes (a row of LU-KV's budget curve): the counts are the floors of (1 - prune) n, the rounded total's rest
- * going to the largest fractions, each at least 1. The press's scorer ranks the rows; the first `sink` and
- * the last `window` rows get the layer's maximum score + 1 first. */
-KVC_API kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink,
-                                               int32_t window);
 /* FastKVzipPress (arXiv 2601.17668): per layer a gate of the attention block's normed input x [n, D] scores each
  * row for each KV head h: q = RMSNorm(x Wq^T + bq) per group g, k = RMSNorm(x Wk^T) (per-head norms over
  * out_dim, weights q_norm, k_norm, eps norm_eps), logit_g = k.q_g / sqrt(out_dim) + b[h, g],
