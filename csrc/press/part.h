@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../include/kvpress_c.h"
+#include "config.h"
 
 typedef struct kvc_press kvc_press;         /* press.h */
 typedef struct kvc_layer_ctx kvc_layer_ctx; /* core/press_i.h */

@@ -1,5 +1,5 @@
 """The one ctypes view of the public C ABI (csrc/include/kvpress_c.h) for the tests: the library with every
-signature the tests call, its structs (kvc_config, kvc_press_config), status and device codes, and the
+signature the tests call, its structs (kvc_config, kvc_press_array_desc), status and device codes, and the
 press functions on plain arrays. Tests that call the C core without the Python module import from here."""
 from __future__ import annotations
 
