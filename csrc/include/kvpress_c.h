@@ -201,80 +201,9 @@ KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, i
 /* ---------------------------------------------------------------------------------------------- */
 /* Presses: what to keep when a prefill compresses the cache (see docs/METHODS.md).                     */
 
-/* The scorers are named ("snapkv", "knorm", ...: kvc_scorer_info lists them, kvc_press_param_info's "scorer"
- * choices too); a config's `scorer` field holds a scorer's index in that list, set by name with
- * kvc_press_config_set_str(cfg, "scorer", name). */
-
-typedef enum kvc_allocation {
-    KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
-    KVC_ALLOC_PYRAMID = 1,   /* PyramidKV layer schedule (kvpress integer schedule) */
-    KVC_ALLOC_ADAKV = 2,     /* Ada-KV head-wise budgets */
-    KVC_ALLOC_LAYER = 3      /* given per-layer totals (TADA), chosen across the layer's heads */
-} kvc_allocation;
-
-typedef enum kvc_safeguard {
-    KVC_SAFEGUARD_FLOOR = 0,   /* official Ada-KV code: cap_h = round(f_h (1 - a) + floor(Bp a)) */
-    KVC_SAFEGUARD_PROTECT = 1  /* kvpress AdaKVPress: each head's top int(n_kept a) protected */
-} kvc_safeguard;
-
-typedef struct kvc_press_config {
-    int32_t scorer;            /* the scorer's index (set it by name: kvc_press_config_set_str) */
-    int32_t allocation;        /* kvc_allocation */
-    double compression_ratio;  /* fraction removed, in [0, 1); used when budget == 0 */
-    int64_t budget;            /* tokens kept per KV head per layer on average (window inside); 0: ratio */
-    int32_t window;            /* observation window w (SnapKV-family scorers; 0 for others) */
-    int32_t kernel;            /* pooling kernel (odd, >= 1; 1 = no pooling) */
-    int32_t pool_max;          /* 0: average pooling (counts padding, like torch avg_pool1d); 1: max */
-    int32_t gqa_max;           /* 0: mean over the heads of a group; 1: max */
-    int32_t pool_then_reduce;  /* 1: pool per query head then reduce (kvpress); 0: reduce first (Ada-KV code) */
-    int32_t n_sink;            /* StreamingLLM sinks */
-    uint64_t seed;             /* RandomPress */
-    float alpha_safeguard;     /* Ada-KV */
-    int32_t safeguard;         /* kvc_safeguard */
-    int32_t pyramid_beta;      /* PyramidKV beta (20) */
-    int32_t record_scores;     /* keep each layer's scores for kvc_session_press_scores */
-    int32_t chunk_length;      /* ChunkKV: select chunks of this many tokens (0: single tokens) */
-    int32_t reuse_layers;      /* ChunkKV layer-wise index reuse: groups of this many layers (<= 1: off) */
-    float edie_alpha;          /* EDIE: U = a / (1 + alpha - a) * (|v|_1 + |o|_1) */
-    int32_t drop_window;       /* the window rows are scoring queries only (Judge Q soft tokens, an
-                                  answer for the oracle): they are evicted, the budget is over the rest */
-    /* ---- kvpress's scorers (n_sink above is theirs too: LagKV, ExpectedAttention) ---- */
-    int32_t lag_size;          /* LagKV partition length (128) */
-    int32_t cross_scoring;     /* LagKV: 1 keeps the raw partition scores (comparable across partitions) */
-    int32_t n_future;          /* ExpectedAttention n_future_positions (512) */
-    int32_t use_covariance;    /* ExpectedAttention: add k^T Cov k / 2d (1) */
-    int32_t use_vnorm;         /* ExpectedAttention: (score + epsilon) * ||v|| (1) */
-    float epsilon;             /* ExpectedAttention (0) */
-    int32_t critical;          /* CriticalKV two-stage selection over the scorer (with KVC_ALLOC_ADAKV: CriticalAdaKV) */
-    float critical_eps;        /* CriticalKV: (score + eps) * |W_o v|_1 (1e-4) */
-    float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
-    int32_t attn_chunk;        /* NonCausalAttn chunk_size (256) */
-    int32_t sketch_dim;        /* LeverageScore sketch_dimension (48); its sketch is drawn from `seed` */
-    int32_t cur_type;          /* CUR leverage_type: 0 key, 1 value, 2 kv_avg, 3 kv_product (3) */
-    int32_t cur_random;        /* CUR use_random_leverage: K and V times a [d, 20] sketch from `seed` (0) */
-    int32_t cur_window;        /* CUR local_window_size (16); 0: use_local_approximation off */
-    int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
-    int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
-    float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
-    /* ---- kvpress's wrappers that change the selection ---- */
-    int32_t chunk_press;       /* ChunkPress chunk_length: each chunk scored alone, its own top share (0: off) */
-    int32_t finch_normalize;   /* FinchPress normalize_scores: window query j's attention times len - w + j (1) */
-    int32_t finch_chunk;       /* FinchPress chunk_length: the layer's scores cut in chunks, each its top share (0: off) */
-    float lazy_threshold;      /* SimLayerKV: a layer is lazy when its attention mass on the kept rows exceeds this (1) */
-    int32_t n_recent;          /* SimLayerKV: recent rows a lazy layer keeps, the window's included (1024) */
-    int32_t low_entropy_chunk; /* EntropyGatedChunkKV (with chunk_length): tokens a high-score, low-entropy chunk
-                                  keeps (0: plain ChunkKV) */
-    /* ---- value merging on eviction (csrc/press/merge.c) ---- */
-    int32_t merge;             /* MergingPress: each evicted row's value folded into its most key-similar kept row */
-    float merge_threshold;     /* MergingPress similarity_threshold: least cosine similarity of a merge (0) */
-    float merge_fraction;      /* MergingPress merge_fraction: share of the evicted rows (by similarity) merged (1) */
-    /* ---- CapPress (n_sink, n_future and epsilon above are its too) ---- */
-    float cap_tau;             /* CapPress tau: the temperature of the query-key alignment weights (5) */
-    /* ---- DMSPress: threshold eviction behind a sliding window (csrc/press/dms.c) ---- */
-    int32_t dms;               /* 1: rows leaving the window that score below dms_threshold are evicted (no ratio) */
-    float dms_threshold;       /* DMSPress threshold */
-    int32_t dms_window;        /* DMSPress sliding_window_size: the last rows, never judged yet (128) */
-} kvc_press_config;
+/* Presses are made and set by name (kvc_press_spec below): a press's settings never cross the ABI as a
+ * struct. The scorers, allocations and safeguards are names too ("snapkv", "pyramid", "protect": the choices of
+ * kvc_press_param_info's "scorer", "allocation" and "safeguard"). */
 
 /* ---- Presses by name: the interface for bindings and C clients (no struct to mirror, no codes) ---- */
 /* A press's settings, opaque: made from a scorer's name ("snapkv", "knorm", ...: kvc_press_param_info of
@@ -306,13 +235,7 @@ KVC_API kvc_status kvc_press_spec_compute(int32_t device, const kvc_press_spec *
                                           int64_t len, int64_t layer_total, float *scores, int64_t n_scores, int64_t *keep,
                                           int64_t n_keep_rows, int64_t *n_keep);
 typedef struct kvc_decoding_config kvc_decoding_config; /* below */
-/* The same setters on the config structs that TAKE's and the decoding presses' configs embed (kvc_take_config.inner,
- * kvc_decoding_config: its own settings by name, then its base press's). */
-KVC_API kvc_status kvc_press_config_set_i64(kvc_press_config *c, const char *name, int64_t value);
-KVC_API kvc_status kvc_press_config_set_u64(kvc_press_config *c, const char *name, uint64_t value);
-KVC_API kvc_status kvc_press_config_set_f64(kvc_press_config *c, const char *name, double value);
-KVC_API kvc_status kvc_press_config_set_str(kvc_press_config *c, const char *name, const char *value);
-KVC_API kvc_status kvc_press_config_get(const kvc_press_config *c, const char *name, double *value);
+/* A decoding press's settings by name: its own, then its base press's (kvc_decoding_config_new). */
 KVC_API kvc_status kvc_decoding_config_set_i64(kvc_decoding_config *c, const char *name, int64_t value);
 KVC_API kvc_status kvc_decoding_config_set_u64(kvc_decoding_config *c, const char *name, uint64_t value);
 KVC_API kvc_status kvc_decoding_config_set_f64(kvc_decoding_config *c, const char *name, double value);
@@ -335,14 +258,6 @@ typedef struct kvc_param_info {
 KVC_API int32_t kvc_press_param_count(void);
 KVC_API kvc_status kvc_press_param_info(int32_t i, kvc_param_info *out);
 
-/* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
-KVC_API void kvc_press_config_defaults(kvc_press_config *cfg);
-/* The one validation of a press config (kvc_session_set_press and every press API call it; the Python
- * presses too): KVC_ERR_ARG with the message. Giving both compression_ratio and budget is refused. */
-KVC_API kvc_status kvc_press_config_check(const kvc_press_config *cfg);
-/* Tokens a head of `n` rows keeps at `layer` of `n_layers` (uniform: min(n, budget) or kvpress's
- * max(1, int(n (1 - ratio))); PyramidKV: the layer's share of its schedule). */
-KVC_API kvc_status kvc_press_kept(const kvc_press_config *cfg, int32_t layer, int32_t n_layers, int64_t n, int64_t *out);
 /* The scorer table (csrc/press/scorer.h), for introspection: how many scorers, and the i-th (0 <= i <
  * kvc_scorer_count()): its `scorer` name, its index (i: what a config's `scorer` holds), trait bits and the
  * NULL-terminated names of the settings it reads (any output may be NULL). Strings are static. */
@@ -353,9 +268,6 @@ KVC_API kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, 
  * each in [lo, hi], summing to total clamped to [L lo, L hi] (bisection on the scale, then largest
  * remainders). */
 KVC_API kvc_status kvc_tada_allocate(const double *weights, int32_t L, int64_t total, int64_t lo, int64_t hi, int64_t *out);
-/* Attach a press: the next multi-token kvc_forward compresses every layer right after its
- * attention (kvpress schedule). NULL detaches. The config is validated here. */
-KVC_API kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg);
 /* Scores of the last compression at `layer` for `kv_head` (over that head's rows before eviction):
  * *n receives the count; out (may be NULL to query n) receives them. Needs record_scores. */
 KVC_API kvc_status kvc_session_press_scores(const kvc_session *s, int32_t layer, int32_t kv_head, float *out, int64_t *n);
@@ -369,22 +281,6 @@ KVC_API kvc_status kvc_session_set_layer_budgets(kvc_session *s, const int64_t *
  * past rows) and the cosine dissimilarity 1 - cos(R, R + O) averaged over the window tokens. */
 KVC_API kvc_status kvc_session_press_layer_stats(const kvc_session *s, int32_t layer, double *e_internal,
                                                  double *dissimilarity);
-
-/* The press as a pure function on arrays (for tests and tools): one layer, every head holding `len`
- * rows. q [n, H, d] are this call's queries (the last n rows of the cache are theirs, so
- * past = len - n); k, v [Hkv, len, d]. Outputs: scores [Hkv, len], keep [Hkv, len] (row indices,
- * the first n_keep[h] of head h valid, increasing), n_keep [Hkv]. */
-KVC_API kvc_status kvc_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
-                                     int32_t layer, int32_t n_layers, const float *q, int64_t n,
-                                     const float *k, const float *v, int64_t len,
-                                     float *scores, int64_t *keep, int64_t *n_keep);
-/* Like kvc_press_compute with the attention outputs the EDIE scorer needs: attn [n, H, d] (this
- * call's attention output before o_proj; may be NULL for other scorers) and, for KVC_ALLOC_LAYER,
- * layer_total (tokens kept over the layer's heads). */
-KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
-                                        int32_t layer, int32_t n_layers, const float *q, const float *attn,
-                                        int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
-                                        float *scores, int64_t *keep, int64_t *n_keep);
 
 /* Value merging on eviction as functions on arrays (csrc/press/merge.c; sessions run the same code on the rows
  * their backend gives the host). MergingPress, one KV head: k, v [n, d], keep [n_keep] its kept rows
@@ -403,52 +299,35 @@ KVC_API kvc_status kvc_cam_merge(const float *scores, const float *attn, const f
 /* ---------------------------------------------------------------------------------------------- */
 /* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress)                                */
 
-/* ComposedPress: after the attached press compresses a layer, this press compresses what it kept (same
- * queries, the layer's remaining rows), and so on down the chain in the order added. Needs an attached
- * press; ObservedAttention cannot follow (it reads the attention rows of the uncompressed layer). */
-KVC_API kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg);
-/* PerLayerCompressionPress: the attached press uses ratios[l] as layer l's compression_ratio (n_layers
- * values in [0, 1); 0 leaves a layer as it is). The press must use compression_ratio, not a budget. */
-KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers);
-/* KeyRerotationPress: after the attached press compresses a layer of a prefill, its kept keys are re-rotated
- * to positions 0 .. n_kept - 1 (new tokens keep their positions; cache positions stay the original ones). */
-KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
-/* Given rows per head (DuoAttention: -1 keeps a retrieval head whole, sink + recent for a streaming head):
- * keep[layer * Hkv + h] replaces the attached press's budget; its scorer picks which rows (top k per head). */
-KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n);
-/* BlockPress: the attached press selects block by block (kept rows + the next block_size rows, scored
- * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
-KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
-/* ThinKPress: after the press's token eviction, each KV head's int(d x ratio) key channels of lowest
- * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are
- * dropped from every cached row. free_channels 1: the rows are stored with the kept channels only (the
- * K store shrinks; attention reads them exactly); 0: the channels are set to zero in place, as kvpress
- * does (the K store keeps its head dim, no memory is freed). Rows appended later keep every channel. */
-KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels);
-/* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
- * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
-KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);
+/* ComposedPress: kvc_session_chain_press (after the attached press compresses a layer, the chained press
+ * compresses what it kept, and so on down the chain; ObservedAttention cannot follow). */
+/* Presses' arrays by name (PerLayerCompressionPress's "layer_ratios", DuoAttention's "head_budgets", BlockPress's
+ * "block_size", KeyRerotationPress's "key_rerotation", ThinK's "key_channel_ratio" / "channel_window" /
+ * "channel_free", QFilterPress's "key_filters", ExpectedAttentionStatsPress's "query_mean" / "query_cov", LU-KV's
+ * "head_prune" / "lukv_sink" / "lukv_window"): set on the last press of the chain, n values of `type`, checked
+ * against the array's row (its type, and its count from the model: kvc_press_array_info); a wrapper that cannot
+ * act on that press says why (KVC_ERR_ARG). What each array means: its doc, and docs/METHODS.md. */
+enum { KVC_ARRAY_F32 = 0, KVC_ARRAY_F64 = 1, KVC_ARRAY_I64 = 2 };
+KVC_API kvc_status kvc_session_set_press_array(kvc_session *s, const char *name, int32_t type, const void *data, int64_t n);
+typedef struct kvc_press_array_desc {
+    const char *name;
+    const char *press; /* the press it belongs to ("BlockPress", ...) */
+    int32_t type;      /* KVC_ARRAY_* */
+    const char *shape; /* its count: "one", "layers", "layers x kv_heads", ... */
+    const char *doc;
+} kvc_press_array_desc;
+KVC_API int32_t kvc_press_array_count(void);
+KVC_API kvc_status kvc_press_array_info(int32_t i, kvc_press_array_desc *out);
 /* KVzapPress: the press scores the rows of a prefill (into an empty session) with a per-layer model of the
  * attention block's normed input x [n, D]: hidden_dim 0: s = x W1^T + b1 (W1 [L, Hkv, D], b1 [L, Hkv]);
  * else s = GELU(x W1^T + b1) W2^T + b2 (W1 [L, hidden_dim, D], b1 [L, hidden_dim], W2 [L, Hkv, hidden_dim],
  * b2 [L, Hkv]; exact erf GELU). Scores are computed on the host, in float64 accumulation. */
 KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
                                          const float *w2, const float *b2);
-/* ExpectedAttentionStatsPress: the attached ExpectedAttention press takes the query mean [n_layers, H, head_dim]
- * and covariance [n_layers, H, head_dim, head_dim] (pre-RoPE, this model's channel order) as given, instead of
- * its forward call's queries; the averaged future RoPE then rotates them as usual. */
-KVC_API kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
-                                               int64_t n_cov);
 /* The same for the session's decoding press (its base an ExpectedAttention press): the given statistics instead of
  * the buffered queries'. */
 KVC_API kvc_status kvc_session_set_decoding_query_stats(kvc_session *s, const float *mean, const float *cov,
                                                         int64_t n_mean, int64_t n_cov);
-/* LUKVPress: each KV head of a layer keeps a share given by prune[layer * Hkv + h], the fraction of its rows it
- * prunes (a row of LU-KV's budget curve): the counts are the floors of (1 - prune) n, the rounded total's rest
- * going to the largest fractions, each at least 1. The press's scorer ranks the rows; the first `sink` and
- * the last `window` rows get the layer's maximum score + 1 first. */
-KVC_API kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink,
-                                               int32_t window);
 /* FastKVzipPress (arXiv 2601.17668): per layer a gate of the attention block's normed input x [n, D] scores each
  * row for each KV head h: q = RMSNorm(x Wq^T + bq) per group g, k = RMSNorm(x Wk^T) (per-head norms over
  * out_dim, weights q_norm, k_norm, eps norm_eps), logit_g = k.q_g / sqrt(out_dim) + b[h, g],
@@ -494,18 +373,12 @@ KVC_API kvc_status kvc_session_query_moments(kvc_session *s, const int32_t *ids,
 /* re-packed with room for compression_interval more rows). Window scorers read the queries of the    */
 /* last steps (the buffered hidden states of kvpress, kept here as post-RoPE queries).                 */
 
-typedef struct kvc_decoding_config {
-    kvc_press_config base;            /* scorer, allocation, chunks of each compression (its ratio/budget unused) */
-    int64_t compression_interval;     /* steps between compressions (512) */
-    int64_t target_size;              /* rows kept per KV head by a compression (2048) */
-    int32_t ratio_target;             /* 1: CompressionRatioDecodingPress, target = max(1, int(tokens seen x (1 - r))) */
-    double target_compression_ratio;  /* r in [0, 1) (0.5) */
-    int32_t hidden_states_buffer_size;/* steps whose queries stay buffered between compressions (256) */
-    int32_t cam_merge_budget;         /* CAMPress merge_budget (> 0: CaM's merge before pruning; 0: DecodingPress) */
-    uint64_t cam_seed;                /* CAMPress: the stream of its Bernoulli merge draws (docs/METHODS.md) */
-} kvc_decoding_config;
+/* A decoding press's settings (opaque): made with kvpress's defaults, set by name (kvc_decoding_config_set_*:
+ * compression_interval, target_size, ratio_target, target_compression_ratio, hidden_states_buffer_size,
+ * cam_merge_budget, cam_seed, then any setting of its base press: scorer, allocation, ...). */
+KVC_API kvc_status kvc_decoding_config_new(kvc_decoding_config **out);
+KVC_API void kvc_decoding_config_free(kvc_decoding_config *cfg);
 
-KVC_API void kvc_decoding_config_defaults(kvc_decoding_config *cfg);
 KVC_API kvc_status kvc_decoding_config_check(const kvc_decoding_config *cfg);
 /* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_set_press:
  * kvpress PrefillDecodingPress) and survives kvc_session_reset with its counters cleared. */
@@ -603,8 +476,8 @@ typedef struct kvc_take_config {
     int32_t delayed;           /* 1: delayed eviction (paper); 0: every layer scores itself */
     const int32_t *probe_ids;  /* p probe tokens appended to every chunk; their K/V are never kept */
     int64_t n_probe;
-    int32_t use_inner;         /* 1: score with `inner` (its window = the probes) instead of probe attention */
-    kvc_press_config inner;
+    const kvc_press_spec *inner; /* a press whose scorer scores the rows (its window: the probes) instead of probe
+                                  * attention, or NULL; copied by the call */
     int32_t prompt_cached;     /* 1: the session already holds the n prompt tokens, uncompressed (a shared
                                 * prefill; needs n <= chunk_size): only the probes run, then the eviction */
 } kvc_take_config;
@@ -725,12 +598,6 @@ KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, i
  * whether the store allowed it (reads and gathers within the rows held, writes within the room). */
 KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                              int64_t row0, int64_t rows);
-/* kvc_press_compute_ex on a device: the same scoring and selection as a session of that device. */
-KVC_API kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg, int32_t H, int32_t Hkv,
-                                            int32_t d, int32_t layer, int32_t n_layers, const float *q, const float *attn,
-                                            int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
-                                            float *scores, int64_t *keep, int64_t *n_keep);
-
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
  * The first decode step after a capture is needed runs eagerly; a failed capture turns graphs off for the
  * session and says why in kvc_session_graph_info. KVC_ERR_UNSUPPORTED on a device without graphs. */

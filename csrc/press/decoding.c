@@ -63,6 +63,15 @@ void kvc_decoding_config_defaults(kvc_decoding_config *c) {
     c->hidden_states_buffer_size = 256;
 }
 
+kvc_status kvc_decoding_config_new(kvc_decoding_config **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!(*out = malloc(sizeof **out))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press settings");
+    kvc_decoding_config_defaults(*out);
+    return KVC_OK;
+}
+
+void kvc_decoding_config_free(kvc_decoding_config *c) { free(c); }
+
 /* Query rows a compression of this scorer reads. */
 static int32_t query_rows(const kvc_press_config *b) {
     if (reads_all_rows(b)) return 0; /* its own buffer of every row */

@@ -1,6 +1,6 @@
 /* ExpectedAttention with given query statistics (ExpectedAttentionStatsPress, and the decoding press whose
- * base it is), and the query moments that make them. Session methods set_query_stats,
- * set_decoding_query_stats, query_moments. */
+ * base it is), and the query moments that make them. Session methods set_decoding_query_stats,
+ * query_moments (the prefill press's statistics are its arrays: set_press_array). */
 #include "core.h"
 
 typedef kvc_status (*query_stats_fn)(kvc_session *, const float *, const float *, int64_t, int64_t);
@@ -19,10 +19,6 @@ static PyObject *query_stats_call(SessionObject *self, PyObject *args, query_sta
     Py_DECREF(m);
     Py_XDECREF(c);
     return res;
-}
-
-static PyObject *set_query_stats(SessionObject *self, PyObject *args) {
-    return query_stats_call(self, args, kvc_session_set_query_stats);
 }
 
 static PyObject *set_decoding_query_stats(SessionObject *self, PyObject *args) {
@@ -53,9 +49,6 @@ done:
 }
 
 PyMethodDef kvc_py_expected_attention_methods[] = {
-    {"set_query_stats", (PyCFunction)set_query_stats, METH_VARARGS,
-     "set_query_stats(mean[L, H, d], cov[L, H, d, d]): given pre-RoPE query statistics for the attached\n"
-     "ExpectedAttention press (ExpectedAttentionStatsPress), in this model's channel order."},
     {"set_decoding_query_stats", (PyCFunction)set_decoding_query_stats, METH_VARARGS,
      "set_decoding_query_stats(mean[L, H, d], cov[L, H, d, d]): the same for the decoding press (its base an\n"
      "ExpectedAttention press): the given statistics instead of the buffered queries'."},

@@ -1,5 +1,5 @@
 """The one ctypes view of the public C ABI (csrc/include/kvpress_c.h) for the tests: the library with every
-signature the tests call, its structs (kvc_config, kvc_press_config), status and device codes, and the
+signature the tests call, its structs (kvc_config, kvc_press_array_desc), status and device codes, and the
 press functions on plain arrays. Tests that call the C core without the Python module import from here."""
 from __future__ import annotations
 
@@ -74,6 +74,10 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_press_spec_compute": (_I, [_I32, _V, _I32, _I32, _I32, _I32, _I32, F32P, _I64, _V, _I64, _I64, F32P, F32P, _I64,
                                     _I64, _I64, F32P, _I64, I64P, _I64, I64P]),
     "kvc_press_param_count": (_I32, []),
+    "kvc_session_set_press_array": (_I, [_V, C.c_char_p, _I32, _V, _I64]),
+    "kvc_session_chain_press": (_I, [_V, _V]),
+    "kvc_press_array_count": (_I32, []),
+    "kvc_press_array_info": (_I, [_I32, _V]),
     "kvc_kernel_matmul": (_I, [F32P, F32P, F32P, _I64, _I64, _I64]),
     "kvc_kernel_rmsnorm": (_I, [F32P, F32P, F32P, _I64, _I64, _F]),
     "kvc_kernel_rope": (_I, [F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
@@ -103,6 +107,15 @@ SIGNATURES = {  # name: (restype, argtypes)
                              C.POINTER(C.POINTER(C.c_char_p))]),
     "kvc_cam_merge": (_I, [F32P, F32P, F32P, _I32, _I64, _I32, _I64, _I64, _I32, C.c_uint64, _I32, _I64, I64P, F32P]),
 }
+
+
+class PressArrayDesc(C.Structure):  # kvc_press_array_desc
+    _fields_ = [("name", C.c_char_p), ("press", C.c_char_p), ("type", C.c_int32), ("shape", C.c_char_p),
+                ("doc", C.c_char_p)]
+
+
+# KVC_ARRAY_*
+ARRAY_F32, ARRAY_F64, ARRAY_I64 = range(3)
 
 
 def bind(lib):
