@@ -357,12 +357,12 @@ KVC_API kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip
  * q norm; this model's channel order) to sum [L, H, d] and their products to outer [L, H, d, d] (both filled
  * in, summed across calls); the session is reset afterwards. */
 KVC_API kvc_status kvc_session_query_moments(kvc_session *s, const int32_t *ids, int64_t n, int32_t n_sink, double *sum,
-                                             double *outer);
+                                             int64_t n_sum, double *outer, int64_t n_outer);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
-/* DMSPress (kvpress; csrc/press/dms.c) is a press config with dms = 1: attached with kvc_session_set_press it
+/* DMSPress (kvpress; csrc/press/dms.c) is a press with the setting dms = 1: attached (kvc_session_attach_press) it
  * acts on a prefill into an empty session; as the base of a decoding press (kvc_session_set_decoding_press,
- * base.dms = 1) on every later call, continuing the prefill's window (kvpress DMSPress(decoding=True)). */
+ * its setting dms = 1) on every later call, continuing the prefill's window (kvpress DMSPress(decoding=True)). */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress).                  */
@@ -380,12 +380,14 @@ KVC_API kvc_status kvc_decoding_config_new(kvc_decoding_config **out);
 KVC_API void kvc_decoding_config_free(kvc_decoding_config *cfg);
 
 KVC_API kvc_status kvc_decoding_config_check(const kvc_decoding_config *cfg);
-/* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_set_press:
+/* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_attach_press:
  * kvpress PrefillDecodingPress) and survives kvc_session_reset with its counters cleared. */
 KVC_API kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg);
 /* Layer compressions the decoding press made since it was attached or the session reset. */
 KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
 
+/* Whole-cache methods (KVzip, KVgrad, KVCompose, the query moments): every array with its size in values, which
+ * must be the size the comment gives (KVC_ERR_ARG naming it otherwise). */
 /* ---------------------------------------------------------------------------------------------- */
 /* KVzip (arXiv 2505.23416): context-reconstruction scores after a full prefill (csrc/press/kvzip.c) */
 
@@ -394,15 +396,15 @@ KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
  * chunk row's most attention from them (softmax over the min(n_sink, start) sinks, the chunk and the
  * causal reconstruction rows; plus: KVzip+ normalisation). Their rows are dropped again afterwards. */
 KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
-                                           int64_t end, int32_t n_sink, int32_t plus, float *scores);
+                                           int64_t end, int32_t n_sink, int32_t plus, float *scores, int64_t n_scores);
 /* Evict the int(L Hkv n ratio) lowest of scores[L, Hkv, n] over all layers (layerwise: int(Hkv n ratio)
  * per layer), the first n_sink rows of every head kept, from the session's full cache of n rows. */
-KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio,
+KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, int64_t n_scores, double compression_ratio,
                                            int32_t layerwise, int32_t n_sink);
 
 /* The same on the first n_ctx rows of every head only (scores [L, Hkv, n_ctx]): the rows after them (RestoreKV's
  * restore rows) stay. compression_ratio in [0, 1] (1: every scored row goes). */
-KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx,
+KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_scores, int64_t n_ctx,
                                                   double compression_ratio, int32_t layerwise, int32_t n_sink);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -419,7 +421,8 @@ KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *s
  * an fp32 host copy of its file (kvc_model_host_weights). KVC_ERR_UNSUPPORTED for a sliding window shorter
  * than the positions spanned. */
 KVC_API kvc_status kvc_session_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
-                                            int64_t end, int32_t n_sink, float *scores, float *grad_norms);
+                                            int64_t end, int32_t n_sink, float *scores, int64_t n_scores, float *grad_norms,
+                                            int64_t n_grad_norms);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* LoRA adapters and rows appended from embeddings (RestoreKV; csrc/train/lora.c, csrc/press/restorekv.c) */
@@ -453,13 +456,13 @@ KVC_API kvc_status kvc_session_append_embeddings(kvc_session *s, const float *em
  * maximum (sum = 0) or the sum (sum = 1) over the prompt's queries of their softmax attention (over the context
  * and the causal prompt rows). The prompt's rows are dropped again afterwards. */
 KVC_API kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum,
-                                                 float *out);
+                                                 float *out, int64_t n_out);
 /* KVCompose's eviction of the session's full context cache from per-attention-head statistics task[L, H, n]
  * (agg_task already applied): the group's max or mean (group_max), times ||v|| (add_v_norm), plus the mean over
  * the layer's KV heads (add_mean); counts from the composite scores (structured: per layer, the heads' max or
  * mean (head_max) of their sorted scores, the first layer the maximum over layers; else per head), each head
  * keeping its own top rows; the first lower_bound entries of every composite get +1e9. */
-KVC_API kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double compression_ratio,
+KVC_API kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, int64_t n_task, double compression_ratio,
                                                int32_t structured, int32_t group_max, int32_t head_max,
                                                int32_t add_v_norm, int32_t add_mean, int64_t lower_bound);
 

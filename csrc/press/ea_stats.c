@@ -24,8 +24,12 @@ static kvc_status moments_hook(void *user, kvc_session *s, const kvc_layer_ctx *
 }
 
 kvc_status kvc_session_query_moments(kvc_session *s, const int32_t *ids, int64_t n, int32_t n_sink, double *sum,
-                                     double *outer) {
+                                     int64_t n_sum, double *outer, int64_t n_outer) {
     if (!s || !ids || !sum || !outer) return kvc_fail(KVC_ERR_ARG, "query_moments: null argument");
+    const kvc_config *mc = &kvc_door_model(s)->cfg;
+    const int64_t lhd = (int64_t)mc->n_layers * mc->n_heads * mc->head_dim;
+    KVC_TRY(kvc_check_size("query_moments: sum [L, H, d]", n_sum, lhd));
+    KVC_TRY(kvc_check_size("query_moments: outer [L, H, d, d]", n_outer, lhd * mc->head_dim));
     if (n_sink < 0) return kvc_fail(KVC_ERR_ARG, "n_sink must be >= 0, got %d", n_sink);
     if (n < 2) return kvc_fail(KVC_ERR_ARG, "query_moments: the prompt needs at least 2 tokens, got %lld", (long long)n);
     if (kvc_door_position(s) != 0 || kvc_door_slot(s, &kvc_press_slot_vt)) /* a past or a press would change the queries */

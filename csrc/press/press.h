@@ -52,6 +52,13 @@ typedef struct kvc_press {
     void *parts[KVC_MAX_PARTS]; /* the state of each part it uses (part.h), by the part's index; NULL: unused */
 } kvc_press;
 
+/* The size of a caller's array, as the public ABI passes it: n values where `want` are read or written. */
+static inline kvc_status kvc_check_size(const char *what, int64_t n, int64_t want) {
+    return n == want ? KVC_OK
+                     : kvc_fail(KVC_ERR_ARG, "%s: the array holds %lld values, the call needs %lld", what, (long long)n,
+                                (long long)want);
+}
+
 /* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
 static inline int kvc_scorer_has_window(int32_t scorer) { return kvc_scorer_has(scorer, KVC_SCORER_WINDOW); }

@@ -37,7 +37,8 @@ static PyObject *query_moments(SessionObject *self, PyObject *args, PyObject *kw
     if (!(sum = (PyArrayObject *)PyArray_ZEROS(3, dims, NPY_FLOAT64, 0))) goto done;
     if (!(outer = (PyArrayObject *)PyArray_ZEROS(4, dims, NPY_FLOAT64, 0))) goto done;
     KVC_PY_CALL(self, rc, kvc_session_query_moments(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0),
-                                                    n_sink, (double *)PyArray_DATA(sum), (double *)PyArray_DATA(outer)));
+                                                    n_sink, (double *)PyArray_DATA(sum), (int64_t)PyArray_SIZE(sum),
+                                                    (double *)PyArray_DATA(outer), (int64_t)PyArray_SIZE(outer)));
 done:
     Py_DECREF(ids);
     if (rc < 0) {

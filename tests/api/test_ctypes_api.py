@@ -97,5 +97,15 @@ def test_ctypes_press_arrays_by_name(default_gguf, rng):
     assert lib.kvc_session_set_press_array(s, b"key_rerotation", ARRAY_I64, C.byref(on), 1) == 0
     assert lib.kvc_session_chain_press(s, spec) == 1 and b"alone" in lib.kvc_last_error()
     lib.kvc_press_spec_free(spec)
+    # a whole-cache method's array carries its size: KVzip's scores [L, Hkv, n] of a full 64-row cache
+    full = C.c_void_p()
+    assert lib.kvc_session_new(m, 0, C.byref(full)) == 0
+    assert lib.kvc_forward(full, ids, 64, 1, logits) == 0
+    scores = rng.random(30 * 3 * 64).astype(np.float32)
+    assert lib.kvc_session_kvzip_evict(full, scores, scores.size - 1, 0.5, 0, 4) == 1
+    assert b"the array holds 5759 values, the call needs 5760" in lib.kvc_last_error()
+    assert lib.kvc_session_kvzip_evict(full, scores, scores.size, 0.5, 0, 4) == 0
+    assert sum(lib.kvc_session_cache_len(full, l, h) for l in range(30) for h in range(3)) == 30 * 3 * 64 // 2
+    lib.kvc_session_free(full)
     lib.kvc_session_free(s)
     lib.kvc_model_free(m)

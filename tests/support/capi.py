@@ -78,6 +78,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_session_chain_press": (_I, [_V, _V]),
     "kvc_press_array_count": (_I32, []),
     "kvc_press_array_info": (_I, [_I32, _V]),
+    "kvc_session_kvzip_evict": (_I, [_V, F32P, _I64, _D, _I32, _I32]),
     "kvc_kernel_matmul": (_I, [F32P, F32P, F32P, _I64, _I64, _I64]),
     "kvc_kernel_rmsnorm": (_I, [F32P, F32P, F32P, _I64, _I64, _F]),
     "kvc_kernel_rope": (_I, [F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
