@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
+#define KVC_BACKEND_VERSION 4 /* 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -221,9 +221,11 @@ typedef struct kvc_backend {
     kvc_status (*matmul)(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate);
     /* y[r, :] += b over rows */
     kvc_status (*add_bias)(kvc_view y, kvc_view b, int64_t rows, int64_t dim);
-    /* in place on `heads` heads of d values from column col0 of each of n rows, at positions pos (i64) */
+    /* in place on `heads` heads of d values from column col0 of each of n rows, at positions pos (i64); the
+     * pairs with a nonzero frequency are turned and multiplied by mscale (LongRoPE's attention factor; 1:
+     * none), those with frequency 0 (the pass-through part of a partial rotary embedding) left as they are */
     kvc_status (*rope)(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                       int32_t pairing);
+                       int32_t pairing, float mscale);
     /* rows len[h] .. len[h] + n - 1 of every head receive K (columns kcol + h d) and V (vcol + h d) of the
      * n rows of src; then len += n (on the device: graph-safe) */
     kvc_status (*kv_append)(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);

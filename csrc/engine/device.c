@@ -156,7 +156,7 @@ kvc_status kvc_device_kernel_rope(int32_t device, float *x, const int64_t *pos, 
     if (st == KVC_OK) st = scope_buf(&sc, KVC_I64, n, pos, 1, n, KVC_I64, &P);
     if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, d / 2, inv_freq, 1, d / 2, KVC_F32, &F);
     if (st == KVC_OK)
-        st = sc.be->rope(kvc_view_of(X, 0, w), 0, n, heads, d, kvc_view_of(P, 0, n), kvc_view_of(F, 0, d / 2), pairing);
+        st = sc.be->rope(kvc_view_of(X, 0, w), 0, n, heads, d, kvc_view_of(P, 0, n), kvc_view_of(F, 0, d / 2), pairing, 1.0f);
     if (st == KVC_OK) st = sc.be->download(kvc_view_of(X, 0, w), n, w, x, KVC_F32);
     scope_end(&sc);
     return st;

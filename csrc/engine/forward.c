@@ -3,7 +3,8 @@
  * every GEMM); the MLP runs in row blocks so gate|up stays O(block x ffn) whatever the prompt length.
  *
  * One layer, on the backend's kernels (core/backend.h):
- *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); [qwen3: RMSNorm of each q and k head]; RoPE on q and k;
+ *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); [qwen3: RMSNorm of each q and k head]; RoPE on q and k (LongRoPE:
+ *   the long factors' frequencies in a call that reaches past the original context, as transformers does);
  *   K/V appended to the cache; attention (within the sliding window, in window layers);
  *   o = att Wo^T; [the attached presses' hooks (core/press_i.h): one may compact the layer];
  *   x += o and xn = rmsnorm(x) (one kernel);
@@ -166,6 +167,12 @@ static kvc_status run_hooks(kvc_session *s, const kvc_layer_ctx *ctx, int decode
 
 /* ---- the layer --------------------------------------------------------------------------------------- */
 
+/* LongRoPE (transformers' longrope update): a call whose last position + 1 (`end`) exceeds the original
+ * context runs on the long factors' frequencies, every other on the short ones'. */
+static int rope_long(const kvc_config *c, int64_t end) { return c->rope_long_context > 0 && end > c->rope_long_context; }
+
+static kvc_view rope_freqs(const kvc_model *m, int64_t end) { return rope_long(&m->cfg, end) ? m->inv_freq_long : m->inv_freq; }
+
 /* The attention block up to the hook point for B sessions of n rows each (consecutive rows of the lead
  * session's activations): norm, q|k|v, RoPE, each session's K/V append and attention over its own
  * cache, o projection. body: the replayable decode body of a graph (no host bookkeeping; the caller
@@ -188,8 +195,13 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
         KVC_TRY(be->head_rmsnorm(qkv, 0, rows, (int32_t)H, (int32_t)d, W->q_norm, c->rms_eps));
         KVC_TRY(be->head_rmsnorm(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, W->k_norm, c->rms_eps));
     }
-    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
-    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
+    int64_t end = 0; /* the last position + 1 of the call (of the batch's sessions) */
+    for (int32_t i = 0; i < B; i++)
+        if (ss[i]->pos + n > end) end = ss[i]->pos + n;
+    const kvc_view freq = rope_freqs(m, end);
+    const float mscale = c->rope_attn_factor > 0 ? c->rope_attn_factor : 1.0f;
+    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, freq, c->rope_pairing, mscale));
+    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, freq, c->rope_pairing, mscale));
     for (int32_t i = 0; i < B; i++) {
         kvc_session *si = ss[i];
         kvc_layer_cache *L = &si->cache.layers[l];
@@ -336,7 +348,7 @@ static void graph_failed(kvc_session *s, const char *what) {
 static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, float *logits, kvc_status *st) {
     const kvc_backend *be = s->be;
     const kvc_config *c = &s->model->cfg;
-    const int stale = !s->graph || s->graph_generation != s->act.generation;
+    const int stale = !s->graph || s->graph_generation != s->act.generation || s->graph_rope_long != rope_long(c, s->pos + 1);
     if (stale && s->decodes_since_capture == 0) {
         s->decodes_since_capture = 1; /* the warm-up step */
         return 0;
@@ -351,6 +363,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
             return 0;
         }
         s->graph_generation = s->act.generation;
+        s->graph_rope_long = rope_long(c, s->pos + 1);
         s->decodes_since_capture = 0; /* the next capture (activations replaced) gets its eager step too */
     }
     kvc_status g = be->graph_launch(s->graph);

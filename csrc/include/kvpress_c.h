@@ -54,7 +54,10 @@ KVC_API int kvc_get_num_threads(void);
 /* ---------------------------------------------------------------------------------------------- */
 /* Models                                                                                          */
 
-typedef enum kvc_arch { KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3 } kvc_arch;
+/* PHI3: Phi-3 / Phi-3.5 / Phi-4-mini (fused q|k|v and gate|up tensors, partial rotary, LongRoPE). */
+typedef enum kvc_arch {
+    KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3, KVC_ARCH_PHI3 = 4
+} kvc_arch;
 
 /* How RoPE pairs the head dimensions. */
 typedef enum kvc_rope_pairing {
@@ -90,6 +93,15 @@ typedef struct kvc_config {
      * 0: every layer attends to the whole cache. */
     int32_t sliding_window;
     int32_t window_first_layer;
+    /* Partial rotary embedding (Phi-4-mini's partial_rotary_factor): RoPE turns the first rope_dim of each
+     * head's head_dim values (pairs (i, i + rope_dim/2)), the rest pass through. 0: the whole head. */
+    int32_t rope_dim;
+    /* LongRoPE (Phi-3's "longrope"): a call whose last position + 1 exceeds rope_long_context uses the long
+     * factors, else the short ones (the model holds both); 0: none. */
+    int32_t rope_long_context;
+    /* The factor cos and sin are multiplied by (LongRoPE's attention factor) on the rotated dimensions of
+     * q and k; 0 or 1: none. */
+    float rope_attn_factor;
 } kvc_config;
 
 typedef struct kvc_model kvc_model;
@@ -502,7 +514,9 @@ KVC_API kvc_status kvc_kernel_rmsnorm(const float *x, const float *w, float *y, 
 /* In place on x[n, heads, d] at positions pos[n]; inv_freq[d/2] from kvc_kernel_rope_freqs. */
 KVC_API kvc_status kvc_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
                                    const float *inv_freq, int32_t pairing);
-/* inv_freq[d/2] for a config (theta and Llama-3.1 scaling). */
+/* inv_freq[d/2] for a config (theta and Llama-3.1 scaling). With a partial rotary embedding (rope_dim < d)
+ * the frequencies are in the engine's head layout: pairs i < rope_dim/2 turn, the others have frequency 0
+ * (model/model.h, "Partial rotary"). */
 KVC_API kvc_status kvc_kernel_rope_freqs(const kvc_config *cfg, float *inv_freq);
 /* out[r, :] = silu(gate[r, :]) * up[r, :] */
 KVC_API kvc_status kvc_kernel_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);

@@ -160,11 +160,52 @@ static kvc_status get_token_id(const cfg_reader *r, const char *key, int32_t voc
     return KVC_OK;
 }
 
+/* LongRoPE's per-frequency factors (config.json lists them; the model keeps them, model.h). */
+typedef struct longrope {
+    float short_f[128], long_f[128]; /* [rope_dim / 2]; head_dim <= 256 */
+} longrope;
+
+/* A list of n positive numbers. */
+static kvc_status get_factors(const cfg_reader *r, const json_value *obj, const char *key, int32_t n, float *out) {
+    const json_value *v = json_get(obj, key);
+    char want[96];
+    snprintf(want, sizeof want, "a list of %d positive numbers (rotary dimensions / 2)", n);
+    if (!v || v->kind != JSON_ARRAY || v->n != (size_t)n) return v ? bad(r, key, v, want) : kvc_fail(KVC_ERR_FORMAT, "%s: LongRoPE needs '%s' (%s)", r->path, key, want);
+    for (int32_t i = 0; i < n; i++) {
+        const json_value *e = &v->items[i];
+        if (e->kind != JSON_NUMBER || !(e->number > 0) || !isfinite((float)e->number)) return bad(r, key, e, want);
+        out[i] = (float)e->number;
+    }
+    return KVC_OK;
+}
+
+/* LongRoPE as transformers computes it (_compute_longrope_parameters): inv_freq = 1 / (factor_i theta^(2i/rot))
+ * with the short factors, or the long ones in a call past original_max_position_embeddings; cos and sin
+ * times attention_factor, default sqrt(1 + ln s / ln original) with s = factor, else max_position_embeddings
+ * / original (1 when s <= 1). */
+static kvc_status read_longrope(const cfg_reader *r, const json_value *rope, kvc_config *c, longrope *lr) {
+    const int32_t n = (c->rope_dim > 0 ? c->rope_dim : c->head_dim) / 2;
+    KVC_TRY(get_factors(r, rope, "short_factor", n, lr->short_f));
+    KVC_TRY(get_factors(r, rope, "long_factor", n, lr->long_f));
+    int32_t orig = 0;
+    KVC_TRY(get_int(r, r->j, "original_max_position_embeddings", 0, 0, 1, INT32_MAX, &orig));
+    KVC_TRY(get_int(r, rope, "original_max_position_embeddings", orig == 0, orig, 1, INT32_MAX, &orig));
+    double factor = 0, attn = 0;
+    KVC_TRY(get_num(r, rope, "factor", 0, (double)c->max_context / orig, 0.0, 1, 1e6, "a number > 0", &factor));
+    KVC_TRY(get_num(r, rope, "attention_factor", 0, 0.0, 0.0, 0, 1e6, "a number >= 0", &attn));
+    if (!json_get(rope, "attention_factor") || json_get(rope, "attention_factor")->kind == JSON_NULL)
+        attn = factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)orig));
+    c->rope_long_context = orig;
+    c->rope_attn_factor = (float)attn;
+    return KVC_OK;
+}
+
 /* RoPE settings. transformers >= 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}};
  * older files write a top-level "rope_theta" and "rope_scaling": {"rope_type" or "type", ...}.
  * As in transformers: a non-empty rope_scaling wins over rope_parameters, and rope_theta inside the
- * dict wins over the top-level one. Only "default" and "llama3" are implemented. */
-static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
+ * dict wins over the top-level one. "default", "llama3" and (Phi-3) "longrope" are implemented; a partial
+ * rotary factor is read at the top level or inside the dict. */
+static kvc_status read_rope(const cfg_reader *r, kvc_config *c, longrope *lr) {
     const json_value *rs = json_get(r->j, "rope_scaling"), *rp = json_get(r->j, "rope_parameters");
     if (rs && rs->kind != JSON_NULL && rs->kind != JSON_OBJECT) return bad(r, "rope_scaling", rs, "an object or null");
     if (rp && rp->kind != JSON_NULL && rp->kind != JSON_OBJECT) return bad(r, "rope_parameters", rp, "an object or null");
@@ -178,6 +219,16 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_num(r, r->j, "rope_theta", 0, 10000.0, 1.0, 1, 1e30, "a number > 1", &theta));
     if (rope) KVC_TRY(get_num(r, rope, "rope_theta", 0, theta, 1.0, 1, 1e30, "a number > 1", &theta));
     c->rope_theta = (float)theta;
+    double partial = 1.0;
+    KVC_TRY(get_num(r, r->j, "partial_rotary_factor", 0, 1.0, 0.0, 1, 1.0, "a number in (0, 1]", &partial));
+    if (rope) KVC_TRY(get_num(r, rope, "partial_rotary_factor", 0, partial, 0.0, 1, 1.0, "a number in (0, 1]", &partial));
+    if (partial < 1.0) { /* transformers: int(head_dim * factor) dimensions turn */
+        const int32_t rot = (int32_t)(c->head_dim * partial);
+        if (rot < 2 || rot % 2)
+            return kvc_fail(KVC_ERR_FORMAT, "%s: partial_rotary_factor %g of head_dim %d gives %d rotary dimensions (must be even, >= 2)",
+                            r->path, partial, c->head_dim, rot);
+        c->rope_dim = rot;
+    }
     if (!rope) return KVC_OK;
 
     const json_value *t = json_get(rope, "rope_type");
@@ -190,8 +241,11 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
         return kvc_fail(KVC_ERR_FORMAT, "%s: '%s' has a 'factor' but no 'rope_type'", r->path, rope_key);
     }
     if (!strcmp(type, "default")) return KVC_OK;
+    /* transformers' Phi3Config reads the old names "su" and "yarn" as longrope */
+    if (!strcmp(type, "longrope") || (c->arch == KVC_ARCH_PHI3 && (!strcmp(type, "su") || !strcmp(type, "yarn"))))
+        return read_longrope(r, rope, c, lr);
     if (strcmp(type, "llama3") != 0)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: rope scaling '%.40s' is not supported (only 'llama3' and 'default' are)",
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: rope scaling '%.40s' is not supported (only 'llama3', 'longrope' and 'default' are)",
                         r->path, type);
     double f, lo, hi;
     int32_t orig;
@@ -211,7 +265,7 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
     return KVC_OK;
 }
 
-/* Sliding-window attention, as transformers reads it. mistral: "sliding_window" on every layer (4096 when
+/* Sliding-window attention, as transformers reads it. mistral and phi3: "sliding_window" on every layer (4096 when
  * the key is absent, none when null). qwen2/qwen3: only with "use_sliding_window", on the layers from
  * "max_window_layers" (default 28) on, or as "layer_types" lists them. A window the engine cannot express
  * (sliding layers before full ones) is refused rather than run as full attention. */
@@ -224,6 +278,10 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_int(r, j, "sliding_window", 0, 4096, 1, INT32_MAX, &window));
     if (c->arch == KVC_ARCH_LLAMA) return KVC_OK; /* transformers' llama has no window */
     if (w && w->kind == JSON_NULL) return KVC_OK; /* null: no window */
+    if (c->arch == KVC_ARCH_PHI3) { /* phi3: every layer, when the key is there (transformers' default: none) */
+        c->sliding_window = w ? window : 0;
+        return KVC_OK;
+    }
     if (c->arch == KVC_ARCH_MISTRAL) {
         c->sliding_window = window;
         return KVC_OK;
@@ -256,7 +314,7 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
 }
 
 /* `tied` is set to -1 when config.json does not say (decided from the weights later). */
-static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
+static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) {
     kvc_config_defaults(c);
     const json_value *j = r->j;
     if (j->kind != JSON_OBJECT) return kvc_fail(KVC_ERR_FORMAT, "%s is not a JSON object", r->path);
@@ -267,8 +325,9 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     else if (!strcmp(mt->string, "mistral")) c->arch = KVC_ARCH_MISTRAL;
     else if (!strcmp(mt->string, "qwen2")) c->arch = KVC_ARCH_QWEN2;
     else if (!strcmp(mt->string, "qwen3")) c->arch = KVC_ARCH_QWEN3;
+    else if (!strcmp(mt->string, "phi3")) c->arch = KVC_ARCH_PHI3; /* Phi-3, Phi-3.5, Phi-4-mini */
     else
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2 and qwen3 are)",
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3 and phi3 are)",
                         r->path, mt->string);
     c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
@@ -304,13 +363,14 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_int(r, j, "intermediate_size", 1, 0, 1, 1 << 20, &c->ffn));
     KVC_TRY(get_int(r, j, "vocab_size", 1, 0, 1, 1 << 24, &c->vocab));
     /* informational (and llama3's default original context); transformers' per-model defaults */
-    const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
+    const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_PHI3 ? 4096
+                          : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
     KVC_TRY(get_int(r, j, "max_position_embeddings", 0, def_ctx, 1, INT32_MAX, &c->max_context));
     double eps;
     KVC_TRY(get_num(r, j, "rms_norm_eps", 0, 1e-6, 0.0, 1, 0.5, "a number in (0, 0.5]", &eps));
     c->rms_eps = (float)eps;
     if (!(c->rms_eps > 0)) return bad(r, "rms_norm_eps", json_get(j, "rms_norm_eps"), "representable as a positive float32");
-    KVC_TRY(read_rope(r, c));
+    KVC_TRY(read_rope(r, c, lr));
 
     KVC_TRY(read_sliding_window(r, c));
 
@@ -563,10 +623,11 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
     }
     json_value *j = NULL;
     kvc_config cfg;
+    longrope lr;
     kvc_status st = parse_json_file(cfg_path, &j);
     if (st == KVC_OK) {
         const cfg_reader r = {j, cfg_path};
-        st = read_config(&r, &cfg);
+        st = read_config(&r, &cfg, &lr);
     }
     json_free(j);
     free(cfg_path);
@@ -588,6 +649,15 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
         return st;
     }
     st = load_weights(w, m);
+    if (st == KVC_OK && cfg.rope_long_context > 0) { /* LongRoPE's factors, for kvc_model_finish */
+        float *sf = kvc_model_rope_factors(m), *lf = kvc_model_rope_long_factors(m);
+        const int32_t n = (cfg.rope_dim > 0 ? cfg.rope_dim : cfg.head_dim) / 2;
+        if (!sf || !lf) st = KVC_ERR_NOMEM;
+        for (int32_t i = 0; i < n && st == KVC_OK; i++) {
+            sf[i] = lr.short_f[i];
+            lf[i] = lr.long_f[i];
+        }
+    }
     if (st == KVC_OK) st = kvc_model_finish(m);
     if (st == KVC_OK && m->mapped_bytes == 0) {
         weights_free(w); /* every weight was copied: the files go now */

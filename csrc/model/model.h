@@ -67,9 +67,12 @@ struct kvc_model {
     kvc_view tok_embd;        /* [V, D] */
     kvc_view out_norm;        /* [D] */
     kvc_view lm_head;         /* [V, D]; the token embedding when tied */
-    kvc_view inv_freq;        /* [d/2] f32 RoPE frequencies */
+    kvc_view inv_freq;        /* [d/2] f32 RoPE frequencies (LongRoPE: the short factors') */
+    kvc_view inv_freq_long;   /* [d/2] LongRoPE's long factors' frequencies; buf NULL without LongRoPE */
     kvc_layer_weights *layers;
-    float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, or NULL */
+    float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, LongRoPE's short
+                                 factors, or NULL */
+    float *rope_long_factors; /* host [d/2]: LongRoPE's long factors, or NULL */
     float *rope_inv_freq;     /* host [d/2] */
     size_t weight_bytes;      /* every weight, mapped ones included */
     size_t mapped_bytes;      /* of which used in place in the mapped file (page cache, shared) */
@@ -92,17 +95,29 @@ struct kvc_model {
 typedef enum kvc_weight_role {
     KVC_W_TOK, KVC_W_OUT_NORM, KVC_W_LM_HEAD,
     KVC_W_ATTN_NORM, KVC_W_Q, KVC_W_K, KVC_W_V, KVC_W_O, KVC_W_BQ, KVC_W_BK, KVC_W_BV,
-    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM
+    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM,
+    KVC_W_QKV, KVC_W_GU /* fused files (Phi-3): q|k|v rows in one tensor, gate|up rows in one tensor */
 } kvc_weight_role;
 
 /* A decoder layer's tensors as the files name them: GGUF after "blk.N.", Hugging Face after
- * "model.layers.N." (biases only in models with qkv_bias, q/k norms only with qk_norm). Both loaders walk
- * this one list. */
+ * "model.layers.N." (biases only in models with qkv_bias, q/k norms only with qk_norm; the fused q|k|v and
+ * gate|up tensors in fused models instead of their parts, kvc_fused_proj). Both loaders walk this one list.
+ *
+ * Fused projections are kept fused: their rows are the whole q|k|v (gate|up) group in the order the engine
+ * reads it, so the tensor streams into the group's one buffer (one GEMM, as for separate tensors copied).
+ *
+ * Partial rotary (cfg.rope_dim < head_dim): the file's head turns its first rope_dim values (pairs (i, i +
+ * rope_dim/2)) and passes the rest. The loader permutes each q and k head's rows so that the turned pairs
+ * become the engine's (i, i + d/2) pairs i < rope_dim/2 and the passed values the pairs above, whose
+ * frequency is 0: q.k is unchanged (the same permutation on both), and every RoPE on the host (re-rotation,
+ * ExpectedAttention's future positions) stays the plain whole-head one. */
 typedef struct kvc_layer_tensor {
     kvc_weight_role role;
     const char *gguf, *hf;
 } kvc_layer_tensor;
-#define KVC_LAYER_TENSORS 14
+#define KVC_LAYER_TENSORS 16
+/* The model's files fuse q|k|v and gate|up (Phi-3). */
+int kvc_fused_proj(const kvc_config *c);
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];
 /* A loader's reader of one named tensor into a role: checks the file's shape against [rows, cols] (rows 0:
  * a vector) and streams it in with kvc_model_put. */
@@ -143,6 +158,8 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
 /* The model's host array of d/2 RoPE factors (GGUF rope_freqs.weight, linear scaling), allocated on first
  * call (NULL when out of memory); kvc_model_finish divides the frequencies by them. */
 float *kvc_model_rope_factors(kvc_model *m);
+/* The same for LongRoPE's long factors (kvc_model_finish makes inv_freq_long from them). */
+float *kvc_model_rope_long_factors(kvc_model *m);
 /* After every tensor is in: RoPE frequencies (with the rope factors), uploaded. */
 kvc_status kvc_model_finish(kvc_model *m);
 /* A config with every field at a neutral default (no scaling, no bias, bos/eos -1). */

@@ -306,7 +306,14 @@ def test_rope_config_spellings(tiny, tmp_path):
     assert c_load(d)[2].rope_theta == 10000.0
 
 
-@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "longrope"])
+def test_longrope_without_its_factors_is_a_format_error(tiny, tmp_path):
+    """LongRoPE runs on any architecture (issue 30; tests/model/test_phi3.py), given its factor lists."""
+    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="short_factor"):
+        kvpress_c.load_model(d)
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])
 def test_other_rope_scaling_types_are_unsupported(tiny, tmp_path, kind):
     d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), rope_scaling={"rope_type": kind, "factor": 4.0})
     st, msg = c_load(d)[:2]

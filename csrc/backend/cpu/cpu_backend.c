@@ -85,14 +85,14 @@ kvc_status kvc_host_add_bias_v(kvc_view y, kvc_view b, int64_t rows, int64_t dim
 }
 
 kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                           int32_t pairing) {
+                           int32_t pairing, float mscale) {
     if (pos.buf->dtype != KVC_I64 || inv_freq.buf->dtype != KVC_F32)
         return kvc_fail(KVC_ERR_INTERNAL, "rope: positions must be i64 and frequencies f32");
     kvc_view xv = kvc_view_at(x, 0, col0);
     kvc_frows X;
     KVC_TRY(kvc_frows_get(xv, n, (int64_t)heads * d, 1, &X));
     kvc_cpu_rope(X.p, X.ld, (const int64_t *)kvc_hbuf_at(pos, 0, 0), n, heads, d, (const float *)kvc_hbuf_at(inv_freq, 0, 0),
-                 pairing);
+                 pairing, mscale);
     kvc_frows_put(xv, n, (int64_t)heads * d, &X);
     return KVC_OK;
 }

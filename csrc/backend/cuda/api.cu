@@ -123,9 +123,9 @@ static kvc_status t_add_bias(kvc_view y, kvc_view b, int64_t rows, int64_t dim) 
 }
 
 static kvc_status t_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                         int32_t pairing) {
+                         int32_t pairing, float mscale) {
     KVC_TRY(need(x.buf->dtype == KVC_BF16 && pos.buf->dtype == KVC_I64 && inv_freq.buf->dtype == KVC_F32, "rope"));
-    return rope(at<bf16>(x), x.ld, col0, n, heads, d, at<int64_t>(pos), at<float>(inv_freq), pairing);
+    return rope(at<bf16>(x), x.ld, col0, n, heads, d, at<int64_t>(pos), at<float>(inv_freq), pairing, mscale);
 }
 
 static kvc_status t_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps) {

@@ -206,7 +206,7 @@ kvc_status head_rmsnorm(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t he
 /* ---- rope.cu ---- */
 /* in place on `heads` heads of d values starting at column col0 of each row of x (row stride ld) */
 kvc_status rope(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t heads, int32_t d, const int64_t *pos,
-                const float *inv_freq, int32_t pairing);
+                const float *inv_freq, int32_t pairing, float mscale);
 /* Per-head pointer table of a layer's cache, passed by value to kernels. */
 struct HeadPtrs {
     bf16 *k[KVC_MAX_KV];

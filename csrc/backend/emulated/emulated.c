@@ -80,7 +80,7 @@ static kvc_status run_op(const op *o) {
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
     case OP_MATMUL: return kvc_host_matmul_v(o->v[0], o->v[1], o->v[2], o->i[0], o->i[1], o->i[2], o->j[0]);
     case OP_BIAS: return kvc_host_add_bias_v(o->v[0], o->v[1], o->i[0], o->i[1]);
-    case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2]);
+    case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2], o->f);
     case OP_APPEND: return kvc_hkv_append(o->kv, o->v[0], o->i[0], o->i[1], o->i[2]);
     case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[2], o->v[1], o->j[1]);
     case OP_SWIGLU: return kvc_host_swiglu_v(o->v[0], o->i[0], o->i[1]);
@@ -148,8 +148,8 @@ static kvc_status emu_add_bias(kvc_view y, kvc_view b, int64_t rows, int64_t dim
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                           int32_t pairing) {
-    op o = {.kind = OP_ROPE, .v = {x, pos, inv_freq}, .i = {col0, n}, .j = {heads, d, pairing}};
+                           int32_t pairing, float mscale) {
+    op o = {.kind = OP_ROPE, .v = {x, pos, inv_freq}, .i = {col0, n}, .j = {heads, d, pairing}, .f = mscale};
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
