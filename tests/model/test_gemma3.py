@@ -1,0 +1,87 @@
+"""Gemma 3 text (Gemma3ForCausalLM) against HF transformers in fp32 on tiny random models the test writes:
+sliding and full layers interleaved, each on its own RoPE (linear scaling on the full ones), prompts longer
+than the window, q/k norms, the four layer norms with Gemma's 1 + w, GeGLU (tanh GELU), the embedding scale,
+query_pre_attn_scalar, tied embeddings; greedy continuations."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvpress_c  # noqa: E402
+from gemma3_models import LAYERS, PERIOD, WINDOW, write_tiny_gemma3  # noqa: E402
+
+TOL = 1e-5  # the issue's bound; measured figures printed by each test
+
+
+def rel_err(ours, ref):
+    return float(np.max(np.abs(ours.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@pytest.fixture(params=[4.0, 0.0], ids=["linear4", "plain"])
+def gemma3(request, tmp_path_factory, rng):
+    seed = int(rng.integers(1 << 31))
+    print(f"seed {seed}")
+    return write_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), seed=seed, linear=request.param), seed
+
+
+def test_config(gemma3):
+    c = kvpress_c.load_model(gemma3[0]).config
+    assert c["arch"] == "gemma3" and c["head_dim"] == 16 and c["n_layers"] == LAYERS
+    assert c["sliding_window"] == WINDOW and c["window_period"] == PERIOD and c["window_first_layer"] == 0
+    assert c["rope_theta"] == 1e6 and c["rope_local_theta"] == 10000.0
+    assert c["attn_scale"] == pytest.approx(24 ** -0.5, rel=1e-7) and c["embed_scale"] == pytest.approx(8.0)
+    assert c["mlp_act"] == "gelu_tanh" and c["post_norms"] and c["tied_embeddings"]
+
+
+@pytest.mark.parametrize("n", [10, 70])  # inside the window (16) and well past it
+def test_logits_match_hf(gemma3, rng, n):
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    ids = rng.integers(3, 256, size=n).tolist()
+    err = rel_err(model.logits(ids), hf_logits(hf, ids))
+    print(f"n {n} (seed {seed}): max relative logit error {err:.2e}")
+    assert err < TOL
+
+
+def test_decode_over_the_cache_matches_hf(gemma3, rng):
+    """A prefill of 30, then one token at a time to 60: the sliding layers' window moves over the cache."""
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    ids = rng.integers(3, 256, size=60).tolist()
+    ref = []
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:30]]), use_cache=True)
+        ref.append(out.logits[0].double().numpy())
+        for t in ids[30:]:
+            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+            ref.append(out.logits[0].double().numpy())
+    s = model.new_session()
+    ours = [s.forward(ids[:30], logits="all")] + [s.forward([t])[None] for t in ids[30:]]
+    err = rel_err(np.concatenate(ours), np.concatenate(ref))
+    print(f"(seed {seed}): prefill 30 + 30 decode steps {err:.2e}")
+    assert err < TOL
+
+
+def test_greedy_matches_hf(gemma3, rng):
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    prompt = rng.integers(3, 256, size=40).tolist()
+    ours = model.generate(prompt, max_new_tokens=16, stop_ids=[])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = out[0, len(prompt):].tolist()
+    # equal unless HF's own rows have a near tie (1e-5 of the row's scale) on the way
+    with torch.no_grad():
+        rows = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].double().numpy()
+    near_tie = any(np.sort(r)[-1] - np.sort(r)[-2] < 1e-5 * np.abs(r).max() for r in rows)
+    assert ours == ref or near_tie, f"ours {ours} vs HF {ref} (seed {seed})"
