@@ -127,6 +127,11 @@ static kvc_status window_starts_all_layers(kvc_session *s) {
     return s->be->upload(kvc_view_of(s->act.win, 0, c->n_kv_heads), c->n_layers, c->n_kv_heads, s->win, KVC_I64);
 }
 
+/* The layers the presses' hooks see. Gemma 3 (interleaved windows): only the full-attention ones, as kvpress
+ * compresses Gemma 3 (its hooks skip the layers with is_sliding); the sliding layers keep every row and
+ * attend within their window. Every layer of any other model. */
+static int pressed_layer(const kvc_config *c, int32_t l) { return !(c->window_period > 0 && windowed(c, l)); }
+
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -286,7 +291,7 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
     KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
     memcpy(past, f->cache.layers[l].len, sizeof(int64_t) * (size_t)c->n_kv_heads);
     KVC_TRY(kvc_cache_append(&f->cache, l, kvc_view_of(lead->act.qkv, 0, qd + 2 * kd), qd, qd + kd, lead->positions, n));
-    if (!has_layer_hook(f) || n <= 1) return KVC_OK;
+    if (!has_layer_hook(f) || n <= 1 || !pressed_layer(c, l)) return KVC_OK;
     const kvc_layer_ctx ctx = layer_ctx(lead, l, n, past);
     return run_hooks(f, &ctx, 0);
 }
@@ -295,7 +300,8 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
 static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n) {
     int64_t past[KVC_MAX_KV_HEADS];
     KVC_TRY(attention_block(s, &s, 1, l, n, 0, past));
-    const int prefill = n > 1 && has_layer_hook(s), decode = decode_hooks_active(s);
+    const int pressed = pressed_layer(&s->model->cfg, l);
+    const int prefill = pressed && n > 1 && has_layer_hook(s), decode = pressed && decode_hooks_active(s);
     if (prefill || decode) {
         const kvc_layer_ctx ctx = layer_ctx(s, l, n, past);
         if (prefill) KVC_TRY(run_hooks(s, &ctx, 0));
@@ -531,7 +537,7 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_status st = attention_block(s0, ss, B, l, 1, 0, NULL);
         for (int32_t i = 0; i < B && st == KVC_OK; i++) {
-            if (!decode_hooks_active(ss[i])) continue;
+            if (!decode_hooks_active(ss[i]) || !pressed_layer(c, l)) continue;
             kvc_layer_ctx ctx = layer_ctx(s0, l, 1, NULL); /* session i's row of the batch */
             ctx.q = kvc_view_at(ctx.q, i, 0);
             ctx.attn = kvc_view_at(ctx.attn, i, 0);

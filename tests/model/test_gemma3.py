@@ -85,3 +85,38 @@ def test_greedy_matches_hf(gemma3, rng):
         rows = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].double().numpy()
     near_tie = any(np.sort(r)[-1] - np.sort(r)[-2] < 1e-5 * np.abs(r).max() for r in rows)
     assert ours == ref or near_tie, f"ours {ours} vs HF {ref} (seed {seed})"
+
+
+def hf_full_cache_keys(hf, ids):
+    """HF's cached keys [Hkv, n, d] of each layer after a prefill (the full layers hold every row; transformers'
+    sliding layers keep only their last window - 1)."""
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return [lay.keys[0].double().numpy() for lay in cache.layers]
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+def test_presses_act_on_full_layers_only(gemma3, rng, ratio):
+    """kvpress compresses Gemma 3 on its full-attention layers only (its hooks skip the layers with is_sliding):
+    so do we. KnormPress's kept set on the full layers is the float64 reference's from HF's cached keys (the
+    top n_kept of -||k|| per head); the sliding layers keep every row."""
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    n = 60
+    ids = rng.integers(3, 256, size=n).tolist()
+    keys = hf_full_cache_keys(hf, ids)
+    s = model.new_session()
+    s.set_press(**kvpress_c.KnormPress(compression_ratio=ratio).c_config())
+    s.forward(np.array(ids, dtype=np.int32), logits="last")
+    n_kept = int(n * (1 - ratio))
+    for l in range(LAYERS):
+        full = (l + 1) % PERIOD == 0
+        for h in range(keys[l].shape[0]):
+            kept = set(s.cache_positions(l, h).tolist())
+            if not full:
+                assert kept == set(range(n)), f"sliding layer {l} head {h} was compressed"
+                continue
+            score = -np.linalg.norm(keys[l][h], axis=-1)
+            ref = set(np.argsort(-score, kind="stable")[:n_kept].tolist())
+            assert kept == ref, f"full layer {l} head {h} (seed {seed})"
