@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvpress_c  # noqa: E402
-from gemma3_models import LAYERS, PERIOD, WINDOW, write_tiny_gemma3  # noqa: E402
+from gemma3_models import GGUF_SHAPE, LAYERS, PERIOD, WINDOW, write_gemma3_gguf, write_tiny_gemma3  # noqa: E402
 
 TOL = 1e-5  # the issue's bound; measured figures printed by each test
 
@@ -120,3 +120,21 @@ def test_presses_act_on_full_layers_only(gemma3, rng, ratio):
             score = -np.linalg.norm(keys[l][h], axis=-1)
             ref = set(np.argsort(-score, kind="stable")[:n_kept].tolist())
             assert kept == ref, f"full layer {l} head {h} (seed {seed})"
+
+
+@pytest.mark.parametrize("linear", [8.0, 0.0])
+def test_gguf_matches_hf(tmp_path, rng, linear):
+    """The same weights as a GGUF 'gemma3' file (llama.cpp's names and metadata; it fixes every 6th layer full
+    and the attention scale at 1/sqrt(head_dim), so the model is made that way): the same logits."""
+    pytest.importorskip("gguf")
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_gemma3(str(tmp_path / "hf"), seed=seed, linear=linear, **GGUF_SHAPE)
+    g = kvpress_c.load_model(write_gemma3_gguf(path, str(tmp_path / "model.gguf")), weights="fp32")
+    c = g.config
+    assert c["arch"] == "gemma3" and c["window_period"] == 6 and c["sliding_window"] == WINDOW
+    ids = rng.integers(3, 256, size=70).tolist()
+    ref = hf_logits(hf_model(path), ids)
+    err = rel_err(g.logits(ids), ref)
+    err_hf = rel_err(kvpress_c.load_model(path, weights="fp32").logits(ids), ref)
+    print(f"linear {linear} (seed {seed}): GGUF {err:.2e}, HF folder {err_hf:.2e}")
+    assert err < TOL and err_hf < TOL
