@@ -234,8 +234,7 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
             if (past) memcpy(past, L->len, sizeof(int64_t) * (size_t)Hkv);
             KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
         }
-        const float scale = c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)d);
-        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, scale, start, kvc_view_at(att, i * n, 0), 0));
+        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), start, kvc_view_at(att, i * n, 0), 0));
     }
     return be->matmul(att, W->wo, kvc_view_of(lead->act.o, 0, D), rows, D, qd, 0);
 }

@@ -104,6 +104,8 @@ static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const 
 
 static const char *role_name(const kvc_config *c, kvc_weight_role role, int hf);
 
+float kvc_attn_scale(const kvc_config *c) { return c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)c->head_dim); }
+
 int kvc_fused_proj(const kvc_config *c) { return c->arch == KVC_ARCH_PHI3; }
 
 /* Partial rotary: the rows of q and k heads are permuted at load (model.h). */

@@ -124,6 +124,10 @@ typedef struct kvc_layer_tensor {
 /* A layer tensor's name in a file of this model (Gemma's HF files call the MLP's norm
  * pre_feedforward_layernorm; their post_attention_layernorm is the attention output's norm). */
 const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf);
+/* The scale of the model's attention scores: cfg.attn_scale (Gemma's query_pre_attn_scalar^-1/2), else
+ * 1/sqrt(head_dim). What reproduces the model's own attention (ObservedAttention, Ada-KV's eviction loss)
+ * uses it; scorers that define their own attention (SnapKV's window, ...) keep 1/sqrt(d) as kvpress does. */
+float kvc_attn_scale(const kvc_config *c);
 /* The model's files fuse q|k|v and gate|up (Phi-3). */
 int kvc_fused_proj(const kvc_config *c);
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];
