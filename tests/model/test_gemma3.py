@@ -138,3 +138,51 @@ def test_gguf_matches_hf(tmp_path, rng, linear):
     err_hf = rel_err(kvpress_c.load_model(path, weights="fp32").logits(ids), ref)
     print(f"linear {linear} (seed {seed}): GGUF {err:.2e}, HF folder {err_hf:.2e}")
     assert err < TOL and err_hf < TOL
+
+
+def edit_config(path, drop=(), **set_):
+    import json
+    import os
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    for k in drop:
+        cfg.pop(k, None)
+    cfg.update(set_)
+    json.dump(cfg, open(f, "w"))
+    return path
+
+
+def test_older_config_form_reads_the_same(tmp_path, rng):
+    """Configs on the Hub before transformers 5: rope_theta, rope_local_base_freq, rope_scaling {linear} and
+    sliding_window_pattern instead of layer_types and rope_parameters. transformers reads both forms the same;
+    so do we."""
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_gemma3(str(tmp_path / "g3"), seed=seed, linear=4.0)
+    ids = rng.integers(3, 256, size=50).tolist()
+    new = kvpress_c.load_model(path, weights="fp32")
+    ours_new, cfg_new = new.logits(ids), new.config
+    edit_config(path, drop=("layer_types", "rope_parameters"), rope_theta=1e6, rope_local_base_freq=10000.0,
+                rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=PERIOD)
+    old = kvpress_c.load_model(path, weights="fp32")
+    assert old.config == cfg_new
+    np.testing.assert_array_equal(old.logits(ids), ours_new)
+    err = rel_err(old.logits(ids), hf_logits(hf_model(path), ids))
+    print(f"older config form (seed {seed}): {err:.2e}")
+    assert err < TOL
+
+
+@pytest.mark.parametrize("edit,exc,match", [
+    (dict(attn_logit_softcapping=50.0), NotImplementedError, "attn_logit_softcapping is set"),
+    (dict(final_logit_softcapping=30.0), NotImplementedError, "final_logit_softcapping is set"),
+    (dict(hidden_activation="gelu"), NotImplementedError, "hidden_activation 'gelu'"),
+    (dict(use_bidirectional_attention=True), NotImplementedError, "use_bidirectional_attention"),
+    (dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+     NotImplementedError, "every P-th layer full"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     ValueError, "sliding_attention.rope_type"),
+])
+def test_what_gemma3_refuses(tmp_path, edit, exc, match):
+    path = edit_config(write_tiny_gemma3(str(tmp_path / "g3")), **edit)
+    with pytest.raises(exc, match=match):
+        kvpress_c.load_model(path)
