@@ -97,10 +97,7 @@ kvc_status kvc_positions_reserve(kvc_session *s, int64_t n) {
 
 /* ---- sliding window ---------------------------------------------------------------------------------- */
 
-/* Gemma 3 interleaves: with window_period P, every P-th layer ((l + 1) % P == 0) attends to the whole cache. */
-static int windowed(const kvc_config *c, int32_t l) {
-    return c->sliding_window > 0 && l >= c->window_first_layer && !(c->window_period > 0 && (l + 1) % c->window_period == 0);
-}
+static int windowed(const kvc_config *c, int32_t l) { return kvc_layer_slides(c, l); }
 
 /* For n new rows at positions p0 .. p0 + n - 1 about to be appended to layer cache L: the first row query
  * i of head h sees, out[i * Hkv + h]. Query i sees the positions > p0 + i - W: among the rows held (their
@@ -126,11 +123,6 @@ static kvc_status window_starts_all_layers(kvc_session *s) {
         if (windowed(c, l)) window_starts(&s->cache.layers[l], c->n_kv_heads, s->pos, 1, c->sliding_window, s->win + l * c->n_kv_heads);
     return s->be->upload(kvc_view_of(s->act.win, 0, c->n_kv_heads), c->n_layers, c->n_kv_heads, s->win, KVC_I64);
 }
-
-/* The layers the presses' hooks see. Gemma 3 (interleaved windows): only the full-attention ones, as kvpress
- * compresses Gemma 3 (its hooks skip the layers with is_sliding); the sliding layers keep every row and
- * attend within their window. Every layer of any other model. */
-static int pressed_layer(const kvc_config *c, int32_t l) { return !(c->window_period > 0 && windowed(c, l)); }
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -161,12 +153,15 @@ static int eager_decode(const kvc_session *s) {
     return 0;
 }
 
+/* A press's hooks skip the layers the model does not press (Gemma 3's sliding ones, kvc_layer_pressed); a
+ * probe's (KVC_PRESS_EVERY_LAYER: a measurement over the whole cache) see every layer. */
 static kvc_status run_hooks(kvc_session *s, const kvc_layer_ctx *ctx, int decode) {
+    const int pressed = kvc_layer_pressed(&s->model->cfg, ctx->layer);
     for (int32_t i = 0; i < KVC_N_SLOTS; i++) {
         const kvc_press_slot *slot = &s->slots[i];
         kvc_status (*fn)(void *, kvc_session *, const kvc_layer_ctx *) =
             !slot->vt ? NULL : decode ? slot->vt->on_decode_layer : slot->vt->on_layer;
-        if (!fn) continue;
+        if (!fn || (!pressed && !(slot->vt->traits & KVC_PRESS_EVERY_LAYER))) continue;
         const double t0 = now_seconds();
         const kvc_status st = fn(slot->self, s, ctx);
         s->press_seconds += now_seconds() - t0;
@@ -290,7 +285,7 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
     KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
     memcpy(past, f->cache.layers[l].len, sizeof(int64_t) * (size_t)c->n_kv_heads);
     KVC_TRY(kvc_cache_append(&f->cache, l, kvc_view_of(lead->act.qkv, 0, qd + 2 * kd), qd, qd + kd, lead->positions, n));
-    if (!has_layer_hook(f) || n <= 1 || !pressed_layer(c, l)) return KVC_OK;
+    if (!has_layer_hook(f) || n <= 1) return KVC_OK;
     const kvc_layer_ctx ctx = layer_ctx(lead, l, n, past);
     return run_hooks(f, &ctx, 0);
 }
@@ -299,8 +294,7 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
 static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n) {
     int64_t past[KVC_MAX_KV_HEADS];
     KVC_TRY(attention_block(s, &s, 1, l, n, 0, past));
-    const int pressed = pressed_layer(&s->model->cfg, l);
-    const int prefill = pressed && n > 1 && has_layer_hook(s), decode = pressed && decode_hooks_active(s);
+    const int prefill = n > 1 && has_layer_hook(s), decode = decode_hooks_active(s);
     if (prefill || decode) {
         const kvc_layer_ctx ctx = layer_ctx(s, l, n, past);
         if (prefill) KVC_TRY(run_hooks(s, &ctx, 0));
@@ -536,7 +530,7 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvc_status st = attention_block(s0, ss, B, l, 1, 0, NULL);
         for (int32_t i = 0; i < B && st == KVC_OK; i++) {
-            if (!decode_hooks_active(ss[i]) || !pressed_layer(c, l)) continue;
+            if (!decode_hooks_active(ss[i])) continue;
             kvc_layer_ctx ctx = layer_ctx(s0, l, 1, NULL); /* session i's row of the batch */
             ctx.q = kvc_view_at(ctx.q, i, 0);
             ctx.attn = kvc_view_at(ctx.attn, i, 0);

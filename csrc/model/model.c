@@ -104,6 +104,20 @@ static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const 
 
 static const char *role_name(const kvc_config *c, kvc_weight_role role, int hf);
 
+int kvc_layer_slides(const kvc_config *c, int32_t l) {
+    return c->sliding_window > 0 && l >= c->window_first_layer && !(c->window_period > 0 && (l + 1) % c->window_period == 0);
+}
+
+int kvc_layer_pressed(const kvc_config *c, int32_t l) { return !(c->window_period > 0 && kvc_layer_slides(c, l)); }
+
+kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what) {
+    for (int32_t l = 0; l < c->n_layers; l++)
+        if (!kvc_layer_pressed(c, l))
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s selects over every layer's cache at once; on Gemma 3 presses act on the "
+                            "full-attention layers only (as kvpress) and %s is not defined there yet", what, what);
+    return KVC_OK;
+}
+
 float kvc_attn_scale(const kvc_config *c) { return c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)c->head_dim); }
 
 int kvc_fused_proj(const kvc_config *c) { return c->arch == KVC_ARCH_PHI3; }

@@ -124,6 +124,15 @@ typedef struct kvc_layer_tensor {
 /* A layer tensor's name in a file of this model (Gemma's HF files call the MLP's norm
  * pre_feedforward_layernorm; their post_attention_layernorm is the attention output's norm). */
 const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf);
+/* Layer l attends within the sliding window (Gemma 3 interleaves: with window_period P, every P-th layer,
+ * (l + 1) % P == 0, attends to the whole cache). */
+int kvc_layer_slides(const kvc_config *c, int32_t l);
+/* The presses act on layer l: every layer, but on Gemma 3 (interleaved windows) only the full-attention ones,
+ * as kvpress compresses Gemma 3 (its hooks skip the layers with is_sliding; docs/METHODS.md "Gemma 3"). */
+int kvc_layer_pressed(const kvc_config *c, int32_t l);
+/* KVC_ERR_UNSUPPORTED naming `what` when some layer is not pressed (Gemma 3): for the methods that select
+ * over every layer's cache at once (KVzip, Fast KVzip, KVCompose, TAKE), not defined there yet. */
+kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what);
 /* The scale of the model's attention scores: cfg.attn_scale (Gemma's query_pre_attn_scalar^-1/2), else
  * 1/sqrt(head_dim). What reproduces the model's own attention (ObservedAttention, Ada-KV's eviction loss)
  * uses it; scorers that define their own attention (SnapKV's window, ...) keep 1/sqrt(d) as kvpress does. */

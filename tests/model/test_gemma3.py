@@ -186,3 +186,19 @@ def test_what_gemma3_refuses(tmp_path, edit, exc, match):
     path = edit_config(write_tiny_gemma3(str(tmp_path / "g3")), **edit)
     with pytest.raises(exc, match=match):
         kvpress_c.load_model(path)
+
+
+def test_whole_cache_methods_refused(gemma3, rng):
+    """KVzip, KVCompose and TAKE select over every layer's cache at once; with presses on the full layers only
+    they are not defined on Gemma 3 yet (kvpress's KVzip refuses Gemma 3): a clear error, not scores of layers
+    never measured."""
+    model = kvpress_c.load_model(gemma3[0])
+    ids = rng.integers(3, 256, size=40).astype(np.int32)
+    s = model.new_session()
+    s.forward(ids, logits="none")
+    with pytest.raises(NotImplementedError, match="KVzip selects over every layer"):
+        kvpress_c.KVzipPress(compression_ratio=0.5).scores(s, ids)
+    with pytest.raises(NotImplementedError, match="KVzip selects over every layer"):
+        s.kvzip_evict(np.zeros((LAYERS, 2, 40), np.float32), 0.5)
+    with pytest.raises(NotImplementedError, match="TAKE selects over every layer"):
+        model.new_session().prefill_take(ids, ids[-8:], 16, chunk_size=16)
