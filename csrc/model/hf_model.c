@@ -733,6 +733,7 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
         return st;
     }
     m->norm_plus_one = cfg.arch == KVC_ARCH_GEMMA3; /* transformers' Gemma RMSNorm: x / rms(x) * (1 + w) */
+    m->embed_scale_rounded = cfg.arch == KVC_ARCH_GEMMA3; /* and its scale in the embedding's dtype */
     st = load_weights(w, m);
     if (st == KVC_OK && lr.linear > 0) { /* "linear" scaling as per-frequency divisors, for kvc_model_finish */
         float *f = kvc_model_rope_factors(m);

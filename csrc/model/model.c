@@ -548,7 +548,20 @@ static kvc_status divide(const kvc_config *c, float *freq, const float *factors,
     return KVC_OK;
 }
 
+/* x rounded to nearest (ties to even) with `bits` significant bits: a bf16 (8) or f16 (11) value of it. */
+static float round_significand(float x, int bits) {
+    int e;
+    const double f = frexp((double)x, &e); /* x = f 2^e, f in [0.5, 1) */
+    return (float)ldexp(nearbyint(ldexp(f, bits)), e - bits);
+}
+
 kvc_status kvc_model_finish(kvc_model *m) {
+    if (m->embed_scale_rounded && m->cfg.embed_scale > 0) { /* transformers: embed_scale.to(weight.dtype) */
+        const kvc_model_buf *b = model_buf(m, m->tok_embd.buf);
+        const int32_t t = b ? b->dtype : KVC_F32;
+        if (t == KVC_BF16 || t == KVC_WTYPE(GGML_T_BF16)) m->cfg.embed_scale = round_significand(m->cfg.embed_scale, 8);
+        else if (t == KVC_WTYPE(GGML_T_F16)) m->cfg.embed_scale = round_significand(m->cfg.embed_scale, 11);
+    }
     const kvc_config *c = &m->cfg;
     const int half = c->head_dim / 2;
     KVC_TRY(kvc_kernel_rope_freqs(c, m->rope_inv_freq));

@@ -73,6 +73,7 @@ struct kvc_model {
     kvc_view inv_freq_long;   /* [d/2] LongRoPE's long factors' frequencies; buf NULL without LongRoPE */
     kvc_view inv_freq_local;  /* [d/2] the sliding layers' frequencies (cfg.rope_local_theta); buf NULL without */
     int norm_plus_one;        /* norm weights are stored as w and used as 1 + w (Gemma's HF files): added at load */
+    int embed_scale_rounded;  /* cfg.embed_scale is cast to the dtype the embedding is held in (transformers' Gemma) */
     kvc_layer_weights *layers;
     float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, LongRoPE's short
                                  factors, or NULL */

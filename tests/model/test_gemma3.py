@@ -260,3 +260,19 @@ def test_fuzz_gemma3_configs_never_crash(tmp_path, rng):
     assert res.returncode == 0, f"fuzzer failed (seed {seed}): rc={res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
     print(res.stdout)
     assert f"{n} configs (seed {seed})" in res.stdout
+
+
+def test_embedding_scale_in_the_embeddings_dtype(tmp_path, rng):
+    """transformers multiplies the embeddings by sqrt(hidden) cast to the embedding's dtype: sqrt(80) = 8.944 is
+    8.9375 in bf16. A bf16 folder held natively (bf16 embedding) uses the bf16 value, as transformers running it
+    in bf16; converted to fp32, the fp32 value, as transformers running it in fp32 (logits checked there)."""
+    path = write_tiny_gemma3(str(tmp_path / "g3"), seed=int(rng.integers(1 << 31)), dtype=torch.bfloat16, hidden=80)
+    want_bf16 = float(torch.tensor(80 ** 0.5).to(torch.bfloat16))
+    assert want_bf16 == 8.9375
+    native, fp32 = kvpress_c.load_model(path), kvpress_c.load_model(path, weights="fp32")
+    assert native.config["embed_scale"] == want_bf16
+    assert fp32.config["embed_scale"] == pytest.approx(80 ** 0.5, rel=1e-7)
+    ids = rng.integers(3, 256, size=30).tolist()
+    err = rel_err(fp32.logits(ids), hf_logits(hf_model(path), ids))
+    print(f"bf16 folder, fp32 on both sides: {err:.2e}")
+    assert err < TOL

@@ -12,20 +12,22 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 LAYERS, PERIOD, WINDOW = 5, 3, 16
 
 
-def make_config(vocab: int = 256, linear: float = 4.0, layers: int = LAYERS, period: int = PERIOD, scalar: int = 24):
+def make_config(vocab: int = 256, linear: float = 4.0, layers: int = LAYERS, period: int = PERIOD, scalar: int = 24,
+                hidden: int = 64):
     import transformers
 
     types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
     rope = {"full_attention": {"rope_type": "linear", "factor": linear, "rope_theta": 1e6} if linear
             else {"rope_type": "default", "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    return transformers.Gemma3TextConfig(**{**TINY, "query_pre_attn_scalar": scalar}, num_hidden_layers=layers, vocab_size=vocab, sliding_window=WINDOW,
+    return transformers.Gemma3TextConfig(**{**TINY, "query_pre_attn_scalar": scalar, "hidden_size": hidden}, num_hidden_layers=layers, vocab_size=vocab, sliding_window=WINDOW,
                                          layer_types=types, rope_parameters=rope, max_position_embeddings=1024,
                                          tie_word_embeddings=True)
 
 
-def write_tiny_gemma3(path: str, seed: int = 0, **kw) -> str:
-    """A Gemma 3 folder at `path` with random weights: matrices std 0.08, norm weights (used as 1 + w) std 0.1."""
+def write_tiny_gemma3(path: str, seed: int = 0, dtype=None, **kw) -> str:
+    """A Gemma 3 folder at `path` with random weights: matrices std 0.08, norm weights (used as 1 + w) std 0.1;
+    saved in `dtype` (a torch dtype; None: float32)."""
     import torch
     import transformers
 
@@ -40,6 +42,8 @@ def write_tiny_gemma3(path: str, seed: int = 0, **kw) -> str:
                 p.normal_(0, 0.08)
             else:
                 p.copy_(0.1 * torch.randn_like(p))
+    if dtype is not None:
+        model = model.to(dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     write_byte_tokenizer(path, cfg.vocab_size)
