@@ -54,11 +54,11 @@ def write_tiny_gemma3(path: str, seed: int = 0, dtype=None, **kw) -> str:
 GGUF_SHAPE = dict(layers=7, period=6, scalar=16)
 
 
-def write_gemma3_gguf(hf_dir: str, out: str) -> str:
+def write_gemma3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
     """The folder's model (made with GGUF_SHAPE) as a GGUF file the way llama.cpp's converter writes Gemma 3:
     arch 'gemma3', norms stored as 1 + w, q/k norms attn_q_norm / attn_k_norm, the four layer norms
     attn_norm, post_attention_norm, ffn_norm (pre-MLP), post_ffw_norm; linear RoPE scaling in the metadata.
-    Matrices F32."""
+    weight_type: F32 or F16 for the matrices (norms stay F32)."""
     import gguf
     import numpy as np
     import torch
@@ -90,7 +90,11 @@ def write_gemma3_gguf(hf_dir: str, out: str) -> str:
 
     def put(name, t):
         x = t.detach().float().numpy().astype(np.float32)
-        w.add_tensor(name, x + 1 if name.endswith("norm.weight") else x)  # llama.cpp's converter: 1 + w
+        if name.endswith("norm.weight"):
+            x = x + 1  # llama.cpp's converter: 1 + w
+        elif weight_type == "F16":
+            x = x.astype(np.float16)
+        w.add_tensor(name, x)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("output_norm.weight", sd["model.norm.weight"])
