@@ -73,6 +73,7 @@ static kvc_status parse_json_file(const char *path, json_value **out) {
 typedef struct cfg_reader {
     const json_value *j;
     const char *path;
+    const json_value *outer; /* a multimodal Gemma 3 config whose text_config j is, or NULL */
 } cfg_reader;
 
 /* A short description of a JSON value for error messages ("got -4", "got a string"). */
@@ -399,17 +400,17 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     const json_value *j = r->j;
     if (j->kind != JSON_OBJECT) return kvc_fail(KVC_ERR_FORMAT, "%s is not a JSON object", r->path);
     const json_value *mt = json_get(j, "model_type");
-    if (!mt || mt->kind != JSON_STRING)
+    if (r->outer && !mt) c->arch = KVC_ARCH_GEMMA3; /* a text_config without its model_type */
+    else if (!mt || mt->kind != JSON_STRING)
         return kvc_fail(KVC_ERR_FORMAT, "%s: 'model_type' is missing or not a string", r->path);
-    if (!strcmp(mt->string, "llama")) c->arch = KVC_ARCH_LLAMA;
+    else if (r->outer && strcmp(mt->string, "gemma3_text") != 0)
+        return kvc_fail(KVC_ERR_FORMAT, "%s: text_config's model_type is '%.40s', not gemma3_text", r->path, mt->string);
+    else if (!strcmp(mt->string, "llama")) c->arch = KVC_ARCH_LLAMA;
     else if (!strcmp(mt->string, "mistral")) c->arch = KVC_ARCH_MISTRAL;
     else if (!strcmp(mt->string, "qwen2")) c->arch = KVC_ARCH_QWEN2;
     else if (!strcmp(mt->string, "qwen3")) c->arch = KVC_ARCH_QWEN3;
     else if (!strcmp(mt->string, "phi3")) c->arch = KVC_ARCH_PHI3; /* Phi-3, Phi-3.5, Phi-4-mini */
     else if (!strcmp(mt->string, "gemma3_text")) c->arch = KVC_ARCH_GEMMA3; /* Gemma3ForCausalLM */
-    else if (!strcmp(mt->string, "gemma3"))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type 'gemma3' (the multimodal Gemma3ForConditionalGeneration) is not "
-                        "supported; its text model (model_type 'gemma3_text', Gemma3ForCausalLM) is", r->path);
     else
         return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3 and "
                         "gemma3_text are)", r->path, mt->string);
@@ -431,10 +432,11 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     KVC_TRY(get_bool(r, j, "mlp_bias", 0, &flag));
     if (flag) return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported", r->path);
 
-    KVC_TRY(get_int(r, j, "num_hidden_layers", 1, 0, 1, 4096, &c->n_layers));
-    KVC_TRY(get_int(r, j, "hidden_size", 1, 0, 1, 65536, &c->hidden));
-    KVC_TRY(get_int(r, j, "num_attention_heads", 1, 0, 1, 1024, &c->n_heads));
-    KVC_TRY(get_int(r, j, "num_key_value_heads", 0, c->n_heads, 1, c->n_heads, &c->n_kv_heads));
+    const int g3 = c->arch == KVC_ARCH_GEMMA3; /* Gemma3TextConfig's defaults (text_configs omit what equals them) */
+    KVC_TRY(get_int(r, j, "num_hidden_layers", !g3, 26, 1, 4096, &c->n_layers));
+    KVC_TRY(get_int(r, j, "hidden_size", !g3, 2304, 1, 65536, &c->hidden));
+    KVC_TRY(get_int(r, j, "num_attention_heads", !g3, 8, 1, 1024, &c->n_heads));
+    KVC_TRY(get_int(r, j, "num_key_value_heads", 0, g3 ? 4 : c->n_heads, 1, c->n_heads, &c->n_kv_heads));
     if (c->n_heads % c->n_kv_heads != 0)
         return kvc_fail(KVC_ERR_FORMAT, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)", r->path,
                         c->n_heads, c->n_kv_heads);
@@ -444,8 +446,8 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     if (c->head_dim < 2 || c->head_dim % 2)
         return kvc_fail(KVC_ERR_FORMAT, "%s: head_dim (%d%s) must be even (RoPE rotates pairs)", r->path, c->head_dim,
                         json_get(j, "head_dim") ? "" : " = hidden_size / num_attention_heads");
-    KVC_TRY(get_int(r, j, "intermediate_size", 1, 0, 1, 1 << 20, &c->ffn));
-    KVC_TRY(get_int(r, j, "vocab_size", 1, 0, 1, 1 << 24, &c->vocab));
+    KVC_TRY(get_int(r, j, "intermediate_size", !g3, 9216, 1, 1 << 20, &c->ffn));
+    KVC_TRY(get_int(r, j, "vocab_size", !g3, 262208, 1, 1 << 24, &c->vocab));
     /* informational (and llama3's default original context); transformers' per-model defaults */
     const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_PHI3 ? 4096 : c->arch == KVC_ARCH_GEMMA3 ? 131072
                           : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
@@ -467,6 +469,11 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
 
     KVC_TRY(get_token_id(r, "bos_token_id", c->vocab, &c->bos_id));
     KVC_TRY(get_token_id(r, "eos_token_id", c->vocab, &c->eos_id));
+    if (r->outer) { /* a multimodal config: its own ids where the text_config has none */
+        const cfg_reader o = {r->outer, r->path, NULL};
+        if (c->bos_id < 0) KVC_TRY(get_token_id(&o, "bos_token_id", c->vocab, &c->bos_id));
+        if (c->eos_id < 0) KVC_TRY(get_token_id(&o, "eos_token_id", c->vocab, &c->eos_id));
+    }
     return KVC_OK;
 }
 
@@ -485,6 +492,7 @@ typedef struct weights {
     json_value *index;            /* parsed model.safetensors.index.json, or NULL */
     const json_value *weight_map; /* inside index */
     char *index_path;
+    int multimodal; /* Gemma3ForConditionalGeneration: the text model's tensors under its language model */
 } weights;
 
 static void weights_close(weights *w) {
@@ -602,7 +610,7 @@ static kvc_status open_weights(weights *w) {
 
 /* The tensor `name`, or NULL with *st = KVC_OK when no file has it (the caller decides whether
  * that is an error). With an index, only the shard it names is consulted. */
-static const st_tensor *find(const weights *w, const char *name, kvc_status *st) {
+static const st_tensor *find_exact(const weights *w, const char *name, kvc_status *st) {
     *st = KVC_OK;
     if (w->weight_map) {
         const json_value *v = json_get(w->weight_map, name);
@@ -617,6 +625,22 @@ static const st_tensor *find(const weights *w, const char *name, kvc_status *st)
     for (int i = 0; i < w->n; i++) {
         const st_tensor *t = st_find(w->shards[i].file, name);
         if (t) return t;
+    }
+    return NULL;
+}
+
+/* A text model's tensor by its Gemma3ForCausalLM name; in a multimodal Gemma 3 folder, where transformers puts
+ * it: "model.X" as "model.language_model.X" (transformers >= 4.52) or "language_model.model.X" (before), and
+ * "lm_head.weight" also as "language_model.lm_head.weight". */
+static const st_tensor *find(const weights *w, const char *name, kvc_status *st) {
+    if (!w->multimodal) return find_exact(w, name, st);
+    char alt[256];
+    const int model = !strncmp(name, "model.", 6);
+    const char *forms[2][2] = {{"model.language_model.", "language_model.model."}, {"", "language_model."}};
+    for (int i = 0; i < 2; i++) {
+        snprintf(alt, sizeof alt, "%s%s", forms[!model][i], model ? name + 6 : name);
+        const st_tensor *t = find_exact(w, alt, st);
+        if (t || *st != KVC_OK) return t;
     }
     return NULL;
 }
@@ -709,9 +733,18 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
     kvc_config cfg;
     longrope lr;
     kvc_status st = parse_json_file(cfg_path, &j);
+    int multimodal = 0;
     if (st == KVC_OK) {
-        const cfg_reader r = {j, cfg_path};
-        st = read_config(&r, &cfg, &lr);
+        cfg_reader r = {j, cfg_path, NULL};
+        const json_value *mt = j->kind == JSON_OBJECT ? json_get(j, "model_type") : NULL;
+        if (mt && mt->kind == JSON_STRING && !strcmp(mt->string, "gemma3")) { /* Gemma3ForConditionalGeneration: its text model */
+            const json_value *tc = json_get(j, "text_config");
+            if (!tc || tc->kind != JSON_OBJECT)
+                st = kvc_fail(KVC_ERR_FORMAT, "%s: a 'gemma3' config needs a 'text_config' object", cfg_path);
+            r = (cfg_reader){tc, cfg_path, j};
+            multimodal = 1;
+        }
+        if (st == KVC_OK) st = read_config(&r, &cfg, &lr);
     }
     json_free(j);
     free(cfg_path);
@@ -720,6 +753,7 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
     weights *w = calloc(1, sizeof *w);
     if (!w) return kvc_fail(KVC_ERR_NOMEM, "out of memory: weight files");
     w->dir = dir;
+    w->multimodal = multimodal;
     kvc_model *m = NULL;
     st = open_weights(w);
     if (st == KVC_OK && cfg.tied_embeddings < 0) {

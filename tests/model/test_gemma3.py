@@ -294,3 +294,21 @@ def test_native_f16_gguf(tmp_path, rng):
     # measured: F16 weights against HF's fp32 1.3e-3; native against fp32-converted 0 here (F16 decodes exactly to
     # fp32); the bounds are test_phi3.py's for the same file types
     assert eb < 1e-2 and ea < 2e-2
+
+
+@pytest.mark.parametrize("old_names", [False, True], ids=["transformers5-names", "older-names"])
+def test_multimodal_folder_runs_its_text_model(gemma3, tmp_path, rng, old_names):
+    """Gemma 3 4B/12B/27B come as Gemma3ForConditionalGeneration folders (model_type 'gemma3', a text_config,
+    the language model's tensors under model.language_model. or, before transformers 4.52, language_model.model.):
+    we run the text model, the same logits as the text-only folder's."""
+    from gemma3_models import write_tiny_gemma3_multimodal
+    text_dir, seed = gemma3
+    mm_dir = write_tiny_gemma3_multimodal(text_dir, str(tmp_path / "mm"), old_names=old_names)
+    ids = rng.integers(3, 256, size=50).tolist()
+    a = kvpress_c.load_model(mm_dir, weights="fp32")
+    b = kvpress_c.load_model(text_dir, weights="fp32")
+    assert a.config == b.config
+    np.testing.assert_array_equal(a.logits(ids), b.logits(ids))
+    err = rel_err(a.logits(ids), hf_logits(hf_model(text_dir), ids))
+    print(f"multimodal folder (seed {seed}): {err:.2e}")
+    assert err < TOL

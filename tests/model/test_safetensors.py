@@ -438,10 +438,10 @@ def test_unknown_architecture_names_what_is_supported(tiny, tmp_path):
     d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), model_type="gemma2")
     st, msg = c_load(d)[:2]
     assert st == ST_UNSUPPORTED and "gemma2" in msg and "qwen3" in msg and "gemma3_text" in msg, msg
-    # the multimodal Gemma 3 folder: its text model is what runs
+    # a multimodal Gemma 3 config runs its text_config's model: without one, a clear error
     d = edit_cfg(clone(tiny("llama"), tmp_path / "m2"), model_type="gemma3")
     st, msg = c_load(d)[:2]
-    assert st == ST_UNSUPPORTED and "Gemma3ForConditionalGeneration" in msg and "gemma3_text" in msg, msg
+    assert st == ST_FORMAT and "'gemma3' config needs a 'text_config'" in msg, msg
 
 
 # ------------------------------------------------------------------------------------------------

@@ -113,3 +113,31 @@ def write_gemma3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def write_tiny_gemma3_multimodal(text_dir: str, path: str, old_names: bool = False) -> str:
+    """The text model of `text_dir` inside a Gemma3ForConditionalGeneration folder (a one-layer vision tower of
+    random weights, no image used), as the 4B/12B/27B checkpoints come. old_names: the tensors renamed to the
+    layout transformers wrote before 4.52 (language_model.model.*, language_model.lm_head.weight)."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from hf_models import write_byte_tokenizer
+
+    text = transformers.Gemma3ForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    cfg = transformers.Gemma3Config(text_config=text.config.to_dict(), mm_tokens_per_image=4,
+                                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                       num_attention_heads=2, image_size=28, patch_size=14))
+    mm = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    mm.model.language_model.load_state_dict(text.model.state_dict())
+    mm.lm_head.weight = mm.model.language_model.embed_tokens.weight
+    os.makedirs(path, exist_ok=True)
+    mm.save_pretrained(path, safe_serialization=True)
+    write_byte_tokenizer(path, text.config.vocab_size)
+    if old_names:
+        f = os.path.join(path, "model.safetensors")
+        sd = load_file(f)
+        save_file({k.replace("model.language_model.", "language_model.model."): v.contiguous() for k, v in sd.items()}, f,
+                  metadata={"format": "pt"})
+    return path
