@@ -412,8 +412,8 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     else if (!strcmp(mt->string, "phi3")) c->arch = KVC_ARCH_PHI3; /* Phi-3, Phi-3.5, Phi-4-mini */
     else if (!strcmp(mt->string, "gemma3_text")) c->arch = KVC_ARCH_GEMMA3; /* Gemma3ForCausalLM */
     else
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3 and "
-                        "gemma3_text are)", r->path, mt->string);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma3_text "
+                        "and gemma3's text model are)", r->path, mt->string);
     c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
     c->qk_norm = c->arch == KVC_ARCH_QWEN3;
