@@ -312,3 +312,21 @@ def test_multimodal_folder_runs_its_text_model(gemma3, tmp_path, rng, old_names)
     err = rel_err(a.logits(ids), hf_logits(hf_model(text_dir), ids))
     print(f"multimodal folder (seed {seed}): {err:.2e}")
     assert err < TOL
+
+
+def test_linear_rope_scaling_on_llama(tmp_path, rng):
+    """'linear' RoPE scaling, read for Gemma 3's full layers, is transformers' generic one: on a llama folder too."""
+    import json
+    import os
+
+    from hf_models import write_tiny_model
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_model(str(tmp_path / "llama"), arch="llama", seed=seed)
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    json.dump(cfg, open(f, "w"))
+    ids = rng.integers(3, 256, size=80).tolist()
+    err = rel_err(kvpress_c.load_model(path, weights="fp32").logits(ids), hf_logits(hf_model(path), ids))
+    print(f"llama, linear 4 (seed {seed}): {err:.2e}")
+    assert err < TOL
