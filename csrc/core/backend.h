@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 4 /* 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
+#define KVC_BACKEND_VERSION 5 /* 5: geglu, scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -239,6 +239,11 @@ typedef struct kvc_backend {
                             int32_t flags);
     /* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] */
     kvc_status (*swiglu)(kvc_view gu, int64_t rows, int64_t F);
+    /* gu[r, :F] = gelu_tanh(gu[r, :F]) * gu[r, F:2F] (Gemma's GeGLU; gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi)
+     * (g + 0.044715 g^3)))) */
+    kvc_status (*geglu)(kvc_view gu, int64_t rows, int64_t F);
+    /* x[r, :cols] *= alpha over rows (x f32: Gemma's embedding scale) */
+    kvc_status (*scale)(kvc_view x, int64_t rows, int64_t cols, float alpha);
 
     /* ---- the presses' kernels ---- */
     /* KVC_ERR_UNSUPPORTED for a scorer the backend lacks (press/score.c decides what runs where) */

@@ -54,10 +54,18 @@ KVC_API int kvc_get_num_threads(void);
 /* ---------------------------------------------------------------------------------------------- */
 /* Models                                                                                          */
 
-/* PHI3: Phi-3 / Phi-3.5 / Phi-4-mini (fused q|k|v and gate|up tensors, partial rotary, LongRoPE). */
+/* PHI3: Phi-3 / Phi-3.5 / Phi-4-mini (fused q|k|v and gate|up tensors, partial rotary, LongRoPE).
+ * GEMMA3: Gemma 3 text (norms after attention and after the MLP too, GeGLU, interleaved sliding layers). */
 typedef enum kvc_arch {
-    KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3, KVC_ARCH_PHI3 = 4
+    KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3, KVC_ARCH_PHI3 = 4,
+    KVC_ARCH_GEMMA3 = 5
 } kvc_arch;
+
+/* The MLP's gate activation. */
+typedef enum kvc_mlp_act {
+    KVC_MLP_SILU = 0,     /* SwiGLU: silu(gate) * up */
+    KVC_MLP_GELU_TANH = 1 /* GeGLU (Gemma): gelu(gate) * up, GELU's tanh approximation */
+} kvc_mlp_act;
 
 /* How RoPE pairs the head dimensions. */
 typedef enum kvc_rope_pairing {
@@ -102,6 +110,18 @@ typedef struct kvc_config {
     /* The factor cos and sin are multiplied by (LongRoPE's attention factor) on the rotated dimensions of
      * q and k; 0 or 1: none. */
     float rope_attn_factor;
+    /* Interleaved windows (Gemma 3): with window_period P > 0, among the layers l >= window_first_layer
+     * those with (l + 1) % P == 0 attend to the whole cache and the others slide. 0: every one slides. */
+    int32_t window_period;
+    /* RoPE base of the sliding layers (Gemma 3's rope_local_base_freq; no scaling there); 0: rope_theta. */
+    float rope_local_theta;
+    /* Attention's score scale (Gemma's query_pre_attn_scalar^-1/2); 0: 1/sqrt(head_dim). */
+    float attn_scale;
+    /* Token embeddings multiplied by it (Gemma: sqrt(hidden), rounded to the embedding's dtype); 0: none. */
+    float embed_scale;
+    int32_t mlp_act;         /* kvc_mlp_act */
+    /* Gemma's extra norms: RMSNorm of the attention output and of the MLP output before each residual add. */
+    int32_t post_norms;
 } kvc_config;
 
 typedef struct kvc_model kvc_model;

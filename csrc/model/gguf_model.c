@@ -18,7 +18,7 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     KVC_TRY(gguf_get_string_opt(f, "general.architecture", &s, &len));
     if (!s) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata general.architecture is missing" HINT);
     if (len >= cap || memchr(s, 0, len))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3 and phi3 are)",
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)",
                         (int)(len < 64 ? len : 64), s);
     memcpy(arch, s, len);
     arch[len] = '\0';
@@ -27,7 +27,8 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     else if (!strcmp(arch, "qwen2")) *code = KVC_ARCH_QWEN2;
     else if (!strcmp(arch, "qwen3")) *code = KVC_ARCH_QWEN3;
     else if (!strcmp(arch, "phi3")) *code = KVC_ARCH_PHI3;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2, qwen3 and phi3 are)", arch);
+    else if (!strcmp(arch, "gemma3")) *code = KVC_ARCH_GEMMA3;
+    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)", arch);
     return KVC_OK;
 }
 
@@ -106,6 +107,29 @@ static kvc_status longrope(const gguf_file *f, const char *arch, kvc_config *c) 
     return KVC_OK;
 }
 
+/* Gemma 3 as llama.cpp runs its 'gemma3' files: with a sliding window, every layer but each 6th slides, on
+ * RoPE base rope.freq_base_swa (10000 when absent, unscaled); norms stored as 1 + w (its converter adds the
+ * 1); attention scale 1/sqrt(key_length), or 1/sqrt(hidden / heads) for the 62-layer (27B) model (Gemma's
+ * query_pre_attn_scalar); embeddings times sqrt(hidden); final logit soft-capping refused. */
+static kvc_status read_gemma3(const gguf_file *f, const char *arch, kvc_config *c) {
+    float cap = 0;
+    KVC_TRY(arch_float(f, arch, "final_logit_softcapping", &cap));
+    if (cap > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: %s.final_logit_softcapping = %g; kvpress_c does not implement logit soft-capping yet",
+                        arch, cap);
+    if (c->sliding_window > 0) {
+        c->window_period = 6;
+        c->rope_local_theta = 10000.0f;
+        KVC_TRY(arch_float(f, arch, "rope.freq_base_swa", &c->rope_local_theta));
+    }
+    c->attn_scale = 1.0f / sqrtf(c->n_layers == 62 ? (float)(c->hidden / c->n_heads) : (float)c->head_dim);
+    c->embed_scale = sqrtf((float)c->hidden);
+    c->qk_norm = 1;
+    c->post_norms = 1;
+    c->mlp_act = KVC_MLP_GELU_TANH;
+    return KVC_OK;
+}
+
 static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_scale) {
     char arch[32];
     kvc_config_defaults(c);
@@ -157,8 +181,10 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
     c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
     c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
     c->qk_norm = c->arch == KVC_ARCH_QWEN3;
-    /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral) */
+    /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral;
+     * gemma3: read_gemma3 interleaves) */
     KVC_TRY(arch_int(f, arch, "attention.sliding_window", 0, 0, &c->sliding_window));
+    if (c->arch == KVC_ARCH_GEMMA3) KVC_TRY(read_gemma3(f, arch, c));
     int64_t v = -1;
     KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.bos_token_id", &v));
     c->bos_id = (v >= -1 && v <= INT32_MAX) ? (int32_t)v : -1;

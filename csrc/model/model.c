@@ -26,7 +26,7 @@ void kvc_config_defaults(kvc_config *c) {
 static kvc_status check_config(const kvc_config *c) {
 #define REQUIRE(cond, ...) \
     if (!(cond)) return kvc_fail(KVC_ERR_FORMAT, "invalid model config: " __VA_ARGS__)
-    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_PHI3, "unknown architecture %d", c->arch);
+    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_GEMMA3, "unknown architecture %d", c->arch);
     REQUIRE(c->n_layers > 0 && c->n_layers <= 4096, "n_layers = %d", c->n_layers);
     REQUIRE(c->hidden > 0 && c->hidden <= 65536, "hidden size = %d", c->hidden);
     REQUIRE(c->n_heads > 0 && c->n_heads <= 1024, "n_heads = %d", c->n_heads);
@@ -56,6 +56,14 @@ static kvc_status check_config(const kvc_config *c) {
     REQUIRE(c->rope_long_context >= 0, "LongRoPE original context = %d", c->rope_long_context);
     REQUIRE(c->rope_long_context == 0 || c->rope_scaling_factor == 0, "LongRoPE and llama3 RoPE scaling together");
     REQUIRE(isfinite(c->rope_attn_factor) && c->rope_attn_factor >= 0, "RoPE attention factor = %g", c->rope_attn_factor);
+    REQUIRE(c->window_period >= 0, "window period = %d", c->window_period);
+    REQUIRE(isfinite(c->rope_local_theta) && (c->rope_local_theta == 0 || c->rope_local_theta > 1), "local rope_theta = %g",
+            c->rope_local_theta);
+    REQUIRE(c->rope_local_theta == 0 || c->rope_long_context == 0, "LongRoPE with a separate sliding-layer RoPE base");
+    REQUIRE(isfinite(c->attn_scale) && c->attn_scale >= 0, "attention scale = %g", c->attn_scale);
+    REQUIRE(isfinite(c->embed_scale) && c->embed_scale >= 0, "embedding scale = %g", c->embed_scale);
+    REQUIRE(c->mlp_act == KVC_MLP_SILU || c->mlp_act == KVC_MLP_GELU_TANH, "MLP activation %d", c->mlp_act);
+    REQUIRE(c->post_norms == 0 || c->post_norms == 1, "post_norms = %d", c->post_norms);
 #undef REQUIRE
     /* the one limit the kernels' parameter blocks set (KV heads per layer), checked here for every device */
     if (c->n_kv_heads > KVC_MAX_KV_HEADS)
@@ -94,7 +102,23 @@ static kvc_status own(kvc_model *m, int32_t dtype, int64_t n, int64_t ld, const 
     return KVC_OK;
 }
 
-static const char *role_name(kvc_weight_role role, int hf);
+static const char *role_name(const kvc_config *c, kvc_weight_role role, int hf);
+
+int kvc_layer_slides(const kvc_config *c, int32_t l) {
+    return c->sliding_window > 0 && l >= c->window_first_layer && !(c->window_period > 0 && (l + 1) % c->window_period == 0);
+}
+
+int kvc_layer_pressed(const kvc_config *c, int32_t l) { return !(c->window_period > 0 && kvc_layer_slides(c, l)); }
+
+kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what) {
+    for (int32_t l = 0; l < c->n_layers; l++)
+        if (!kvc_layer_pressed(c, l))
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s selects over every layer's cache at once; on Gemma 3 presses act on the "
+                            "full-attention layers only (as kvpress) and %s is not defined there yet", what, what);
+    return KVC_OK;
+}
+
+float kvc_attn_scale(const kvc_config *c) { return c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)c->head_dim); }
 
 int kvc_fused_proj(const kvc_config *c) { return c->arch == KVC_ARCH_PHI3; }
 
@@ -164,9 +188,9 @@ static kvc_status place(const plan *p, const kvc_weight_role *roles, int n, int3
     for (int i = 0; i < n; i++) {
         char name[160];
         if (layer >= 0)
-            snprintf(name, sizeof name, p->hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)layer, role_name(roles[i], p->hf));
+            snprintf(name, sizeof name, p->hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)layer, role_name(&m->cfg, roles[i], p->hf));
         else
-            snprintf(name, sizeof name, "%s", role_name(roles[i], p->hf));
+            snprintf(name, sizeof name, "%s", role_name(&m->cfg, roles[i], p->hf));
         /* planning only: a tensor the file lacks or gets wrong is reported when it is loaded */
         const int known = p->weights == KVC_WEIGHTS_NATIVE && p->describe &&
                           p->describe(p->file, name, rows[i], cols, &src[i]) == KVC_OK;
@@ -252,6 +276,8 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
     if (st == KVC_OK) st = own(m, KVC_F32, half, half, NULL, "RoPE frequencies", &m->inv_freq);
     if (st == KVC_OK && cfg->rope_long_context > 0)
         st = own(m, KVC_F32, half, half, NULL, "RoPE frequencies (LongRoPE long factors)", &m->inv_freq_long);
+    if (st == KVC_OK && cfg->rope_local_theta > 0)
+        st = own(m, KVC_F32, half, half, NULL, "RoPE frequencies (sliding layers)", &m->inv_freq_local);
     if (st == KVC_OK) {
         if (cfg->tied_embeddings) m->lm_head = m->tok_embd;
         else st = place1(&p, KVC_W_LM_HEAD, -1, V, D, "lm_head", &m->lm_head);
@@ -271,6 +297,8 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
             st = kvc_fused_proj(cfg) ? place_fused(&p, KVC_W_GU, l, gu_rows, 2, D, "gate|up weights", &L->gu)
                                      : place(&p, R_GU, 2, l, gu_rows, D, "gate|up weights", &L->gu);
         if (st == KVC_OK) st = place1(&p, KVC_W_DOWN, l, D, F, "down weights", &L->wdown);
+        if (st == KVC_OK && cfg->post_norms) st = own(m, KVC_F32, D, D, NULL, "attention output norm", &L->post_attn_norm);
+        if (st == KVC_OK && cfg->post_norms) st = own(m, KVC_F32, D, D, NULL, "MLP output norm", &L->post_ffn_norm);
     }
     if (st != KVC_OK) {
         kvc_model_free(m);
@@ -308,7 +336,14 @@ const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS] = {
     {KVC_W_K_NORM, "attn_k_norm.weight", "self_attn.k_norm.weight"},
     {KVC_W_QKV, "attn_qkv.weight", "self_attn.qkv_proj.weight"},
     {KVC_W_GU, "ffn_up.weight", "mlp.gate_up_proj.weight"}, /* llama.cpp's phi3 keeps gate|up fused as ffn_up */
+    {KVC_W_POST_ATTN_NORM, "post_attention_norm.weight", "post_attention_layernorm.weight"},
+    {KVC_W_POST_FFN_NORM, "post_ffw_norm.weight", "post_feedforward_layernorm.weight"},
 };
+
+const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf) {
+    if (hf && c->post_norms && t->role == KVC_W_FFN_NORM) return "pre_feedforward_layernorm.weight";
+    return hf ? t->hf : t->gguf;
+}
 
 /* The shape of a role's tensor the config implies: [rows, cols], rows 0 for a vector. */
 static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64_t *cols) {
@@ -318,7 +353,9 @@ static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64
     *cols = 0;
     switch (role) {
     case KVC_W_TOK: case KVC_W_LM_HEAD: *rows = c->vocab; *cols = D; break;
-    case KVC_W_OUT_NORM: case KVC_W_ATTN_NORM: case KVC_W_FFN_NORM: *cols = D; break;
+    case KVC_W_OUT_NORM: case KVC_W_ATTN_NORM: case KVC_W_FFN_NORM: case KVC_W_POST_ATTN_NORM: case KVC_W_POST_FFN_NORM:
+        *cols = D;
+        break;
     case KVC_W_Q: *rows = qd; *cols = D; break;
     case KVC_W_K: case KVC_W_V: *rows = kd; *cols = D; break;
     case KVC_W_O: *rows = D; *cols = qd; break;
@@ -333,11 +370,11 @@ static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64
 }
 
 /* A role's tensor name: the file-level ones in full, the per-layer ones after "blk.N." / "model.layers.N.". */
-static const char *role_name(kvc_weight_role role, int hf) {
+static const char *role_name(const kvc_config *c, kvc_weight_role role, int hf) {
     if (role == KVC_W_TOK) return hf ? "model.embed_tokens.weight" : "token_embd.weight";
     if (role == KVC_W_LM_HEAD) return hf ? "lm_head.weight" : "output.weight";
     for (int i = 0; i < KVC_LAYER_TENSORS; i++)
-        if (kvc_layer_tensors[i].role == role) return hf ? kvc_layer_tensors[i].hf : kvc_layer_tensors[i].gguf;
+        if (kvc_layer_tensors[i].role == role) return kvc_layer_tensor_name(c, &kvc_layer_tensors[i], hf);
     return "";
 }
 
@@ -348,13 +385,14 @@ kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void
             const kvc_layer_tensor *t = &kvc_layer_tensors[i];
             if ((t->role == KVC_W_BQ || t->role == KVC_W_BK || t->role == KVC_W_BV) && !m->cfg.qkv_bias) continue;
             if ((t->role == KVC_W_Q_NORM || t->role == KVC_W_K_NORM) && !m->cfg.qk_norm) continue;
+            if ((t->role == KVC_W_POST_ATTN_NORM || t->role == KVC_W_POST_FFN_NORM) && !m->cfg.post_norms) continue;
             const int fused_role = t->role == KVC_W_QKV || t->role == KVC_W_GU;
             const int part_role = t->role == KVC_W_Q || t->role == KVC_W_K || t->role == KVC_W_V || t->role == KVC_W_GATE ||
                                   t->role == KVC_W_UP;
             if (kvc_fused_proj(&m->cfg) ? part_role : fused_role) continue;
             int64_t rows, cols;
             shape(m, t->role, &rows, &cols);
-            snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)l, hf ? t->hf : t->gguf);
+            snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)l, kvc_layer_tensor_name(&m->cfg, t, hf));
             KVC_TRY(put(file, m, t->role, l, name, rows, cols));
         }
     return KVC_OK;
@@ -364,7 +402,7 @@ kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void
 static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
     const kvc_config *c = &m->cfg;
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
-    if (role < KVC_W_TOK || role > KVC_W_GU) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
+    if (role < KVC_W_TOK || role > KVC_W_POST_FFN_NORM) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
     if (role >= KVC_W_ATTN_NORM && (layer < 0 || layer >= c->n_layers))
         return kvc_fail(KVC_ERR_INTERNAL, "weight of layer %d outside [0, %d)", layer, c->n_layers);
     const kvc_layer_weights *L = role >= KVC_W_ATTN_NORM ? &m->layers[layer] : NULL;
@@ -388,6 +426,8 @@ static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer
     case KVC_W_K_NORM: *v = L->k_norm; break;
     case KVC_W_QKV: *v = L->qkv.whole; break;
     case KVC_W_GU: *v = L->gu.whole; break;
+    case KVC_W_POST_ATTN_NORM: *v = L->post_attn_norm; break;
+    case KVC_W_POST_FFN_NORM: *v = L->post_ffn_norm; break;
     }
     if (!v->buf) return kvc_fail(KVC_ERR_INTERNAL, "weight role %d has no buffer in this model", (int)role);
     shape(m, role, rows, cols);
@@ -403,6 +443,11 @@ static void release_pages(const void *data, size_t bytes) {
     const uintptr_t lo = ((uintptr_t)data + (uintptr_t)page - 1) & ~((uintptr_t)page - 1);
     const uintptr_t hi = ((uintptr_t)data + bytes) & ~((uintptr_t)page - 1);
     if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+static int is_norm(kvc_weight_role r) {
+    return r == KVC_W_OUT_NORM || r == KVC_W_ATTN_NORM || r == KVC_W_FFN_NORM || r == KVC_W_Q_NORM || r == KVC_W_K_NORM ||
+           r == KVC_W_POST_ATTN_NORM || r == KVC_W_POST_FFN_NORM;
 }
 
 static const kvc_model_buf *model_buf(const kvc_model *m, const kvc_buf *b) {
@@ -444,6 +489,8 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
                     break;
                 }
         }
+        if (st == KVC_OK && m->norm_plus_one && is_norm(role)) /* Gemma's HF norms: used as 1 + w, in fp32 as transformers */
+            for (int64_t i = 0; i < nr * cols; i++) chunk[i] += 1.0f;
         if (mapped) continue; /* its pages stay: they are the weights */
         /* a vector's one row is the whole [1, cols] range of its view; a native weight takes the file's
          * bytes (decoded above only to check them) */
@@ -501,7 +548,20 @@ static kvc_status divide(const kvc_config *c, float *freq, const float *factors,
     return KVC_OK;
 }
 
+/* x rounded to nearest (ties to even) with `bits` significant bits: a bf16 (8) or f16 (11) value of it. */
+static float round_significand(float x, int bits) {
+    int e;
+    const double f = frexp((double)x, &e); /* x = f 2^e, f in [0.5, 1) */
+    return (float)ldexp(nearbyint(ldexp(f, bits)), e - bits);
+}
+
 kvc_status kvc_model_finish(kvc_model *m) {
+    if (m->embed_scale_rounded && m->cfg.embed_scale > 0) { /* transformers: embed_scale.to(weight.dtype) */
+        const kvc_model_buf *b = model_buf(m, m->tok_embd.buf);
+        const int32_t t = b ? b->dtype : KVC_F32;
+        if (t == KVC_BF16 || t == KVC_WTYPE(GGML_T_BF16)) m->cfg.embed_scale = round_significand(m->cfg.embed_scale, 8);
+        else if (t == KVC_WTYPE(GGML_T_F16)) m->cfg.embed_scale = round_significand(m->cfg.embed_scale, 11);
+    }
     const kvc_config *c = &m->cfg;
     const int half = c->head_dim / 2;
     KVC_TRY(kvc_kernel_rope_freqs(c, m->rope_inv_freq));
@@ -513,6 +573,17 @@ kvc_status kvc_model_finish(kvc_model *m) {
         memcpy(lf, m->rope_inv_freq, sizeof(float) * (size_t)half);
         kvc_status st = divide(c, lf, m->rope_long_factors, "LongRoPE's long_factor");
         if (st == KVC_OK) st = m->be->upload(m->inv_freq_long, 1, half, lf, KVC_F32);
+        free(lf);
+        KVC_TRY(st);
+    }
+    if (c->rope_local_theta > 0) { /* the sliding layers' own base, unscaled (Gemma 3's rope_local_base_freq) */
+        kvc_config local = *c;
+        local.rope_theta = c->rope_local_theta;
+        local.rope_scaling_factor = 0;
+        float *lf = malloc(sizeof(float) * (size_t)half);
+        if (!lf) return kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
+        kvc_status st = kvc_kernel_rope_freqs(&local, lf);
+        if (st == KVC_OK) st = m->be->upload(m->inv_freq_local, 1, half, lf, KVC_F32);
         free(lf);
         KVC_TRY(st);
     }
@@ -600,6 +671,10 @@ kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
     /* the host algorithms' RoPE is the plain one: no long factors switched in, no attention factor */
     if (m->cfg.rope_long_context > 0)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward) do not support LongRoPE models yet");
+    /* nor Gemma's layer (norms after attention and MLP, GeGLU, a RoPE base per layer kind, scaled embeddings) */
+    if (m->cfg.post_norms || m->cfg.mlp_act != KVC_MLP_SILU || m->cfg.rope_local_theta > 0 || m->cfg.embed_scale > 0 ||
+        m->cfg.attn_scale > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support Gemma 3 models yet");
     pthread_mutex_lock(&m->host_lock);
     kvc_status st = KVC_OK;
     if (!m->host && !(m->host = host_view(m))) {

@@ -37,6 +37,8 @@ typedef struct kvc_layer_weights {
     kvc_view ffn_norm;  /* [D] */
     kvc_wgroup gu;      /* [2F, D]: gate rows, then up */
     kvc_view wdown;     /* [D, F] */
+    kvc_view post_attn_norm; /* [D] RMSNorm of the attention output, buf NULL unless cfg.post_norms */
+    kvc_view post_ffn_norm;  /* [D] RMSNorm of the MLP output, the same */
 } kvc_layer_weights;
 
 /* C[m, sum of rows] = A[m, k] G^T: one matmul for a whole group, else one per part into its columns. */
@@ -69,6 +71,9 @@ struct kvc_model {
     kvc_view lm_head;         /* [V, D]; the token embedding when tied */
     kvc_view inv_freq;        /* [d/2] f32 RoPE frequencies (LongRoPE: the short factors') */
     kvc_view inv_freq_long;   /* [d/2] LongRoPE's long factors' frequencies; buf NULL without LongRoPE */
+    kvc_view inv_freq_local;  /* [d/2] the sliding layers' frequencies (cfg.rope_local_theta); buf NULL without */
+    int norm_plus_one;        /* norm weights are stored as w and used as 1 + w (Gemma's HF files): added at load */
+    int embed_scale_rounded;  /* cfg.embed_scale is cast to the dtype the embedding is held in (transformers' Gemma) */
     kvc_layer_weights *layers;
     float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, LongRoPE's short
                                  factors, or NULL */
@@ -96,7 +101,8 @@ typedef enum kvc_weight_role {
     KVC_W_TOK, KVC_W_OUT_NORM, KVC_W_LM_HEAD,
     KVC_W_ATTN_NORM, KVC_W_Q, KVC_W_K, KVC_W_V, KVC_W_O, KVC_W_BQ, KVC_W_BK, KVC_W_BV,
     KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM,
-    KVC_W_QKV, KVC_W_GU /* fused files (Phi-3): q|k|v rows in one tensor, gate|up rows in one tensor */
+    KVC_W_QKV, KVC_W_GU, /* fused files (Phi-3): q|k|v rows in one tensor, gate|up rows in one tensor */
+    KVC_W_POST_ATTN_NORM, KVC_W_POST_FFN_NORM /* Gemma's norms of the attention and MLP outputs */
 } kvc_weight_role;
 
 /* A decoder layer's tensors as the files name them: GGUF after "blk.N.", Hugging Face after
@@ -115,7 +121,23 @@ typedef struct kvc_layer_tensor {
     kvc_weight_role role;
     const char *gguf, *hf;
 } kvc_layer_tensor;
-#define KVC_LAYER_TENSORS 16
+#define KVC_LAYER_TENSORS 18
+/* A layer tensor's name in a file of this model (Gemma's HF files call the MLP's norm
+ * pre_feedforward_layernorm; their post_attention_layernorm is the attention output's norm). */
+const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf);
+/* Layer l attends within the sliding window (Gemma 3 interleaves: with window_period P, every P-th layer,
+ * (l + 1) % P == 0, attends to the whole cache). */
+int kvc_layer_slides(const kvc_config *c, int32_t l);
+/* The presses act on layer l: every layer, but on Gemma 3 (interleaved windows) only the full-attention ones,
+ * as kvpress compresses Gemma 3 (its hooks skip the layers with is_sliding; docs/METHODS.md "Gemma 3"). */
+int kvc_layer_pressed(const kvc_config *c, int32_t l);
+/* KVC_ERR_UNSUPPORTED naming `what` when some layer is not pressed (Gemma 3): for the methods that select
+ * over every layer's cache at once (KVzip, Fast KVzip, KVCompose, TAKE), not defined there yet. */
+kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what);
+/* The scale of the model's attention scores: cfg.attn_scale (Gemma's query_pre_attn_scalar^-1/2), else
+ * 1/sqrt(head_dim). What reproduces the model's own attention (ObservedAttention, Ada-KV's eviction loss)
+ * uses it; scorers that define their own attention (SnapKV's window, ...) keep 1/sqrt(d) as kvpress does. */
+float kvc_attn_scale(const kvc_config *c);
 /* The model's files fuse q|k|v and gate|up (Phi-3). */
 int kvc_fused_proj(const kvc_config *c);
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];

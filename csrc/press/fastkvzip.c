@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../model/model.h"
 #include "press.h"
 
 #define FKZ_TILE 256 /* prompt rows per projection GEMM */
@@ -237,6 +238,7 @@ KVC_REGISTER_PART(fastkvzip_part);
 kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip_config *cfg) {
     kvc_press *p = NULL;
     if (!cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "FastKVzip"));
     KVC_TRY(kvc_last_press(s, &p));
     kvc_fastkvzip *z = NULL;
     KVC_TRY(kvc_fastkvzip_new(&kvc_door_model(s)->cfg, cfg, &z));

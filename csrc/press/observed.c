@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../model/model.h"
 #include "press.h"
 
 #define OBS_TILE 128
@@ -40,7 +41,7 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
                                float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const float scale = 1.0f / sqrtf((float)d);
+    const float scale = kvc_attn_scale(c); /* the model's own attention */
     const int64_t n = ctx->n, qd = (int64_t)H * d;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
@@ -91,7 +92,7 @@ kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const int64_t qd = (int64_t)H * d;
-    const float scale = 1.0f / sqrtf((float)d);
+    const float scale = kvc_attn_scale(c); /* the model's own attention */
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     float *q = malloc(sizeof(float) * (size_t)w * (size_t)qd);
     kvc_status st = q ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: eviction loss");

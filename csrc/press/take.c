@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../model/model.h"
 #include "press.h"
 
 typedef struct take_state {
@@ -215,5 +216,6 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
 kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg,
                                     float *logits) {
     if (!s || !ids || !cfg) return kvc_fail(KVC_ERR_ARG, "prefill_take: null argument");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "TAKE"));
     return kvc_take_prefill(s, ids, n, cfg, logits);
 }

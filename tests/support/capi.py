@@ -39,7 +39,9 @@ class Config(C.Structure):  # kvc_config
                 ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
                 ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32),
                 ("qk_norm", C.c_int32), ("sliding_window", C.c_int32), ("window_first_layer", C.c_int32),
-                ("rope_dim", C.c_int32), ("rope_long_context", C.c_int32), ("rope_attn_factor", C.c_float)]
+                ("rope_dim", C.c_int32), ("rope_long_context", C.c_int32), ("rope_attn_factor", C.c_float),
+                ("window_period", C.c_int32), ("rope_local_theta", C.c_float), ("attn_scale", C.c_float),
+                ("embed_scale", C.c_float), ("mlp_act", C.c_int32), ("post_norms", C.c_int32)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double

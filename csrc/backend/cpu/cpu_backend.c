@@ -142,6 +142,22 @@ kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F) {
     return KVC_OK;
 }
 
+kvc_status kvc_host_geglu_v(kvc_view gu, int64_t rows, int64_t F) {
+    kvc_frows G;
+    KVC_TRY(kvc_frows_get(gu, rows, 2 * F, 1, &G));
+    kvc_cpu_geglu_rows(G.p, G.ld, rows, F);
+    kvc_frows_put(gu, rows, 2 * F, &G);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_scale_v(kvc_view x, int64_t rows, int64_t cols, float alpha) {
+    kvc_frows X;
+    KVC_TRY(kvc_frows_get(x, rows, cols, 1, &X));
+    kvc_cpu_scale_rows(X.p, X.ld, rows, cols, alpha);
+    kvc_frows_put(x, rows, cols, &X);
+    return KVC_OK;
+}
+
 kvc_status kvc_host_topk_v(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep) {
     if (scores.buf->dtype != KVC_F32) return kvc_fail(KVC_ERR_INTERNAL, "topk: scores must be f32");
     for (int32_t h = 0; h < heads; h++)
@@ -231,6 +247,8 @@ static const kvc_backend g_cpu = {
     .head_rmsnorm = kvc_host_head_rmsnorm_v,
     .attention = kvc_host_attention_v,
     .swiglu = kvc_host_swiglu_v,
+    .geglu = kvc_host_geglu_v,
+    .scale = kvc_host_scale_v,
     .score = kvc_host_score_v,
     .topk = kvc_host_topk_v,
     .cos_sum = kvc_host_cos_sum_v,

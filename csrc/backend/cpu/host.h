@@ -121,6 +121,8 @@ kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t 
 kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
                                 int32_t flags);
 kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F);
+kvc_status kvc_host_geglu_v(kvc_view gu, int64_t rows, int64_t F);
+kvc_status kvc_host_scale_v(kvc_view x, int64_t rows, int64_t cols, float alpha);
 kvc_status kvc_host_score_v(const kvc_score_args *a);
 kvc_status kvc_host_topk_v(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep);
 kvc_status kvc_host_cos_sum_v(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out);

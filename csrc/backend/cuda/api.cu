@@ -175,6 +175,16 @@ static kvc_status t_swiglu(kvc_view gu, int64_t rows, int64_t F) {
     return swiglu(at<bf16>(gu), rows, F);
 }
 
+static kvc_status t_geglu(kvc_view gu, int64_t rows, int64_t F) {
+    KVC_TRY(need(gu.buf->dtype == KVC_BF16 && gu.ld == 2 * F, "geglu"));
+    return geglu(at<bf16>(gu), rows, F);
+}
+
+static kvc_status t_scale(kvc_view x, int64_t rows, int64_t cols, float alpha) {
+    KVC_TRY(need(x.buf->dtype == KVC_F32, "scale"));
+    return scale_rows(at<float>(x), x.ld, rows, cols, alpha);
+}
+
 /* ---- graphs: the decode step captured once, replayed every token ---- */
 
 } // namespace kvc
@@ -307,6 +317,8 @@ static kvc_backend make_table(void) {
     t.kv_append = alive<kv_append>::call;
     t.attention = alive<t_attention>::call;
     t.swiglu = alive<t_swiglu>::call;
+    t.geglu = alive<t_geglu>::call;
+    t.scale = alive<t_scale>::call;
     t.score = alive<score>::call;
     t.topk = alive<topk>::call;
     t.cos_sum = alive<cos_sum>::call;

@@ -195,6 +195,8 @@ kvc_status bf16_to_f32(const bf16 *src, float *dst, int64_t n);
 kvc_status embed(const bf16 *table, const int32_t *ids, int64_t n, int64_t D, float *x);
 /* gu [rows, 2F] (gate | up): gu[r, :F] = silu(gate) * up, in place */
 kvc_status swiglu(bf16 *gu, int64_t rows, int64_t F);
+kvc_status geglu(bf16 *gu, int64_t rows, int64_t F);
+kvc_status scale_rows(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha);
 /* y[r, :] += b over rows (bf16 y with row stride ld, fp32 b) */
 kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
 

@@ -32,7 +32,7 @@ static kvc_status fault(const char *what) {
 
 /* ---- graph recording ---- */
 
-enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM };
+enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM, OP_GEGLU, OP_SCALE };
 
 typedef struct op {
     int32_t kind, has_add;
@@ -73,8 +73,8 @@ static int record(op o) {
 
 static kvc_status run_op(const op *o) {
     static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu",
-                                        "head_rmsnorm"};
-    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_HEAD_NORM ? names[o->kind] : "a kernel"));
+                                        "head_rmsnorm", "geglu", "scale"};
+    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_SCALE ? names[o->kind] : "a kernel"));
     switch (o->kind) {
     case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
@@ -85,6 +85,8 @@ static kvc_status run_op(const op *o) {
     case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[2], o->v[1], o->j[1]);
     case OP_SWIGLU: return kvc_host_swiglu_v(o->v[0], o->i[0], o->i[1]);
     case OP_HEAD_NORM: return kvc_host_head_rmsnorm_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->f);
+    case OP_GEGLU: return kvc_host_geglu_v(o->v[0], o->i[0], o->i[1]);
+    case OP_SCALE: return kvc_host_scale_v(o->v[0], o->i[0], o->i[1], o->f);
     default: return kvc_fail(KVC_ERR_INTERNAL, "graph: unknown op %d", o->kind);
     }
 }
@@ -167,6 +169,14 @@ static kvc_status emu_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
 }
 static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {
     op o = {.kind = OP_SWIGLU, .v = {gu}, .i = {rows, F}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_geglu(kvc_view gu, int64_t rows, int64_t F) {
+    op o = {.kind = OP_GEGLU, .v = {gu}, .i = {rows, F}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_scale(kvc_view x, int64_t rows, int64_t cols, float alpha) {
+    op o = {.kind = OP_SCALE, .v = {x}, .i = {rows, cols}, .f = alpha};
     return record(o) ? KVC_OK : run_op(&o);
 }
 
@@ -290,6 +300,8 @@ static const kvc_backend g_emulated = {
     .head_rmsnorm = emu_head_rmsnorm,
     .attention = emu_attention,
     .swiglu = emu_swiglu,
+    .geglu = emu_geglu,
+    .scale = emu_scale,
     .score = emu_score,
     .topk = emu_topk,
     .cos_sum = emu_cos_sum,
