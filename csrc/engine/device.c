@@ -44,6 +44,17 @@ kvc_status kvc_device_reset_peak(int32_t device) {
     return KVC_OK;
 }
 
+kvc_status kvc_device_traffic(int32_t device, int32_t reset, int64_t *out) {
+    const kvc_backend *be;
+    if (!out) return kvc_fail(KVC_ERR_ARG, "device traffic: out is NULL");
+    KVC_TRY(kvc_backend_get(device, &be));
+    if (!be->traffic_stats) return kvc_fail(KVC_ERR_UNSUPPORTED, "the %s backend has no host-device traffic to count", be->name);
+    kvc_backend_lock(be);
+    be->traffic_stats(out, reset != 0);
+    kvc_backend_unlock(be);
+    return KVC_OK;
+}
+
 kvc_status kvc_device_set_option(int32_t device, const char *name, int32_t value) {
     const kvc_backend *be;
     if (!name) return kvc_fail(KVC_ERR_ARG, "set_option: name is NULL");

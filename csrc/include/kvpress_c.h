@@ -581,6 +581,10 @@ KVC_API const char *kvc_device_gemm_name(int32_t device);
  * activations peak, device total (0 on the host) (peaks since kvc_device_reset_peak). */
 KVC_API kvc_status kvc_device_memory_stats(int32_t device, int64_t *out);
 KVC_API kvc_status kvc_device_reset_peak(int32_t device);
+/* Host-device traffic of the device's backend since the last reset, out[5]: downloads, uploads, syncs (waits of
+ * the host for the device), bytes down, bytes up; reset != 0 starts the counters again after reading.
+ * KVC_ERR_UNSUPPORTED on the CPU (no second memory). */
+KVC_API kvc_status kvc_device_traffic(int32_t device, int32_t reset, int64_t *out);
 /* Named settings of a device: CUDA and emulated take "builtin_gemm" (1: the built-in GEMM even where
  * cuBLAS was found) and "attention_kernel" (prefill attention: 0 the WMMA kernel, 1 the register-tile
  * mma.sync kernel where it applies, head_dim 64 or 128: other head dims run the generic kernel); the

@@ -19,7 +19,7 @@ static Buf g_partial;
 struct Temp {
     std::vector<std::pair<void *, size_t>> a;
     ~Temp() {
-        cudaStreamSynchronize(g.stream);
+        stream_wait();
         for (auto &x : a) dfree(x.first, x.second, MEM_ACT);
     }
     template <class T> kvc_status get(T **p, size_t count) {
@@ -70,8 +70,8 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
                 cudaMemsetAsync(K, 0, sizeof(bf16) * Hkv * n * d, g.stream) != cudaSuccess ||
                 cudaMemsetAsync(V, 0, sizeof(bf16) * Hkv * n * d, g.stream) != cudaSuccess ||
                 cudaMemsetAsync(past, 0, sizeof(int32_t) * Hkv, g.stream) != cudaSuccess ||
-                cudaMemcpyAsync(kd, kh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream) != cudaSuccess ||
-                cudaMemcpyAsync(vd, vh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream) != cudaSuccess)
+                h2d(kd, kh, sizeof(bf16 *) * Hkv) != cudaSuccess ||
+                h2d(vd, vh, sizeof(bf16 *) * Hkv) != cudaSuccess)
                 st = cuda_fail(cudaGetLastError(), "bench init");
         }
     }
@@ -197,7 +197,7 @@ struct kvc_graph {
 namespace kvc {
 
 static kvc_status t_graph_capture(kvc_graph **gp, kvc_status (*run)(void *), void *user) {
-    CU_TRY(cudaStreamSynchronize(g.stream), "decode graph");
+    CU_TRY(stream_wait(), "decode graph");
     CU_TRY(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "decode graph capture");
     kvc_status st = run(user);
     cudaGraph_t graph = nullptr;
@@ -228,13 +228,13 @@ static kvc_status t_graph_capture(kvc_graph **gp, kvc_status (*run)(void *), voi
 static kvc_status t_graph_launch(kvc_graph *gr) {
     if (gr->generation != g_generation + kv_layout_generation) return KVC_ERR_UNSUPPORTED; /* capture again */
     CU_TRY(cudaGraphLaunch(gr->exec, g.stream), "decode step (graph)");
-    CU_TRY(cudaStreamSynchronize(g.stream), "decode step (graph)");
+    CU_TRY(stream_wait(), "decode step (graph)");
     return KVC_OK;
 }
 
 static void t_graph_free(kvc_graph *gr) {
     if (!gr) return;
-    cudaStreamSynchronize(g.stream);
+    stream_wait();
     cudaGraphExecDestroy(gr->exec);
     free(gr);
 }
@@ -261,7 +261,7 @@ static kvc_status t_check_model(const kvc_config *c) {
 
 static void t_memory_stats(int64_t *out) { memory_stats(out); }
 static kvc_status t_sync(void) {
-    CU_TRY(cudaStreamSynchronize(g.stream), "end of call");
+    CU_TRY(stream_wait(), "end of call");
     return KVC_OK;
 }
 static const float *t_host_f32(const kvc_buf *b) { return nullptr; }
@@ -292,6 +292,7 @@ static kvc_backend make_table(void) {
     t.reset_peak = reset_peak;
     t.sync = alive<t_sync>::call;
     t.set_option = alive<t_set_option>::call;
+    t.traffic_stats = traffic_stats;
     t.check_model = alive<t_check_model>::call;
     t.alloc = alive<buf_alloc>::call;
     t.free = buf_free;
@@ -308,6 +309,8 @@ static kvc_backend make_table(void) {
     t.kv_prune_keys = alive<kv_prune_keys>::call;
     t.kv_write = alive<kv_write>::call;
     t.kv_read = alive<kv_read>::call;
+    t.kv_read_heads = alive<kv_read_heads>::call;
+    t.kv_write_rows = alive<kv_write_rows>::call;
     t.embed = alive<t_embed>::call;
     t.rmsnorm = alive<t_rmsnorm>::call;
     t.head_rmsnorm = alive<t_head_rmsnorm>::call;

@@ -91,6 +91,24 @@ struct Buf {
     template <class T> T *as() const { return (T *)p; }
 };
 
+/* ---- host-device traffic (context.cu): each copy and wait counted where it is made (traffic_stats) ---- */
+void traffic_add(int64_t downs, int64_t ups, int64_t syncs, int64_t down_bytes, int64_t up_bytes);
+void traffic_stats(int64_t *out, int reset);
+/* cudaMemcpyAsync between host and device memory on the stream, counted */
+cudaError_t h2d(void *dst, const void *src, size_t bytes);
+cudaError_t d2h(void *dst, const void *src, size_t bytes);
+/* cudaStreamSynchronize(g.stream), counted */
+cudaError_t stream_wait(void);
+
+/* Page-locked host memory grown on demand (the batched K/V reads and writes: one DMA at full bandwidth,
+ * no staging copy by the driver). */
+struct Pinned {
+    void *p = nullptr;
+    size_t bytes = 0;
+    kvc_status need(size_t b, const char *what);
+    template <class T> T *as() const { return (T *)p; }
+};
+
 /* ---- the table's objects (buffer.cu, kv.cu) ---- */
 } // namespace kvc
 
@@ -176,6 +194,8 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
 kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len);
 kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
 kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
 
 /* ---- gemm.cu ---- */

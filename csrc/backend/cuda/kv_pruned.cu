@@ -25,17 +25,17 @@ static kvc_kv_slices slices_p(int32_t d, int32_t dk, int64_t cap, int64_t np) {
 static kvc_status put_f32(const float *src, bf16 *dst, int64_t n) {
     if (n <= 0) return KVC_OK;
     KVC_TRY(scratch(g_stage_p, sizeof(float) * (size_t)n, "K/V staging"));
-    CU_TRY(cudaMemcpyAsync(g_stage_p.p, src, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, g.stream), "K/V write");
+    CU_TRY(h2d(g_stage_p.p, src, sizeof(float) * (size_t)n), "K/V write");
     KVC_TRY(f32_to_bf16(g_stage_p.as<float>(), dst, n));
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V write");
+    CU_TRY(stream_wait(), "K/V write");
     return KVC_OK;
 }
 static kvc_status get_f32(const bf16 *src, float *dst, int64_t n) {
     if (n <= 0) return KVC_OK;
     KVC_TRY(scratch(g_stage_p, sizeof(float) * (size_t)n, "K/V staging"));
     KVC_TRY(bf16_to_f32(src, g_stage_p.as<float>(), n));
-    CU_TRY(cudaMemcpyAsync(dst, g_stage_p.p, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, g.stream), "K/V read");
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V read");
+    CU_TRY(d2h(dst, g_stage_p.p, sizeof(float) * (size_t)n), "K/V read");
+    CU_TRY(stream_wait(), "K/V read");
     return KVC_OK;
 }
 
@@ -104,8 +104,8 @@ static kvc_status kexp_point(kvc_kv *kv, const int64_t *cap) {
     bf16 *outs[KVC_MAX_KV];
     kexp_heads(kv->Hkv, kv->d, cap, outs);
     if (!memcmp(outs, kv->kxh, sizeof(bf16 *) * kv->Hkv)) return KVC_OK;
-    CU_TRY(cudaMemcpyAsync(kv->kxd, outs, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
-    CU_TRY(cudaStreamSynchronize(g.stream), "pruned keys table"); /* outs lives on this stack frame */
+    CU_TRY(h2d(kv->kxd, outs, sizeof(bf16 *) * kv->Hkv), "pruned keys table");
+    CU_TRY(stream_wait(), "pruned keys table"); /* outs lives on this stack frame */
     memcpy(kv->kxh, outs, sizeof(bf16 *) * kv->Hkv);
     return KVC_OK;
 }
@@ -183,8 +183,7 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
             for (int32_t c = 0; c < d; c++) inv[(size_t)h * d + c] = -1;
             for (int32_t j = 0; j < dk; j++) inv[(size_t)h * d + kidx[(size_t)h * dk + j]] = j;
         }
-        if (cudaMemcpyAsync((char *)arena + map_off, inv, sizeof(int32_t) * (size_t)Hkv * d, cudaMemcpyHostToDevice,
-                            g.stream) != cudaSuccess)
+        if (h2d((char *)arena + map_off, inv, sizeof(int32_t) * (size_t)Hkv * d) != cudaSuccess)
             st = cuda_fail(cudaGetLastError(), "K/V channel map");
     }
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
@@ -212,7 +211,7 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
     if (st == KVC_OK && dk) st = kexp_point(kv, cap);
     if (st == KVC_OK) st = kv_upload_tables(kv, nk, nv, np, n);
     if (st != KVC_OK) {
-        cudaStreamSynchronize(g.stream);
+        stream_wait();
         if (arena) dfree(arena, bytes, MEM_CACHE);
         free(ixc);
     } else {
@@ -310,7 +309,7 @@ kvc_status kv_keys_full(const kvc_kv *kvc, const bf16 **heads, bf16 ***table) {
         if (cs != cudaStreamCaptureStatusNone)
             return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key table changed during a graph capture");
         memcpy(kv->kxh, outs, sizeof(bf16 *) * Hkv);
-        CU_TRY(cudaMemcpyAsync(kv->kxd, kv->kxh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
+        CU_TRY(h2d(kv->kxd, kv->kxh, sizeof(bf16 *) * Hkv), "pruned keys table");
     }
     dim3 grid((unsigned)maxcap, (unsigned)Hkv);
     expand_keys_kernel<<<grid, d < 128 ? d : 128, 0, g.stream>>>(ei, kv->lend, kv->invd, d, kv->dk);
