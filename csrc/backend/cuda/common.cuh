@@ -129,11 +129,12 @@ struct kvc_kv {
     size_t bytes;
     bf16 *kh[KVC_MAX_KV], *vh[KVC_MAX_KV]; /* head slices (device pointers, host copy) */
     int64_t cap[KVC_MAX_KV];               /* rows of room per head (the core keeps the lengths) */
-    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], kxd [Hkv], lend [Hkv], pastd [Hkv] */
+    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], kxd [Hkv], lend [Hkv], pastd [Hkv], xrowsd [Hkv] */
     size_t tables_bytes;
     bf16 **kd, **vd;
     int32_t *lend;  /* device lengths: the kernels read them; kv_append moves them on the device */
     int32_t *pastd; /* lend - n of a prefill call (scratch) */
+    int32_t *xrowsd; /* rows of each head the expansion scratch holds expanded, when it holds this store's (kv_pruned.cu) */
     /* ThinK-pruned rows (core/backend.h; kv_pruned.cu): rows r < np[h] keep dk key channels in kph[h]
      * [np, dk]; kh[h] then holds rows from np[h] on, and the device table kd[h] = kh[h] - np[h] d, so the
      * append kernel still writes row len at kd[h] + len d. dk 0: none. */
@@ -175,6 +176,9 @@ kvc_status kv_rows_check(kvc_kv_op op, const kvc_kv *kv, int32_t h, int64_t row0
                          int64_t held, int64_t cap);
 /* kv_pruned.cu: a store leaves the list of pruned stores whose expanded-key tables follow the scratch */
 void kv_pruned_forget(kvc_kv *kv);
+/* kv_pruned.cu: the store's rows changed other than by appends (lengths set, rows written): its next expansion
+ * starts from row 0 */
+kvc_status kv_pruned_stale(kvc_kv *kv);
 /* kv_pruned.cu: the layout changes of a store with pruned rows, through the host (rows as f32): a new arena
  * of cap[h] rows per head holding rows keep[h][0 .. n[h]) of from (keep NULL: rows [0, n[h])), the first
  * np_new[h] of them pruned to the dk channels kidx (dk 0: none) */

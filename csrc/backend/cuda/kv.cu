@@ -18,7 +18,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     if (!kv) return fail(KVC_ERR_NOMEM, "out of memory: K/V store");
     kv->Hkv = Hkv;
     kv->d = d;
-    kv->tables_bytes = (size_t)Hkv * (3 * sizeof(bf16 *) + 2 * sizeof(int32_t));
+    kv->tables_bytes = (size_t)Hkv * (3 * sizeof(bf16 *) + 3 * sizeof(int32_t));
     kvc_status st = dalloc(&kv->tables, kv->tables_bytes, MEM_CACHE, "K/V tables");
     if (st != KVC_OK) {
         free(kv);
@@ -29,6 +29,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     kv->kxd = kv->vd + Hkv;
     kv->lend = (int32_t *)(kv->kxd + Hkv);
     kv->pastd = kv->lend + Hkv;
+    kv->xrowsd = kv->pastd + Hkv;
     if (cudaMemsetAsync(kv->tables, 0, kv->tables_bytes, g.stream) != cudaSuccess) {
         st = cuda_fail(cudaGetLastError(), "K/V tables");
         kv_free(kv);
@@ -236,6 +237,7 @@ kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
         }
         return kv_restage(kv, kv, cap, nullptr, len, np, kv->dk, kv->kidx);
     }
+    if (kv->dk) KVC_TRY(kv_pruned_stale(kv)); /* a truncation: rows appended later reuse expanded slots */
     return kv_upload_tables(kv, kv->kh, kv->vh, kv->np, len);
 }
 
