@@ -103,6 +103,7 @@ PyMethodDef kvc_py_device_methods[] = {
      "syncs (waits for the device), down_bytes, up_bytes; reset=True starts again after reading. NotImplementedError "
      "on the CPU."},
     {"set_device_option", mod_set_device_option, METH_VARARGS,
-     "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync); "
+     "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync) / 2 (cuDNN's "
+     "SDPA: NotImplementedError with the reason where cuDNN cannot load); "
      "on the emulated device 'fail_after' n fails its (n+1)-th operation once (tests)."},
     {NULL, NULL, 0, NULL}};

@@ -242,12 +242,14 @@ static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, in
     kvc_status st = sc.be->check_model ? sc.be->check_model(&mc) : KVC_OK;
     const int64_t qd = (int64_t)H * d;
     kvc_buf *Q, *O, *S = NULL;
-    int64_t zero[KVC_MAX_KV_HEADS] = {0};
+    int64_t zero[KVC_MAX_KV_HEADS] = {0}, cap[KVC_MAX_KV_HEADS], most = 1;
+    for (int32_t h = 0; h < Hkv; h++) most = len[h] > most ? len[h] : most;
+    for (int32_t h = 0; h < Hkv; h++) cap[h] = most; /* one capacity, as a full cache: heads at one stride (cuDNN's layout) */
     if (st == KVC_OK && start) st = scope_buf(&sc, KVC_I64, n * Hkv, start, n, Hkv, KVC_I64, &S);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, q, n, qd, KVC_F32, &Q);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, NULL, 0, 0, 0, &O);
     if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, &sc.kv);
-    if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, len, zero, NULL);
+    if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, cap, zero, NULL);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) st = sc.be->kv_write(sc.kv, h, 0, len[h], k[h], v[h]);
     if (st == KVC_OK && pr_rows) {
         st = sc.be->kv_set_lens(sc.kv, pr_rows);

@@ -262,6 +262,17 @@ kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t 
 void attention_use_mma(int on);
 int attention_mma_enabled(void);
 
+/* ---- attention_cudnn.cu: cuDNN's fused attention (attention_kernel 2; opened at run time) ---- */
+/* on: load cuDNN (KVC_ERR_UNSUPPORTED with the reason where it cannot) and prefer it for prefills */
+kvc_status attention_use_cudnn(int on);
+int attention_cudnn_enabled(void);
+/* The causal prefill of n queries over Hkv heads at one stride (head h's keys at k0 + h head_stride, values at
+ * v0 + h head_stride, seq_kv[h] rows held, this call's n the last), per-entry lengths on the device. KVC_ERR_UNSUPPORTED
+ * (no message): not enabled, or no cuDNN plan for the shape, and the own kernels run it. */
+kvc_status attention_cudnn(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const bf16 *k0,
+                           const bf16 *v0, int64_t head_stride, const int32_t *seq_kv, int64_t max_kv, float scale, bf16 *out,
+                           int64_t ldo);
+
 /* ---- attention_decode.cu ---- */
 /* One query per head (q [H*d]) over len[h] rows of each KV head (len: device int32 [Hkv]), from row
  * start[h] on with a sliding window (device i64 [Hkv]; NULL: from row 0), split-K over the rows;

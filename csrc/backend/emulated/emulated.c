@@ -325,6 +325,8 @@ static kvc_status emu_option(const char *name, int value) {
     }
     /* the CUDA backend's settings, accepted so the same tests run here; one set of kernels underneath */
     if ((!strcmp(name, "builtin_gemm") || !strcmp(name, "attention_kernel")) && (value == 0 || value == 1)) return KVC_OK;
+    if (!strcmp(name, "attention_kernel") && value == 2) /* as CUDA answers where cuDNN cannot load */
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "cuDNN attention is not available: the emulated device runs the CPU kernels");
     return kvc_fail(KVC_ERR_ARG, "unknown setting '%s' = %d for the emulated device", name, value);
 }
 static kvc_status emu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
