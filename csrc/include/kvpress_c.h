@@ -635,8 +635,10 @@ KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, i
                                           int64_t *keep);
 /* A K/V store's row rules (core/kv_layout.h) on a device: a store of Hkv heads of d channels holding len
  * rows (room for len + 4), their keys pruned to the first dk channels when dk > 0 (ThinK's freed layout),
- * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them. The status says
- * whether the store allowed it (reads and gathers within the rows held, writes within the room). */
+ * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them; 3: read them in one
+ * batched read (kv_read_heads), checked against op 0's rows; 4: write them in one batched write (kv_write_rows),
+ * checked by reading them back. The status says whether the store allowed it (reads and gathers within the rows
+ * held, writes within the room) and, for 3 and 4, KVC_ERR_INTERNAL when the rows moved differ. */
 KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                              int64_t row0, int64_t rows);
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
