@@ -26,7 +26,9 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 5 /* 5: geglu, scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
+#define KVC_BACKEND_VERSION 6 /* 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+                                 scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
+                                 kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -59,6 +61,18 @@ enum {
     KVC_STAT_ACT_PEAK = 6,
     KVC_STAT_DEVICE_TOTAL = 7,
     KVC_STAT_N = 8
+};
+
+/* Counters of traffic_stats: host-device traffic since the last reset (tests assert the counts per layer of
+ * the host algorithms; benchmarks report them). A transfer is one copy between host and device memory, a
+ * sync one wait of the host for the device's stream. */
+enum {
+    KVC_XFER_DOWNLOADS = 0,
+    KVC_XFER_UPLOADS = 1,
+    KVC_XFER_SYNCS = 2,
+    KVC_XFER_DOWN_BYTES = 3,
+    KVC_XFER_UP_BYTES = 4,
+    KVC_XFER_N = 5
 };
 
 typedef struct kvc_buf kvc_buf;     /* one allocation of elements of one dtype */
@@ -168,6 +182,9 @@ typedef struct kvc_backend {
     kvc_status (*set_option)(const char *name, int value);
     /* KVC_ERR_UNSUPPORTED with the reason for a model shape the kernels do not take (NULL: any) */
     kvc_status (*check_model)(const kvc_config *c);
+    /* [KVC_XFER_N] host-device traffic since the last reset; reset: start again from zero after reading
+     * (NULL: the backend moves nothing between memories, the CPU) */
+    void (*traffic_stats)(int64_t *out, int reset);
 
     /* ---- buffers: n elements of dtype; contents undefined until written ---- */
     kvc_status (*alloc)(int32_t dtype, int64_t n, int32_t category, const char *what, kvc_buf **out);
@@ -210,6 +227,13 @@ typedef struct kvc_backend {
     /* rows [row0, row0 + rows) of head h from / to host f32 (either of k, v may be NULL) */
     kvc_status (*kv_write)(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
     kvc_status (*kv_read)(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+    /* Batched: rows [row0[h], row0[h] + rows[h]) of every head (row0 NULL: from 0) into host f32 k and v
+     * (either may be NULL), head after head (rows[h] x d values each): one transfer and one wait for the
+     * layer, not one per head (the host scorers' read). */
+    kvc_status (*kv_read_heads)(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+    /* Batched: rows idx[h][0 .. n[h]) of every head (any order, no repeats) from host f32 k and v (either may
+     * be NULL), head after head (n[h] x d values each): one transfer for the layer (merged values). */
+    kvc_status (*kv_write_rows)(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 
     /* ---- the decoder layer's kernels ---- */
     /* x[i, :] = table[ids[i], :] (x f32, ids i32) */

@@ -581,6 +581,10 @@ KVC_API const char *kvc_device_gemm_name(int32_t device);
  * activations peak, device total (0 on the host) (peaks since kvc_device_reset_peak). */
 KVC_API kvc_status kvc_device_memory_stats(int32_t device, int64_t *out);
 KVC_API kvc_status kvc_device_reset_peak(int32_t device);
+/* Host-device traffic of the device's backend since the last reset, out[5]: downloads, uploads, syncs (waits of
+ * the host for the device), bytes down, bytes up; reset != 0 starts the counters again after reading.
+ * KVC_ERR_UNSUPPORTED on the CPU (no second memory). */
+KVC_API kvc_status kvc_device_traffic(int32_t device, int32_t reset, int64_t *out);
 /* Named settings of a device: CUDA and emulated take "builtin_gemm" (1: the built-in GEMM even where
  * cuBLAS was found) and "attention_kernel" (prefill attention: 0 the WMMA kernel, 1 the register-tile
  * mma.sync kernel where it applies, head_dim 64 or 128: other head dims run the generic kernel); the
@@ -631,8 +635,10 @@ KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, i
                                           int64_t *keep);
 /* A K/V store's row rules (core/kv_layout.h) on a device: a store of Hkv heads of d channels holding len
  * rows (room for len + 4), their keys pruned to the first dk channels when dk > 0 (ThinK's freed layout),
- * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them. The status says
- * whether the store allowed it (reads and gathers within the rows held, writes within the room). */
+ * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them; 3: read them in one
+ * batched read (kv_read_heads), checked against op 0's rows; 4: write them in one batched write (kv_write_rows),
+ * checked by reading them back. The status says whether the store allowed it (reads and gathers within the rows
+ * held, writes within the room) and, for 3 and 4, KVC_ERR_INTERNAL when the rows moved differ. */
 KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                              int64_t row0, int64_t rows);
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).

@@ -24,17 +24,15 @@ kvc_status kvc_press_layer_rows(const kvc_layer_rows *lr, const int64_t *len, in
     for (int32_t h = 0; h < Hkv; h++) rows += (size_t)len[h];
     *block = kvc_malloc(sizeof(float) * (rows ? rows : 1) * (size_t)d * (want_v ? 2 : 1), "layer rows on the host");
     if (!*block) return KVC_ERR_NOMEM;
-    float *p = *block;
+    /* the layer in one batched read (one transfer, one wait on a device): K of every head, then V */
+    float *kb = *block, *vb = want_v ? *block + rows * (size_t)d : NULL;
+    size_t off = 0;
     for (int32_t h = 0; h < Hkv; h++) {
-        k[h] = p;
-        p += (size_t)len[h] * d;
-        if (want_v) {
-            v[h] = p;
-            p += (size_t)len[h] * d;
-        }
-        KVC_TRY(lr->be->kv_read(lr->kv, h, 0, len[h], k[h], want_v ? v[h] : NULL));
+        k[h] = kb + off;
+        if (want_v) v[h] = vb + off;
+        off += (size_t)len[h] * d;
     }
-    return KVC_OK;
+    return lr->be->kv_read_heads(lr->kv, NULL, len, kb, vb);
 }
 
 kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len,

@@ -195,9 +195,10 @@ void kvc_lukv_counts(const float *prune, int32_t Hkv, int64_t n, int64_t *out);
 
 /* ---- merge.c: value merging on eviction (MergingPress, CAMPress; the array functions are in kvpress_c.h) ---- */
 /* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
-/* Head h's merged kept values written back (the rows a merge changed), for MergingPress and CAMPress. */
-kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, int32_t h, const int64_t *keep, int64_t n_keep, const float *out,
-                                const float *v);
+/* Every head's merged kept values written back in one batched write (the rows a merge changed), for MergingPress
+ * and CAMPress: out[h] n_keep[h] rows of d, v[h] head h's values as read (row keep[h][i] before the merge). */
+kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, const int64_t *const *keep, const int64_t *n_keep,
+                                const float *const *out, const float *const *v);
 kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
                            const int64_t *const *keep, const int64_t *n_keep);
 

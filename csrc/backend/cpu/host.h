@@ -71,6 +71,8 @@ kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t 
 kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len);
 kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
 kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kvc_hkv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+kvc_status kvc_hkv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
 
 /* bf16 with round to nearest even (NaN stays a quiet NaN), as the device converts */
