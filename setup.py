@@ -11,8 +11,9 @@ Environment:
   KVC_CUDA=0        never build the CUDA backend even if nvcc is found
   KVC_CUDA_ARCH=90  compute capabilities for nvcc, e.g. 90, 90a or 80,90 (default sm_90)
   KVC_CUDNN=0       do not build the cuDNN attention library (libkvpress_c_cudnn.so)
-  KVC_CUDNN_FETCH=0 never download the cuDNN headers (the PyPI packages nvidia-cudnn-cu13 and
-                    nvidia-cudnn-frontend, unpacked into the build cache build/cudnn/): without them the
+  KVC_CUDNN_FETCH=1 download the cuDNN headers when build/cudnn/ lacks them (the PyPI packages
+                    nvidia-cudnn-cu13, several hundred MB, and nvidia-cudnn-frontend, unpacked into that build
+                    cache; `python setup.py fetch_cudnn` does only that). Off by default: without them the
                     cuDNN attention is not built and the CUDA backend runs its own kernels
 """
 import glob
@@ -23,7 +24,7 @@ import sys
 import zipfile
 
 import numpy
-from setuptools import Extension, setup
+from setuptools import Command, Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -103,16 +104,16 @@ def _unpack(wheel, prefix, dest, only=None):
                     shutil.copyfileobj(src, dst)
 
 
-def cudnn_build_inputs():
+def cudnn_build_inputs(fetch=None):
     """(cuDNN include dir, frontend include dir, dir of libcudnn.so.9) from the build cache, downloading and
     unpacking the two packages there once; None (with the reason printed) when they cannot be had."""
     inc, fe_inc, lib = (os.path.join(CUDNN_CACHE, p) for p in ("cudnn/include", "frontend/include", "cudnn/lib"))
     if all(os.path.exists(os.path.join(d, f)) for d, f in ((inc, "cudnn.h"), (fe_inc, "cudnn_frontend.h"),
                                                             (lib, "libcudnn.so.9"))):
         return inc, fe_inc, lib
-    if os.environ.get("KVC_CUDNN_FETCH", "1") == "0":
-        print("kvpress_c: no cuDNN headers in build/cudnn and KVC_CUDNN_FETCH=0: the cuDNN attention is not built",
-              file=sys.stderr)
+    if not (fetch if fetch is not None else os.environ.get("KVC_CUDNN_FETCH", "0") == "1"):
+        print("kvpress_c: no cuDNN headers in build/cudnn (KVC_CUDNN_FETCH=1 or `setup.py fetch_cudnn` downloads "
+              "them): the cuDNN attention is not built", file=sys.stderr)
         return None
     wheels = os.path.join(CUDNN_CACHE, "wheels")
     try:
@@ -126,7 +127,23 @@ def cudnn_build_inputs():
     except (subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as exc:
         print(f"kvpress_c: the cuDNN headers could not be had ({exc}): the cuDNN attention is not built", file=sys.stderr)
         return None
-    return cudnn_build_inputs() if os.path.exists(os.path.join(lib, "libcudnn.so.9")) else None
+    return cudnn_build_inputs(False) if os.path.exists(os.path.join(lib, "libcudnn.so.9")) else None
+
+
+class FetchCudnn(Command):
+    """setup.py fetch_cudnn: the cuDNN headers and loader stub into build/cudnn/ (a GPU session's prebuild)."""
+    description = "download the cuDNN build inputs into build/cudnn"
+    user_options = []
+
+    def initialize_options(self):
+        pass
+
+    def finalize_options(self):
+        pass
+
+    def run(self):
+        if cudnn_build_inputs(True) is None:
+            raise SystemExit("kvpress_c: the cuDNN build inputs could not be had")
 
 
 class BuildExt(build_ext):
@@ -290,4 +307,4 @@ core = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION")],
 )
 
-setup(ext_modules=[core], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[core], cmdclass={"build_ext": BuildExt, "fetch_cudnn": FetchCudnn})

@@ -138,7 +138,7 @@ cuda_objects() {
 }
 
 # The cuDNN attention's object and the libcudnn.so.9 loader stub it links against, from the headers a local build put
-# in build/cudnn (setup.py downloads them; the device cannot): setup.py there only links it.
+# in build/cudnn (`setup.py fetch_cudnn` in prebuild downloads them; the device cannot): setup.py there only links it.
 cudnn_object() {
     local tmp=$1 fe=build/cudnn/frontend/include inc=build/cudnn/cudnn/include
     if [ -f "$tmp/csrc/backend/cudnn/sdpa_cudnn.cpp.o" ] && [ "$tmp/csrc/backend/cudnn/sdpa_cudnn.cpp.o" -nt csrc/backend/cudnn/sdpa_cudnn.cpp ]; then
@@ -229,6 +229,7 @@ fetch-wheels)
     ;;
 prebuild)  # here: the CUDA objects for the device's Python 3.12 (objects do not depend on Python; the path does)
     BUDGET=1200
+    "$PY" setup.py -q fetch_cudnn || echo "no cuDNN build inputs: the cuDNN attention is not prebuilt"
     step cuda-objects 1200 build.log bash "$SELF" _cuda-objects build/temp.linux-x86_64-cpython-312 || exit 1
     du -sh build
     ;;
