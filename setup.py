@@ -10,15 +10,21 @@ Environment:
   KVC_SANITIZE=1    AddressSanitizer + UBSan (run python with LD_PRELOAD=$(gcc -print-file-name=libasan.so))
   KVC_CUDA=0        never build the CUDA backend even if nvcc is found
   KVC_CUDA_ARCH=90  compute capabilities for nvcc, e.g. 90, 90a or 80,90 (default sm_90)
+  KVC_CUDNN=0       do not build the cuDNN attention library (libkvpress_c_cudnn.so)
+  KVC_CUDNN_FETCH=1 download the cuDNN headers when build/cudnn/ lacks them (the PyPI packages
+                    nvidia-cudnn-cu13, several hundred MB, and nvidia-cudnn-frontend, unpacked into that build
+                    cache; `python setup.py fetch_cudnn` does only that). Off by default: without them the
+                    cuDNN attention is not built and the CUDA backend runs its own kernels
 """
 import glob
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import numpy
-from setuptools import Extension, setup
+from setuptools import Command, Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -75,6 +81,71 @@ def cuda_headers():
                    os.path.join("csrc", "core", "common.h")])
 
 
+# cuDNN's attention is a build-time dependency only: the headers of the PyPI packages, unpacked into a build cache
+# (never committed), and libcudnn.so.9's loader stub to link against; the library itself is opened at run time.
+# The frontend is pinned: later versions include an NVRTC-based engine (nvrtc.h and libnvrtc at build and run time).
+CUDNN_FRONTEND = "nvidia-cudnn-frontend==1.16.0"
+CUDNN_PACKAGE = "nvidia-cudnn-cu13"
+CUDNN_CACHE = os.path.join(ROOT, "build", "cudnn")
+
+
+def cudnn_sources():
+    return sorted(glob.glob(os.path.join("csrc", "backend", "cudnn", "*.cpp")))
+
+
+def _unpack(wheel, prefix, dest, only=None):
+    """the wheel's files under prefix (only: those of these names) into dest, paths relative to prefix"""
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith(prefix) and not name.endswith("/") and (only is None or os.path.basename(name) in only):
+                out = os.path.join(dest, name[len(prefix):])
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                with z.open(name) as src, open(out, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+
+
+def cudnn_build_inputs(fetch=None):
+    """(cuDNN include dir, frontend include dir, dir of libcudnn.so.9) from the build cache, downloading and
+    unpacking the two packages there once; None (with the reason printed) when they cannot be had."""
+    inc, fe_inc, lib = (os.path.join(CUDNN_CACHE, p) for p in ("cudnn/include", "frontend/include", "cudnn/lib"))
+    if all(os.path.exists(os.path.join(d, f)) for d, f in ((inc, "cudnn.h"), (fe_inc, "cudnn_frontend.h"),
+                                                            (lib, "libcudnn.so.9"))):
+        return inc, fe_inc, lib
+    if not (fetch if fetch is not None else os.environ.get("KVC_CUDNN_FETCH", "0") == "1"):
+        print("kvpress_c: no cuDNN headers in build/cudnn (KVC_CUDNN_FETCH=1 or `setup.py fetch_cudnn` downloads "
+              "them): the cuDNN attention is not built", file=sys.stderr)
+        return None
+    wheels = os.path.join(CUDNN_CACHE, "wheels")
+    try:
+        subprocess.check_call([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
+                               wheels, CUDNN_PACKAGE, CUDNN_FRONTEND])
+        for w in glob.glob(os.path.join(wheels, "nvidia_cudnn_cu13-*.whl")):
+            _unpack(w, "nvidia/cudnn/include/", inc)
+            _unpack(w, "nvidia/cudnn/lib/", lib, only=("libcudnn.so.9",))  # the loader stub, to link against
+        for w in glob.glob(os.path.join(wheels, "nvidia_cudnn_frontend-*.whl")):
+            _unpack(w, "include/", fe_inc)
+    except (subprocess.CalledProcessError, OSError, zipfile.BadZipFile) as exc:
+        print(f"kvpress_c: the cuDNN headers could not be had ({exc}): the cuDNN attention is not built", file=sys.stderr)
+        return None
+    return cudnn_build_inputs(False) if os.path.exists(os.path.join(lib, "libcudnn.so.9")) else None
+
+
+class FetchCudnn(Command):
+    """setup.py fetch_cudnn: the cuDNN headers and loader stub into build/cudnn/ (a GPU session's prebuild)."""
+    description = "download the cuDNN build inputs into build/cudnn"
+    user_options = []
+
+    def initialize_options(self):
+        pass
+
+    def finalize_options(self):
+        pass
+
+    def run(self):
+        if cudnn_build_inputs(True) is None:
+            raise SystemExit("kvpress_c: the cuDNN build inputs could not be had")
+
+
 class BuildExt(build_ext):
     """Builds libkvpress_c.so first, then the extension linked against it."""
 
@@ -98,12 +169,13 @@ class BuildExt(build_ext):
         build_py = self.get_finalized_command("build_py")
         package_dir = build_py.get_package_dir("kvpress_c")
         outputs = [self._lib_build_path()]
-        if getattr(self, "_cuda_lib", None):
-            outputs.append(self._cuda_lib)
-        else:  # a CPU-only build: no stale CUDA library from an earlier build may stay beside the core
-            stale = os.path.join(package_dir, "libkvpress_c_cuda.so")
-            if os.path.exists(stale):
-                os.remove(stale)
+        for attr, name in (("_cuda_lib", "libkvpress_c_cuda.so"), ("_cudnn_lib", "libkvpress_c_cudnn.so")):
+            if getattr(self, attr, None):
+                outputs.append(getattr(self, attr))
+            else:  # not built this time: no stale library from an earlier build may stay beside the core
+                stale = os.path.join(package_dir, name)
+                if os.path.exists(stale):
+                    os.remove(stale)
         for ext in self.extensions:
             outputs.append(os.path.join(self.build_lib, self.get_ext_filename(self.get_ext_fullname(ext.name))))
         for src in outputs:
@@ -153,6 +225,50 @@ class BuildExt(build_ext):
                   "Set KVC_CUDA=0 to skip the attempt.", file=sys.stderr)
             return
         self._cuda_lib = path
+        self._build_cudnn_library(nvcc, out_dir, lib_dir)
+
+    def _build_cudnn_library(self, nvcc, out_dir, lib_dir):
+        # cuDNN's attention (csrc/backend/cudnn): a library of its own, linked to libcudnn.so.9, that the CUDA
+        # backend opens at run time; its absence only means the backend's own attention kernels run
+        self._cudnn_lib = None
+        if os.environ.get("KVC_CUDNN") == "0" or not cudnn_sources():
+            return
+        arch = os.environ.get("KVC_CUDA_ARCH", "90")
+        archs = [a.strip().replace("sm_", "").replace("compute_", "") for a in arch.replace(";", ",").split(",") if a.strip()]
+        obj_dir = os.path.join(self.build_temp, "csrc", "backend", "cudnn")
+        stub = os.path.join(self.build_temp, "cudnn_lib")  # libcudnn.so.9 to link against, kept beside the objects
+        objects, fresh = [], True
+        deps = max(os.path.getmtime(f) for f in glob.glob(os.path.join("csrc", "backend", "cudnn", "*")))
+        for src in cudnn_sources():
+            obj = os.path.join(obj_dir, os.path.basename(src) + ".o")
+            objects.append(obj)
+            fresh = fresh and os.path.exists(obj) and os.path.getmtime(obj) > deps
+        try:
+            if not (fresh and os.path.exists(os.path.join(stub, "libcudnn.so.9"))):
+                inputs = cudnn_build_inputs()
+                if inputs is None:
+                    return
+                inc, fe_inc, lib = inputs
+                os.makedirs(obj_dir, exist_ok=True)
+                os.makedirs(stub, exist_ok=True)
+                shutil.copyfile(os.path.join(lib, "libcudnn.so.9"), os.path.join(stub, "libcudnn.so.9"))
+                for src, obj in zip(cudnn_sources(), objects):
+                    cmd = [nvcc, "-O2", "-std=c++17", "-x", "cu", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                           *[f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs],
+                           f"-I{fe_inc}", f"-I{inc}", "-c", src, "-o", obj]
+                    print(" ".join(cmd))
+                    subprocess.check_call(cmd)
+            path = os.path.join(out_dir, "libkvpress_c_cudnn.so")
+            cmd = [nvcc, "-shared", "--cudart=static", "-o", path, *objects, f"-L{lib_dir}", f"-L{stub}", "-l:libcudnn.so.9",
+                   "-Xlinker=-soname,libkvpress_c_cudnn.so", "-ldl", "-lpthread", "-lrt"]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            print(f"kvpress_c: built the cuDNN attention ({path})", file=sys.stderr)
+        except (subprocess.CalledProcessError, OSError) as exc:
+            print(f"kvpress_c: the cuDNN attention did not build ({exc}); the CUDA backend runs its own kernels. "
+                  "Set KVC_CUDNN=0 to skip the attempt.", file=sys.stderr)
+            return
+        self._cudnn_lib = path
 
     def _build_cuda(self, nvcc):
         # "90", "sm_90", "90a" or several: "80,90"
@@ -191,4 +307,4 @@ core = Extension(
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_22_API_VERSION")],
 )
 
-setup(ext_modules=[core], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[core], cmdclass={"build_ext": BuildExt, "fetch_cudnn": FetchCudnn})

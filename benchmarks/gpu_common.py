@@ -276,19 +276,39 @@ def kvc_gemm_tflops(m: int = 8192, n: int = 14336, k: int = 4096) -> float | Non
     return 2 * m * n * k / t / 1e12 if t else None
 
 
-def kvc_attention_tflops(n: int = 32768, H: int = 32, Hkv: int = 8, d: int = 128, kernel: int | None = None) -> float | None:
-    """kernel: 0 the WMMA prefill kernel, 1 the register-tile mma kernel, None the one in use."""
+ATTENTION_KERNELS = {"wmma": 0, "mma": 1, "cudnn": 2}  # the CUDA backend's attention_kernel setting
+
+
+def env_attention_kernel() -> str:
+    """The prefill attention the model runs: KVC_ATTN_KERNEL=wmma|mma|cudnn (KVC_ATTN_MMA=1 is mma)."""
+    k = os.environ.get("KVC_ATTN_KERNEL") or ("mma" if os.environ.get("KVC_ATTN_MMA") == "1" else "wmma")
+    if k not in ATTENTION_KERNELS:
+        raise SystemExit(f"KVC_ATTN_KERNEL={k}: one of {sorted(ATTENTION_KERNELS)}")
+    return k
+
+
+def use_attention_kernel(name: str) -> str | None:
+    """Select a prefill attention kernel on CUDA; None, or the reason it cannot run (cuDNN absent)."""
     import ctypes
     from kvpress_c import core_library_path
     lib = ctypes.CDLL(core_library_path())
-    if kernel is not None:
-        lib.kvc_device_set_option(ctypes.c_int32(1), b"attention_kernel", ctypes.c_int32(kernel))
+    lib.kvc_last_error.restype = ctypes.c_char_p
+    if lib.kvc_device_set_option(ctypes.c_int32(1), b"attention_kernel", ctypes.c_int32(ATTENTION_KERNELS[name])) != 0:
+        return (lib.kvc_last_error() or b"").decode()
+    return None
+
+
+def kvc_attention_tflops(n: int = 32768, H: int = 32, Hkv: int = 8, d: int = 128, kernel: str | None = None) -> float | None:
+    """kernel: 'wmma', 'mma' (register tiles), 'cudnn' (cuDNN's SDPA), None the one in use. None when it cannot
+    run here (the reason is printed)."""
+    why = use_attention_kernel(kernel) if kernel is not None else None
     try:
-        t = kvc_bench_seconds(1, [n, H, Hkv, d])
+        t = None if why else kvc_bench_seconds(1, [n, H, Hkv, d])
     finally:
         if kernel is not None:  # back to what the environment chose
-            lib.kvc_device_set_option(ctypes.c_int32(1), b"attention_kernel",
-                                      ctypes.c_int32(1 if os.environ.get("KVC_ATTN_MMA") == "1" else 0))
+            use_attention_kernel(env_attention_kernel())
+    if why:
+        print(f"attention kernel {kernel}: {why}", file=sys.stderr)
     return attention_flops(n, H, d) / t / 1e12 if t else None
 
 
@@ -319,12 +339,12 @@ def kv_bytes(tokens_per_head: float, s: dict = LLAMA8B) -> float:
 def kvc_system_name() -> str:
     """kvpress_c's rows are named after the opt-in switches of the run, so runs with and without them
     sit side by side in one table (KVC_DECODE_GRAPHS=1: decode steps as CUDA graphs; KVC_ATTN_MMA=1:
-    the register-tile mma prefill attention)."""
+    the register-tile mma prefill attention; KVC_ATTN_KERNEL=cudnn: cuDNN's)."""
     name = "kvpress_c"
     if os.environ.get("KVC_DECODE_GRAPHS") == "1":
         name += " +graphs"
-    if os.environ.get("KVC_ATTN_MMA") == "1":
-        name += " +mma"
+    if env_attention_kernel() != "wmma":
+        name += " +" + env_attention_kernel()
     return name
 
 

@@ -11,9 +11,10 @@ this run through torch). The two systems run one after the other in one process 
 not fit beside a 128k prefill); kvpress_c's model is freed before HF's is loaded. Writes
 benchmarks/results/gpu_prefill.json and .md. Needs a GPU: exits with the reason otherwise.
 
-The run also times kvpress_c's own GEMM and both of its prefill attention kernels (WMMA, and the
-register-tile mma kernel) at 32k on device buffers, beside torch's cuBLAS GEMM and sdpa.
-KVC_ATTN_MMA=1 makes the model use the mma kernel. kvpress 0.5.x needs transformers < 5.3: put a
+The run also times kvpress_c's own GEMM and every prefill attention kernel of its table (WMMA, the
+register-tile mma kernel and cuDNN's SDPA where cuDNN loads: None otherwise) at 32k on device buffers,
+beside torch's cuBLAS GEMM and sdpa. KVC_ATTN_KERNEL=mma|cudnn (or KVC_ATTN_MMA=1) makes the model use
+that kernel. kvpress 0.5.x needs transformers < 5.3: put a
 5.2 install first on PYTHONPATH (pip install --no-deps --target DIR transformers==5.2.0 kvpress==0.5.5).
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ import gpu_common as G  # noqa: E402
 def run_kvpress_c(args, path, rows):
     core, info, model = G.load_kvc(path)
     warm = np.arange(1000, 1000 + 2048, dtype=np.int32)
+    why = G.use_attention_kernel(G.env_attention_kernel())
+    if why:
+        raise SystemExit(f"KVC_ATTN_KERNEL={G.env_attention_kernel()}: {why}")
     G.kvc_prefill(model, None, warm)  # first-call costs (cuBLAS heuristics, kernel loading)
     for n in args.lengths:
         ids = G.random_ids(n).astype(np.int32)
@@ -101,9 +105,8 @@ def main(argv=None):
     gemm = G.gemm_rate_tflops()
     meta = {"model": "Llama-3.1-8B shapes, random bf16 weights", "gemm_tflops_cublas_bf16": gemm,
             "sdpa_causal_gqa_tflops_32k": G.sdpa_rate_tflops(), "kvpress_c_gemm_tflops": G.kvc_gemm_tflops(),
-            "kvpress_c_attention_tflops_32k_wmma": G.kvc_attention_tflops(kernel=0),
-            "kvpress_c_attention_tflops_32k_mma": G.kvc_attention_tflops(kernel=1),
-            "kvpress_c_attention_kernel": "mma" if os.environ.get("KVC_ATTN_MMA") == "1" else "wmma",
+            **{f"kvpress_c_attention_tflops_32k_{k}": G.kvc_attention_tflops(kernel=k) for k in G.ATTENTION_KERNELS},
+            "kvpress_c_attention_kernel": G.env_attention_kernel(),
             "compression_ratio": args.ratio,
             "take_budget": args.take_budget}
     rows = G.run_systems(args, path, meta, run_kvpress_c, run_hf)

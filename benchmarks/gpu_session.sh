@@ -9,7 +9,10 @@
 #   bash benchmarks/gpu_session.sh fetch-wheels   # kvpress 0.5.5 + transformers 5.2 (+ what they import that
 #                                                 # the GPU image lacks) into .whl/ (ignored by git), once
 #   bash benchmarks/gpu_session.sh prebuild       # optional: the CUDA objects (nvcc 13, sm_90) into build/,
-#                                                 # so a bare machine only links; ignored if csrc/ changed since
+#                                                 # so a bare machine only links; ignored if csrc/ changed since;
+#                                                 # with the cuDNN attention's object where build/cudnn holds the
+#                                                 # cuDNN headers (any local `setup.py build_ext` with nvcc fills it:
+#                                                 # the device cannot download them, so this is its only way there)
 #
 # The device calls, in this order, back to back (a machine stays warm 30 s after a call: the build in
 # build/ and kvpress_c/*.so, and the 16 GB 8B-shaped model in /tmp, are then reused; each call also works
@@ -127,10 +130,44 @@ cuda_objects() {
             _ "$tmp" {} "$NVCC" "$ARCH" || return 1
         echo "$src_hash" >"$tmp/cuda_sources.sha"
     fi
+    cudnn_object "$tmp"
     # the arch stamp setup.py compares, then the objects after it (carried or copied files get new mtimes)
     printf '%s' "$ARCH" >"$tmp/csrc/cuda_arch.txt"
     sleep 1
-    find "$tmp/csrc" -name '*.cu.o' -exec touch {} +
+    find "$tmp/csrc" -name '*.o' -exec touch {} +
+}
+
+# The cuDNN attention's object and the libcudnn.so.9 loader stub it links against, from the headers a local build put
+# in build/cudnn (`setup.py fetch_cudnn` in prebuild downloads them; the device cannot): setup.py there only links it.
+cudnn_object() {
+    local tmp=$1 fe=build/cudnn/frontend/include inc=build/cudnn/cudnn/include
+    if [ -f "$tmp/csrc/backend/cudnn/sdpa_cudnn.cpp.o" ] && [ "$tmp/csrc/backend/cudnn/sdpa_cudnn.cpp.o" -nt csrc/backend/cudnn/sdpa_cudnn.cpp ]; then
+        return 0
+    fi
+    if [ ! -f "$fe/cudnn_frontend.h" ] || [ ! -f build/cudnn/cudnn/lib/libcudnn.so.9 ]; then
+        echo "no cuDNN headers in build/cudnn: the cuDNN attention is not prebuilt (its tests will skip)"
+        return 0
+    fi
+    mkdir -p "$tmp/csrc/backend/cudnn" "$tmp/cudnn_lib"
+    cp build/cudnn/cudnn/lib/libcudnn.so.9 "$tmp/cudnn_lib/"
+    "$NVCC" -O2 -std=c++17 -x cu -Xcompiler -fPIC,-fvisibility=hidden -gencode=arch=compute_"$ARCH",code=sm_"$ARCH" \
+        -I"$fe" -I"$inc" -c csrc/backend/cudnn/sdpa_cudnn.cpp -o "$tmp/csrc/backend/cudnn/sdpa_cudnn.cpp.o"
+}
+
+# libcudnn.so.9 of the image's PyTorch (nvidia-cudnn-cu13), for the CUDA backend's run-time load (KVC_CUDNN)
+cudnn_env() {
+    [ -n "${KVC_CUDNN:-}" ] && return 0
+    KVC_CUDNN=$($PY - <<'PYEOF' 2>/dev/null
+import glob, importlib.util, os
+spec = importlib.util.find_spec("nvidia")
+for d in (spec.submodule_search_locations if spec else []):
+    for f in sorted(glob.glob(os.path.join(d, "*", "lib", "libcudnn.so.9"))):
+        print(f)
+        raise SystemExit
+PYEOF
+)
+    export KVC_CUDNN
+    note "cuDNN: ${KVC_CUDNN:-not found (the cudnn attention rows will say why)}"
 }
 
 build() {
@@ -139,12 +176,13 @@ build() {
     if [ -f kvpress_c/libkvpress_c_cuda.so ] && [ "$(cat build/.kvc_built 2>/dev/null)" = "$h" ] \
         && $PY -c 'import sys, kvpress_c; sys.exit(0 if kvpress_c.cuda_available() else 1)' 2>/dev/null; then
         note "build: reused (this machine built these sources in an earlier call)"
+        cudnn_env
         return 0
     fi
     local tmp
     tmp=$($PY -c 'import sys, sysconfig; print(f"build/temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")')
     step cuda-objects 300 build.log bash "$SELF" _cuda-objects "$tmp" || { tail -30 "$OUT/build.log"; note "build FAILED (log build.log)"; finish; }
-    KVC_CUDA_ARCH=$ARCH step build 200 build.log "$PY" setup.py -q build_ext --inplace \
+    KVC_CUDNN_FETCH=0 KVC_CUDA_ARCH=$ARCH step build 200 build.log "$PY" setup.py -q build_ext --inplace \
         || { tail -30 "$OUT/build.log"; note "build FAILED (log build.log)"; finish; }
     if ! $PY -c 'import sys, kvpress_c; from kvpress_c import device_info; print("cuda:", device_info("cuda")); sys.exit(0 if kvpress_c.cuda_available() else 1)' 2>&1 | tee -a "$OUT/build.log"; then
         note "built, but the CUDA backend is not available (see the end of build.log)"
@@ -152,6 +190,7 @@ build() {
         finish
     fi
     mkdir -p build && echo "$h" >build/.kvc_built
+    cudnn_env
 }
 
 wheels() {  # kvpress 0.5.x fails on transformers >= 5.3 (the GPU image has 5.17)
@@ -190,6 +229,7 @@ fetch-wheels)
     ;;
 prebuild)  # here: the CUDA objects for the device's Python 3.12 (objects do not depend on Python; the path does)
     BUDGET=1200
+    "$PY" setup.py -q fetch_cudnn || echo "no cuDNN build inputs: the cuDNN attention is not prebuilt"
     step cuda-objects 1200 build.log bash "$SELF" _cuda-objects build/temp.linux-x86_64-cpython-312 || exit 1
     du -sh build
     ;;
@@ -253,9 +293,11 @@ bench-opt)
     BUDGET=${KVC_SESSION_BUDGET:-510}
     need_gpu bench-opt
     build
-    KVC_ATTN_MMA=1 step prefill-mma 240 bench.log "$PY" benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768
+    KVC_ATTN_MMA=1 step prefill-mma 160 bench.log "$PY" benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768
     cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_mma.json" 2>/dev/null
-    KVC_DECODE_GRAPHS=1 step decode-graphs 240 bench.log "$PY" benchmarks/gpu_decode.py --systems kvpress_c
+    KVC_ATTN_KERNEL=cudnn step prefill-cudnn 160 bench.log "$PY" benchmarks/gpu_prefill.py --systems kvpress_c --lengths 8192 32768
+    cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_cudnn.json" 2>/dev/null
+    KVC_DECODE_GRAPHS=1 step decode-graphs 160 bench.log "$PY" benchmarks/gpu_decode.py --systems kvpress_c
     cp benchmarks/results/gpu_decode.json "$OUT/gpu_decode_graphs.json" 2>/dev/null
     finish
     ;;

@@ -87,6 +87,13 @@ def memory_stats(device: str = "cuda", reset_peak: bool = False) -> dict:
     return stats
 
 
+def device_traffic(device: str = "cuda", reset: bool = False) -> dict:
+    """Host-device traffic of a device's backend since the last reset: downloads, uploads, syncs (waits of the
+    host for the device), down_bytes, up_bytes. reset=True starts the counters again after reading. The
+    emulated device counts what the CUDA backend would move; NotImplementedError on the CPU."""
+    return _core.device_traffic(device, reset)
+
+
 def cuda_memory_stats(reset_peak: bool = False) -> dict:
     """memory_stats('cuda')."""
     return memory_stats("cuda", reset_peak)
@@ -94,4 +101,5 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
 
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", *_presses.__all__, "from_kvpress", "default_model_path",
            "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
+           "device_traffic",
            "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

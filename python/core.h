@@ -116,13 +116,12 @@ typedef struct {
 kvc_press_spec *kvc_py_press_spec_from(PyObject *kwargs);
 
 /* press_args.c */
-/* Press settings from keyword arguments (kvc_press_config field names), on top of the defaults. 0 or -1. */
-int kvc_py_press_config(PyObject *kwargs, kvc_press_config *out);
 /* One setting of a spec by name, with the same rules (TypeError: unknown name; ValueError: the C message). */
 int kvc_py_press_spec_set(kvc_press_spec *spec, PyObject *name, PyObject *value);
 extern PyMethodDef kvc_py_press_methods[];
-/* A decoding press from keyword arguments: its own fields and the base press's (kvc_press_config names). */
-int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *out);
+/* A decoding press from keyword arguments: its own settings and the base press's (by name); NULL with the
+ * exception. kvc_decoding_config_free it. */
+kvc_decoding_config *kvc_py_decoding_config(PyObject *kwargs);
 int kvc_py_press_constants(PyObject *module);
 
 /* presses/pyscorer.c: presses written in Python (the module's kvc_scorer_callback) */

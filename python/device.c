@@ -53,6 +53,32 @@ static PyObject *mod_reset_peak(PyObject *m, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* a device name as an O& converter */
+static int device_conv(PyObject *obj, void *out) {
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "device must be a str, not %s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    const char *name = PyUnicode_AsUTF8(obj);
+    const int d = name ? kvc_py_device(name) : -1;
+    if (d < 0) return 0;
+    *(int32_t *)out = d;
+    return 1;
+}
+
+/* device_traffic(device='cuda', reset=False) -> {'downloads', 'uploads', 'syncs', 'down_bytes', 'up_bytes'} */
+static PyObject *mod_device_traffic(PyObject *m, PyObject *args, PyObject *kwargs) {
+    static char *kw[] = {"device", "reset", NULL};
+    int32_t d = KVC_DEVICE_CUDA;
+    int reset = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O&p", kw, device_conv, &d, &reset)) return NULL;
+    int64_t v[5];
+    const kvc_status st = kvc_device_traffic(d, reset, v);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L}", "downloads", (long long)v[0], "uploads", (long long)v[1], "syncs",
+                         (long long)v[2], "down_bytes", (long long)v[3], "up_bytes", (long long)v[4]);
+}
+
 static PyObject *mod_set_device_option(PyObject *m, PyObject *args) {
     const char *device, *name;
     int value;
@@ -72,7 +98,12 @@ PyMethodDef kvc_py_device_methods[] = {
     {"memory_stats", mod_memory_stats, METH_VARARGS,
      "memory_stats(device='cuda') -> bytes the device's backend holds (current, peak, weights, cache, activations)."},
     {"reset_peak", mod_reset_peak, METH_VARARGS, "reset_peak(device='cuda'): the peak counters start again from now."},
+    {"device_traffic", (PyCFunction)(void (*)(void))mod_device_traffic, METH_VARARGS | METH_KEYWORDS,
+     "device_traffic(device='cuda', reset=False) -> host-device traffic since the last reset: downloads, uploads, "
+     "syncs (waits for the device), down_bytes, up_bytes; reset=True starts again after reading. NotImplementedError "
+     "on the CPU."},
     {"set_device_option", mod_set_device_option, METH_VARARGS,
-     "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync); "
+     "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync) / 2 (cuDNN's "
+     "SDPA: NotImplementedError with the reason where cuDNN cannot load); "
      "on the emulated device 'fail_after' n fails its (n+1)-th operation once (tests)."},
     {NULL, NULL, 0, NULL}};

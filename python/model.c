@@ -89,10 +89,10 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     if (kvc_py_check_model(self) < 0) return NULL;
     kvc_config c;
     kvc_model_get_config(self->model, &c);
-    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3"};
+    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"};
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_QWEN3 ? arch_names[c.arch] : "?"));
+    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_GEMMA3 ? arch_names[c.arch] : "?"));
     SET_ITEM(d, "n_layers", PyLong_FromLong(c.n_layers));
     SET_ITEM(d, "hidden", PyLong_FromLong(c.hidden));
     SET_ITEM(d, "n_heads", PyLong_FromLong(c.n_heads));
@@ -110,6 +110,15 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "rms_eps", PyFloat_FromDouble(c.rms_eps));
     SET_ITEM(d, "rope_theta", PyFloat_FromDouble(c.rope_theta));
     SET_ITEM(d, "rope_scaling_factor", PyFloat_FromDouble(c.rope_scaling_factor));
+    SET_ITEM(d, "rope_dim", PyLong_FromLong(c.rope_dim > 0 ? c.rope_dim : c.head_dim));
+    SET_ITEM(d, "rope_long_context", PyLong_FromLong(c.rope_long_context));
+    SET_ITEM(d, "rope_attn_factor", PyFloat_FromDouble(c.rope_attn_factor > 0 ? c.rope_attn_factor : 1.0));
+    SET_ITEM(d, "window_period", PyLong_FromLong(c.window_period));
+    SET_ITEM(d, "rope_local_theta", PyFloat_FromDouble(c.rope_local_theta));
+    SET_ITEM(d, "attn_scale", PyFloat_FromDouble(c.attn_scale));
+    SET_ITEM(d, "embed_scale", PyFloat_FromDouble(c.embed_scale));
+    SET_ITEM(d, "mlp_act", PyUnicode_FromString(c.mlp_act == KVC_MLP_GELU_TANH ? "gelu_tanh" : "silu"));
+    SET_ITEM(d, "post_norms", PyBool_FromLong(c.post_norms));
     SET_ITEM(d, "bos_id", PyLong_FromLong(c.bos_id));
     SET_ITEM(d, "eos_id", PyLong_FromLong(c.eos_id));
     SET_ITEM(d, "format", PyUnicode_FromString(kvc_model_format(self->model)));

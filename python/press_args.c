@@ -1,4 +1,4 @@
-/* Press settings from Python: keywords set by name through the C table (kvc_press_config_set_*, csrc/press/
+/* Press settings from Python: keywords set by name through the C table (kvc_press_spec_set_*, csrc/press/
  * params.c), so no list of fields or format string is repeated here; the C validation and budget arithmetic
  * the dataclasses call instead of repeating them; the names of the choices read from the C table. */
 #include "core.h"
@@ -83,7 +83,6 @@ static int set_all(const setters *t, PyObject *kwargs) {
     static kvc_status kind##_u64(void *o, const char *n, uint64_t v) { return kvc_##kind##_set_u64((type *)o, n, v); } \
     static kvc_status kind##_f64(void *o, const char *n, double v) { return kvc_##kind##_set_f64((type *)o, n, v); } \
     static kvc_status kind##_str(void *o, const char *n, const char *v) { return kvc_##kind##_set_str((type *)o, n, v); }
-SETTERS(press_config, kvc_press_config)
 SETTERS(decoding_config, kvc_decoding_config)
 SETTERS(press_spec, kvc_press_spec)
 static int32_t press_known(const char *name) { return kvc_press_param_index(name) >= 0; }
@@ -106,18 +105,18 @@ kvc_press_spec *kvc_py_press_spec_from(PyObject *kwargs) {
     return spec;
 }
 
-int kvc_py_press_config(PyObject *kwargs, kvc_press_config *c) {
-    kvc_press_config_defaults(c);
-    const setters t = {c, press_config_i64, press_config_u64, press_config_f64, press_config_str, press_known, "press"};
-    return set_all(&t, kwargs);
-}
-
 /* ---- decoding presses: the decoding settings, the rest the base press's ---- */
-int kvc_py_decoding_config(PyObject *kwargs, kvc_decoding_config *c) {
-    kvc_decoding_config_defaults(c);
+kvc_decoding_config *kvc_py_decoding_config(PyObject *kwargs) {
+    kvc_decoding_config *c = NULL;
+    const kvc_status st = kvc_decoding_config_new(&c);
+    if (st != KVC_OK) return (kvc_py_raise(st), NULL);
     const setters t = {c, decoding_config_i64, decoding_config_u64, decoding_config_f64, decoding_config_str,
                        kvc_decoding_param_known, "decoding press"};
-    return set_all(&t, kwargs);
+    if (set_all(&t, kwargs) < 0) {
+        kvc_decoding_config_free(c);
+        return NULL;
+    }
+    return c;
 }
 
 /* decoding_config_check(**settings): ValueError with the C message when kvc_decoding_config_check refuses them. */
@@ -126,22 +125,24 @@ static PyObject *mod_decoding_config_check(PyObject *m, PyObject *args, PyObject
         PyErr_SetString(PyExc_TypeError, "decoding_config_check takes keyword arguments only");
         return NULL;
     }
-    kvc_decoding_config c;
-    if (kvc_py_decoding_config(kwds, &c) < 0) return NULL;
-    kvc_status st = kvc_decoding_config_check(&c);
+    kvc_decoding_config *c = kvc_py_decoding_config(kwds);
+    if (!c) return NULL;
+    const kvc_status st = kvc_decoding_config_check(c);
+    kvc_decoding_config_free(c);
     if (st != KVC_OK) return kvc_py_raise(st);
     Py_RETURN_NONE;
 }
 
-/* press_config_check(**settings): ValueError with the C message when kvc_press_config_check refuses them. */
+/* press_config_check(**settings): ValueError with the C message when kvc_press_spec_check refuses them. */
 static PyObject *mod_press_config_check(PyObject *m, PyObject *args, PyObject *kwds) {
     if (PyTuple_GET_SIZE(args) != 0) {
         PyErr_SetString(PyExc_TypeError, "press_config_check takes keyword arguments only");
         return NULL;
     }
-    kvc_press_config c;
-    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
-    kvc_status st = kvc_press_config_check(&c);
+    kvc_press_spec *spec = kvc_py_press_spec_from(kwds);
+    if (!spec) return NULL;
+    const kvc_status st = kvc_press_spec_check(spec);
+    kvc_press_spec_free(spec);
     if (st != KVC_OK) return kvc_py_raise(st);
     Py_RETURN_NONE;
 }
@@ -151,10 +152,11 @@ static PyObject *mod_press_kept(PyObject *m, PyObject *args, PyObject *kwds) {
     long long n;
     int layer = 0, n_layers = 1;
     if (!PyArg_ParseTuple(args, "L|ii", &n, &layer, &n_layers)) return NULL;
-    kvc_press_config c;
-    if (kvc_py_press_config(kwds, &c) < 0) return NULL;
+    kvc_press_spec *spec = kvc_py_press_spec_from(kwds);
+    if (!spec) return NULL;
     int64_t out = 0;
-    kvc_status st = kvc_press_kept(&c, layer, n_layers, n, &out);
+    const kvc_status st = kvc_press_spec_kept(spec, layer, n_layers, n, &out);
+    kvc_press_spec_free(spec);
     if (st != KVC_OK) return kvc_py_raise(st);
     return PyLong_FromLongLong(out);
 }
@@ -213,6 +215,29 @@ static int add_choices(PyObject *m, const char *attr, const kvc_param_info *p) {
     return r;
 }
 
+/* PRESS_ARRAYS: every press array's name -> (press, type, shape, doc) (kvc_press_array_info) */
+static int press_arrays(PyObject *m) {
+    static const char *const types[] = {"float32", "float64", "int64"};
+    PyObject *arrays = PyDict_New();
+    if (!arrays) return -1;
+    int r = 0;
+    for (int32_t i = 0; i < kvc_press_array_count() && r == 0; i++) {
+        kvc_press_array_desc d;
+        if (kvc_press_array_info(i, &d) != KVC_OK) {
+            kvc_py_raise(KVC_ERR_ARG);
+            r = -1;
+            break;
+        }
+        PyObject *row = Py_BuildValue("{s:s,s:s,s:s,s:s}", "press", d.press, "type", types[d.type], "shape", d.shape,
+                                      "doc", d.doc);
+        if (!row || PyDict_SetItemString(arrays, d.name, row) < 0) r = -1;
+        Py_XDECREF(row);
+    }
+    if (r == 0) r = PyModule_AddObjectRef(m, "PRESS_ARRAYS", arrays);
+    Py_DECREF(arrays);
+    return r;
+}
+
 int kvc_py_press_constants(PyObject *m) {
     PyObject *params = PyDict_New();
     if (!params) return -1;
@@ -239,5 +264,5 @@ int kvc_py_press_constants(PyObject *m) {
     }
     if (r == 0) r = PyModule_AddObjectRef(m, "PRESS_PARAMS", params);
     Py_DECREF(params);
-    return r;
+    return r == 0 ? press_arrays(m) : r;
 }

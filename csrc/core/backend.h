@@ -26,7 +26,9 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 3 /* 3: kv_bytes replaces kv_arena_bytes; kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
+#define KVC_BACKEND_VERSION 6 /* 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+                                 scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
+                                 kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
 /* KV heads the kernels' parameter blocks hold; every model is checked against it once, at load. */
 #define KVC_MAX_KV_HEADS 64
@@ -59,6 +61,18 @@ enum {
     KVC_STAT_ACT_PEAK = 6,
     KVC_STAT_DEVICE_TOTAL = 7,
     KVC_STAT_N = 8
+};
+
+/* Counters of traffic_stats: host-device traffic since the last reset (tests assert the counts per layer of
+ * the host algorithms; benchmarks report them). A transfer is one copy between host and device memory, a
+ * sync one wait of the host for the device's stream. */
+enum {
+    KVC_XFER_DOWNLOADS = 0,
+    KVC_XFER_UPLOADS = 1,
+    KVC_XFER_SYNCS = 2,
+    KVC_XFER_DOWN_BYTES = 3,
+    KVC_XFER_UP_BYTES = 4,
+    KVC_XFER_N = 5
 };
 
 typedef struct kvc_buf kvc_buf;     /* one allocation of elements of one dtype */
@@ -168,6 +182,9 @@ typedef struct kvc_backend {
     kvc_status (*set_option)(const char *name, int value);
     /* KVC_ERR_UNSUPPORTED with the reason for a model shape the kernels do not take (NULL: any) */
     kvc_status (*check_model)(const kvc_config *c);
+    /* [KVC_XFER_N] host-device traffic since the last reset; reset: start again from zero after reading
+     * (NULL: the backend moves nothing between memories, the CPU) */
+    void (*traffic_stats)(int64_t *out, int reset);
 
     /* ---- buffers: n elements of dtype; contents undefined until written ---- */
     kvc_status (*alloc)(int32_t dtype, int64_t n, int32_t category, const char *what, kvc_buf **out);
@@ -210,6 +227,13 @@ typedef struct kvc_backend {
     /* rows [row0, row0 + rows) of head h from / to host f32 (either of k, v may be NULL) */
     kvc_status (*kv_write)(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
     kvc_status (*kv_read)(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+    /* Batched: rows [row0[h], row0[h] + rows[h]) of every head (row0 NULL: from 0) into host f32 k and v
+     * (either may be NULL), head after head (rows[h] x d values each): one transfer and one wait for the
+     * layer, not one per head (the host scorers' read). */
+    kvc_status (*kv_read_heads)(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+    /* Batched: rows idx[h][0 .. n[h]) of every head (any order, no repeats) from host f32 k and v (either may
+     * be NULL), head after head (n[h] x d values each): one transfer for the layer (merged values). */
+    kvc_status (*kv_write_rows)(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 
     /* ---- the decoder layer's kernels ---- */
     /* x[i, :] = table[ids[i], :] (x f32, ids i32) */
@@ -221,9 +245,11 @@ typedef struct kvc_backend {
     kvc_status (*matmul)(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate);
     /* y[r, :] += b over rows */
     kvc_status (*add_bias)(kvc_view y, kvc_view b, int64_t rows, int64_t dim);
-    /* in place on `heads` heads of d values from column col0 of each of n rows, at positions pos (i64) */
+    /* in place on `heads` heads of d values from column col0 of each of n rows, at positions pos (i64); the
+     * pairs with a nonzero frequency are turned and multiplied by mscale (LongRoPE's attention factor; 1:
+     * none), those with frequency 0 (the pass-through part of a partial rotary embedding) left as they are */
     kvc_status (*rope)(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                       int32_t pairing);
+                       int32_t pairing, float mscale);
     /* rows len[h] .. len[h] + n - 1 of every head receive K (columns kcol + h d) and V (vcol + h d) of the
      * n rows of src; then len += n (on the device: graph-safe) */
     kvc_status (*kv_append)(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
@@ -237,6 +263,11 @@ typedef struct kvc_backend {
                             int32_t flags);
     /* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] */
     kvc_status (*swiglu)(kvc_view gu, int64_t rows, int64_t F);
+    /* gu[r, :F] = gelu_tanh(gu[r, :F]) * gu[r, F:2F] (Gemma's GeGLU; gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi)
+     * (g + 0.044715 g^3)))) */
+    kvc_status (*geglu)(kvc_view gu, int64_t rows, int64_t F);
+    /* x[r, :cols] *= alpha over rows (x f32: Gemma's embedding scale) */
+    kvc_status (*scale)(kvc_view x, int64_t rows, int64_t cols, float alpha);
 
     /* ---- the presses' kernels ---- */
     /* KVC_ERR_UNSUPPORTED for a scorer the backend lacks (press/score.c decides what runs where) */

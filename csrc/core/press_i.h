@@ -31,6 +31,7 @@ typedef kvc_status (*kvc_layer_hook)(void *user, kvc_session *s, const kvc_layer
 /* Traits of a press, for the engine's choices. */
 enum {
     KVC_PRESS_EAGER_DECODE = 1u << 0, /* its decode steps do host work between layers: no decode graphs */
+    KVC_PRESS_EVERY_LAYER = 1u << 1,  /* its hooks see every layer, the ones the model does not press too (a probe) */
 };
 
 /* What the engine calls on an attached press. */

@@ -44,6 +44,17 @@ kvc_status kvc_device_reset_peak(int32_t device) {
     return KVC_OK;
 }
 
+kvc_status kvc_device_traffic(int32_t device, int32_t reset, int64_t *out) {
+    const kvc_backend *be;
+    if (!out) return kvc_fail(KVC_ERR_ARG, "device traffic: out is NULL");
+    KVC_TRY(kvc_backend_get(device, &be));
+    if (!be->traffic_stats) return kvc_fail(KVC_ERR_UNSUPPORTED, "the %s backend has no host-device traffic to count", be->name);
+    kvc_backend_lock(be);
+    be->traffic_stats(out, reset != 0);
+    kvc_backend_unlock(be);
+    return KVC_OK;
+}
+
 kvc_status kvc_device_set_option(int32_t device, const char *name, int32_t value) {
     const kvc_backend *be;
     if (!name) return kvc_fail(KVC_ERR_ARG, "set_option: name is NULL");
@@ -156,7 +167,7 @@ kvc_status kvc_device_kernel_rope(int32_t device, float *x, const int64_t *pos, 
     if (st == KVC_OK) st = scope_buf(&sc, KVC_I64, n, pos, 1, n, KVC_I64, &P);
     if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, d / 2, inv_freq, 1, d / 2, KVC_F32, &F);
     if (st == KVC_OK)
-        st = sc.be->rope(kvc_view_of(X, 0, w), 0, n, heads, d, kvc_view_of(P, 0, n), kvc_view_of(F, 0, d / 2), pairing);
+        st = sc.be->rope(kvc_view_of(X, 0, w), 0, n, heads, d, kvc_view_of(P, 0, n), kvc_view_of(F, 0, d / 2), pairing, 1.0f);
     if (st == KVC_OK) st = sc.be->download(kvc_view_of(X, 0, w), n, w, x, KVC_F32);
     scope_end(&sc);
     return st;
@@ -231,12 +242,14 @@ static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, in
     kvc_status st = sc.be->check_model ? sc.be->check_model(&mc) : KVC_OK;
     const int64_t qd = (int64_t)H * d;
     kvc_buf *Q, *O, *S = NULL;
-    int64_t zero[KVC_MAX_KV_HEADS] = {0};
+    int64_t zero[KVC_MAX_KV_HEADS] = {0}, cap[KVC_MAX_KV_HEADS], most = 1;
+    for (int32_t h = 0; h < Hkv; h++) most = len[h] > most ? len[h] : most;
+    for (int32_t h = 0; h < Hkv; h++) cap[h] = most; /* one capacity, as a full cache: heads at one stride (cuDNN's layout) */
     if (st == KVC_OK && start) st = scope_buf(&sc, KVC_I64, n * Hkv, start, n, Hkv, KVC_I64, &S);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, q, n, qd, KVC_F32, &Q);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, NULL, 0, 0, 0, &O);
     if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, &sc.kv);
-    if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, len, zero, NULL);
+    if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, cap, zero, NULL);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) st = sc.be->kv_write(sc.kv, h, 0, len[h], k[h], v[h]);
     if (st == KVC_OK && pr_rows) {
         st = sc.be->kv_set_lens(sc.kv, pr_rows);
@@ -299,37 +312,66 @@ static kvc_status kv_rows_store(const kvc_backend *be, kvc_kv *kv, int32_t Hkv, 
 
 kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                      int64_t row0, int64_t rows) {
-    CHECK(op >= 0 && op <= 2, "kv_rows: op %d is not 0 (read), 1 (gather) or 2 (write)", op);
+    CHECK(op >= 0 && op <= 4, "kv_rows: op %d is not 0 (read), 1 (gather), 2 (write), 3 (batched read) or 4 (batched write)",
+          op);
     CHECK(Hkv > 0 && Hkv <= KVC_MAX_KV_HEADS && d > 0 && d <= 256 && dk >= 0 && dk <= d, "kv_rows: Hkv %d, d %d, dk %d", Hkv,
           d, dk);
     CHECK(len >= 0 && len <= 4096 && row0 >= -4096 && row0 <= 8192 && rows >= 0 && rows <= 4096, "kv_rows: rows out of range");
     const int64_t n = (len + 4 > rows ? len + 4 : rows) * d;
+    const size_t all = (size_t)Hkv * (size_t)(rows > 0 ? rows : 1) * (size_t)d; /* every head's rows, K then V */
     float *buf = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
     int64_t *keep = malloc(sizeof(int64_t) * (size_t)(rows > 0 ? rows : 1));
-    if (!buf || !keep) {
-        free(buf);
-        free(keep);
+    float *a = malloc(sizeof(float) * all * 2), *b = malloc(sizeof(float) * all * 2);
+    if (!buf || !keep || !a || !b) {
+        free(buf); free(keep); free(a); free(b);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: kv_rows");
     }
     const int64_t *keeps[KVC_MAX_KV_HEADS];
-    int64_t nk[KVC_MAX_KV_HEADS];
+    int64_t nk[KVC_MAX_KV_HEADS], r0[KVC_MAX_KV_HEADS];
     for (int64_t i = 0; i < rows; i++) keep[i] = row0 + i;
     for (int32_t h = 0; h < Hkv; h++) {
         keeps[h] = keep;
         nk[h] = rows;
+        r0[h] = row0;
     }
+    const size_t hv = (size_t)rows * d; /* values of one head's rows */
     scope sc;
     kvc_status st = scope_begin(&sc, device);
     if (st == KVC_OK) {
         st = sc.be->kv_new(Hkv, d, &sc.kv);
         if (st == KVC_OK) st = kv_rows_store(sc.be, sc.kv, Hkv, d, len, dk, buf);
-        for (int32_t h = 0; h < Hkv && st == KVC_OK && op != 1; h++)
+        for (int32_t h = 0; h < Hkv && st == KVC_OK && op <= 2 && op != 1; h++)
             st = op == 0 ? sc.be->kv_read(sc.kv, h, row0, rows, buf, buf) : sc.be->kv_write(sc.kv, h, row0, rows, buf, buf);
         if (st == KVC_OK && op == 1) st = sc.be->kv_gather(sc.kv, keeps, nk, nk);
+        if (st == KVC_OK && op == 3) { /* the batched read against a read per head */
+            st = sc.be->kv_read_heads(sc.kv, r0, nk, a, a + all);
+            for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+                st = sc.be->kv_read(sc.kv, h, row0, rows, b + h * hv, b + all + h * hv);
+                if (st == KVC_OK && (memcmp(a + h * hv, b + h * hv, sizeof(float) * hv) ||
+                                     memcmp(a + all + h * hv, b + all + h * hv, sizeof(float) * hv)))
+                    st = kvc_fail(KVC_ERR_INTERNAL, "kv_rows: the batched read of head %d differs from its own read", h);
+            }
+        }
+        if (st == KVC_OK && op == 4) { /* the batched write, read back (values a store keeps exactly: eighths) */
+            for (size_t i = 0; i < all * 2; i++) a[i] = (float)((i * 7) % 61) * 0.125f;
+            st = sc.be->kv_write_rows(sc.kv, keeps, nk, a, a + all);
+            int64_t held[KVC_MAX_KV_HEADS];
+            for (int32_t h = 0; h < Hkv; h++) held[h] = row0 + rows > len ? row0 + rows : len;
+            if (st == KVC_OK && rows > 0) st = sc.be->kv_set_lens(sc.kv, held); /* rows written past the held ones */
+            for (int32_t h = 0; h < Hkv && st == KVC_OK && rows > 0; h++) {
+                st = sc.be->kv_read(sc.kv, h, row0, rows, b + h * hv, b + all + h * hv);
+                /* pruned keys keep their dk channels only: their values are compared, the keys where nothing is pruned */
+                if (st == KVC_OK && ((dk == 0 && memcmp(a + h * hv, b + h * hv, sizeof(float) * hv)) ||
+                                     memcmp(a + all + h * hv, b + all + h * hv, sizeof(float) * hv)))
+                    st = kvc_fail(KVC_ERR_INTERNAL, "kv_rows: head %d's rows read back differ from the batched write", h);
+            }
+        }
         scope_end(&sc);
     }
     free(buf);
     free(keep);
+    free(a);
+    free(b);
     return st;
 }
 

@@ -3,11 +3,14 @@
  * every GEMM); the MLP runs in row blocks so gate|up stays O(block x ffn) whatever the prompt length.
  *
  * One layer, on the backend's kernels (core/backend.h):
- *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); [qwen3: RMSNorm of each q and k head]; RoPE on q and k;
+ *   xn = rmsnorm(x); qkv = xn Wqkv^T (+ b); [qwen3: RMSNorm of each q and k head]; RoPE on q and k (LongRoPE:
+ *   the long factors' frequencies in a call that reaches past the original context, as transformers does);
  *   K/V appended to the cache; attention (within the sliding window, in window layers);
  *   o = att Wo^T; [the attached presses' hooks (core/press_i.h): one may compact the layer];
  *   x += o and xn = rmsnorm(x) (one kernel);
- *   per row block: gu = xn Wgu^T; gu = silu(gate) * up; x += gu Wdown^T.
+ *   per row block: gu = xn Wgu^T; gu = silu(gate) * up (Gemma: gelu_tanh(gate) * up); x += gu Wdown^T.
+ * Gemma 3 also: embeddings times sqrt(D); the attention output and the MLP output each RMS-normed before
+ * their residual add; the sliding layers (every one but each window_period-th) on their own RoPE base.
  * The same layer serves the prefill and the decode step of one session, a shared prefill (followers
  * receive each layer's K/V rows), a batched decode (one token of each of B sessions: the weight GEMMs run
  * once on B rows, attention per session over its own cache) and the decode step replayed as a graph. */
@@ -94,7 +97,7 @@ kvc_status kvc_positions_reserve(kvc_session *s, int64_t n) {
 
 /* ---- sliding window ---------------------------------------------------------------------------------- */
 
-static int windowed(const kvc_config *c, int32_t l) { return c->sliding_window > 0 && l >= c->window_first_layer; }
+static int windowed(const kvc_config *c, int32_t l) { return kvc_layer_slides(c, l); }
 
 /* For n new rows at positions p0 .. p0 + n - 1 about to be appended to layer cache L: the first row query
  * i of head h sees, out[i * Hkv + h]. Query i sees the positions > p0 + i - W: among the rows held (their
@@ -150,12 +153,15 @@ static int eager_decode(const kvc_session *s) {
     return 0;
 }
 
+/* A press's hooks skip the layers the model does not press (Gemma 3's sliding ones, kvc_layer_pressed); a
+ * probe's (KVC_PRESS_EVERY_LAYER: a measurement over the whole cache) see every layer. */
 static kvc_status run_hooks(kvc_session *s, const kvc_layer_ctx *ctx, int decode) {
+    const int pressed = kvc_layer_pressed(&s->model->cfg, ctx->layer);
     for (int32_t i = 0; i < KVC_N_SLOTS; i++) {
         const kvc_press_slot *slot = &s->slots[i];
         kvc_status (*fn)(void *, kvc_session *, const kvc_layer_ctx *) =
             !slot->vt ? NULL : decode ? slot->vt->on_decode_layer : slot->vt->on_layer;
-        if (!fn) continue;
+        if (!fn || (!pressed && !(slot->vt->traits & KVC_PRESS_EVERY_LAYER))) continue;
         const double t0 = now_seconds();
         const kvc_status st = fn(slot->self, s, ctx);
         s->press_seconds += now_seconds() - t0;
@@ -165,6 +171,16 @@ static kvc_status run_hooks(kvc_session *s, const kvc_layer_ctx *ctx, int decode
 }
 
 /* ---- the layer --------------------------------------------------------------------------------------- */
+
+/* LongRoPE (transformers' longrope update): a call whose last position + 1 (`end`) exceeds the original
+ * context runs on the long factors' frequencies, every other on the short ones'. */
+static int rope_long(const kvc_config *c, int64_t end) { return c->rope_long_context > 0 && end > c->rope_long_context; }
+
+/* A layer's frequencies: the sliding layers' own (Gemma 3's local base) where the model has them. */
+static kvc_view rope_freqs(const kvc_model *m, int32_t l, int64_t end) {
+    if (m->inv_freq_local.buf && windowed(&m->cfg, l)) return m->inv_freq_local;
+    return rope_long(&m->cfg, end) ? m->inv_freq_long : m->inv_freq;
+}
 
 /* The attention block up to the hook point for B sessions of n rows each (consecutive rows of the lead
  * session's activations): norm, q|k|v, RoPE, each session's K/V append and attention over its own
@@ -188,8 +204,13 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
         KVC_TRY(be->head_rmsnorm(qkv, 0, rows, (int32_t)H, (int32_t)d, W->q_norm, c->rms_eps));
         KVC_TRY(be->head_rmsnorm(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, W->k_norm, c->rms_eps));
     }
-    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
-    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, m->inv_freq, c->rope_pairing));
+    int64_t end = 0; /* the last position + 1 of the call (of the batch's sessions) */
+    for (int32_t i = 0; i < B; i++)
+        if (ss[i]->pos + n > end) end = ss[i]->pos + n;
+    const kvc_view freq = rope_freqs(m, l, end);
+    const float mscale = c->rope_attn_factor > 0 ? c->rope_attn_factor : 1.0f;
+    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, freq, c->rope_pairing, mscale));
+    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, freq, c->rope_pairing, mscale));
     for (int32_t i = 0; i < B; i++) {
         kvc_session *si = ss[i];
         kvc_layer_cache *L = &si->cache.layers[l];
@@ -208,12 +229,15 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
             if (past) memcpy(past, L->len, sizeof(int64_t) * (size_t)Hkv);
             KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
         }
-        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, 1.0f / sqrtf((float)d), start, kvc_view_at(att, i * n, 0), 0));
+        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), start, kvc_view_at(att, i * n, 0), 0));
     }
     return be->matmul(att, W->wo, kvc_view_of(lead->act.o, 0, D), rows, D, qd, 0);
 }
 
-/* x += o, fused into the MLP norm; then the MLP in row blocks, the down projection added into x. */
+/* x += o, fused into the MLP norm; then the MLP in row blocks, the down projection added into x.
+ * Gemma (post_norms): o is normed before the add (after the hooks, which see the projection's output as
+ * kvpress's do), and the MLP's output goes to o, is normed, then added: the add is the backend's fused
+ * residual add of rmsnorm, whose normed copy in xn is not used (the next step normalises x itself). */
 static kvc_status mlp_block(kvc_session *s, int32_t l, int64_t rows) {
     const kvc_config *c = &s->model->cfg;
     const kvc_backend *be = s->be;
@@ -221,14 +245,25 @@ static kvc_status mlp_block(kvc_session *s, int32_t l, int64_t rows) {
     const int64_t D = c->hidden, F = c->ffn;
     const kvc_view x = kvc_view_of(s->act.x, 0, D), xn = kvc_view_of(s->act.xn, 0, D), o = kvc_view_of(s->act.o, 0, D);
     const kvc_view gu = kvc_view_of(s->act.gu, 0, 2 * F);
+    if (c->post_norms) KVC_TRY(be->head_rmsnorm(o, 0, rows, 1, (int32_t)D, W->post_attn_norm, c->rms_eps));
     KVC_TRY(be->rmsnorm(x, &o, W->ffn_norm, xn, rows, D, c->rms_eps));
     for (int64_t r0 = 0; r0 < rows; r0 += be->mlp_rows) {
         const int64_t nr = rows - r0 < be->mlp_rows ? rows - r0 : be->mlp_rows;
         KVC_TRY(kvc_wgroup_matmul(be, kvc_view_at(xn, r0, 0), &W->gu, gu, nr, D));
-        KVC_TRY(be->swiglu(gu, nr, F));
-        KVC_TRY(be->matmul(gu, W->wdown, kvc_view_at(x, r0, 0), nr, D, F, 1));
+        KVC_TRY(c->mlp_act == KVC_MLP_GELU_TANH ? be->geglu(gu, nr, F) : be->swiglu(gu, nr, F));
+        KVC_TRY(be->matmul(gu, W->wdown, kvc_view_at(c->post_norms ? o : x, r0, 0), nr, D, F, !c->post_norms));
     }
-    return KVC_OK;
+    if (!c->post_norms) return KVC_OK;
+    KVC_TRY(be->head_rmsnorm(o, 0, rows, 1, (int32_t)D, W->post_ffn_norm, c->rms_eps));
+    return be->rmsnorm(x, &o, W->post_ffn_norm, xn, rows, D, c->rms_eps);
+}
+
+/* Token embeddings into rows [0, n) of x, times the model's embedding scale (Gemma). */
+static kvc_status embed_rows(kvc_session *s, int64_t n) {
+    const kvc_config *c = &s->model->cfg;
+    const kvc_view x = kvc_view_of(s->act.x, 0, c->hidden);
+    KVC_TRY(s->be->embed(s->model->tok_embd, kvc_view_of(s->act.ids, 0, 1), n, c->hidden, x));
+    return c->embed_scale > 0 ? s->be->scale(x, n, c->hidden, c->embed_scale) : KVC_OK;
 }
 
 static kvc_layer_ctx layer_ctx(const kvc_session *s, int32_t l, int64_t n, const int64_t *past) {
@@ -300,7 +335,7 @@ static kvc_status inputs(kvc_session *s, const int32_t *ids, int64_t n_ids, cons
     KVC_TRY(s->be->upload(kvc_view_of(s->act.pos, 0, n), 1, n, s->positions, KVC_I64));
     if (n_ids > 0) {
         KVC_TRY(s->be->upload(kvc_view_of(s->act.ids, 0, n_ids), 1, n_ids, ids, KVC_I32));
-        KVC_TRY(s->be->embed(s->model->tok_embd, kvc_view_of(s->act.ids, 0, 1), n_ids, D, kvc_view_of(s->act.x, 0, D)));
+        KVC_TRY(embed_rows(s, n_ids));
     }
     if (n_emb > 0) KVC_TRY(s->be->upload(kvc_view_of(s->act.x, n_ids * D, D), n_emb, D, emb, KVC_F32));
     return KVC_OK;
@@ -318,8 +353,7 @@ static kvc_status end_of_call(const kvc_backend *be) { return be->sync ? be->syn
 
 static kvc_status decode_body(void *user) {
     kvc_session *s = user;
-    const int64_t D = s->model->cfg.hidden;
-    KVC_TRY(s->be->embed(s->model->tok_embd, kvc_view_of(s->act.ids, 0, 1), 1, D, kvc_view_of(s->act.x, 0, D)));
+    KVC_TRY(embed_rows(s, 1));
     for (int32_t l = 0; l < s->model->cfg.n_layers; l++) {
         KVC_TRY(attention_block(s, &s, 1, l, 1, 1, NULL));
         KVC_TRY(mlp_block(s, l, 1));
@@ -336,7 +370,7 @@ static void graph_failed(kvc_session *s, const char *what) {
 static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, float *logits, kvc_status *st) {
     const kvc_backend *be = s->be;
     const kvc_config *c = &s->model->cfg;
-    const int stale = !s->graph || s->graph_generation != s->act.generation;
+    const int stale = !s->graph || s->graph_generation != s->act.generation || s->graph_rope_long != rope_long(c, s->pos + 1);
     if (stale && s->decodes_since_capture == 0) {
         s->decodes_since_capture = 1; /* the warm-up step */
         return 0;
@@ -351,6 +385,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
             return 0;
         }
         s->graph_generation = s->act.generation;
+        s->graph_rope_long = rope_long(c, s->pos + 1);
         s->decodes_since_capture = 0; /* the next capture (activations replaced) gets its eager step too */
     }
     kvc_status g = be->graph_launch(s->graph);
@@ -488,8 +523,7 @@ static kvc_status batch_locked(kvc_session *const *ss, int32_t B, const int32_t 
     for (int32_t i = 0; i < B; i++) s0->positions[i] = ss[i]->pos;
     KVC_TRY(s0->be->upload(kvc_view_of(s0->act.pos, 0, B), 1, B, s0->positions, KVC_I64));
     KVC_TRY(s0->be->upload(kvc_view_of(s0->act.ids, 0, B), 1, B, ids, KVC_I32));
-    KVC_TRY(s0->be->embed(s0->model->tok_embd, kvc_view_of(s0->act.ids, 0, 1), B, c->hidden,
-                          kvc_view_of(s0->act.x, 0, c->hidden)));
+    KVC_TRY(embed_rows(s0, B));
     uint64_t *before = malloc(sizeof(uint64_t) * (size_t)B);
     if (!before) return kvc_fail(KVC_ERR_NOMEM, "out of memory: batched decode");
     for (int32_t i = 0; i < B; i++) before[i] = ss[i]->cache.compactions;

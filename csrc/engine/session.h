@@ -51,6 +51,7 @@ struct kvc_session {
     int graphs;
     kvc_graph *graph;
     uint64_t graph_generation; /* act.generation at the capture */
+    int32_t graph_rope_long;   /* the capture's RoPE frequencies were LongRoPE's long ones */
     int64_t decodes_since_capture, graph_steps;
     char graph_error[256];     /* why the last capture or replay failed ("" if none) */
 };

@@ -54,7 +54,18 @@ KVC_API int kvc_get_num_threads(void);
 /* ---------------------------------------------------------------------------------------------- */
 /* Models                                                                                          */
 
-typedef enum kvc_arch { KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3 } kvc_arch;
+/* PHI3: Phi-3 / Phi-3.5 / Phi-4-mini (fused q|k|v and gate|up tensors, partial rotary, LongRoPE).
+ * GEMMA3: Gemma 3 text (norms after attention and after the MLP too, GeGLU, interleaved sliding layers). */
+typedef enum kvc_arch {
+    KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3, KVC_ARCH_PHI3 = 4,
+    KVC_ARCH_GEMMA3 = 5
+} kvc_arch;
+
+/* The MLP's gate activation. */
+typedef enum kvc_mlp_act {
+    KVC_MLP_SILU = 0,     /* SwiGLU: silu(gate) * up */
+    KVC_MLP_GELU_TANH = 1 /* GeGLU (Gemma): gelu(gate) * up, GELU's tanh approximation */
+} kvc_mlp_act;
 
 /* How RoPE pairs the head dimensions. */
 typedef enum kvc_rope_pairing {
@@ -90,6 +101,27 @@ typedef struct kvc_config {
      * 0: every layer attends to the whole cache. */
     int32_t sliding_window;
     int32_t window_first_layer;
+    /* Partial rotary embedding (Phi-4-mini's partial_rotary_factor): RoPE turns the first rope_dim of each
+     * head's head_dim values (pairs (i, i + rope_dim/2)), the rest pass through. 0: the whole head. */
+    int32_t rope_dim;
+    /* LongRoPE (Phi-3's "longrope"): a call whose last position + 1 exceeds rope_long_context uses the long
+     * factors, else the short ones (the model holds both); 0: none. */
+    int32_t rope_long_context;
+    /* The factor cos and sin are multiplied by (LongRoPE's attention factor) on the rotated dimensions of
+     * q and k; 0 or 1: none. */
+    float rope_attn_factor;
+    /* Interleaved windows (Gemma 3): with window_period P > 0, among the layers l >= window_first_layer
+     * those with (l + 1) % P == 0 attend to the whole cache and the others slide. 0: every one slides. */
+    int32_t window_period;
+    /* RoPE base of the sliding layers (Gemma 3's rope_local_base_freq; no scaling there); 0: rope_theta. */
+    float rope_local_theta;
+    /* Attention's score scale (Gemma's query_pre_attn_scalar^-1/2); 0: 1/sqrt(head_dim). */
+    float attn_scale;
+    /* Token embeddings multiplied by it (Gemma: sqrt(hidden), rounded to the embedding's dtype); 0: none. */
+    float embed_scale;
+    int32_t mlp_act;         /* kvc_mlp_act */
+    /* Gemma's extra norms: RMSNorm of the attention output and of the MLP output before each residual add. */
+    int32_t post_norms;
 } kvc_config;
 
 typedef struct kvc_model kvc_model;
@@ -201,85 +233,9 @@ KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, i
 /* ---------------------------------------------------------------------------------------------- */
 /* Presses: what to keep when a prefill compresses the cache (see docs/METHODS.md).                     */
 
-/* The scorers are named ("snapkv", "knorm", ...: kvc_scorer_info lists them, kvc_press_param_info's "scorer"
- * choices too); a config's `scorer` field holds a scorer's index in that list, set by name with
- * kvc_press_config_set_str(cfg, "scorer", name). */
-
-typedef enum kvc_allocation {
-    KVC_ALLOC_UNIFORM = 0,   /* same budget for every head */
-    KVC_ALLOC_PYRAMID = 1,   /* PyramidKV layer schedule (kvpress integer schedule) */
-    KVC_ALLOC_ADAKV = 2,     /* Ada-KV head-wise budgets */
-    KVC_ALLOC_LAYER = 3      /* given per-layer totals (TADA), chosen across the layer's heads */
-} kvc_allocation;
-
-typedef enum kvc_safeguard {
-    KVC_SAFEGUARD_FLOOR = 0,   /* official Ada-KV code: cap_h = round(f_h (1 - a) + floor(Bp a)) */
-    KVC_SAFEGUARD_PROTECT = 1  /* kvpress AdaKVPress: each head's top int(n_kept a) protected */
-} kvc_safeguard;
-
-typedef struct kvc_press_config {
-    int32_t scorer;            /* the scorer's index (set it by name: kvc_press_config_set_str) */
-    int32_t allocation;        /* kvc_allocation */
-    double compression_ratio;  /* fraction removed, in [0, 1); used when budget == 0 */
-    int64_t budget;            /* tokens kept per KV head per layer on average (window inside); 0: ratio */
-    int32_t window;            /* observation window w (SnapKV-family scorers; 0 for others) */
-    int32_t kernel;            /* pooling kernel (odd, >= 1; 1 = no pooling) */
-    int32_t pool_max;          /* 0: average pooling (counts padding, like torch avg_pool1d); 1: max */
-    int32_t gqa_max;           /* 0: mean over the heads of a group; 1: max */
-    int32_t pool_then_reduce;  /* 1: pool per query head then reduce (kvpress); 0: reduce first (Ada-KV code) */
-    int32_t n_sink;            /* StreamingLLM sinks */
-    uint64_t seed;             /* RandomPress */
-    float alpha_safeguard;     /* Ada-KV */
-    int32_t safeguard;         /* kvc_safeguard */
-    int32_t pyramid_beta;      /* PyramidKV beta (20) */
-    int32_t record_scores;     /* keep each layer's scores for kvc_session_press_scores */
-    int32_t chunk_length;      /* ChunkKV: select chunks of this many tokens (0: single tokens) */
-    int32_t reuse_layers;      /* ChunkKV layer-wise index reuse: groups of this many layers (<= 1: off) */
-    float edie_alpha;          /* EDIE: U = a / (1 + alpha - a) * (|v|_1 + |o|_1) */
-    int32_t drop_window;       /* the window rows are scoring queries only (Judge Q soft tokens, an
-                                  answer for the oracle): they are evicted, the budget is over the rest */
-    /* ---- kvpress's scorers (n_sink above is theirs too: LagKV, ExpectedAttention) ---- */
-    int32_t lag_size;          /* LagKV partition length (128) */
-    int32_t cross_scoring;     /* LagKV: 1 keeps the raw partition scores (comparable across partitions) */
-    int32_t n_future;          /* ExpectedAttention n_future_positions (512) */
-    int32_t use_covariance;    /* ExpectedAttention: add k^T Cov k / 2d (1) */
-    int32_t use_vnorm;         /* ExpectedAttention: (score + epsilon) * ||v|| (1) */
-    float epsilon;             /* ExpectedAttention (0) */
-    int32_t critical;          /* CriticalKV two-stage selection over the scorer (with KVC_ALLOC_ADAKV: CriticalAdaKV) */
-    float critical_eps;        /* CriticalKV: (score + eps) * |W_o v|_1 (1e-4) */
-    float first_stage_ratio;   /* CriticalKV: share of the budget chosen on the plain scores (0.5) */
-    int32_t attn_chunk;        /* NonCausalAttn chunk_size (256) */
-    int32_t sketch_dim;        /* LeverageScore sketch_dimension (48); its sketch is drawn from `seed` */
-    int32_t cur_type;          /* CUR leverage_type: 0 key, 1 value, 2 kv_avg, 3 kv_product (3) */
-    int32_t cur_random;        /* CUR use_random_leverage: K and V times a [d, 20] sketch from `seed` (0) */
-    int32_t cur_window;        /* CUR local_window_size (16); 0: use_local_approximation off */
-    int32_t cmp_sink_start;    /* Compactor sink_size_start (8): first rows kept (scored the maximum) */
-    int32_t cmp_sink_end;      /* Compactor sink_size_end (4): last rows kept */
-    float cmp_blend;           /* Compactor blending: blend x leverage + non-causal attention */
-    /* ---- kvpress's wrappers that change the selection ---- */
-    int32_t chunk_press;       /* ChunkPress chunk_length: each chunk scored alone, its own top share (0: off) */
-    int32_t finch_normalize;   /* FinchPress normalize_scores: window query j's attention times len - w + j (1) */
-    int32_t finch_chunk;       /* FinchPress chunk_length: the layer's scores cut in chunks, each its top share (0: off) */
-    float lazy_threshold;      /* SimLayerKV: a layer is lazy when its attention mass on the kept rows exceeds this (1) */
-    int32_t n_recent;          /* SimLayerKV: recent rows a lazy layer keeps, the window's included (1024) */
-    int32_t low_entropy_chunk; /* EntropyGatedChunkKV (with chunk_length): tokens a high-score, low-entropy chunk
-                                  keeps (0: plain ChunkKV) */
-    /* ---- value merging on eviction (csrc/press/merge.c) ---- */
-    int32_t merge;             /* MergingPress: each evicted row's value folded into its most key-similar kept row */
-    float merge_threshold;     /* MergingPress similarity_threshold: least cosine similarity of a merge (0) */
-    float merge_fraction;      /* MergingPress merge_fraction: share of the evicted rows (by similarity) merged (1) */
-    /* ---- CapPress (n_sink, n_future and epsilon above are its too) ---- */
-    float cap_tau;             /* CapPress tau: the temperature of the query-key alignment weights (5) */
-    /* ---- DMSPress: threshold eviction behind a sliding window (csrc/press/dms.c) ---- */
-    int32_t dms;               /* 1: rows leaving the window that score below dms_threshold are evicted (no ratio) */
-    float dms_threshold;       /* DMSPress threshold */
-    int32_t dms_window;        /* DMSPress sliding_window_size: the last rows, never judged yet (128) */
-    /* ---- a scorer the caller gives (scorers "callback", "callback_window", "callback_select"; kvc_scorer_view
-     *      below; csrc/press/scorers/callback.c). Set by name like every setting: an address is a number. ---- */
-    uint64_t callback;         /* the kvc_scorer_callback's address */
-    uint64_t callback_user;    /* the user pointer it receives */
-    int32_t callback_needs;    /* KVC_VIEW_* bits: what its view carries beyond the keys */
-} kvc_press_config;
+/* Presses are made and set by name (kvc_press_spec below): a press's settings never cross the ABI as a
+ * struct. The scorers, allocations and safeguards are names too ("snapkv", "pyramid", "protect": the choices of
+ * kvc_press_param_info's "scorer", "allocation" and "safeguard"). */
 
 /* ---- A scorer the caller gives: a C function the engine calls for every layer it compresses ----
  * With scorer "callback" (its scores ranked by the press's allocation), "callback_window" (the same, the last
@@ -354,13 +310,7 @@ KVC_API kvc_status kvc_press_spec_compute(int32_t device, const kvc_press_spec *
                                           int64_t len, int64_t layer_total, float *scores, int64_t n_scores, int64_t *keep,
                                           int64_t n_keep_rows, int64_t *n_keep);
 typedef struct kvc_decoding_config kvc_decoding_config; /* below */
-/* The same setters on the config structs that TAKE's and the decoding presses' configs embed (kvc_take_config.inner,
- * kvc_decoding_config: its own settings by name, then its base press's). */
-KVC_API kvc_status kvc_press_config_set_i64(kvc_press_config *c, const char *name, int64_t value);
-KVC_API kvc_status kvc_press_config_set_u64(kvc_press_config *c, const char *name, uint64_t value);
-KVC_API kvc_status kvc_press_config_set_f64(kvc_press_config *c, const char *name, double value);
-KVC_API kvc_status kvc_press_config_set_str(kvc_press_config *c, const char *name, const char *value);
-KVC_API kvc_status kvc_press_config_get(const kvc_press_config *c, const char *name, double *value);
+/* A decoding press's settings by name: its own, then its base press's (kvc_decoding_config_new). */
 KVC_API kvc_status kvc_decoding_config_set_i64(kvc_decoding_config *c, const char *name, int64_t value);
 KVC_API kvc_status kvc_decoding_config_set_u64(kvc_decoding_config *c, const char *name, uint64_t value);
 KVC_API kvc_status kvc_decoding_config_set_f64(kvc_decoding_config *c, const char *name, double value);
@@ -383,14 +333,6 @@ typedef struct kvc_param_info {
 KVC_API int32_t kvc_press_param_count(void);
 KVC_API kvc_status kvc_press_param_info(int32_t i, kvc_param_info *out);
 
-/* A config with kvpress defaults (SnapKV w=64, k=5, avg, mean, pool then reduce, ratio 0). */
-KVC_API void kvc_press_config_defaults(kvc_press_config *cfg);
-/* The one validation of a press config (kvc_session_set_press and every press API call it; the Python
- * presses too): KVC_ERR_ARG with the message. Giving both compression_ratio and budget is refused. */
-KVC_API kvc_status kvc_press_config_check(const kvc_press_config *cfg);
-/* Tokens a head of `n` rows keeps at `layer` of `n_layers` (uniform: min(n, budget) or kvpress's
- * max(1, int(n (1 - ratio))); PyramidKV: the layer's share of its schedule). */
-KVC_API kvc_status kvc_press_kept(const kvc_press_config *cfg, int32_t layer, int32_t n_layers, int64_t n, int64_t *out);
 /* The scorer table (csrc/press/scorer.h), for introspection: how many scorers, and the i-th (0 <= i <
  * kvc_scorer_count()): its `scorer` name, its index (i: what a config's `scorer` holds), trait bits and the
  * NULL-terminated names of the settings it reads (any output may be NULL). Strings are static. */
@@ -401,9 +343,6 @@ KVC_API kvc_status kvc_scorer_info(int32_t i, const char **name, int32_t *code, 
  * each in [lo, hi], summing to total clamped to [L lo, L hi] (bisection on the scale, then largest
  * remainders). */
 KVC_API kvc_status kvc_tada_allocate(const double *weights, int32_t L, int64_t total, int64_t lo, int64_t hi, int64_t *out);
-/* Attach a press: the next multi-token kvc_forward compresses every layer right after its
- * attention (kvpress schedule). NULL detaches. The config is validated here. */
-KVC_API kvc_status kvc_session_set_press(kvc_session *s, const kvc_press_config *cfg);
 /* Scores of the last compression at `layer` for `kv_head` (over that head's rows before eviction):
  * *n receives the count; out (may be NULL to query n) receives them. Needs record_scores. */
 KVC_API kvc_status kvc_session_press_scores(const kvc_session *s, int32_t layer, int32_t kv_head, float *out, int64_t *n);
@@ -417,22 +356,6 @@ KVC_API kvc_status kvc_session_set_layer_budgets(kvc_session *s, const int64_t *
  * past rows) and the cosine dissimilarity 1 - cos(R, R + O) averaged over the window tokens. */
 KVC_API kvc_status kvc_session_press_layer_stats(const kvc_session *s, int32_t layer, double *e_internal,
                                                  double *dissimilarity);
-
-/* The press as a pure function on arrays (for tests and tools): one layer, every head holding `len`
- * rows. q [n, H, d] are this call's queries (the last n rows of the cache are theirs, so
- * past = len - n); k, v [Hkv, len, d]. Outputs: scores [Hkv, len], keep [Hkv, len] (row indices,
- * the first n_keep[h] of head h valid, increasing), n_keep [Hkv]. */
-KVC_API kvc_status kvc_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
-                                     int32_t layer, int32_t n_layers, const float *q, int64_t n,
-                                     const float *k, const float *v, int64_t len,
-                                     float *scores, int64_t *keep, int64_t *n_keep);
-/* Like kvc_press_compute with the attention outputs the EDIE scorer needs: attn [n, H, d] (this
- * call's attention output before o_proj; may be NULL for other scorers) and, for KVC_ALLOC_LAYER,
- * layer_total (tokens kept over the layer's heads). */
-KVC_API kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d,
-                                        int32_t layer, int32_t n_layers, const float *q, const float *attn,
-                                        int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
-                                        float *scores, int64_t *keep, int64_t *n_keep);
 
 /* Value merging on eviction as functions on arrays (csrc/press/merge.c; sessions run the same code on the rows
  * their backend gives the host). MergingPress, one KV head: k, v [n, d], keep [n_keep] its kept rows
@@ -451,52 +374,35 @@ KVC_API kvc_status kvc_cam_merge(const float *scores, const float *attn, const f
 /* ---------------------------------------------------------------------------------------------- */
 /* Wrapper presses (kvpress ComposedPress, PerLayerCompressionPress)                                */
 
-/* ComposedPress: after the attached press compresses a layer, this press compresses what it kept (same
- * queries, the layer's remaining rows), and so on down the chain in the order added. Needs an attached
- * press; ObservedAttention cannot follow (it reads the attention rows of the uncompressed layer). */
-KVC_API kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg);
-/* PerLayerCompressionPress: the attached press uses ratios[l] as layer l's compression_ratio (n_layers
- * values in [0, 1); 0 leaves a layer as it is). The press must use compression_ratio, not a budget. */
-KVC_API kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers);
-/* KeyRerotationPress: after the attached press compresses a layer of a prefill, its kept keys are re-rotated
- * to positions 0 .. n_kept - 1 (new tokens keep their positions; cache positions stay the original ones). */
-KVC_API kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on);
-/* Given rows per head (DuoAttention: -1 keeps a retrieval head whole, sink + recent for a streaming head):
- * keep[layer * Hkv + h] replaces the attached press's budget; its scorer picks which rows (top k per head). */
-KVC_API kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n);
-/* BlockPress: the attached press selects block by block (kept rows + the next block_size rows, scored
- * alone, top n_kept kept); 0 turns it off. Scorers that read no queries (Knorm, StreamingLLM, Random). */
-KVC_API kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size);
-/* ThinKPress: after the press's token eviction, each KV head's int(d x ratio) key channels of lowest
- * score (mean over the last `window` queries of q^2, GQA-mean, times the mean over rows of k^2) are
- * dropped from every cached row. free_channels 1: the rows are stored with the kept channels only (the
- * K store shrinks; attention reads them exactly); 0: the channels are set to zero in place, as kvpress
- * does (the K store keeps its head dim, no memory is freed). Rows appended later keep every channel. */
-KVC_API kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels);
-/* QFilterPress: the press scores each row -<k, filters[layer][h]> (filters [n_layers, Hkv, head_dim] in this
- * model's K channel order) instead of its scorer, then keeps each head's top k under its budget. */
-KVC_API kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n);
+/* ComposedPress: kvc_session_chain_press (after the attached press compresses a layer, the chained press
+ * compresses what it kept, and so on down the chain; ObservedAttention cannot follow). */
+/* Presses' arrays by name (PerLayerCompressionPress's "layer_ratios", DuoAttention's "head_budgets", BlockPress's
+ * "block_size", KeyRerotationPress's "key_rerotation", ThinK's "key_channel_ratio" / "channel_window" /
+ * "channel_free", QFilterPress's "key_filters", ExpectedAttentionStatsPress's "query_mean" / "query_cov", LU-KV's
+ * "head_prune" / "lukv_sink" / "lukv_window"): set on the last press of the chain, n values of `type`, checked
+ * against the array's row (its type, and its count from the model: kvc_press_array_info); a wrapper that cannot
+ * act on that press says why (KVC_ERR_ARG). What each array means: its doc, and docs/METHODS.md. */
+enum { KVC_ARRAY_F32 = 0, KVC_ARRAY_F64 = 1, KVC_ARRAY_I64 = 2 };
+KVC_API kvc_status kvc_session_set_press_array(kvc_session *s, const char *name, int32_t type, const void *data, int64_t n);
+typedef struct kvc_press_array_desc {
+    const char *name;
+    const char *press; /* the press it belongs to ("BlockPress", ...) */
+    int32_t type;      /* KVC_ARRAY_* */
+    const char *shape; /* its count: "one", "layers", "layers x kv_heads", ... */
+    const char *doc;
+} kvc_press_array_desc;
+KVC_API int32_t kvc_press_array_count(void);
+KVC_API kvc_status kvc_press_array_info(int32_t i, kvc_press_array_desc *out);
 /* KVzapPress: the press scores the rows of a prefill (into an empty session) with a per-layer model of the
  * attention block's normed input x [n, D]: hidden_dim 0: s = x W1^T + b1 (W1 [L, Hkv, D], b1 [L, Hkv]);
  * else s = GELU(x W1^T + b1) W2^T + b2 (W1 [L, hidden_dim, D], b1 [L, hidden_dim], W2 [L, Hkv, hidden_dim],
  * b2 [L, Hkv]; exact erf GELU). Scores are computed on the host, in float64 accumulation. */
 KVC_API kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1,
                                          const float *w2, const float *b2);
-/* ExpectedAttentionStatsPress: the attached ExpectedAttention press takes the query mean [n_layers, H, head_dim]
- * and covariance [n_layers, H, head_dim, head_dim] (pre-RoPE, this model's channel order) as given, instead of
- * its forward call's queries; the averaged future RoPE then rotates them as usual. */
-KVC_API kvc_status kvc_session_set_query_stats(kvc_session *s, const float *mean, const float *cov, int64_t n_mean,
-                                               int64_t n_cov);
 /* The same for the session's decoding press (its base an ExpectedAttention press): the given statistics instead of
  * the buffered queries'. */
 KVC_API kvc_status kvc_session_set_decoding_query_stats(kvc_session *s, const float *mean, const float *cov,
                                                         int64_t n_mean, int64_t n_cov);
-/* LUKVPress: each KV head of a layer keeps a share given by prune[layer * Hkv + h], the fraction of its rows it
- * prunes (a row of LU-KV's budget curve): the counts are the floors of (1 - prune) n, the rounded total's rest
- * going to the largest fractions, each at least 1. The press's scorer ranks the rows; the first `sink` and
- * the last `window` rows get the layer's maximum score + 1 first. */
-KVC_API kvc_status kvc_session_set_head_ratios(kvc_session *s, const float *prune, int64_t n, int32_t sink,
-                                               int32_t window);
 /* FastKVzipPress (arXiv 2601.17668): per layer a gate of the attention block's normed input x [n, D] scores each
  * row for each KV head h: q = RMSNorm(x Wq^T + bq) per group g, k = RMSNorm(x Wk^T) (per-head norms over
  * out_dim, weights q_norm, k_norm, eps norm_eps), logit_g = k.q_g / sqrt(out_dim) + b[h, g],
@@ -526,12 +432,12 @@ KVC_API kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip
  * q norm; this model's channel order) to sum [L, H, d] and their products to outer [L, H, d, d] (both filled
  * in, summed across calls); the session is reset afterwards. */
 KVC_API kvc_status kvc_session_query_moments(kvc_session *s, const int32_t *ids, int64_t n, int32_t n_sink, double *sum,
-                                             double *outer);
+                                             int64_t n_sum, double *outer, int64_t n_outer);
 /* (The setters of this block apply to the last press of the chain: ComposedPress adds a member, then sets it.) */
 
-/* DMSPress (kvpress; csrc/press/dms.c) is a press config with dms = 1: attached with kvc_session_set_press it
+/* DMSPress (kvpress; csrc/press/dms.c) is a press with the setting dms = 1: attached (kvc_session_attach_press) it
  * acts on a prefill into an empty session; as the base of a decoding press (kvc_session_set_decoding_press,
- * base.dms = 1) on every later call, continuing the prefill's window (kvpress DMSPress(decoding=True)). */
+ * its setting dms = 1) on every later call, continuing the prefill's window (kvpress DMSPress(decoding=True)). */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Compression while decoding (kvpress DecodingPress, CompressionRatioDecodingPress).                  */
@@ -542,25 +448,21 @@ KVC_API kvc_status kvc_session_query_moments(kvc_session *s, const int32_t *ids,
 /* re-packed with room for compression_interval more rows). Window scorers read the queries of the    */
 /* last steps (the buffered hidden states of kvpress, kept here as post-RoPE queries).                 */
 
-typedef struct kvc_decoding_config {
-    kvc_press_config base;            /* scorer, allocation, chunks of each compression (its ratio/budget unused) */
-    int64_t compression_interval;     /* steps between compressions (512) */
-    int64_t target_size;              /* rows kept per KV head by a compression (2048) */
-    int32_t ratio_target;             /* 1: CompressionRatioDecodingPress, target = max(1, int(tokens seen x (1 - r))) */
-    double target_compression_ratio;  /* r in [0, 1) (0.5) */
-    int32_t hidden_states_buffer_size;/* steps whose queries stay buffered between compressions (256) */
-    int32_t cam_merge_budget;         /* CAMPress merge_budget (> 0: CaM's merge before pruning; 0: DecodingPress) */
-    uint64_t cam_seed;                /* CAMPress: the stream of its Bernoulli merge draws (docs/METHODS.md) */
-} kvc_decoding_config;
+/* A decoding press's settings (opaque): made with kvpress's defaults, set by name (kvc_decoding_config_set_*:
+ * compression_interval, target_size, ratio_target, target_compression_ratio, hidden_states_buffer_size,
+ * cam_merge_budget, cam_seed, then any setting of its base press: scorer, allocation, ...). */
+KVC_API kvc_status kvc_decoding_config_new(kvc_decoding_config **out);
+KVC_API void kvc_decoding_config_free(kvc_decoding_config *cfg);
 
-KVC_API void kvc_decoding_config_defaults(kvc_decoding_config *cfg);
 KVC_API kvc_status kvc_decoding_config_check(const kvc_decoding_config *cfg);
-/* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_set_press:
+/* Attach (NULL detaches) the decoding press; it works beside a prefill press (kvc_session_attach_press:
  * kvpress PrefillDecodingPress) and survives kvc_session_reset with its counters cleared. */
 KVC_API kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg);
 /* Layer compressions the decoding press made since it was attached or the session reset. */
 KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
 
+/* Whole-cache methods (KVzip, KVgrad, KVCompose, the query moments): every array with its size in values, which
+ * must be the size the comment gives (KVC_ERR_ARG naming it otherwise). */
 /* ---------------------------------------------------------------------------------------------- */
 /* KVzip (arXiv 2505.23416): context-reconstruction scores after a full prefill (csrc/press/kvzip.c) */
 
@@ -569,15 +471,15 @@ KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
  * chunk row's most attention from them (softmax over the min(n_sink, start) sinks, the chunk and the
  * causal reconstruction rows; plus: KVzip+ normalisation). Their rows are dropped again afterwards. */
 KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
-                                           int64_t end, int32_t n_sink, int32_t plus, float *scores);
+                                           int64_t end, int32_t n_sink, int32_t plus, float *scores, int64_t n_scores);
 /* Evict the int(L Hkv n ratio) lowest of scores[L, Hkv, n] over all layers (layerwise: int(Hkv n ratio)
  * per layer), the first n_sink rows of every head kept, from the session's full cache of n rows. */
-KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio,
+KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, int64_t n_scores, double compression_ratio,
                                            int32_t layerwise, int32_t n_sink);
 
 /* The same on the first n_ctx rows of every head only (scores [L, Hkv, n_ctx]): the rows after them (RestoreKV's
  * restore rows) stay. compression_ratio in [0, 1] (1: every scored row goes). */
-KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx,
+KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_scores, int64_t n_ctx,
                                                   double compression_ratio, int32_t layerwise, int32_t n_sink);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -594,7 +496,8 @@ KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *s
  * an fp32 host copy of its file (kvc_model_host_weights). KVC_ERR_UNSUPPORTED for a sliding window shorter
  * than the positions spanned. */
 KVC_API kvc_status kvc_session_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
-                                            int64_t end, int32_t n_sink, float *scores, float *grad_norms);
+                                            int64_t end, int32_t n_sink, float *scores, int64_t n_scores, float *grad_norms,
+                                            int64_t n_grad_norms);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* LoRA adapters and rows appended from embeddings (RestoreKV; csrc/train/lora.c, csrc/press/restorekv.c) */
@@ -628,13 +531,13 @@ KVC_API kvc_status kvc_session_append_embeddings(kvc_session *s, const float *em
  * maximum (sum = 0) or the sum (sum = 1) over the prompt's queries of their softmax attention (over the context
  * and the causal prompt rows). The prompt's rows are dropped again afterwards. */
 KVC_API kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum,
-                                                 float *out);
+                                                 float *out, int64_t n_out);
 /* KVCompose's eviction of the session's full context cache from per-attention-head statistics task[L, H, n]
  * (agg_task already applied): the group's max or mean (group_max), times ||v|| (add_v_norm), plus the mean over
  * the layer's KV heads (add_mean); counts from the composite scores (structured: per layer, the heads' max or
  * mean (head_max) of their sorted scores, the first layer the maximum over layers; else per head), each head
  * keeping its own top rows; the first lower_bound entries of every composite get +1e9. */
-KVC_API kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double compression_ratio,
+KVC_API kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, int64_t n_task, double compression_ratio,
                                                int32_t structured, int32_t group_max, int32_t head_max,
                                                int32_t add_v_norm, int32_t add_mean, int64_t lower_bound);
 
@@ -651,8 +554,8 @@ typedef struct kvc_take_config {
     int32_t delayed;           /* 1: delayed eviction (paper); 0: every layer scores itself */
     const int32_t *probe_ids;  /* p probe tokens appended to every chunk; their K/V are never kept */
     int64_t n_probe;
-    int32_t use_inner;         /* 1: score with `inner` (its window = the probes) instead of probe attention */
-    kvc_press_config inner;
+    const kvc_press_spec *inner; /* a press whose scorer scores the rows (its window: the probes) instead of probe
+                                  * attention, or NULL; copied by the call */
     int32_t prompt_cached;     /* 1: the session already holds the n prompt tokens, uncompressed (a shared
                                 * prefill; needs n <= chunk_size): only the probes run, then the eviction */
 } kvc_take_config;
@@ -674,7 +577,9 @@ KVC_API kvc_status kvc_kernel_rmsnorm(const float *x, const float *w, float *y, 
 /* In place on x[n, heads, d] at positions pos[n]; inv_freq[d/2] from kvc_kernel_rope_freqs. */
 KVC_API kvc_status kvc_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d,
                                    const float *inv_freq, int32_t pairing);
-/* inv_freq[d/2] for a config (theta and Llama-3.1 scaling). */
+/* inv_freq[d/2] for a config (theta and Llama-3.1 scaling). With a partial rotary embedding (rope_dim < d)
+ * the frequencies are in the engine's head layout: pairs i < rope_dim/2 turn, the others have frequency 0
+ * (model/model.h, "Partial rotary"). */
 KVC_API kvc_status kvc_kernel_rope_freqs(const kvc_config *cfg, float *inv_freq);
 /* out[r, :] = silu(gate[r, :]) * up[r, :] */
 KVC_API kvc_status kvc_kernel_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
@@ -719,6 +624,10 @@ KVC_API const char *kvc_device_gemm_name(int32_t device);
  * activations peak, device total (0 on the host) (peaks since kvc_device_reset_peak). */
 KVC_API kvc_status kvc_device_memory_stats(int32_t device, int64_t *out);
 KVC_API kvc_status kvc_device_reset_peak(int32_t device);
+/* Host-device traffic of the device's backend since the last reset, out[5]: downloads, uploads, syncs (waits of
+ * the host for the device), bytes down, bytes up; reset != 0 starts the counters again after reading.
+ * KVC_ERR_UNSUPPORTED on the CPU (no second memory). */
+KVC_API kvc_status kvc_device_traffic(int32_t device, int32_t reset, int64_t *out);
 /* Named settings of a device: CUDA and emulated take "builtin_gemm" (1: the built-in GEMM even where
  * cuBLAS was found) and "attention_kernel" (prefill attention: 0 the WMMA kernel, 1 the register-tile
  * mma.sync kernel where it applies, head_dim 64 or 128: other head dims run the generic kernel); the
@@ -769,16 +678,12 @@ KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, i
                                           int64_t *keep);
 /* A K/V store's row rules (core/kv_layout.h) on a device: a store of Hkv heads of d channels holding len
  * rows (room for len + 4), their keys pruned to the first dk channels when dk > 0 (ThinK's freed layout),
- * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them. The status says
- * whether the store allowed it (reads and gathers within the rows held, writes within the room). */
+ * then op 0: read rows [row0, row0 + rows) of every head; 1: gather them; 2: write them; 3: read them in one
+ * batched read (kv_read_heads), checked against op 0's rows; 4: write them in one batched write (kv_write_rows),
+ * checked by reading them back. The status says whether the store allowed it (reads and gathers within the rows
+ * held, writes within the room) and, for 3 and 4, KVC_ERR_INTERNAL when the rows moved differ. */
 KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                              int64_t row0, int64_t rows);
-/* kvc_press_compute_ex on a device: the same scoring and selection as a session of that device. */
-KVC_API kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg, int32_t H, int32_t Hkv,
-                                            int32_t d, int32_t layer, int32_t n_layers, const float *q, const float *attn,
-                                            int64_t n, const float *k, const float *v, int64_t len, int64_t layer_total,
-                                            float *scores, int64_t *keep, int64_t *n_keep);
-
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
  * The first decode step after a capture is needed runs eagerly; a failed capture turns graphs off for the
  * session and says why in kvc_session_graph_info. KVC_ERR_UNSUPPORTED on a device without graphs. */

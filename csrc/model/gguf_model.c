@@ -18,7 +18,7 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     KVC_TRY(gguf_get_string_opt(f, "general.architecture", &s, &len));
     if (!s) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata general.architecture is missing" HINT);
     if (len >= cap || memchr(s, 0, len))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2 and qwen3 are)",
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)",
                         (int)(len < 64 ? len : 64), s);
     memcpy(arch, s, len);
     arch[len] = '\0';
@@ -26,7 +26,9 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     else if (!strcmp(arch, "mistral")) *code = KVC_ARCH_MISTRAL;
     else if (!strcmp(arch, "qwen2")) *code = KVC_ARCH_QWEN2;
     else if (!strcmp(arch, "qwen3")) *code = KVC_ARCH_QWEN3;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2 and qwen3 are)", arch);
+    else if (!strcmp(arch, "phi3")) *code = KVC_ARCH_PHI3;
+    else if (!strcmp(arch, "gemma3")) *code = KVC_ARCH_GEMMA3;
+    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)", arch);
     return KVC_OK;
 }
 
@@ -82,6 +84,52 @@ static kvc_status rope_scaling(const gguf_file *f, const char *arch, float *line
                     (int)(len < 32 ? len : 32), type, factor);
 }
 
+/* LongRoPE (llama.cpp's phi3: rope_factors_short/long.weight): the original context and the attention
+ * factor from the metadata (the factor, when absent, as transformers defaults it: sqrt(1 + ln s / ln
+ * original), s = context_length / original, 1 when s <= 1). The long factors apply as transformers applies
+ * them (a call past the original context), not by llama.cpp's rule (a context window larger than it). */
+static kvc_status longrope(const gguf_file *f, const char *arch, kvc_config *c) {
+    const int has_long = gguf_find_tensor(f, "rope_factors_long.weight") != NULL;
+    if (!has_long && !gguf_find_tensor(f, "rope_factors_short.weight")) return KVC_OK;
+    if (c->arch != KVC_ARCH_PHI3)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: LongRoPE factors (rope_factors_long/short.weight) in a '%s' model are not supported (phi3's are)", arch);
+    if (!has_long || !gguf_find_tensor(f, "rope_factors_short.weight"))
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: LongRoPE needs both rope_factors_long.weight and rope_factors_short.weight" HINT);
+    int32_t orig = 0;
+    KVC_TRY(arch_int(f, arch, "rope.scaling.original_context_length", 0, 1, &orig));
+    if (orig < 1) return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.rope.scaling.original_context_length = %d" HINT, arch, orig);
+    const double s = (double)c->max_context / orig;
+    float attn = s <= 1.0 ? 1.0f : (float)sqrt(1.0 + log(s) / log((double)orig));
+    KVC_TRY(arch_float(f, arch, "rope.scaling.attn_factor", &attn));
+    if (!(attn > 0)) return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.rope.scaling.attn_factor = %g" HINT, arch, attn);
+    c->rope_long_context = orig;
+    c->rope_attn_factor = attn;
+    return KVC_OK;
+}
+
+/* Gemma 3 as llama.cpp runs its 'gemma3' files: with a sliding window, every layer but each 6th slides, on
+ * RoPE base rope.freq_base_swa (10000 when absent, unscaled); norms stored as 1 + w (its converter adds the
+ * 1); attention scale 1/sqrt(key_length), or 1/sqrt(hidden / heads) for the 62-layer (27B) model (Gemma's
+ * query_pre_attn_scalar); embeddings times sqrt(hidden); final logit soft-capping refused. */
+static kvc_status read_gemma3(const gguf_file *f, const char *arch, kvc_config *c) {
+    float cap = 0;
+    KVC_TRY(arch_float(f, arch, "final_logit_softcapping", &cap));
+    if (cap > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: %s.final_logit_softcapping = %g; kvpress_c does not implement logit soft-capping yet",
+                        arch, cap);
+    if (c->sliding_window > 0) {
+        c->window_period = 6;
+        c->rope_local_theta = 10000.0f;
+        KVC_TRY(arch_float(f, arch, "rope.freq_base_swa", &c->rope_local_theta));
+    }
+    c->attn_scale = 1.0f / sqrtf(c->n_layers == 62 ? (float)(c->hidden / c->n_heads) : (float)c->head_dim);
+    c->embed_scale = sqrtf((float)c->hidden);
+    c->qk_norm = 1;
+    c->post_norms = 1;
+    c->mlp_act = KVC_MLP_GELU_TANH;
+    return KVC_OK;
+}
+
 static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_scale) {
     char arch[32];
     kvc_config_defaults(c);
@@ -99,20 +147,25 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
     if (c->n_heads <= 0 || c->hidden <= 0)
         return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.attention.head_count = %d, %s.embedding_length = %d (must be positive)" HINT, arch,
                         c->n_heads, arch, c->hidden);
-    /* head_dim: key_length, else the rotary dimension count, else hidden / heads */
+    /* head_dim: key_length, else the rotary dimension count, else hidden / heads (phi3, whose rotary
+     * dimensions may be fewer: key_length, else hidden / heads, as llama.cpp reads it) */
     int32_t rot = c->hidden / c->n_heads;
     KVC_TRY(arch_int(f, arch, "rope.dimension_count", rot, 0, &rot));
-    KVC_TRY(arch_int(f, arch, "attention.key_length", rot, 0, &c->head_dim));
+    KVC_TRY(arch_int(f, arch, "attention.key_length", c->arch == KVC_ARCH_PHI3 ? c->hidden / c->n_heads : rot, 0, &c->head_dim));
     int32_t vlen = c->head_dim;
     KVC_TRY(arch_int(f, arch, "attention.value_length", c->head_dim, 0, &vlen));
     if (vlen != c->head_dim)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: key length %d != value length %d is not supported", c->head_dim, vlen);
-    if (rot != c->head_dim)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: partial rotary embeddings (%s.rope.dimension_count %d != head_dim %d) are not supported",
-                        arch, rot, c->head_dim);
+    /* llama.cpp's converter permutes llama/mistral q/k rows to adjacent pairs; qwen2/qwen3/phi3 stay "neox" */
+    c->rope_pairing = c->arch == KVC_ARCH_LLAMA || c->arch == KVC_ARCH_MISTRAL ? KVC_ROPE_ADJACENT : KVC_ROPE_HALF;
+    if (rot != c->head_dim && (c->rope_pairing != KVC_ROPE_HALF || rot < 2 || rot > c->head_dim || rot % 2))
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: partial rotary embeddings (%s.rope.dimension_count %d of head_dim %d) are "
+                        "supported in architectures with (i, i + d/2) pairs (qwen2, qwen3, phi3) and an even count", arch, rot, c->head_dim);
+    if (rot != c->head_dim) c->rope_dim = rot;
     KVC_TRY(arch_float(f, arch, "rope.freq_base", &c->rope_theta));
     KVC_TRY(arch_float(f, arch, "attention.layer_norm_rms_epsilon", &c->rms_eps));
     KVC_TRY(rope_scaling(f, arch, linear_scale));
+    KVC_TRY(longrope(f, arch, c));
     /* vocabulary: metadata, else the tokenizer's list, else the embedding's rows */
     const gguf_tensor *emb = gguf_find_tensor(f, "token_embd.weight");
     if (!emb) return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor 'token_embd.weight' is missing" HINT);
@@ -125,13 +178,13 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
         if (is_array && n > 0 && n <= INT32_MAX) vocab = (int64_t)n;
     }
     KVC_TRY(arch_int(f, arch, "vocab_size", vocab, 0, &c->vocab));
-    /* llama.cpp's converter permutes llama/mistral q/k rows to adjacent pairs; qwen2/qwen3 stay "neox" */
-    c->rope_pairing = c->arch == KVC_ARCH_QWEN2 || c->arch == KVC_ARCH_QWEN3 ? KVC_ROPE_HALF : KVC_ROPE_ADJACENT;
     c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
     c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
     c->qk_norm = c->arch == KVC_ARCH_QWEN3;
-    /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral) */
+    /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral;
+     * gemma3: read_gemma3 interleaves) */
     KVC_TRY(arch_int(f, arch, "attention.sliding_window", 0, 0, &c->sliding_window));
+    if (c->arch == KVC_ARCH_GEMMA3) KVC_TRY(read_gemma3(f, arch, c));
     int64_t v = -1;
     KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.bos_token_id", &v));
     c->bos_id = (v >= -1 && v <= INT32_MAX) ? (int32_t)v : -1;
@@ -144,11 +197,14 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
 /* Tensors a llama/qwen2 block may carry that this model has no place for: refusing them beats
  * silently computing something else. */
 static kvc_status refuse_extra_tensors(const gguf_file *f, const kvc_config *c) {
-    static const char *extra[] = {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "attn_qkv.weight",
-                                  "ffn_gate_inp.weight", "attn_q_norm.weight", "attn_k_norm.weight"};
-    const size_t n_extra = sizeof extra / sizeof extra[0] - (c->qk_norm ? 2 : 0); /* qwen3 has the q/k norms */
+    static const char *extra[] = {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias", "ffn_gate_inp.weight",
+                                  "attn_qkv.weight", "ffn_gate.weight", "attn_q_norm.weight", "attn_k_norm.weight"};
+    const size_t n_extra = sizeof extra / sizeof extra[0];
     char name[64];
     for (size_t i = 0; i < n_extra; i++) {
+        if (c->qk_norm && strstr(extra[i], "_norm.weight")) continue;                               /* qwen3's q/k norms */
+        const int qkv = !strcmp(extra[i], "attn_qkv.weight"), gate = !strcmp(extra[i], "ffn_gate.weight");
+        if ((qkv && kvc_fused_proj(c)) || (gate && !kvc_fused_proj(c))) continue; /* fused (phi3) or separate: what it reads */
         snprintf(name, sizeof name, "blk.0.%s", extra[i]);
         if (gguf_find_tensor(f, name))
             return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' is not supported by this model architecture in kvpress_c", name);
@@ -231,6 +287,19 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
     if (!c->tied_embeddings) KVC_TRY(put(f, m, KVC_W_LM_HEAD, 0, "output.weight", c->vocab, D));
     KVC_TRY(kvc_model_put_layers(m, 0, put, f));
     const int32_t half = c->head_dim / 2;
+    if (c->rope_long_context > 0) { /* LongRoPE's factors, one per turned pair */
+        float *sf = kvc_model_rope_factors(m), *lf = kvc_model_rope_long_factors(m);
+        if (!sf || !lf) return KVC_ERR_NOMEM;
+        const int32_t n = (c->rope_dim > 0 ? c->rope_dim : c->head_dim) / 2;
+        kvc_src src;
+        KVC_TRY(source(f, "rope_factors_short.weight", 0, n, &src));
+        KVC_TRY(src.decode(&src, 0, 1, sf));
+        KVC_TRY(source(f, "rope_factors_long.weight", 0, n, &src));
+        KVC_TRY(src.decode(&src, 0, 1, lf));
+        if (gguf_find_tensor(f, "rope_freqs.weight") || linear_scale != 1.0f)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: LongRoPE with rope_freqs.weight or linear scaling is not supported");
+        return KVC_OK;
+    }
     const int has_freqs = gguf_find_tensor(f, "rope_freqs.weight") != NULL;
     if (has_freqs || linear_scale != 1.0f) {
         /* per-frequency divisors, applied by kvc_model_finish: Llama-3.1's rope_freqs, times a

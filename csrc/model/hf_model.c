@@ -73,6 +73,7 @@ static kvc_status parse_json_file(const char *path, json_value **out) {
 typedef struct cfg_reader {
     const json_value *j;
     const char *path;
+    const json_value *outer; /* a multimodal Gemma 3 config whose text_config j is, or NULL */
 } cfg_reader;
 
 /* A short description of a JSON value for error messages ("got -4", "got a string"). */
@@ -160,11 +161,53 @@ static kvc_status get_token_id(const cfg_reader *r, const char *key, int32_t voc
     return KVC_OK;
 }
 
+/* LongRoPE's per-frequency factors (config.json lists them; the model keeps them, model.h). */
+typedef struct longrope {
+    float short_f[128], long_f[128]; /* [rope_dim / 2]; head_dim <= 256 */
+    double linear;                   /* "linear" scaling's factor (every frequency divided by it); 0: none */
+} longrope;
+
+/* A list of n positive numbers. */
+static kvc_status get_factors(const cfg_reader *r, const json_value *obj, const char *key, int32_t n, float *out) {
+    const json_value *v = json_get(obj, key);
+    char want[96];
+    snprintf(want, sizeof want, "a list of %d positive numbers (rotary dimensions / 2)", n);
+    if (!v || v->kind != JSON_ARRAY || v->n != (size_t)n) return v ? bad(r, key, v, want) : kvc_fail(KVC_ERR_FORMAT, "%s: LongRoPE needs '%s' (%s)", r->path, key, want);
+    for (int32_t i = 0; i < n; i++) {
+        const json_value *e = &v->items[i];
+        if (e->kind != JSON_NUMBER || !(e->number > 0) || !isfinite((float)e->number)) return bad(r, key, e, want);
+        out[i] = (float)e->number;
+    }
+    return KVC_OK;
+}
+
+/* LongRoPE as transformers computes it (_compute_longrope_parameters): inv_freq = 1 / (factor_i theta^(2i/rot))
+ * with the short factors, or the long ones in a call past original_max_position_embeddings; cos and sin
+ * times attention_factor, default sqrt(1 + ln s / ln original) with s = factor, else max_position_embeddings
+ * / original (1 when s <= 1). */
+static kvc_status read_longrope(const cfg_reader *r, const json_value *rope, kvc_config *c, longrope *lr) {
+    const int32_t n = (c->rope_dim > 0 ? c->rope_dim : c->head_dim) / 2;
+    KVC_TRY(get_factors(r, rope, "short_factor", n, lr->short_f));
+    KVC_TRY(get_factors(r, rope, "long_factor", n, lr->long_f));
+    int32_t orig = 0;
+    KVC_TRY(get_int(r, r->j, "original_max_position_embeddings", 0, 0, 1, INT32_MAX, &orig));
+    KVC_TRY(get_int(r, rope, "original_max_position_embeddings", orig == 0, orig, 1, INT32_MAX, &orig));
+    double factor = 0, attn = 0;
+    KVC_TRY(get_num(r, rope, "factor", 0, (double)c->max_context / orig, 0.0, 1, 1e6, "a number > 0", &factor));
+    KVC_TRY(get_num(r, rope, "attention_factor", 0, 0.0, 0.0, 0, 1e6, "a number >= 0", &attn));
+    if (!json_get(rope, "attention_factor") || json_get(rope, "attention_factor")->kind == JSON_NULL)
+        attn = factor <= 1.0 ? 1.0 : sqrt(1.0 + log(factor) / log((double)orig));
+    c->rope_long_context = orig;
+    c->rope_attn_factor = (float)attn;
+    return KVC_OK;
+}
+
 /* RoPE settings. transformers >= 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}};
  * older files write a top-level "rope_theta" and "rope_scaling": {"rope_type" or "type", ...}.
  * As in transformers: a non-empty rope_scaling wins over rope_parameters, and rope_theta inside the
- * dict wins over the top-level one. Only "default" and "llama3" are implemented. */
-static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
+ * dict wins over the top-level one. "default", "llama3" and (Phi-3) "longrope" are implemented; a partial
+ * rotary factor is read at the top level or inside the dict. */
+static kvc_status read_rope(const cfg_reader *r, kvc_config *c, longrope *lr) {
     const json_value *rs = json_get(r->j, "rope_scaling"), *rp = json_get(r->j, "rope_parameters");
     if (rs && rs->kind != JSON_NULL && rs->kind != JSON_OBJECT) return bad(r, "rope_scaling", rs, "an object or null");
     if (rp && rp->kind != JSON_NULL && rp->kind != JSON_OBJECT) return bad(r, "rope_parameters", rp, "an object or null");
@@ -174,10 +217,22 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
     const json_value *full = json_get(rope, "full_attention");
     if (full && full->kind == JSON_OBJECT && !json_get(rope, "rope_type") && !json_get(rope, "type")) rope = full;
 
-    double theta = 10000.0; /* get_num writes it; set here so the compiler sees it set */
-    KVC_TRY(get_num(r, r->j, "rope_theta", 0, 10000.0, 1.0, 1, 1e30, "a number > 1", &theta));
+    const double def_theta = c->arch == KVC_ARCH_GEMMA3 ? 1e6 : 10000.0; /* transformers' Gemma 3: 1e6 global */
+    double theta = def_theta; /* get_num writes it; set here so the compiler sees it set */
+    lr->linear = 0;
+    KVC_TRY(get_num(r, r->j, "rope_theta", 0, def_theta, 1.0, 1, 1e30, "a number > 1", &theta));
     if (rope) KVC_TRY(get_num(r, rope, "rope_theta", 0, theta, 1.0, 1, 1e30, "a number > 1", &theta));
     c->rope_theta = (float)theta;
+    double partial = 1.0;
+    KVC_TRY(get_num(r, r->j, "partial_rotary_factor", 0, 1.0, 0.0, 1, 1.0, "a number in (0, 1]", &partial));
+    if (rope) KVC_TRY(get_num(r, rope, "partial_rotary_factor", 0, partial, 0.0, 1, 1.0, "a number in (0, 1]", &partial));
+    if (partial < 1.0) { /* transformers: int(head_dim * factor) dimensions turn */
+        const int32_t rot = (int32_t)(c->head_dim * partial);
+        if (rot < 2 || rot % 2)
+            return kvc_fail(KVC_ERR_FORMAT, "%s: partial_rotary_factor %g of head_dim %d gives %d rotary dimensions (must be even, >= 2)",
+                            r->path, partial, c->head_dim, rot);
+        c->rope_dim = rot;
+    }
     if (!rope) return KVC_OK;
 
     const json_value *t = json_get(rope, "rope_type");
@@ -190,9 +245,14 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
         return kvc_fail(KVC_ERR_FORMAT, "%s: '%s' has a 'factor' but no 'rope_type'", r->path, rope_key);
     }
     if (!strcmp(type, "default")) return KVC_OK;
+    /* transformers' Phi3Config reads the old names "su" and "yarn" as longrope */
+    if (!strcmp(type, "longrope") || (c->arch == KVC_ARCH_PHI3 && (!strcmp(type, "su") || !strcmp(type, "yarn"))))
+        return read_longrope(r, rope, c, lr);
+    if (!strcmp(type, "linear")) /* transformers: inv_freq / factor (Gemma 3's global layers) */
+        return get_num(r, rope, "factor", 1, 0, 0.0, 1, 1e6, "a number > 0", &lr->linear);
     if (strcmp(type, "llama3") != 0)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: rope scaling '%.40s' is not supported (only 'llama3' and 'default' are)",
-                        r->path, type);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: rope scaling '%.40s' is not supported (only 'llama3', 'longrope', 'linear' and "
+                        "'default' are)", r->path, type);
     double f, lo, hi;
     int32_t orig;
     KVC_TRY(get_num(r, rope, "factor", 1, 0, 0.0, 1, 1e6, "a number > 0", &f));
@@ -211,7 +271,7 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c) {
     return KVC_OK;
 }
 
-/* Sliding-window attention, as transformers reads it. mistral: "sliding_window" on every layer (4096 when
+/* Sliding-window attention, as transformers reads it. mistral and phi3: "sliding_window" on every layer (4096 when
  * the key is absent, none when null). qwen2/qwen3: only with "use_sliding_window", on the layers from
  * "max_window_layers" (default 28) on, or as "layer_types" lists them. A window the engine cannot express
  * (sliding layers before full ones) is refused rather than run as full attention. */
@@ -224,6 +284,10 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_int(r, j, "sliding_window", 0, 4096, 1, INT32_MAX, &window));
     if (c->arch == KVC_ARCH_LLAMA) return KVC_OK; /* transformers' llama has no window */
     if (w && w->kind == JSON_NULL) return KVC_OK; /* null: no window */
+    if (c->arch == KVC_ARCH_PHI3) { /* phi3: every layer, when the key is there (transformers' default: none) */
+        c->sliding_window = w ? window : 0;
+        return KVC_OK;
+    }
     if (c->arch == KVC_ARCH_MISTRAL) {
         c->sliding_window = window;
         return KVC_OK;
@@ -255,28 +319,108 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
     return KVC_OK;
 }
 
+/* Gemma 3's sliding layers, as transformers reads them: "layer_types", else every layer but each
+ * "sliding_window_pattern"-th (default 6) slides; a pattern the engine cannot express (every P-th layer
+ * full, the others sliding) is refused. Their RoPE base: rope_parameters.sliding_attention.rope_theta, else
+ * "rope_local_base_freq" (default 10000), unscaled. */
+static kvc_status read_gemma3_layers(const cfg_reader *r, kvc_config *c) {
+    const json_value *j = r->j;
+    int32_t window = 0, period = 6;
+    KVC_TRY(get_int(r, j, "sliding_window", 0, 4096, 1, INT32_MAX, &window));
+    KVC_TRY(get_int(r, j, "sliding_window_pattern", 0, 6, 1, INT32_MAX, &period));
+    const json_value *types = json_get(j, "layer_types");
+    if (types && types->kind != JSON_NULL) {
+        if (types->kind != JSON_ARRAY || types->n != (size_t)c->n_layers)
+            return bad(r, "layer_types", types, "a list of one string per layer");
+        period = 0; /* the first full layer's index + 1; 0: none is full */
+        for (size_t i = 0; i < types->n; i++) {
+            const json_value *t = &types->items[i];
+            const int sliding = t->kind == JSON_STRING && !strcmp(t->string, "sliding_attention");
+            if (!sliding && !(t->kind == JSON_STRING && !strcmp(t->string, "full_attention")))
+                return bad(r, "layer_types", t, "\"full_attention\" or \"sliding_attention\"");
+            if (!sliding && period == 0) period = (int32_t)i + 1;
+        }
+        for (size_t i = 0; i < types->n; i++) {
+            const int full = !strcmp(types->items[i].string, "full_attention");
+            if (full != (period > 0 && (int32_t)(i + 1) % period == 0))
+                return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: layer_types is not 'every P-th layer full, the others sliding' "
+                                "(layer %zu); kvpress_c runs Gemma 3's windows in that pattern only", r->path, i);
+        }
+    }
+    c->sliding_window = window;
+    c->window_first_layer = 0;
+    c->window_period = period;
+    /* the sliding layers' RoPE */
+    double local = 10000.0;
+    KVC_TRY(get_num(r, j, "rope_local_base_freq", 0, 10000.0, 1.0, 1, 1e30, "a number > 1", &local));
+    const json_value *rp = json_get(j, "rope_parameters"), *sl = rp ? json_get(rp, "sliding_attention") : NULL;
+    if (sl && sl->kind == JSON_OBJECT) {
+        KVC_TRY(get_num(r, sl, "rope_theta", 0, local, 1.0, 1, 1e30, "a number > 1", &local));
+        const json_value *t = json_get(sl, "rope_type");
+        if (t && t->kind != JSON_NULL && !(t->kind == JSON_STRING && !strcmp(t->string, "default")))
+            return bad(r, "rope_parameters.sliding_attention.rope_type", t, "\"default\" (kvpress_c scales only the full layers' RoPE)");
+    }
+    c->rope_local_theta = (float)local;
+    return KVC_OK;
+}
+
+/* Gemma 3's own settings: q/k norms, norms after attention and MLP, GeGLU, the embedding and attention
+ * scales; what it would need and the engine has not (soft-capping, bidirectional attention) is refused. */
+static kvc_status read_gemma3(const cfg_reader *r, kvc_config *c) {
+    const json_value *j = r->j;
+    const json_value *act = json_get(j, "hidden_activation");
+    if (!act || act->kind == JSON_NULL) act = json_get(j, "hidden_act");
+    if (act && act->kind != JSON_NULL && !(act->kind == JSON_STRING && !strcmp(act->string, "gelu_pytorch_tanh")))
+        return act->kind == JSON_STRING ? kvc_fail(KVC_ERR_UNSUPPORTED, "%s: hidden_activation '%.40s' is not supported for "
+                                                   "gemma3_text (gelu_pytorch_tanh is)", r->path, act->string)
+                                        : bad(r, "hidden_activation", act, "a string");
+    static const char *const refused[] = {"attn_logit_softcapping", "final_logit_softcapping"};
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        const json_value *v = json_get(j, refused[i]);
+        if (v && v->kind != JSON_NULL)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: %s is set; kvpress_c does not implement logit soft-capping (Gemma 2 style) yet",
+                            r->path, refused[i]);
+    }
+    int bidir = 0;
+    KVC_TRY(get_bool(r, j, "use_bidirectional_attention", 0, &bidir));
+    if (bidir) return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: use_bidirectional_attention = true is not supported", r->path);
+    double qpas = 256;
+    KVC_TRY(get_num(r, j, "query_pre_attn_scalar", 0, 256.0, 0.0, 1, 1e12, "a number > 0", &qpas));
+    c->attn_scale = (float)pow(qpas, -0.5);
+    c->embed_scale = (float)sqrt((double)c->hidden); /* transformers: a float32 tensor of hidden_size ** 0.5 */
+    c->qk_norm = 1;
+    c->post_norms = 1;
+    c->mlp_act = KVC_MLP_GELU_TANH;
+    return read_gemma3_layers(r, c);
+}
+
 /* `tied` is set to -1 when config.json does not say (decided from the weights later). */
-static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
+static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) {
     kvc_config_defaults(c);
     const json_value *j = r->j;
     if (j->kind != JSON_OBJECT) return kvc_fail(KVC_ERR_FORMAT, "%s is not a JSON object", r->path);
     const json_value *mt = json_get(j, "model_type");
-    if (!mt || mt->kind != JSON_STRING)
+    if (r->outer && !mt) c->arch = KVC_ARCH_GEMMA3; /* a text_config without its model_type */
+    else if (!mt || mt->kind != JSON_STRING)
         return kvc_fail(KVC_ERR_FORMAT, "%s: 'model_type' is missing or not a string", r->path);
-    if (!strcmp(mt->string, "llama")) c->arch = KVC_ARCH_LLAMA;
+    else if (r->outer && strcmp(mt->string, "gemma3_text") != 0)
+        return kvc_fail(KVC_ERR_FORMAT, "%s: text_config's model_type is '%.40s', not gemma3_text", r->path, mt->string);
+    else if (!strcmp(mt->string, "llama")) c->arch = KVC_ARCH_LLAMA;
     else if (!strcmp(mt->string, "mistral")) c->arch = KVC_ARCH_MISTRAL;
     else if (!strcmp(mt->string, "qwen2")) c->arch = KVC_ARCH_QWEN2;
     else if (!strcmp(mt->string, "qwen3")) c->arch = KVC_ARCH_QWEN3;
+    else if (!strcmp(mt->string, "phi3")) c->arch = KVC_ARCH_PHI3; /* Phi-3, Phi-3.5, Phi-4-mini */
+    else if (!strcmp(mt->string, "gemma3_text")) c->arch = KVC_ARCH_GEMMA3; /* Gemma3ForCausalLM */
     else
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2 and qwen3 are)",
-                        r->path, mt->string);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma3_text "
+                        "and gemma3's text model are)", r->path, mt->string);
     c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
     c->qk_norm = c->arch == KVC_ARCH_QWEN3;
 
     /* features that would change the computation and that the engine does not have */
     const json_value *act = json_get(j, "hidden_act");
-    if (act && act->kind != JSON_NULL) {
+    if (act && act->kind != JSON_NULL && c->arch != KVC_ARCH_GEMMA3) { /* gemma3: read_gemma3 */
         if (act->kind != JSON_STRING) return bad(r, "hidden_act", act, "a string");
         if (strcmp(act->string, "silu") != 0 && strcmp(act->string, "swish") != 0)
             return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: hidden_act '%.40s' is not supported (silu is)", r->path, act->string);
@@ -288,41 +432,48 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_bool(r, j, "mlp_bias", 0, &flag));
     if (flag) return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: mlp_bias = true is not supported", r->path);
 
-    KVC_TRY(get_int(r, j, "num_hidden_layers", 1, 0, 1, 4096, &c->n_layers));
-    KVC_TRY(get_int(r, j, "hidden_size", 1, 0, 1, 65536, &c->hidden));
-    KVC_TRY(get_int(r, j, "num_attention_heads", 1, 0, 1, 1024, &c->n_heads));
-    KVC_TRY(get_int(r, j, "num_key_value_heads", 0, c->n_heads, 1, c->n_heads, &c->n_kv_heads));
+    const int g3 = c->arch == KVC_ARCH_GEMMA3; /* Gemma3TextConfig's defaults (text_configs omit what equals them) */
+    KVC_TRY(get_int(r, j, "num_hidden_layers", !g3, 26, 1, 4096, &c->n_layers));
+    KVC_TRY(get_int(r, j, "hidden_size", !g3, 2304, 1, 65536, &c->hidden));
+    KVC_TRY(get_int(r, j, "num_attention_heads", !g3, 8, 1, 1024, &c->n_heads));
+    KVC_TRY(get_int(r, j, "num_key_value_heads", 0, g3 ? 4 : c->n_heads, 1, c->n_heads, &c->n_kv_heads));
     if (c->n_heads % c->n_kv_heads != 0)
         return kvc_fail(KVC_ERR_FORMAT, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)", r->path,
                         c->n_heads, c->n_kv_heads);
     /* transformers: head_dim = hidden_size // num_attention_heads unless given */
-    const int32_t def_hd = c->hidden / c->n_heads;
+    const int32_t def_hd = c->arch == KVC_ARCH_GEMMA3 ? 256 : c->hidden / c->n_heads; /* Gemma3TextConfig: 256 */
     KVC_TRY(get_int(r, j, "head_dim", 0, def_hd, 1, 256, &c->head_dim));
     if (c->head_dim < 2 || c->head_dim % 2)
         return kvc_fail(KVC_ERR_FORMAT, "%s: head_dim (%d%s) must be even (RoPE rotates pairs)", r->path, c->head_dim,
                         json_get(j, "head_dim") ? "" : " = hidden_size / num_attention_heads");
-    KVC_TRY(get_int(r, j, "intermediate_size", 1, 0, 1, 1 << 20, &c->ffn));
-    KVC_TRY(get_int(r, j, "vocab_size", 1, 0, 1, 1 << 24, &c->vocab));
+    KVC_TRY(get_int(r, j, "intermediate_size", !g3, 9216, 1, 1 << 20, &c->ffn));
+    KVC_TRY(get_int(r, j, "vocab_size", !g3, 262208, 1, 1 << 24, &c->vocab));
     /* informational (and llama3's default original context); transformers' per-model defaults */
-    const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
+    const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_PHI3 ? 4096 : c->arch == KVC_ARCH_GEMMA3 ? 131072
+                          : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
     KVC_TRY(get_int(r, j, "max_position_embeddings", 0, def_ctx, 1, INT32_MAX, &c->max_context));
     double eps;
     KVC_TRY(get_num(r, j, "rms_norm_eps", 0, 1e-6, 0.0, 1, 0.5, "a number in (0, 0.5]", &eps));
     c->rms_eps = (float)eps;
     if (!(c->rms_eps > 0)) return bad(r, "rms_norm_eps", json_get(j, "rms_norm_eps"), "representable as a positive float32");
-    KVC_TRY(read_rope(r, c));
+    KVC_TRY(read_rope(r, c, lr));
 
-    KVC_TRY(read_sliding_window(r, c));
+    KVC_TRY(c->arch == KVC_ARCH_GEMMA3 ? read_gemma3(r, c) : read_sliding_window(r, c));
 
     /* Tied output: transformers' llama/mistral/qwen2 configs default to untied. We follow an explicit
      * true/false; when the key is absent, the weights decide (no lm_head.weight -> tied) instead of
      * leaving lm_head uninitialised as transformers would. */
     const json_value *tie = json_get(j, "tie_word_embeddings");
     if (tie && tie->kind != JSON_NULL && tie->kind != JSON_BOOL) return bad(r, "tie_word_embeddings", tie, "true or false");
-    c->tied_embeddings = (tie && tie->kind == JSON_BOOL) ? tie->boolean : -1;
+    c->tied_embeddings = (tie && tie->kind == JSON_BOOL) ? tie->boolean : c->arch == KVC_ARCH_GEMMA3 ? 1 : -1;
 
     KVC_TRY(get_token_id(r, "bos_token_id", c->vocab, &c->bos_id));
     KVC_TRY(get_token_id(r, "eos_token_id", c->vocab, &c->eos_id));
+    if (r->outer) { /* a multimodal config: its own ids where the text_config has none */
+        const cfg_reader o = {r->outer, r->path, NULL};
+        if (c->bos_id < 0) KVC_TRY(get_token_id(&o, "bos_token_id", c->vocab, &c->bos_id));
+        if (c->eos_id < 0) KVC_TRY(get_token_id(&o, "eos_token_id", c->vocab, &c->eos_id));
+    }
     return KVC_OK;
 }
 
@@ -341,6 +492,7 @@ typedef struct weights {
     json_value *index;            /* parsed model.safetensors.index.json, or NULL */
     const json_value *weight_map; /* inside index */
     char *index_path;
+    int multimodal; /* Gemma3ForConditionalGeneration: the text model's tensors under its language model */
 } weights;
 
 static void weights_close(weights *w) {
@@ -458,7 +610,7 @@ static kvc_status open_weights(weights *w) {
 
 /* The tensor `name`, or NULL with *st = KVC_OK when no file has it (the caller decides whether
  * that is an error). With an index, only the shard it names is consulted. */
-static const st_tensor *find(const weights *w, const char *name, kvc_status *st) {
+static const st_tensor *find_exact(const weights *w, const char *name, kvc_status *st) {
     *st = KVC_OK;
     if (w->weight_map) {
         const json_value *v = json_get(w->weight_map, name);
@@ -473,6 +625,22 @@ static const st_tensor *find(const weights *w, const char *name, kvc_status *st)
     for (int i = 0; i < w->n; i++) {
         const st_tensor *t = st_find(w->shards[i].file, name);
         if (t) return t;
+    }
+    return NULL;
+}
+
+/* A text model's tensor by its Gemma3ForCausalLM name; in a multimodal Gemma 3 folder, where transformers puts
+ * it: "model.X" as "model.language_model.X" (transformers >= 4.52) or "language_model.model.X" (before), and
+ * "lm_head.weight" also as "language_model.lm_head.weight". */
+static const st_tensor *find(const weights *w, const char *name, kvc_status *st) {
+    if (!w->multimodal) return find_exact(w, name, st);
+    char alt[256];
+    const int model = !strncmp(name, "model.", 6);
+    const char *forms[2][2] = {{"model.language_model.", "language_model.model."}, {"", "language_model."}};
+    for (int i = 0; i < 2; i++) {
+        snprintf(alt, sizeof alt, "%s%s", forms[!model][i], model ? name + 6 : name);
+        const st_tensor *t = find_exact(w, alt, st);
+        if (t || *st != KVC_OK) return t;
     }
     return NULL;
 }
@@ -563,10 +731,20 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
     }
     json_value *j = NULL;
     kvc_config cfg;
+    longrope lr;
     kvc_status st = parse_json_file(cfg_path, &j);
+    int multimodal = 0;
     if (st == KVC_OK) {
-        const cfg_reader r = {j, cfg_path};
-        st = read_config(&r, &cfg);
+        cfg_reader r = {j, cfg_path, NULL};
+        const json_value *mt = j->kind == JSON_OBJECT ? json_get(j, "model_type") : NULL;
+        if (mt && mt->kind == JSON_STRING && !strcmp(mt->string, "gemma3")) { /* Gemma3ForConditionalGeneration: its text model */
+            const json_value *tc = json_get(j, "text_config");
+            if (!tc || tc->kind != JSON_OBJECT)
+                st = kvc_fail(KVC_ERR_FORMAT, "%s: a 'gemma3' config needs a 'text_config' object", cfg_path);
+            r = (cfg_reader){tc, cfg_path, j};
+            multimodal = 1;
+        }
+        if (st == KVC_OK) st = read_config(&r, &cfg, &lr);
     }
     json_free(j);
     free(cfg_path);
@@ -575,6 +753,7 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
     weights *w = calloc(1, sizeof *w);
     if (!w) return kvc_fail(KVC_ERR_NOMEM, "out of memory: weight files");
     w->dir = dir;
+    w->multimodal = multimodal;
     kvc_model *m = NULL;
     st = open_weights(w);
     if (st == KVC_OK && cfg.tied_embeddings < 0) {
@@ -587,7 +766,23 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
         weights_free(w);
         return st;
     }
+    m->norm_plus_one = cfg.arch == KVC_ARCH_GEMMA3; /* transformers' Gemma RMSNorm: x / rms(x) * (1 + w) */
+    m->embed_scale_rounded = cfg.arch == KVC_ARCH_GEMMA3; /* and its scale in the embedding's dtype */
     st = load_weights(w, m);
+    if (st == KVC_OK && lr.linear > 0) { /* "linear" scaling as per-frequency divisors, for kvc_model_finish */
+        float *f = kvc_model_rope_factors(m);
+        if (!f) st = KVC_ERR_NOMEM;
+        for (int32_t i = 0; i < cfg.head_dim / 2 && st == KVC_OK; i++) f[i] = (float)lr.linear;
+    }
+    if (st == KVC_OK && cfg.rope_long_context > 0) { /* LongRoPE's factors, for kvc_model_finish */
+        float *sf = kvc_model_rope_factors(m), *lf = kvc_model_rope_long_factors(m);
+        const int32_t n = (cfg.rope_dim > 0 ? cfg.rope_dim : cfg.head_dim) / 2;
+        if (!sf || !lf) st = KVC_ERR_NOMEM;
+        for (int32_t i = 0; i < n && st == KVC_OK; i++) {
+            sf[i] = lr.short_f[i];
+            lf[i] = lr.long_f[i];
+        }
+    }
     if (st == KVC_OK) st = kvc_model_finish(m);
     if (st == KVC_OK && m->mapped_bytes == 0) {
         weights_free(w); /* every weight was copied: the files go now */

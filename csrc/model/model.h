@@ -37,6 +37,8 @@ typedef struct kvc_layer_weights {
     kvc_view ffn_norm;  /* [D] */
     kvc_wgroup gu;      /* [2F, D]: gate rows, then up */
     kvc_view wdown;     /* [D, F] */
+    kvc_view post_attn_norm; /* [D] RMSNorm of the attention output, buf NULL unless cfg.post_norms */
+    kvc_view post_ffn_norm;  /* [D] RMSNorm of the MLP output, the same */
 } kvc_layer_weights;
 
 /* C[m, sum of rows] = A[m, k] G^T: one matmul for a whole group, else one per part into its columns. */
@@ -67,9 +69,15 @@ struct kvc_model {
     kvc_view tok_embd;        /* [V, D] */
     kvc_view out_norm;        /* [D] */
     kvc_view lm_head;         /* [V, D]; the token embedding when tied */
-    kvc_view inv_freq;        /* [d/2] f32 RoPE frequencies */
+    kvc_view inv_freq;        /* [d/2] f32 RoPE frequencies (LongRoPE: the short factors') */
+    kvc_view inv_freq_long;   /* [d/2] LongRoPE's long factors' frequencies; buf NULL without LongRoPE */
+    kvc_view inv_freq_local;  /* [d/2] the sliding layers' frequencies (cfg.rope_local_theta); buf NULL without */
+    int norm_plus_one;        /* norm weights are stored as w and used as 1 + w (Gemma's HF files): added at load */
+    int embed_scale_rounded;  /* cfg.embed_scale is cast to the dtype the embedding is held in (transformers' Gemma) */
     kvc_layer_weights *layers;
-    float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, or NULL */
+    float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, LongRoPE's short
+                                 factors, or NULL */
+    float *rope_long_factors; /* host [d/2]: LongRoPE's long factors, or NULL */
     float *rope_inv_freq;     /* host [d/2] */
     size_t weight_bytes;      /* every weight, mapped ones included */
     size_t mapped_bytes;      /* of which used in place in the mapped file (page cache, shared) */
@@ -92,17 +100,46 @@ struct kvc_model {
 typedef enum kvc_weight_role {
     KVC_W_TOK, KVC_W_OUT_NORM, KVC_W_LM_HEAD,
     KVC_W_ATTN_NORM, KVC_W_Q, KVC_W_K, KVC_W_V, KVC_W_O, KVC_W_BQ, KVC_W_BK, KVC_W_BV,
-    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM
+    KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM,
+    KVC_W_QKV, KVC_W_GU, /* fused files (Phi-3): q|k|v rows in one tensor, gate|up rows in one tensor */
+    KVC_W_POST_ATTN_NORM, KVC_W_POST_FFN_NORM /* Gemma's norms of the attention and MLP outputs */
 } kvc_weight_role;
 
 /* A decoder layer's tensors as the files name them: GGUF after "blk.N.", Hugging Face after
- * "model.layers.N." (biases only in models with qkv_bias, q/k norms only with qk_norm). Both loaders walk
- * this one list. */
+ * "model.layers.N." (biases only in models with qkv_bias, q/k norms only with qk_norm; the fused q|k|v and
+ * gate|up tensors in fused models instead of their parts, kvc_fused_proj). Both loaders walk this one list.
+ *
+ * Fused projections are kept fused: their rows are the whole q|k|v (gate|up) group in the order the engine
+ * reads it, so the tensor streams into the group's one buffer (one GEMM, as for separate tensors copied).
+ *
+ * Partial rotary (cfg.rope_dim < head_dim): the file's head turns its first rope_dim values (pairs (i, i +
+ * rope_dim/2)) and passes the rest. The loader permutes each q and k head's rows so that the turned pairs
+ * become the engine's (i, i + d/2) pairs i < rope_dim/2 and the passed values the pairs above, whose
+ * frequency is 0: q.k is unchanged (the same permutation on both), and every RoPE on the host (re-rotation,
+ * ExpectedAttention's future positions) stays the plain whole-head one. */
 typedef struct kvc_layer_tensor {
     kvc_weight_role role;
     const char *gguf, *hf;
 } kvc_layer_tensor;
-#define KVC_LAYER_TENSORS 14
+#define KVC_LAYER_TENSORS 18
+/* A layer tensor's name in a file of this model (Gemma's HF files call the MLP's norm
+ * pre_feedforward_layernorm; their post_attention_layernorm is the attention output's norm). */
+const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf);
+/* Layer l attends within the sliding window (Gemma 3 interleaves: with window_period P, every P-th layer,
+ * (l + 1) % P == 0, attends to the whole cache). */
+int kvc_layer_slides(const kvc_config *c, int32_t l);
+/* The presses act on layer l: every layer, but on Gemma 3 (interleaved windows) only the full-attention ones,
+ * as kvpress compresses Gemma 3 (its hooks skip the layers with is_sliding; docs/METHODS.md "Gemma 3"). */
+int kvc_layer_pressed(const kvc_config *c, int32_t l);
+/* KVC_ERR_UNSUPPORTED naming `what` when some layer is not pressed (Gemma 3): for the methods that select
+ * over every layer's cache at once (KVzip, Fast KVzip, KVCompose, TAKE), not defined there yet. */
+kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what);
+/* The scale of the model's attention scores: cfg.attn_scale (Gemma's query_pre_attn_scalar^-1/2), else
+ * 1/sqrt(head_dim). What reproduces the model's own attention (ObservedAttention, Ada-KV's eviction loss)
+ * uses it; scorers that define their own attention (SnapKV's window, ...) keep 1/sqrt(d) as kvpress does. */
+float kvc_attn_scale(const kvc_config *c);
+/* The model's files fuse q|k|v and gate|up (Phi-3). */
+int kvc_fused_proj(const kvc_config *c);
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];
 /* A loader's reader of one named tensor into a role: checks the file's shape against [rows, cols] (rows 0:
  * a vector) and streams it in with kvc_model_put. */
@@ -143,6 +180,8 @@ kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, cons
 /* The model's host array of d/2 RoPE factors (GGUF rope_freqs.weight, linear scaling), allocated on first
  * call (NULL when out of memory); kvc_model_finish divides the frequencies by them. */
 float *kvc_model_rope_factors(kvc_model *m);
+/* The same for LongRoPE's long factors (kvc_model_finish makes inv_freq_long from them). */
+float *kvc_model_rope_long_factors(kvc_model *m);
 /* After every tensor is in: RoPE frequencies (with the rope factors), uploaded. */
 kvc_status kvc_model_finish(kvc_model *m);
 /* A config with every field at a neutral default (no scaling, no bias, bos/eos -1). */

@@ -68,17 +68,3 @@ kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg,
     kvc_backend_unlock(be);
     return st;
 }
-
-kvc_status kvc_press_compute_ex(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer,
-                                int32_t n_layers, const float *q, const float *attn, int64_t n, const float *k,
-                                const float *v, int64_t len, int64_t layer_total, float *scores, int64_t *keep,
-                                int64_t *n_keep) {
-    return kvc_device_press_compute(KVC_DEVICE_CPU, cfg, H, Hkv, d, layer, n_layers, q, attn, n, k, v, len, layer_total,
-                                    scores, keep, n_keep);
-}
-
-kvc_status kvc_press_compute(const kvc_press_config *cfg, int32_t H, int32_t Hkv, int32_t d, int32_t layer,
-                             int32_t n_layers, const float *q, int64_t n, const float *k, const float *v, int64_t len,
-                             float *scores, int64_t *keep, int64_t *n_keep) {
-    return kvc_press_compute_ex(cfg, H, Hkv, d, layer, n_layers, q, NULL, n, k, v, len, -1, scores, keep, n_keep);
-}

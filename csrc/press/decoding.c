@@ -40,6 +40,8 @@ struct kvc_decoding {
     int64_t *cam_cap;     /* [L] rows allocated per head */
     int64_t *cam_rows;    /* [L] rows tracked (every head holds the same) */
     int64_t *cam_events;  /* [L] merging compressions so far (the Bernoulli stream) */
+    float **cam_k;        /* [L] the layer's keys on the host [Hkv][cam_cap][head_dim]: each step reads only its new rows */
+    int64_t *cam_krows;   /* [L] rows of cam_k that hold the store's keys */
     kvc_dms *dms;         /* DMSPress(decoding=True): base.dms; its own schedule (dms.c) */
     /* ExpectedAttention: every buffered row's post-RoPE query and position, a ring per layer */
     float **rq;           /* [L] [rq_cap][qd] */
@@ -62,6 +64,15 @@ void kvc_decoding_config_defaults(kvc_decoding_config *c) {
     c->target_compression_ratio = 0.5;
     c->hidden_states_buffer_size = 256;
 }
+
+kvc_status kvc_decoding_config_new(kvc_decoding_config **out) {
+    if (!out) return kvc_fail(KVC_ERR_ARG, "null argument");
+    if (!(*out = malloc(sizeof **out))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press settings");
+    kvc_decoding_config_defaults(*out);
+    return KVC_OK;
+}
+
+void kvc_decoding_config_free(kvc_decoding_config *c) { free(c); }
 
 /* Query rows a compression of this scorer reads. */
 static int32_t query_rows(const kvc_press_config *b) {
@@ -136,7 +147,11 @@ void kvc_decoding_free(kvc_decoding *d) {
     if (d->dev_scores) d->be->free(d->dev_scores);
     if (d->cam_attn)
         for (int32_t l = 0; l < d->n_layers; l++) free(d->cam_attn[l]);
+    if (d->cam_k)
+        for (int32_t l = 0; l < d->n_layers; l++) free(d->cam_k[l]);
     free(d->cam_attn);
+    free(d->cam_k);
+    free(d->cam_krows);
     free(d->cam_cap);
     free(d->cam_rows);
     free(d->cam_events);
@@ -166,6 +181,7 @@ void kvc_decoding_reset(kvc_decoding *d) {
     memset(d->q_rows, 0, sizeof(int64_t) * L);
     memset(d->q_head, 0, sizeof(int64_t) * L);
     if (d->cam_rows) memset(d->cam_rows, 0, sizeof(int64_t) * L);
+    if (d->cam_krows) memset(d->cam_krows, 0, sizeof(int64_t) * L);
     if (d->cam_events) memset(d->cam_events, 0, sizeof(int64_t) * L);
     kvc_dms_reset(d->dms);
     if (d->rq) {
@@ -203,6 +219,8 @@ kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc
         d->cam_cap = calloc(L, sizeof(int64_t));
         d->cam_rows = calloc(L, sizeof(int64_t));
         d->cam_events = calloc(L, sizeof(int64_t));
+        d->cam_k = calloc(L, sizeof(float *));
+        d->cam_krows = calloc(L, sizeof(int64_t));
     }
     if (reads_all_rows(&cfg->base)) {
         d->rq = calloc(L, sizeof(float *));
@@ -215,7 +233,7 @@ kvc_status kvc_decoding_new(const kvc_decoding_config *cfg, const kvc_config *mc
     if ((reads_all_rows(&cfg->base) && (!d->rq || !d->rpos || !d->rq_n || !d->rq_head || !d->rq_cap)) ||
         !d->steps || !d->entry_rows || !d->n_entries || !d->entry_head || !d->q_rows || !d->q_head ||
         (d->w > 0 && (!d->queries || !d->window)) ||
-        (cfg->cam_merge_budget > 0 && (!d->cam_attn || !d->cam_cap || !d->cam_rows || !d->cam_events)))
+        (cfg->cam_merge_budget > 0 && (!d->cam_attn || !d->cam_cap || !d->cam_rows || !d->cam_events || !d->cam_k || !d->cam_krows)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: decoding press");
     if (st == KVC_OK && cfg->base.dms) st = kvc_dms_new(&cfg->base, mc, be, &d->dms);
     if (st == KVC_OK && d->w > 0 && !cfg->base.dms) {
@@ -406,24 +424,46 @@ static kvc_status cam_accumulate(kvc_decoding *d, kvc_session *s, const kvc_laye
                         (long long)d->cam_rows[l]);
     if (n > d->cam_cap[l]) {
         const int64_t cap = n + d->cfg.compression_interval;
-        float *a = calloc((size_t)(Hkv * cap), sizeof(float));
-        if (!a) return kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention sums");
-        for (int32_t h = 0; h < Hkv && d->cam_attn[l]; h++)
+        float *a = calloc((size_t)(Hkv * cap), sizeof(float)), *kh = malloc(sizeof(float) * (size_t)(Hkv * cap * dh));
+        if (!a || !kh) {
+            free(a); free(kh);
+            return kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention sums");
+        }
+        for (int32_t h = 0; h < Hkv && d->cam_attn[l]; h++) {
             memcpy(a + (size_t)h * cap, d->cam_attn[l] + (size_t)h * d->cam_cap[l], sizeof(float) * (size_t)d->cam_rows[l]);
+            memcpy(kh + (size_t)(h * cap * dh), d->cam_k[l] + (size_t)(h * d->cam_cap[l] * dh),
+                   sizeof(float) * (size_t)(d->cam_krows[l] * dh));
+        }
         free(d->cam_attn[l]);
+        free(d->cam_k[l]);
         d->cam_attn[l] = a;
+        d->cam_k[l] = kh;
         d->cam_cap[l] = cap;
     }
     for (int32_t h = 0; h < Hkv; h++) /* rows new since the last step */
         memset(d->cam_attn[l] + (size_t)h * d->cam_cap[l] + d->cam_rows[l], 0, sizeof(float) * (size_t)(n - d->cam_rows[l]));
     d->cam_rows[l] = n;
-    float *q = malloc(sizeof(float) * (size_t)d->qd), *k = malloc(sizeof(float) * (size_t)(n * dh));
+    /* The keys held before this call were read at earlier steps (CaM merges values only, and cam_prune follows each
+     * compaction): this call's rows, appended since, come down in one batched read, not the whole layer. A row a
+     * failed call appended and rolled back is this call's again, so it is read again. */
+    int64_t from = d->cam_krows[l] < n - ctx->n ? d->cam_krows[l] : n - ctx->n, row0[KVC_MAX_KV_HEADS], rows[KVC_MAX_KV_HEADS];
+    from = from > 0 ? from : 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        row0[h] = from;
+        rows[h] = n - from;
+    }
+    float *q = malloc(sizeof(float) * (size_t)d->qd), *fresh = malloc(sizeof(float) * (size_t)(Hkv * (n - from) * dh + 1));
     double *lg = malloc(sizeof(double) * (size_t)n);
-    kvc_status st = q && k && lg ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention");
+    kvc_status st = q && fresh && lg ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention");
     if (st == KVC_OK) st = d->be->download(kvc_view_at(ctx->q, ctx->n - 1, 0), 1, d->qd, q, KVC_F32);
+    if (st == KVC_OK && n > from) st = d->be->kv_read_heads(kvc_door_cache(s)->layers[l].kv, row0, rows, fresh, NULL);
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        memcpy(d->cam_k[l] + (size_t)((h * d->cam_cap[l] + from) * dh), fresh + (size_t)(h * (n - from) * dh),
+               sizeof(float) * (size_t)((n - from) * dh));
+    d->cam_krows[l] = st == KVC_OK ? n : from;
     const double scale = 1.0 / sqrt((double)dh);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        st = d->be->kv_read(kvc_door_cache(s)->layers[l].kv, h, 0, n, k, NULL);
+        const float *k = d->cam_k[l] + (size_t)(h * d->cam_cap[l] * dh);
         float *sum = d->cam_attn[l] + (size_t)h * d->cam_cap[l];
         for (int32_t j = 0; j < g && st == KVC_OK; j++) {
             const float *qh = q + (size_t)(h * g + j) * dh;
@@ -438,7 +478,7 @@ static kvc_status cam_accumulate(kvc_decoding *d, kvc_session *s, const kvc_laye
             for (int64_t r = 0; r < n; r++) sum[r] += (float)(lg[r] / z / g);
         }
     }
-    free(q); free(k); free(lg);
+    free(q); free(fresh); free(lg);
     return st;
 }
 
@@ -458,27 +498,35 @@ static kvc_status cam_select_merge(kvc_decoding *d, const kvc_layer_rows *lr, co
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         memcpy(sc + (size_t)h * n, scores[h], sizeof(float) * (size_t)n);
         memcpy(a + (size_t)h * n, d->cam_attn[l] + (size_t)h * d->cam_cap[l], sizeof(float) * (size_t)n);
-        st = lr->be->kv_read(lr->kv, h, 0, n, NULL, v + (size_t)h * n * dh);
     }
+    if (st == KVC_OK) st = lr->be->kv_read_heads(lr->kv, NULL, len, NULL, v); /* every head's values, one read */
     if (st == KVC_OK)
         st = kvc_cam_merge(sc, a, v, Hkv, n, dh, target, d->steps[l], d->cfg.cam_merge_budget, d->cfg.cam_seed, l,
                            d->cam_events[l], keep[0], out);
+    const float *oh[KVC_MAX_KV_HEADS], *vh[KVC_MAX_KV_HEADS];
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         if (h > 0) memcpy(keep[h], keep[0], sizeof(int64_t) * (size_t)target);
         n_keep[h] = target;
-        st = kvc_merge_write_back(lr, h, keep[h], target, out + (size_t)h * target * dh, v + (size_t)h * n * dh);
+        oh[h] = out + (size_t)h * target * dh;
+        vh[h] = v + (size_t)h * n * dh;
     }
+    if (st == KVC_OK) st = kvc_merge_write_back(lr, (const int64_t *const *)keep, n_keep, oh, vh); /* one write */
     if (st == KVC_OK) d->cam_events[l]++;
     free(sc); free(a); free(v); free(out);
     return st;
 }
 
 /* The attention sums follow the compaction: the kept rows, in order. */
-static void cam_prune(kvc_decoding *d, int32_t l, int32_t Hkv, const int64_t *keep, int64_t n_keep) {
+static void cam_prune(kvc_decoding *d, int32_t l, int32_t Hkv, int32_t dh, const int64_t *keep, int64_t n_keep) {
+    int64_t krows = 0; /* the kept rows whose keys the host holds: a prefix of keep */
+    while (krows < n_keep && keep[krows] < d->cam_krows[l]) krows++;
     for (int32_t h = 0; h < Hkv; h++) {
-        float *sum = d->cam_attn[l] + (size_t)h * d->cam_cap[l];
+        float *sum = d->cam_attn[l] + (size_t)h * d->cam_cap[l], *k = d->cam_k[l] + (size_t)(h * d->cam_cap[l] * dh);
         for (int64_t i = 0; i < n_keep; i++) sum[i] = sum[keep[i]]; /* keep is increasing: in place */
+        for (int64_t i = 0; i < krows; i++)
+            if (keep[i] != i) memcpy(k + i * dh, k + keep[i] * dh, sizeof(float) * (size_t)dh);
     }
+    d->cam_krows[l] = krows;
     d->cam_rows[l] = n_keep;
 }
 
@@ -540,7 +588,7 @@ static kvc_status compress(kvc_decoding *d, kvc_session *s, const kvc_layer_ctx 
     /* room for the steps until the next compression: the arena does not grow in between */
     if (st == KVC_OK)
         st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, d->cfg.compression_interval);
-    if (st == KVC_OK && d->cfg.cam_merge_budget > 0) cam_prune(d, l, Hkv, keep[0], n_keep[0]);
+    if (st == KVC_OK && d->cfg.cam_merge_budget > 0) cam_prune(d, l, Hkv, kvc_door_model(s)->cfg.head_dim, keep[0], n_keep[0]);
     if (st == KVC_OK) d->compressions++;
     for (int32_t h = 0; h < Hkv; h++) {
         free(scores[h]);

@@ -3,7 +3,7 @@
  * call scores its own rows with the wrapped scorer (the scorer sees those rows only, as kvpress scores
  * keys[:, :, -q_len:]); the scores queue per layer; rows that leave the last dms_window rows are evicted for
  * real if they scored below dms_threshold. Heads evict independently (ragged). The prefill part is the
- * attached press (schedule.c calls kvc_dms_prefill); the decoding part (kvpress decoding=True) rides on the
+ * attached press's part (dms_part: the schedule calls its take_layer); the decoding part (kvpress decoding=True) rides on the
  * decoding press (decoding.c calls kvc_dms_decode) and continues the prefill's queue. */
 #include <math.h>
 #include <stdlib.h>
@@ -35,22 +35,34 @@ static void free_rows(int32_t Hkv, float **scores, int64_t **keep) {
     }
 }
 
-kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx) {
+/* The prefill part's state: the window rows' scores a prefill left unjudged, for the decoding part. */
+typedef struct {
+    float *tail;     /* [L * Hkv * dms_window] */
+    int64_t *tail_n; /* [L] how many (-1: no prefill yet) */
+} dms_state;
+
+static void release(void *state) {
+    dms_state *t = state;
+    free(t->tail);
+    free(t->tail_n);
+}
+
+static kvc_status dms_prefill(kvc_press *p, void *state, kvc_session *s, const kvc_layer_ctx *ctx) {
+    dms_state *t = state;
     const kvc_press_config *cfg = &p->cfg;
     const int32_t Hkv = p->n_kv, l = ctx->layer, W = cfg->dms_window;
     for (int32_t h = 0; h < Hkv; h++)
         if (ctx->past_len[h] != 0) return KVC_OK; /* kvpress: a call with a past is a decoding step */
-    if (!p->dms_tail) {
-        p->dms_tail = malloc(sizeof(float) * (size_t)p->n_layers * Hkv * (W > 0 ? W : 1));
-        p->dms_tail_n = malloc(sizeof(int64_t) * (size_t)p->n_layers);
-        if (!p->dms_tail || !p->dms_tail_n) { /* both or neither: a later call must not find half of them */
-            free(p->dms_tail);
-            free(p->dms_tail_n);
-            p->dms_tail = NULL;
-            p->dms_tail_n = NULL;
+    if (!t->tail) {
+        t->tail = malloc(sizeof(float) * (size_t)p->n_layers * Hkv * (W > 0 ? W : 1));
+        t->tail_n = malloc(sizeof(int64_t) * (size_t)p->n_layers);
+        if (!t->tail || !t->tail_n) { /* both or neither: a later call must not find half of them */
+            release(t);
+            t->tail = NULL;
+            t->tail_n = NULL;
             return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
         }
-        for (int32_t i = 0; i < p->n_layers; i++) p->dms_tail_n[i] = -1;
+        for (int32_t i = 0; i < p->n_layers; i++) t->tail_n[i] = -1;
     }
     const int64_t *len = kvc_door_cache(s)->layers[l].len, n = ctx->n;
     float *scores[KVC_MAX_KV_HEADS] = {0};
@@ -63,13 +75,22 @@ kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         n_keep[h] = keep_rows(len[h], 0, judged, scores[h], cfg->dms_threshold, keep[h]);
         evict |= n_keep[h] < len[h];
-        memcpy(p->dms_tail + ((size_t)l * Hkv + h) * (W > 0 ? W : 1), scores[h] + judged, sizeof(float) * (size_t)tail);
+        memcpy(t->tail + ((size_t)l * Hkv + h) * (W > 0 ? W : 1), scores[h] + judged, sizeof(float) * (size_t)tail);
     }
-    if (st == KVC_OK) p->dms_tail_n[l] = tail;
+    if (st == KVC_OK) t->tail_n[l] = tail;
     if (st == KVC_OK && evict) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
     free_rows(Hkv, scores, keep);
     return st;
 }
+
+static int wanted(const kvc_press_config *cfg) { return cfg->dms != 0; }
+
+/* the press's setting dms turns it on: threshold eviction in place of the schedule's */
+static const kvc_press_part_i dms_part = {
+    .name = "dms", .title = "DMSPress", .traits = KVC_PART_SELECTS, .order = 10, .state_size = sizeof(dms_state),
+    .wanted = wanted, .release = release, .take_layer = dms_prefill,
+    .doc = "rows leaving a sliding window evicted when they score below a threshold"};
+KVC_REGISTER_PART(dms_part);
 
 struct kvc_dms {
     kvc_press_config cfg;
@@ -153,12 +174,13 @@ kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx) 
     const int64_t n = ctx->n, *len = kvc_door_cache(s)->layers[l].len;
     if (d->nq[l] < 0) { /* the first call after the prefill: the prefill press's unjudged window, if it left one */
         const kvc_press *p = kvc_door_slot(s, &kvc_press_slot_vt);
-        if (p && p->cfg.dms && p->dms_tail_n && p->dms_tail_n[l] > 0 && p->cfg.dms_window == W) {
-            const int64_t t = p->dms_tail_n[l];
+        const dms_state *pt = kvc_press_part(p, &dms_part);
+        if (pt && pt->tail_n && pt->tail_n[l] > 0 && p->cfg.dms_window == W) {
+            const int64_t t = pt->tail_n[l];
             if (!(d->queue[l] = malloc(sizeof(float) * (size_t)Hkv * (size_t)(t + n)))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
             d->cap[l] = t + n;
             for (int32_t h = 0; h < Hkv; h++)
-                memcpy(d->queue[l] + (size_t)h * d->cap[l], p->dms_tail + ((size_t)l * Hkv + h) * (W > 0 ? W : 1), sizeof(float) * (size_t)t);
+                memcpy(d->queue[l] + (size_t)h * d->cap[l], pt->tail + ((size_t)l * Hkv + h) * (W > 0 ? W : 1), sizeof(float) * (size_t)t);
             d->nq[l] = t;
         } else {
             d->nq[l] = 0; /* set only now: a failed allocation above leaves the window to the retry */

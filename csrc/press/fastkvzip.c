@@ -8,10 +8,12 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../model/model.h"
 #include "press.h"
 
 #define FKZ_TILE 256 /* prompt rows per projection GEMM */
 
+typedef struct kvc_fastkvzip kvc_fastkvzip;
 struct kvc_fastkvzip {
     int32_t L, Hkv, D, G, od, nb; /* layers, KV heads, hidden, gate queries per head, gate head dim, k_base rows */
     float *wq, *bq, *wk, *qn, *kn, *kb, *b;
@@ -24,7 +26,7 @@ struct kvc_fastkvzip {
     int32_t scored; /* layers scored so far in it */
 };
 
-void kvc_fastkvzip_free(kvc_fastkvzip *z) {
+static void kvc_fastkvzip_free(kvc_fastkvzip *z) {
     if (!z) return;
     free(z->wq);
     free(z->bq);
@@ -55,7 +57,7 @@ static float *copy_weights(const float *src, size_t n, const char *what, kvc_sta
     return p;
 }
 
-kvc_status kvc_fastkvzip_new(const kvc_config *mc, const kvc_fastkvzip_config *cfg, kvc_fastkvzip **out) {
+static kvc_status kvc_fastkvzip_new(const kvc_config *mc, const kvc_fastkvzip_config *cfg, kvc_fastkvzip **out) {
     *out = NULL;
     if (!cfg) return kvc_fail(KVC_ERR_ARG, "FastKVzip: null config");
     if (cfg->n_groups < 1 || cfg->out_dim < 1 || cfg->n_base < 0)
@@ -185,8 +187,12 @@ static kvc_status record(kvc_press *p, int32_t l, const float *layer_scores, int
     return KVC_OK;
 }
 
-kvc_status kvc_fastkvzip_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx) {
-    kvc_fastkvzip *z = p->fastkvzip;
+typedef struct {
+    kvc_fastkvzip *z;
+} fastkvzip_state;
+
+static kvc_status fastkvzip_layer(kvc_press *p, void *state, kvc_session *s, const kvc_layer_ctx *ctx) {
+    kvc_fastkvzip *z = ((fastkvzip_state *)state)->z;
     const int32_t l = ctx->layer;
     const int64_t n = ctx->n, *len = kvc_door_cache(s)->layers[l].len;
     if (!ctx->xn.buf) return kvc_fail(KVC_ERR_UNSUPPORTED, "FastKVzip needs the hidden states of the forward call");
@@ -213,19 +219,36 @@ kvc_status kvc_fastkvzip_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx
     return kvc_evict_lowest(s, z->scores, n, p->cfg.compression_ratio, z->layerwise, 0); /* sinks already score 1 */
 }
 
+static void release(void *state) { kvc_fastkvzip_free(((fastkvzip_state *)state)->z); }
+
+static kvc_status admit(const kvc_press *p) {
+    if (p->cfg.budget > 0)
+        return kvc_fail(KVC_ERR_ARG, "FastKVzip makes its own global selection from a compression_ratio: attach a plain press");
+    return KVC_OK;
+}
+
+/* its eviction ranks every layer's full rows at once: the session's only press */
+static const kvc_press_part_i fastkvzip_part = {
+    .name = "fastkvzip", .title = "FastKVzipPress", .traits = KVC_PART_SELECTS | KVC_PART_PLAIN | KVC_PART_ALONE,
+    .order = 10, .state_size = sizeof(fastkvzip_state), .admit = admit, .release = release,
+    .take_layer = fastkvzip_layer,
+    .doc = "trained gates on the block's normed input score every layer's rows; one global eviction after the last"};
+KVC_REGISTER_PART(fastkvzip_part);
+
 kvc_status kvc_session_set_fastkvzip(kvc_session *s, const kvc_fastkvzip_config *cfg) {
     kvc_press *p = NULL;
     if (!cfg) return kvc_fail(KVC_ERR_ARG, "null argument");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "FastKVzip"));
     KVC_TRY(kvc_last_press(s, &p));
-    kvc_press *first = kvc_door_slot(s, &kvc_press_slot_vt);
-    if (first->next) /* its eviction ranks every layer's full rows at once */
-        return kvc_fail(KVC_ERR_ARG, "FastKVzip evicts over all layers at once after scoring them: use it alone, not in a chain");
-    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->cfg.budget > 0 || p->head_keep ||
-        p->head_prune || p->block_size || p->key_filters || p->kvzap)
-        return kvc_fail(KVC_ERR_ARG, "FastKVzip makes its own global selection from a compression_ratio: attach a plain press");
     kvc_fastkvzip *z = NULL;
     KVC_TRY(kvc_fastkvzip_new(&kvc_door_model(s)->cfg, cfg, &z));
-    kvc_fastkvzip_free(p->fastkvzip);
-    p->fastkvzip = z;
+    fastkvzip_state *st = NULL;
+    const kvc_status rc = kvc_press_part_state(p, &fastkvzip_part, (void **)&st);
+    if (rc != KVC_OK) {
+        kvc_fastkvzip_free(z);
+        return rc;
+    }
+    kvc_fastkvzip_free(st->z);
+    st->z = z;
     return KVC_OK;
 }

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../model/model.h"
 #include "press.h"
 
 #define KVCOMPOSE_TILE 64
@@ -90,10 +91,13 @@ static kvc_status profile_hook(void *user, kvc_session *s, const kvc_layer_ctx *
     return st;
 }
 
-kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum, float *out) {
+kvc_status kvc_session_kvcompose_profile(kvc_session *s, const int32_t *ids, int64_t q_len, int32_t sum, float *out,
+                                         int64_t n_out) {
     const kvc_config *c = &kvc_door_model(s)->cfg;
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "KVCompose"));
     const int64_t n_ctx = kvc_door_position(s);
     if (!ids || !out) return kvc_fail(KVC_ERR_ARG, "kvcompose_profile: null argument");
+    KVC_TRY(kvc_check_size("kvcompose_profile: out [L, H, n_ctx]", n_out, (int64_t)c->n_layers * c->n_heads * n_ctx));
     if (n_ctx < 1 || !kvc_door_holds_full_cache(s))
         return kvc_fail(KVC_ERR_ARG, "kvcompose_profile: the session must hold the full cache of the context (prefill it "
                         "without a press first)");
@@ -134,13 +138,15 @@ static kvc_status top_counts(const double *comp, int64_t bins, int64_t n, int64_
     return KVC_OK;
 }
 
-kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, double ratio, int32_t structured,
+kvc_status kvc_session_kvcompose_evict(kvc_session *s, const float *task, int64_t n_task, double ratio, int32_t structured,
                                        int32_t group_max, int32_t head_max, int32_t add_v_norm, int32_t add_mean,
                                        int64_t lower_bound) {
     const kvc_config *c = &kvc_door_model(s)->cfg;
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "KVCompose"));
     const int32_t L = c->n_layers, H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const int64_t n = kvc_door_position(s), LH = (int64_t)L * Hkv;
     if (!task) return kvc_fail(KVC_ERR_ARG, "kvcompose_evict: null scores");
+    KVC_TRY(kvc_check_size("kvcompose_evict: task [L, H, n]", n_task, (int64_t)L * H * n));
     if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", ratio);
     if (lower_bound < 0) return kvc_fail(KVC_ERR_ARG, "keep_token_lower_bound must be >= 0, got %lld", (long long)lower_bound);
     if (n < 1 || !kvc_door_holds_full_cache(s)) return kvc_fail(KVC_ERR_ARG, "kvcompose_evict: the session must hold the full cache of the context");

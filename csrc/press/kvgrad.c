@@ -112,7 +112,13 @@ kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, i
 }
 
 kvc_status kvc_session_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
-                                    int32_t n_sink, float *scores, float *grad_norms) {
+                                    int32_t n_sink, float *scores, int64_t n_scores, float *grad_norms,
+                                    int64_t n_grad_norms) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: null session");
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    if (end > start)
+        KVC_TRY(kvc_check_size("kvgrad_score: scores [L, Hkv, end - start]", n_scores,
+                               (int64_t)c->n_layers * c->n_kv_heads * (end - start)));
+    if (grad_norms) KVC_TRY(kvc_check_size("kvgrad_score: grad_norms [L, q_len]", n_grad_norms, (int64_t)c->n_layers * q_len));
     return kvc_kvgrad_score(s, ids, q_len, start, end, n_sink, scores, grad_norms);
 }

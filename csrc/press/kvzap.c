@@ -9,12 +9,12 @@
 
 #include "press.h"
 
-struct kvc_kvzap {
+typedef struct kvc_kvzap {
     int32_t L, Hkv, D, hid; /* hid 0: linear */
     float *w1, *b1, *w2, *b2;
-};
+} kvc_kvzap;
 
-void kvc_kvzap_free(kvc_kvzap *z) {
+static void kvc_kvzap_free(kvc_kvzap *z) {
     if (!z) return;
     free(z->w1);
     free(z->b1);
@@ -31,7 +31,7 @@ static float *copy(const float *src, size_t n, kvc_status *st) {
     return p;
 }
 
-kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
+static kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
                          const float *b2, kvc_kvzap **out) {
     *out = NULL;
     if (hidden_dim < 0) return kvc_fail(KVC_ERR_ARG, "KVzap hidden_dim must be >= 0 (0: linear), got %d", hidden_dim);
@@ -58,7 +58,7 @@ kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *
     return KVC_OK;
 }
 
-kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores) {
+static kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores) {
     if (!ctx->xn.buf) return kvc_fail(KVC_ERR_UNSUPPORTED, "KVzap needs the hidden states of the forward call");
     const int64_t n = ctx->n, D = z->D, o1 = z->hid > 0 ? z->hid : z->Hkv;
     const size_t l = (size_t)ctx->layer;
@@ -90,16 +90,54 @@ kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc
     return st;
 }
 
+typedef struct {
+    kvc_kvzap *z;
+} kvzap_state;
+
+static void release(void *state) { kvc_kvzap_free(((kvzap_state *)state)->z); }
+
+/* KVzapPress: the surrogate model's scores of this call's rows (host), uploaded, each head's top k. */
+static kvc_status kvzap_select(kvc_press *p, void *state, const kvc_press_config *cfg, kvc_session *s,
+                               const kvc_layer_ctx *ctx, const int64_t *len, float *const *scores, int64_t *const *keep,
+                               int64_t *n_keep) {
+    const kvc_backend *be = kvc_door_backend(s);
+    int64_t maxlen = 1;
+    for (int32_t h = 0; h < p->n_kv; h++) {
+        if (len[h] != ctx->n)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "KVzapPress scores the rows of one prefill from their hidden states: the "
+                            "session must be empty before it (head %d holds %lld rows, the call %lld)", h,
+                            (long long)len[h], (long long)ctx->n);
+        maxlen = len[h] > maxlen ? len[h] : maxlen;
+    }
+    KVC_TRY(kvc_score_buffer(be, p->n_kv, &p->dev_scores, &p->dev_ld, maxlen));
+    KVC_TRY(kvc_kvzap_scores(((const kvzap_state *)state)->z, be, ctx, scores));
+    for (int32_t h = 0; h < p->n_kv; h++) {
+        KVC_TRY(be->upload(kvc_view_of(p->dev_scores, (int64_t)h * p->dev_ld, p->dev_ld), 1, len[h], scores[h], KVC_F32));
+        const int64_t kk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, len[h]);
+        n_keep[h] = kk < len[h] ? kk : len[h];
+    }
+    return be->topk(kvc_view_of(p->dev_scores, 0, p->dev_ld), p->n_kv, len, n_keep, keep);
+}
+
+static const kvc_press_part_i kvzap_part = {
+    .name = "kvzap", .title = "KVzapPress", .traits = KVC_PART_SELECTS | KVC_PART_PLAIN, .order = 10,
+    .state_size = sizeof(kvzap_state), .release = release, .select = kvzap_select,
+    .doc = "scores the rows of a prefill from the block's normed input (a linear model or MLP per layer)"};
+KVC_REGISTER_PART(kvzap_part);
+
 kvc_status kvc_session_set_kvzap(kvc_session *s, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
                                  const float *b2) {
     kvc_press *p = NULL;
     KVC_TRY(kvc_last_press(s, &p));
-    if (p->cfg.allocation != KVC_ALLOC_UNIFORM || p->cfg.chunk_length > 0 || p->head_keep || p->block_size || p->key_filters ||
-        p->head_prune || p->fastkvzip)
-        return kvc_fail(KVC_ERR_ARG, "KVzap scores with uniform top-k per head: use it with a plain budget");
     kvc_kvzap *z = NULL;
     KVC_TRY(kvc_kvzap_new(&kvc_door_model(s)->cfg, hidden_dim, w1, b1, w2, b2, &z));
-    kvc_kvzap_free(p->kvzap);
-    p->kvzap = z;
+    kvzap_state *st = NULL;
+    const kvc_status rc = kvc_press_part_state(p, &kvzap_part, (void **)&st);
+    if (rc != KVC_OK) {
+        kvc_kvzap_free(z);
+        return rc;
+    }
+    kvc_kvzap_free(st->z);
+    st->z = z;
     return KVC_OK;
 }

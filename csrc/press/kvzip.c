@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../model/model.h"
 #include "press.h"
 
 #define KVZIP_TILE 64 /* reconstruction queries per GEMM */
@@ -247,22 +248,34 @@ kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, int64_t n_ctx, d
 
 /* ---- kvpress_c.h ---- */
 
+/* scores [L, Hkv, rows] */
+static int64_t layer_head_rows(kvc_session *s, int64_t rows) {
+    const kvc_config *c = &kvc_door_model(s)->cfg;
+    return (int64_t)c->n_layers * c->n_kv_heads * rows;
+}
+
 kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
-                                   int32_t n_sink, int32_t plus, float *scores) {
+                                   int32_t n_sink, int32_t plus, float *scores, int64_t n_scores) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_score: null session");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "KVzip"));
+    if (end > start) KVC_TRY(kvc_check_size("kvzip_score: scores [L, Hkv, end - start]", n_scores, layer_head_rows(s, end - start)));
     return kvc_kvzip_score(s, ids, q_len, start, end, n_sink, plus, scores);
 }
 
-kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, double compression_ratio, int32_t layerwise,
-                                   int32_t n_sink) {
+kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, int64_t n_scores, double compression_ratio,
+                                   int32_t layerwise, int32_t n_sink) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "KVzip"));
+    KVC_TRY(kvc_check_size("kvzip_evict: scores [L, Hkv, n]", n_scores, layer_head_rows(s, kvc_door_position(s))));
     if (!(compression_ratio >= 0 && compression_ratio < 1))
         return kvc_fail(KVC_ERR_ARG, "compression_ratio must be in [0, 1), got %g", compression_ratio);
     return kvc_kvzip_evict(s, scores, kvc_door_position(s), compression_ratio, layerwise, n_sink);
 }
 
-kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_ctx, double compression_ratio,
-                                          int32_t layerwise, int32_t n_sink) {
+kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_scores, int64_t n_ctx,
+                                          double compression_ratio, int32_t layerwise, int32_t n_sink) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "kvzip_evict: null session");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "KVzip"));
+    if (n_ctx > 0) KVC_TRY(kvc_check_size("kvzip_evict: scores [L, Hkv, n_ctx]", n_scores, layer_head_rows(s, n_ctx)));
     return kvc_kvzip_evict(s, scores, n_ctx, compression_ratio, layerwise, n_sink);
 }

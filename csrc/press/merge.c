@@ -202,35 +202,65 @@ kvc_status kvc_cam_merge(const float *scores, const float *attn, const float *v,
     return KVC_OK;
 }
 
-/* Head h's merged kept values back into the store: only the rows a merge changed (out: n_keep rows of d, the
- * kept rows' new values; v: the head's values as read, row keep[i] before the merge). */
-kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, int32_t h, const int64_t *keep, int64_t n_keep, const float *out,
-                                const float *v) {
-    const int32_t d = lr->mc->head_dim;
-    kvc_status st = KVC_OK;
-    for (int64_t i = 0; i < n_keep && st == KVC_OK; i++)
-        if (memcmp(out + i * d, v + keep[i] * d, sizeof(float) * (size_t)d) != 0)
-            st = lr->be->kv_write(lr->kv, h, keep[i], 1, NULL, out + i * d);
+/* The merged kept values back into the store: only the rows a merge changed, every head's in one batched write
+ * (kv_write_rows: one transfer on a device, not one per row). */
+kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, const int64_t *const *keep, const int64_t *n_keep,
+                                const float *const *out, const float *const *v) {
+    const int32_t Hkv = lr->mc->n_kv_heads, d = lr->mc->head_dim;
+    int64_t total = 0, cnt[KVC_MAX_KV_HEADS] = {0};
+    for (int32_t h = 0; h < Hkv; h++) total += n_keep[h];
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(total > 0 ? total : 1));
+    float *vals = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1) * (size_t)d);
+    if (!rows || !vals) {
+        free(rows); free(vals);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: merged values");
+    }
+    const int64_t *idx[KVC_MAX_KV_HEADS];
+    int64_t m = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        idx[h] = rows + m;
+        for (int64_t i = 0; i < n_keep[h]; i++)
+            if (memcmp(out[h] + i * d, v[h] + keep[h][i] * d, sizeof(float) * (size_t)d) != 0) {
+                rows[m] = keep[h][i];
+                memcpy(vals + m * d, out[h] + i * d, sizeof(float) * (size_t)d);
+                m++;
+                cnt[h]++;
+            }
+    }
+    const kvc_status st = m > 0 ? lr->be->kv_write_rows(lr->kv, idx, cnt, NULL, vals) : KVC_OK;
+    free(rows); free(vals);
     return st;
 }
 
-/* MergingPress on a session's layer, before its compaction: each head's rows to the host, the merged kept values
- * back into their rows (kv_write), so the compaction that follows keeps them. */
+/* MergingPress on a session's layer, before its compaction: the merged heads' rows to the host in one batched read,
+ * the merged kept values back into their rows in one batched write, so the compaction that follows keeps them. */
 kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
                            const int64_t *const *keep, const int64_t *n_keep) {
     const int32_t Hkv = lr->mc->n_kv_heads, d = lr->mc->head_dim;
-    int64_t maxlen = 1;
-    for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
-    float *k = malloc(sizeof(float) * (size_t)(maxlen * d)), *v = malloc(sizeof(float) * (size_t)(maxlen * d));
-    float *out = malloc(sizeof(float) * (size_t)(maxlen * d));
-    kvc_status st = k && v && out ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: MergingPress");
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        if (n_keep[h] == len[h] || n_keep[h] == 0) continue;
-        st = lr->be->kv_read(lr->kv, h, 0, len[h], k, v);
-        if (st == KVC_OK)
-            st = kvc_merge_similar(k, v, len[h], d, keep[h], n_keep[h], cfg->merge_threshold, cfg->merge_fraction, out);
-        if (st == KVC_OK) st = kvc_merge_write_back(lr, h, keep[h], n_keep[h], out, v);
+    int64_t rows[KVC_MAX_KV_HEADS], total = 0, kept = 0;
+    for (int32_t h = 0; h < Hkv; h++) { /* a head that keeps all or nothing merges nothing */
+        rows[h] = n_keep[h] == len[h] || n_keep[h] == 0 ? 0 : len[h];
+        total += rows[h];
+        kept += rows[h] ? n_keep[h] : 0;
     }
+    if (total == 0) return KVC_OK;
+    float *k = malloc(sizeof(float) * (size_t)(total * d)), *v = malloc(sizeof(float) * (size_t)(total * d));
+    float *out = malloc(sizeof(float) * (size_t)(kept * d + 1));
+    kvc_status st = k && v && out ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: MergingPress");
+    if (st == KVC_OK) st = lr->be->kv_read_heads(lr->kv, NULL, rows, k, v);
+    const float *vh[KVC_MAX_KV_HEADS], *oh[KVC_MAX_KV_HEADS];
+    int64_t nk[KVC_MAX_KV_HEADS], at = 0, ot = 0;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        vh[h] = v + at * d;
+        oh[h] = out + ot * d;
+        nk[h] = rows[h] ? n_keep[h] : 0;
+        if (rows[h])
+            st = kvc_merge_similar(k + at * d, v + at * d, len[h], d, keep[h], n_keep[h], cfg->merge_threshold,
+                                   cfg->merge_fraction, out + ot * d);
+        at += rows[h];
+        ot += nk[h];
+    }
+    if (st == KVC_OK) st = kvc_merge_write_back(lr, keep, nk, oh, vh);
     free(k); free(v); free(out);
     return st;
 }

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "../core/hostmath.h"
+#include "../model/model.h"
 #include "press.h"
 
 #define OBS_TILE 128
@@ -23,24 +24,22 @@ kvc_status kvc_press_layer_rows(const kvc_layer_rows *lr, const int64_t *len, in
     for (int32_t h = 0; h < Hkv; h++) rows += (size_t)len[h];
     *block = kvc_malloc(sizeof(float) * (rows ? rows : 1) * (size_t)d * (want_v ? 2 : 1), "layer rows on the host");
     if (!*block) return KVC_ERR_NOMEM;
-    float *p = *block;
+    /* the layer in one batched read (one transfer, one wait on a device): K of every head, then V */
+    float *kb = *block, *vb = want_v ? *block + rows * (size_t)d : NULL;
+    size_t off = 0;
     for (int32_t h = 0; h < Hkv; h++) {
-        k[h] = p;
-        p += (size_t)len[h] * d;
-        if (want_v) {
-            v[h] = p;
-            p += (size_t)len[h] * d;
-        }
-        KVC_TRY(lr->be->kv_read(lr->kv, h, 0, len[h], k[h], want_v ? v[h] : NULL));
+        k[h] = kb + off;
+        if (want_v) v[h] = vb + off;
+        off += (size_t)len[h] * d;
     }
-    return KVC_OK;
+    return lr->be->kv_read_heads(lr->kv, NULL, len, kb, vb);
 }
 
 kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len,
                                float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const float scale = 1.0f / sqrtf((float)d);
+    const float scale = kvc_attn_scale(c); /* the model's own attention */
     const int64_t n = ctx->n, qd = (int64_t)H * d;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
@@ -91,7 +90,7 @@ kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
     const int64_t qd = (int64_t)H * d;
-    const float scale = 1.0f / sqrtf((float)d);
+    const float scale = kvc_attn_scale(c); /* the model's own attention */
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     float *q = malloc(sizeof(float) * (size_t)w * (size_t)qd);
     kvc_status st = q ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: eviction loss");

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "params.h"
+#include "config.h"
 #include "press.h"
 #include "scorer.h"
 

@@ -25,6 +25,7 @@
 #define KVC_PRESS_H
 
 #include "../core/press_i.h"
+#include "part.h"
 #include "scorer.h"
 
 /* Per-session press state: config, recorded diagnostics and scratch. */
@@ -45,24 +46,18 @@ typedef struct kvc_press {
     const kvc_backend *be;
     kvc_buf *dev_scores;   /* the backend's score buffer, f32 [Hkv, dev_ld] */
     int64_t dev_ld;
-    /* wrappers */
-    double *layer_ratios;  /* [L] PerLayerCompressionPress: each layer's compression_ratio, or NULL */
     struct kvc_press *next; /* ComposedPress: the press that compresses this one's result next, or NULL */
-    int32_t rerotate;      /* KeyRerotationPress: kept keys re-rotated to positions 0 .. n_kept - 1 */
-    int64_t *head_keep;    /* [L * Hkv] given rows per head (DuoAttention; -1: all), or NULL */
-    int64_t block_size;    /* BlockPress: select block by block over kept + block (0: off) */
-    double key_channel_ratio; /* ThinKPress: fraction of key channels dropped per KV head (0: off) */
-    int32_t channel_window;   /* ThinKPress: window queries that score the channels */
-    int32_t channel_free;     /* ThinKPress: 1 stores the kept channels only (memory freed), 0 zeroes in place */
-    float *key_filters;       /* [L * Hkv * d] QFilterPress: score -<k, filter> (replaces the scorer), or NULL */
-    struct kvc_kvzap *kvzap;  /* KVzapPress: scores from the block's normed input (replaces the scorer), or NULL */
-    float *q_mean, *q_cov;    /* [L, H, d], [L, H, d, d] ExpectedAttentionStatsPress: given query statistics, or NULL */
-    float *head_prune;        /* [L * Hkv] LUKVPress: the fraction of rows each head prunes, or NULL */
-    int32_t lukv_sink, lukv_window; /* LUKVPress: first and last rows raised to the layer's maximum + 1 */
-    struct kvc_fastkvzip *fastkvzip; /* FastKVzipPress: gate scores of every layer, evicted at the last, or NULL */
-    float *dms_tail;          /* [L * Hkv * dms_window] DMSPress: the window rows' scores a prefill left unjudged */
-    int64_t *dms_tail_n;      /* [L] how many (-1: no prefill yet) */
+    int32_t chained;        /* a member of a chain (ComposedPress) */
+    int32_t n_heads, head_dim;
+    void *parts[KVC_MAX_PARTS]; /* the state of each part it uses (part.h), by the part's index; NULL: unused */
 } kvc_press;
+
+/* The size of a caller's array, as the public ABI passes it: n values where `want` are read or written. */
+static inline kvc_status kvc_check_size(const char *what, int64_t n, int64_t want) {
+    return n == want ? KVC_OK
+                     : kvc_fail(KVC_ERR_ARG, "%s: the array holds %lld values, the call needs %lld", what, (long long)n,
+                                (long long)want);
+}
 
 /* ---- config.c ---- */
 /* Scorers that protect an observation window at the end of the cache. */
@@ -84,12 +79,6 @@ void kvc_press_free(kvc_press *p);
 kvc_status kvc_press_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx);
 kvc_status kvc_press_recorded_scores(const kvc_press *p, int32_t layer, int32_t h, float *out, int64_t *n);
 kvc_status kvc_press_set_layer_totals(kvc_press *p, const int64_t *totals, int32_t n_layers);
-kvc_status kvc_press_set_layer_ratios(kvc_press *p, const double *ratios, int32_t n_layers);
-kvc_status kvc_press_set_head_budgets(kvc_press *p, const int64_t *keep, int64_t n);
-kvc_status kvc_press_set_block_size(kvc_press *p, int64_t block_size);
-kvc_status kvc_press_set_key_filters(kvc_press *p, const float *filters, int64_t n, int32_t d);
-kvc_status kvc_press_set_query_stats(kvc_press *p, const float *mean, const float *cov, int64_t n_mean, int64_t n_cov,
-                                     int32_t H, int32_t d);
 /* A checked copy of given query statistics (mean [L, H, d], cov [L, H, d, d], finite) into *m_slot, *c_slot,
  * replacing (freeing) what they held; on failure they are left as they were. */
 kvc_status kvc_query_stats_set(int32_t L, int32_t H, int32_t d, const float *mean, const float *cov, int64_t n_mean,
@@ -125,16 +114,9 @@ static inline kvc_layer_rows kvc_session_layer_rows(kvc_session *s, int32_t l, k
     return lr;
 }
 
-/* The rows of a session's layer as its press scores them: with the press's given query statistics (EAStats). */
-static inline kvc_layer_rows kvc_press_layer_rows_of(const kvc_press *p, kvc_session *s, int32_t l) {
-    kvc_layer_rows lr = kvc_session_layer_rows(s, l, NULL);
-    if (p->q_mean) {
-        const size_t hd = (size_t)lr.mc->n_heads * lr.mc->head_dim;
-        lr.q_mean = p->q_mean + (size_t)l * hd;
-        lr.q_cov = p->q_cov + (size_t)l * hd * lr.mc->head_dim;
-    }
-    return lr;
-}
+/* The rows of a session's layer as its press scores them: with the press's given query statistics
+ * (ExpectedAttentionStatsPress's part, ea_stats.c). */
+kvc_layer_rows kvc_press_layer_rows_of(const kvc_press *p, kvc_session *s, int32_t l);
 
 /* A layer's scores for every head's first len[h] rows: the window is the last `window` queries of ctx
  * (kvc_score_args). Computed by the backend into *buf (grown as needed; f32 [Hkv, *ld]) and copied to
@@ -206,43 +188,21 @@ kvc_status kvc_press_select(const kvc_press_config *p, int32_t layer, int32_t n_
 /* Whether a config selects each head's own top k (the backend's top-k kernel can do it). */
 int kvc_press_per_head_topk(const kvc_press_config *p);
 
-/* ---- think.c: ThinKPress (key channels) ---- */
-kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
-
-/* ---- kvzap.c: KVzapPress (a per-layer linear model or MLP on the hidden states) ---- */
-typedef struct kvc_kvzap kvc_kvzap;
-kvc_status kvc_kvzap_new(const kvc_config *mc, int32_t hidden_dim, const float *w1, const float *b1, const float *w2,
-                         const float *b2, kvc_kvzap **out);
-void kvc_kvzap_free(kvc_kvzap *z);
-/* scores[h][r] for the n rows of this call (the layer must hold only them: past 0) */
-kvc_status kvc_kvzap_scores(const kvc_kvzap *z, const kvc_backend *be, const kvc_layer_ctx *ctx, float *const *scores);
-
 /* ---- lukv.c: LUKVPress (per-head keep counts from a budget curve) ---- */
-kvc_status kvc_press_set_head_ratios(kvc_press *p, const float *prune, int64_t n, int32_t sink, int32_t window);
 /* LU-KV's keep counts of Hkv heads of n rows from their prune ratios: floor of the ideal counts, the rest of the
  * rounded total to the largest fractions (ties: the lower head), each in [1, n]. */
 void kvc_lukv_counts(const float *prune, int32_t Hkv, int64_t n, int64_t *out);
-kvc_status kvc_lukv_select(kvc_press *p, const kvc_press_config *cfg, kvc_session *s, const kvc_layer_ctx *ctx,
-                           const int64_t *len, float *const *scores, int64_t *const *keep, int64_t *n_keep);
-
-/* ---- fastkvzip.c: FastKVzipPress (trained gates on the block's normed input, global eviction) ---- */
-typedef struct kvc_fastkvzip kvc_fastkvzip;
-kvc_status kvc_fastkvzip_new(const kvc_config *mc, const kvc_fastkvzip_config *cfg, kvc_fastkvzip **out);
-void kvc_fastkvzip_free(kvc_fastkvzip *z);
-/* A layer of a prefill into an empty session: its gate scores kept; at the last layer the lowest of all layers go. */
-kvc_status kvc_fastkvzip_layer(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
 
 /* ---- merge.c: value merging on eviction (MergingPress, CAMPress; the array functions are in kvpress_c.h) ---- */
 /* MergingPress on the layer's rows before their compaction: the merged values of the kept rows written back. */
-/* Head h's merged kept values written back (the rows a merge changed), for MergingPress and CAMPress. */
-kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, int32_t h, const int64_t *keep, int64_t n_keep, const float *out,
-                                const float *v);
+/* Every head's merged kept values written back in one batched write (the rows a merge changed), for MergingPress
+ * and CAMPress: out[h] n_keep[h] rows of d, v[h] head h's values as read (row keep[h][i] before the merge). */
+kvc_status kvc_merge_write_back(const kvc_layer_rows *lr, const int64_t *const *keep, const int64_t *n_keep,
+                                const float *const *out, const float *const *v);
 kvc_status kvc_press_merge(const kvc_layer_rows *lr, const kvc_press_config *cfg, const int64_t *len,
                            const int64_t *const *keep, const int64_t *n_keep);
 
 /* ---- dms.c: DMSPress (threshold eviction behind a sliding window) ---- */
-/* The prefill part: a layer of a prefill into an empty session (other calls: nothing). */
-kvc_status kvc_dms_prefill(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx);
 /* The decoding part's state: each layer's unjudged scores, continued from the prefill press's. */
 typedef struct kvc_dms kvc_dms;
 kvc_status kvc_dms_new(const kvc_press_config *cfg, const kvc_config *mc, const kvc_backend *be, kvc_dms **out);
@@ -250,9 +210,6 @@ void kvc_dms_free(kvc_dms *d);
 void kvc_dms_reset(kvc_dms *d);
 /* After the attention of a layer in a call after the session's first. */
 kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx);
-
-/* ---- rerotate.c: KeyRerotationPress ---- */
-kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer);
 
 /* ---- decoding.c: compression while decoding (kvc_decoding_config; kvc_session_set_decoding_press) ---- */
 typedef struct kvc_decoding kvc_decoding;

@@ -10,7 +10,7 @@
 #include "../model/model.h"
 #include "press.h"
 
-kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer) {
+static kvc_status rerotate(kvc_session *s, int32_t layer) {
     const kvc_backend *be = kvc_door_backend(s);
     const kvc_layer_cache *L = &kvc_door_cache(s)->layers[layer];
     const kvc_config *c = &kvc_door_model(s)->cfg;
@@ -31,3 +31,30 @@ kvc_status kvc_press_rerotate(kvc_session *s, int32_t layer) {
     }
     return st;
 }
+
+typedef struct {
+    int64_t on;
+} rerotate_state;
+
+static kvc_status set_on(void *state, const kvc_press *p, const void *data, int64_t n) {
+    (void)p, (void)n;
+    ((rerotate_state *)state)->on = *(const int64_t *)data != 0;
+    return KVC_OK;
+}
+
+static kvc_status after_compact(kvc_press *p, void *state, kvc_session *s, const kvc_layer_ctx *ctx) {
+    (void)p;
+    return ((const rerotate_state *)state)->on ? rerotate(s, ctx->layer) : KVC_OK;
+}
+
+static const kvc_part_array_i arrays[] = {
+    {"key_rerotation", KVC_ARRAY_I64, KVC_COUNT_ONE, set_on, "1: kept keys re-rotated to positions 0 .. n_kept - 1"},
+    {NULL, 0, 0, NULL, NULL},
+};
+
+/* first of the after-compaction parts: ThinK's channel scores read the re-rotated keys, as kvpress's order */
+static const kvc_press_part_i rerotate_part = {
+    .name = "key_rerotation", .title = "KeyRerotationPress", .traits = KVC_PART_ALONE, .order = 20,
+    .state_size = sizeof(rerotate_state), .arrays = arrays, .after_compact = after_compact,
+    .doc = "after a layer's eviction, its kept keys re-rotated to positions 0 .. n_kept - 1"};
+KVC_REGISTER_PART(rerotate_part);

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../include/kvpress_c.h"
+#include "config.h"
 
 typedef struct kvc_layer_rows kvc_layer_rows; /* press.h */
 typedef struct kvc_layer_ctx kvc_layer_ctx;   /* core/press_i.h */

@@ -1,6 +1,5 @@
-/* The attached press of a session (kvc_session_set_press): its slot's vtable, the chain (ComposedPress), the
- * wrapper settings that apply to it (kvpress_c.h) and its diagnostics. The settings of one method live with it
- * (kvzap.c, fastkvzip.c, lukv.c, think.c, ea_stats.c). */
+/* The attached press of a session (kvc_session_set_press): its slot's vtable, the chain (ComposedPress) and its
+ * diagnostics. What a wrapper or a method adds to it is a part (part.h), in the method's own file. */
 #include "press.h"
 
 static void press_free_self(void *self) { kvc_press_free(self); }
@@ -37,46 +36,14 @@ kvc_status kvc_session_add_press(kvc_session *s, const kvc_press_config *cfg) {
     if (kvc_scorer_has(cfg->scorer, KVC_SCORER_FIRST_ONLY))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "%s cannot follow another press: it reads the attention rows of "
                         "the uncompressed layer (put it first)", kvc_scorer_title(cfg->scorer));
+    KVC_TRY(kvc_press_parts_chainable(last));
     kvc_press *p = NULL;
     KVC_TRY(kvc_press_new(cfg, &kvc_door_model(s)->cfg, kvc_door_backend(s), &p));
+    for (kvc_press *q = last; q; q = q->next) q->chained = 1;
     while (last->next) last = last->next;
     last->next = p;
+    p->chained = 1;
     return KVC_OK;
-}
-
-kvc_status kvc_session_set_layer_ratios(kvc_session *s, const double *ratios, int32_t n_layers) {
-    kvc_press *p = NULL;
-    if (!ratios) return kvc_fail(KVC_ERR_ARG, "null argument");
-    KVC_TRY(kvc_last_press(s, &p));
-    return kvc_press_set_layer_ratios(p, ratios, n_layers);
-}
-
-kvc_status kvc_session_set_key_rerotation(kvc_session *s, int32_t on) {
-    kvc_press *p = NULL;
-    KVC_TRY(kvc_attached_press(s, &p));
-    if (on && p->next) return kvc_fail(KVC_ERR_ARG, "key re-rotation applies to a single press, not a chain");
-    p->rerotate = on != 0;
-    return KVC_OK;
-}
-
-kvc_status kvc_session_set_head_budgets(kvc_session *s, const int64_t *keep, int64_t n) {
-    kvc_press *p = NULL;
-    if (!keep) return kvc_fail(KVC_ERR_ARG, "null argument");
-    KVC_TRY(kvc_last_press(s, &p));
-    return kvc_press_set_head_budgets(p, keep, n);
-}
-
-kvc_status kvc_session_set_block_size(kvc_session *s, int64_t block_size) {
-    kvc_press *p = NULL;
-    KVC_TRY(kvc_last_press(s, &p));
-    return kvc_press_set_block_size(p, block_size);
-}
-
-kvc_status kvc_session_set_key_filters(kvc_session *s, const float *filters, int64_t n) {
-    kvc_press *p = NULL;
-    if (!filters) return kvc_fail(KVC_ERR_ARG, "null argument");
-    KVC_TRY(kvc_last_press(s, &p));
-    return kvc_press_set_key_filters(p, filters, n, kvc_door_model(s)->cfg.head_dim);
 }
 
 kvc_status kvc_session_press_scores(const kvc_session *s, int32_t layer, int32_t h, float *out, int64_t *n) {

@@ -10,10 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../model/model.h"
 #include "press.h"
 
 typedef struct take_state {
     const kvc_take_config *cfg;
+    const kvc_press_config *inner; /* the inner press's settings (cfg->inner's), or NULL */
     int32_t L, H, Hkv, d;
     float *qa;          /* [L, p, H, d] accumulated probe queries (host) */
     float *qp;          /* [p, H, d] this chunk's probe queries (host scratch) */
@@ -31,7 +33,6 @@ void kvc_take_config_defaults(kvc_take_config *c) {
     c->alpha = 0.2f;
     c->delayed = 1;
     c->warmup_layers = -1; /* half the layers */
-    kvc_press_config_defaults(&c->inner);
 }
 
 /* The probes' accumulated queries score the first real[h] rows of each head on the backend (softmax over
@@ -94,9 +95,9 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
         if (!(keep[h] = malloc(sizeof(int64_t) * (size_t)(len[h] > 0 ? len[h] : 1))))
             st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
     }
-    if (st == KVC_OK && cfg->use_inner && !defer) {
+    if (st == KVC_OK && t->inner && !defer) {
         /* any scorer: its window is the probes; select among the real rows, the probes go */
-        kvc_press_config inner = cfg->inner;
+        kvc_press_config inner = *t->inner;
         inner.window = (int32_t)p;
         inner.compression_ratio = 0;
         inner.budget = k;
@@ -132,6 +133,7 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg_in, float *logits) {
     const kvc_backend *be = kvc_door_backend(s);
     kvc_take_config cfg = *cfg_in;
+    const kvc_press_config *in = kvc_press_spec_config(cfg.inner); /* NULL: probe attention */
     const kvc_config *mc = &kvc_door_model(s)->cfg;
     if (n < 1) return kvc_fail(KVC_ERR_ARG, "prefill_take: empty prompt");
     if (cfg.chunk_size < 1) return kvc_fail(KVC_ERR_ARG, "chunk_size must be >= 1, got %lld", (long long)cfg.chunk_size);
@@ -144,10 +146,10 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
     if (cfg.warmup_budget < cfg.budget) cfg.warmup_budget = cfg.budget;
     for (int64_t i = 0; i < cfg.n_probe; i++)
         if (cfg.probe_ids[i] < 0 || cfg.probe_ids[i] >= mc->vocab) return kvc_fail(KVC_ERR_ARG, "probe token %d outside the vocabulary", cfg.probe_ids[i]);
-    if (cfg.use_inner && cfg.inner.allocation != KVC_ALLOC_UNIFORM)
+    if (in && in->allocation != KVC_ALLOC_UNIFORM)
         return kvc_fail(KVC_ERR_ARG, "inside TAKE the layer budgets come from TAKE: use a plain scorer press");
-    if (cfg.use_inner) { /* the inner scorer's own settings; TAKE sets its window (the probes) and budgets */
-        kvc_press_config inner = cfg.inner;
+    if (in) { /* the inner scorer's own settings; TAKE sets its window (the probes) and budgets */
+        kvc_press_config inner = *in;
         inner.window = (int32_t)(cfg.n_probe < INT32_MAX ? cfg.n_probe : INT32_MAX);
         inner.compression_ratio = 0;
         inner.budget = 0;
@@ -161,7 +163,7 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
                             "run the chunked prefill", (long long)n, (long long)cfg.chunk_size);
         if (cfg.n_probe < 2)
             return kvc_fail(KVC_ERR_ARG, "prompt_cached needs at least 2 probe tokens (one token is a decode step)");
-        if (cfg.use_inner && kvc_scorer_has(cfg.inner.scorer, KVC_SCORER_FIRST_ONLY))
+        if (in && kvc_scorer_has(in->scorer, KVC_SCORER_FIRST_ONLY))
             return kvc_fail(KVC_ERR_ARG, "prompt_cached: the observed-attention scorer reads every query of the "
                             "chunk's call, which already ran: run the chunked prefill");
         if (kvc_door_position(s) != n || !kvc_door_holds_full_cache(s))
@@ -172,6 +174,7 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
     take_state t;
     memset(&t, 0, sizeof t);
     t.cfg = &cfg;
+    t.inner = in;
     t.L = mc->n_layers;
     t.H = mc->n_heads;
     t.Hkv = mc->n_kv_heads;
@@ -213,5 +216,6 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
 kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg,
                                     float *logits) {
     if (!s || !ids || !cfg) return kvc_fail(KVC_ERR_ARG, "prefill_take: null argument");
+    KVC_TRY(kvc_require_every_layer_pressed(&kvc_door_model(s)->cfg, "TAKE"));
     return kvc_take_prefill(s, ids, n, cfg, logits);
 }

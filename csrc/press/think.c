@@ -11,12 +11,20 @@
 
 #include "press.h"
 
-kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ctx) {
+typedef struct {
+    double ratio;        /* fraction of key channels dropped per KV head (0: off) */
+    int64_t window;      /* window queries that score the channels */
+    int64_t free_channels; /* 1: the kept channels only are stored (memory freed); 0: zeroed in place */
+} think_state;
+
+static kvc_status think(kvc_press *p, void *state, kvc_session *s, const kvc_layer_ctx *ctx) {
+    (void)p;
+    const think_state *t = state;
     const kvc_backend *be = kvc_door_backend(s);
     const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim, g = H / Hkv;
-    const int64_t w = p->channel_window < ctx->n ? p->channel_window : ctx->n, qd = (int64_t)H * d;
-    const int32_t n_pruned = (int32_t)((double)d * p->key_channel_ratio), dk = d - n_pruned;
+    const int64_t w = t->window < ctx->n ? t->window : ctx->n, qd = (int64_t)H * d;
+    const int32_t n_pruned = (int32_t)((double)d * t->ratio), dk = d - n_pruned;
     if (n_pruned <= 0 || d <= 0) return KVC_OK;
     const kvc_layer_cache *L = &kvc_door_cache(s)->layers[ctx->layer];
     int64_t maxlen = 1;
@@ -50,13 +58,13 @@ kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
         }
         for (int32_t ch = 0, j = 0; ch < d; ch++)
             if (!cut[ch]) kidx[(size_t)h * dk + j++] = ch;
-        if (p->channel_free || n == 0) continue;
+        if (t->free_channels || n == 0) continue;
         for (int64_t r = 0; r < n; r++)
             for (int32_t ch = 0; ch < d; ch++)
                 if (cut[ch]) k[r * d + ch] = 0.0f;
         st = be->kv_write(L->kv, h, 0, n, k, NULL);
     }
-    if (st == KVC_OK && p->channel_free) st = kvc_cache_prune_keys(kvc_door_cache(s), ctx->layer, dk, kidx);
+    if (st == KVC_OK && t->free_channels) st = kvc_cache_prune_keys(kvc_door_cache(s), ctx->layer, dk, kidx);
     free(kidx);
     free(q);
     free(k);
@@ -65,13 +73,45 @@ kvc_status kvc_press_think(kvc_press *p, kvc_session *s, const kvc_layer_ctx *ct
     return st;
 }
 
-kvc_status kvc_session_set_key_channels(kvc_session *s, double ratio, int32_t window, int32_t free_channels) {
-    kvc_press *p = NULL;
-    KVC_TRY(kvc_last_press(s, &p));
-    if (!(ratio >= 0 && ratio < 1)) return kvc_fail(KVC_ERR_ARG, "key_channel_compression_ratio must be in [0, 1), got %g", ratio);
-    if (window < 1) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 1, got %d", window);
-    p->key_channel_ratio = ratio;
-    p->channel_window = window;
-    p->channel_free = free_channels != 0;
+static kvc_status set_ratio(void *state, const kvc_press *p, const void *data, int64_t n) {
+    (void)p, (void)n;
+    const double r = *(const double *)data;
+    if (!(r >= 0 && r < 1)) return kvc_fail(KVC_ERR_ARG, "key_channel_compression_ratio must be in [0, 1), got %g", r);
+    ((think_state *)state)->ratio = r;
     return KVC_OK;
 }
+
+static kvc_status set_window(void *state, const kvc_press *p, const void *data, int64_t n) {
+    (void)p, (void)n;
+    const int64_t w = *(const int64_t *)data;
+    if (w < 1) return kvc_fail(KVC_ERR_ARG, "window_size must be >= 1, got %lld", (long long)w);
+    ((think_state *)state)->window = w;
+    return KVC_OK;
+}
+
+static kvc_status set_free(void *state, const kvc_press *p, const void *data, int64_t n) {
+    (void)p, (void)n;
+    ((think_state *)state)->free_channels = *(const int64_t *)data != 0;
+    return KVC_OK;
+}
+
+static void init(void *state, const kvc_press *p) {
+    (void)p;
+    think_state *t = state;
+    t->window = 32; /* kvpress ThinKPress's window_size */
+    t->free_channels = 1;
+}
+
+static const kvc_part_array_i arrays[] = {
+    {"key_channel_ratio", KVC_ARRAY_F64, KVC_COUNT_ONE, set_ratio, "fraction of key channels dropped per KV head, [0, 1)"},
+    {"channel_window", KVC_ARRAY_I64, KVC_COUNT_ONE, set_window, "last queries that score the channels (32)"},
+    {"channel_free", KVC_ARRAY_I64, KVC_COUNT_ONE, set_free,
+     "1: rows stored with the kept channels only (memory freed); 0: dropped channels zeroed in place, as kvpress (1)"},
+    {NULL, 0, 0, NULL, NULL},
+};
+
+static const kvc_press_part_i think_part = {
+    .name = "think", .title = "ThinKPress", .traits = KVC_PART_WITHOUT_EVICTION, .order = 30,
+    .state_size = sizeof(think_state), .arrays = arrays, .init = init, .after_compact = think,
+    .doc = "after the token eviction, each KV head's lowest-scoring key channels dropped from every row"};
+KVC_REGISTER_PART(think_part);

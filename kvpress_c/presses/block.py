@@ -29,4 +29,4 @@ class BlockPress(WrapperPress):
         return self.press.c_config()
 
     def before_prefill(self, session, n: int, config: dict) -> None:
-        session.set_block_size(self.block_size)
+        session.set_press_array("block_size", self.block_size)

@@ -58,7 +58,7 @@ class DuoAttentionPress(BasePress):
         if self.head_scores.shape != want:
             raise ValueError(f"the attention patterns in {self.pattern_path} are for {self.head_scores.shape[0]} layers x "
                              f"{self.head_scores.shape[1]} KV heads; this model has {want[0]} x {want[1]}")
-        session.set_head_budgets(self.head_budgets())
+        session.set_press_array("head_budgets", self.head_budgets())
 
 
 DuoAttentionPress.__doc__ = DuoAttentionPress.__doc__.format(url=PATTERNS_URL)

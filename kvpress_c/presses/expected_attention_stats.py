@@ -47,7 +47,9 @@ class ExpectedAttentionStatsPress(ExpectedAttentionPress):
         self.mu, self.cov = load_query_stats(self.stats_folder)
 
     def before_prefill(self, session, n: int, config: dict) -> None:
-        session.set_query_stats(*self.engine_stats(config))
+        mean, cov = self.engine_stats(config)
+        session.set_press_array("query_mean", mean)
+        session.set_press_array("query_cov", cov)
 
     def engine_stats(self, config: dict) -> tuple[np.ndarray, np.ndarray]:
         """(mean, cov) float32 in the engine's channel order for this model (checked against its shape)."""

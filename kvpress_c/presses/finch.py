@@ -77,7 +77,7 @@ class FinchPress(BasePress):
         ids = self.split(ids, question_ids)
         session.set_press(**self.c_config())
         if self.rerotate_keys:
-            session.set_key_rerotation(True)
+            session.set_press_array("key_rerotation", 1)
         logits = session.forward(np.asarray(ids, dtype=np.int32), logits="last")
         if self.rerotate_keys:  # as kvpress's pipeline: what follows the re-rotated cache continues from its length
             session.set_position(int(session.cache_lengths().max()))

@@ -24,7 +24,7 @@ class KeyRerotationPress(WrapperPress):
         return self.press.c_config()
 
     def before_prefill(self, session, n: int, config: dict) -> None:
-        session.set_key_rerotation(True)
+        session.set_press_array("key_rerotation", 1)
         self.press.before_prefill(session, n, config)
 
     def after_prefill(self, session, n: int, config: dict) -> None:

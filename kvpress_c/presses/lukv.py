@@ -74,7 +74,9 @@ class LUKVPress(BasePress):
     def before_prefill(self, session, n: int, config: dict) -> None:
         prune = self.head_prune_ratios(config["n_layers"], config["n_kv_heads"])
         self.press.before_prefill(session, n, config)  # e.g. ExpectedAttentionStatsPress's statistics
-        session.set_head_ratios(prune, self.sink, self.window)
+        session.set_press_array("head_prune", prune)
+        session.set_press_array("lukv_sink", self.sink)
+        session.set_press_array("lukv_window", self.window)
 
 
 LUKVPress.__doc__ = LUKVPress.__doc__.format(url=CURVES_URL, default=f"{CURVES_URL}/{LLAMA_3_1_8B_EA_CURVE}")

@@ -45,5 +45,5 @@ class PerLayerCompressionPress(BasePress):
         if len(self.compression_ratios) != config["n_layers"]:
             raise ValueError(f"compression_ratios has {len(self.compression_ratios)} values; the model has "
                              f"{config['n_layers']} layers")
-        session.set_layer_ratios([float(r) for r in self.compression_ratios])
+        session.set_press_array("layer_ratios", [float(r) for r in self.compression_ratios])
         self.press.before_prefill(session, n, config)

@@ -37,7 +37,7 @@ class QFilterPress(ScorerPress):
         if config.get("rope_pairing") == "adjacent":  # GGUF K channels: HF channel i at 2i, i + d/2 at 2i + 1
             half = f.shape[-1] // 2
             f = np.stack([f[..., :half], f[..., half:]], axis=-1).reshape(f.shape)
-        session.set_key_filters(np.ascontiguousarray(f, dtype=np.float32))
+        session.set_press_array("key_filters", f)
 
 
 QFilterPress.__doc__ = QFilterPress.__doc__.format(url=QFILTERS_URL)

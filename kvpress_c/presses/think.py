@@ -40,4 +40,6 @@ class ThinKPress(BasePress):
                 "window": 0, "kernel": 1}
 
     def before_prefill(self, session, n: int, config: dict) -> None:
-        session.set_key_channels(float(self.key_channel_compression_ratio), int(self.window_size), self.free_channels)
+        session.set_press_array("key_channel_ratio", float(self.key_channel_compression_ratio))
+        session.set_press_array("channel_window", int(self.window_size))
+        session.set_press_array("channel_free", int(bool(self.free_channels)))

@@ -8,12 +8,14 @@ static PyObject *set_decoding_press(SessionObject *self, PyObject *args, PyObjec
         return kvc_py_none(kvc_session_set_decoding_press(self->session, NULL));
     if (PyTuple_GET_SIZE(args) != 0) {
         PyErr_SetString(PyExc_TypeError, "set_decoding_press takes None or keyword arguments (kvc_decoding_config fields "
-                                         "and the base press's kvc_press_config fields)");
+                                         "and the base press's settings)");
         return NULL;
     }
-    kvc_decoding_config c;
-    if (kvc_py_decoding_config(kwds, &c) < 0) return NULL;
-    return kvc_py_none(kvc_session_set_decoding_press(self->session, &c));
+    kvc_decoding_config *c = kvc_py_decoding_config(kwds);
+    if (!c) return NULL;
+    PyObject *res = kvc_py_none(kvc_session_set_decoding_press(self->session, c));
+    kvc_decoding_config_free(c);
+    return res;
 }
 
 PyMethodDef kvc_py_decoding_methods[] = {

@@ -1,6 +1,6 @@
 /* ExpectedAttention with given query statistics (ExpectedAttentionStatsPress, and the decoding press whose
- * base it is), and the query moments that make them. Session methods set_query_stats,
- * set_decoding_query_stats, query_moments. */
+ * base it is), and the query moments that make them. Session methods set_decoding_query_stats,
+ * query_moments (the prefill press's statistics are its arrays: set_press_array). */
 #include "core.h"
 
 typedef kvc_status (*query_stats_fn)(kvc_session *, const float *, const float *, int64_t, int64_t);
@@ -21,10 +21,6 @@ static PyObject *query_stats_call(SessionObject *self, PyObject *args, query_sta
     return res;
 }
 
-static PyObject *set_query_stats(SessionObject *self, PyObject *args) {
-    return query_stats_call(self, args, kvc_session_set_query_stats);
-}
-
 static PyObject *set_decoding_query_stats(SessionObject *self, PyObject *args) {
     return query_stats_call(self, args, kvc_session_set_decoding_query_stats);
 }
@@ -41,7 +37,8 @@ static PyObject *query_moments(SessionObject *self, PyObject *args, PyObject *kw
     if (!(sum = (PyArrayObject *)PyArray_ZEROS(3, dims, NPY_FLOAT64, 0))) goto done;
     if (!(outer = (PyArrayObject *)PyArray_ZEROS(4, dims, NPY_FLOAT64, 0))) goto done;
     KVC_PY_CALL(self, rc, kvc_session_query_moments(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0),
-                                                    n_sink, (double *)PyArray_DATA(sum), (double *)PyArray_DATA(outer)));
+                                                    n_sink, (double *)PyArray_DATA(sum), (int64_t)PyArray_SIZE(sum),
+                                                    (double *)PyArray_DATA(outer), (int64_t)PyArray_SIZE(outer)));
 done:
     Py_DECREF(ids);
     if (rc < 0) {
@@ -53,9 +50,6 @@ done:
 }
 
 PyMethodDef kvc_py_expected_attention_methods[] = {
-    {"set_query_stats", (PyCFunction)set_query_stats, METH_VARARGS,
-     "set_query_stats(mean[L, H, d], cov[L, H, d, d]): given pre-RoPE query statistics for the attached\n"
-     "ExpectedAttention press (ExpectedAttentionStatsPress), in this model's channel order."},
     {"set_decoding_query_stats", (PyCFunction)set_decoding_query_stats, METH_VARARGS,
      "set_decoding_query_stats(mean[L, H, d], cov[L, H, d, d]): the same for the decoding press (its base an\n"
      "ExpectedAttention press): the given statistics instead of the buffered queries'."},

@@ -1,5 +1,5 @@
-/* Presses whose scorer takes trained weights from the hub: KVzap (set_kvzap), QFilter (set_key_filters),
- * Fast KVzip (set_fastkvzip), LU-KV (set_head_ratios). Each hands the attached press its weights; the
+/* Presses whose scorer takes trained weights from the hub: KVzap (set_kvzap) and
+ * Fast KVzip (set_fastkvzip); QFilter and LU-KV hand theirs as press arrays (set_press_array). Each hands the attached press its weights; the
  * C core checks them against the model (sizes here, where the message names the tensor). */
 #include "core.h"
 
@@ -27,30 +27,6 @@ static PyObject *set_kvzap(SessionObject *self, PyObject *args) {
                                             a[3] ? (const float *)PyArray_DATA(a[3]) : NULL));
 done:
     for (int i = 0; i < 4; i++) Py_XDECREF(a[i]);
-    return res;
-}
-
-static PyObject *set_key_filters(SessionObject *self, PyObject *arg) {
-    if (kvc_py_check_session(self) < 0) return NULL;
-    PyArrayObject *f = (PyArrayObject *)PyArray_FROMANY(arg, NPY_FLOAT32, 1, 3, NPY_ARRAY_C_CONTIGUOUS);
-    if (!f) return NULL;
-    PyObject *res = kvc_py_none(
-        kvc_session_set_key_filters(self->session, (const float *)PyArray_DATA(f), (int64_t)PyArray_SIZE(f)));
-    Py_DECREF(f);
-    return res;
-}
-
-/* set_head_ratios(prune[L, Hkv], sink, window) */
-static PyObject *set_head_ratios(SessionObject *self, PyObject *args) {
-    PyObject *po;
-    int sink, window;
-    if (!PyArg_ParseTuple(args, "Oii", &po, &sink, &window)) return NULL;
-    if (kvc_py_check_session(self) < 0) return NULL;
-    PyArrayObject *pr = (PyArrayObject *)PyArray_FROMANY(po, NPY_FLOAT32, 1, 2, NPY_ARRAY_C_CONTIGUOUS);
-    if (!pr) return NULL;
-    PyObject *res = kvc_py_none(kvc_session_set_head_ratios(self->session, (const float *)PyArray_DATA(pr),
-                                                            (int64_t)PyArray_SIZE(pr), sink, window));
-    Py_DECREF(pr);
     return res;
 }
 
@@ -99,12 +75,8 @@ done:
 }
 
 PyMethodDef kvc_py_hub_methods[] = {
-    {"set_key_filters", (PyCFunction)set_key_filters, METH_O,
-     "set_key_filters(filters[L, Hkv, d]): Q-filter scores -<k, filter> for the attached press (QFilterPress)."},
     {"set_kvzap", (PyCFunction)set_kvzap, METH_VARARGS,
      "set_kvzap(hidden_dim, w1, b1, w2=None, b2=None): KVzap scores for the attached press (KVzapPress)."},
-    {"set_head_ratios", (PyCFunction)set_head_ratios, METH_VARARGS,
-     "set_head_ratios(prune[L, Hkv], sink, window): LU-KV's per-head prune ratios for the attached press's scorer."},
     {"set_fastkvzip", (PyCFunction)(void (*)(void))set_fastkvzip, METH_VARARGS | METH_KEYWORDS,
      "set_fastkvzip(wq, bq, wk, q_norm, k_norm, k_base, b, n_groups, out_dim, n_base, n_sink=4, window_size=4096,\n"
      "window_ratio=0.02, layerwise=False, norm_eps=1e-6): Fast KVzip gates (stacked over layers) for the attached press."},

@@ -12,7 +12,7 @@ static PyObject *kvcompose_profile(SessionObject *self, PyObject *args, PyObject
     npy_intp dims[3] = {cfg.n_layers, cfg.n_heads, (npy_intp)kvc_session_position(self->session)};
     if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32))) goto done;
     KVC_PY_CALL(self, rc, kvc_session_kvcompose_profile(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0),
-                                                        sum, (float *)PyArray_DATA(out)));
+                                                        sum, (float *)PyArray_DATA(out), (int64_t)PyArray_SIZE(out)));
     if (rc < 0) Py_CLEAR(out);
 done:
     Py_DECREF(ids);
@@ -34,7 +34,7 @@ static PyObject *kvcompose_evict(SessionObject *self, PyObject *args, PyObject *
     if (kvc_py_shape(sc, "kvcompose_evict: task scores", 3, (npy_intp)cfg.n_layers, (npy_intp)cfg.n_heads,
                      (npy_intp)kvc_session_position(self->session)) < 0)
         goto done;
-    KVC_PY_CALL(self, rc, kvc_session_kvcompose_evict(self->session, (const float *)PyArray_DATA(sc), ratio, structured,
+    KVC_PY_CALL(self, rc, kvc_session_kvcompose_evict(self->session, (const float *)PyArray_DATA(sc), (int64_t)PyArray_SIZE(sc), ratio, structured,
                                                       group_max, head_max, add_v_norm, add_mean, lower_bound));
 done:
     Py_DECREF(sc);

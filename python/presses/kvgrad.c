@@ -19,8 +19,9 @@ static PyObject *kvgrad_score(SessionObject *self, PyObject *args, PyObject *kwd
     if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32))) goto done;
     if (want_norms && !(norms = (PyArrayObject *)PyArray_SimpleNew(2, gdims, NPY_FLOAT32))) goto done;
     KVC_PY_CALL(self, rc, kvc_session_kvgrad_score(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0),
-                                                   start, end, n_sink, (float *)PyArray_DATA(out),
-                                                   norms ? (float *)PyArray_DATA(norms) : NULL));
+                                                   start, end, n_sink, (float *)PyArray_DATA(out), (int64_t)PyArray_SIZE(out),
+                                                   norms ? (float *)PyArray_DATA(norms) : NULL,
+                                                   norms ? (int64_t)PyArray_SIZE(norms) : 0));
 done:
     Py_DECREF(ids);
     if (rc < 0) {

@@ -19,7 +19,8 @@ static PyObject *kvzip_score(SessionObject *self, PyObject *args, PyObject *kwds
     npy_intp dims[3] = {cfg.n_layers, cfg.n_kv_heads, (npy_intp)(end - start)};
     if (!(out = (PyArrayObject *)PyArray_SimpleNew(3, dims, NPY_FLOAT32))) goto done;
     KVC_PY_CALL(self, rc, kvc_session_kvzip_score(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0),
-                                                  start, end, n_sink, plus, (float *)PyArray_DATA(out)));
+                                                  start, end, n_sink, plus, (float *)PyArray_DATA(out),
+                                                  (int64_t)PyArray_SIZE(out)));
     if (rc < 0) Py_CLEAR(out);
 done:
     Py_DECREF(ids);
@@ -43,9 +44,10 @@ static PyObject *kvzip_evict(SessionObject *self, PyObject *args, PyObject *kwds
         goto done;
     }
     const float *s = (const float *)PyArray_DATA(sc);
+    const int64_t n_scores = (int64_t)PyArray_SIZE(sc);
     /* the rows after the scored n_ctx ones (RestoreKV's restore rows) stay */
-    KVC_PY_CALL(self, rc, n_ctx == n ? kvc_session_kvzip_evict(self->session, s, ratio, layerwise, n_sink)
-                                     : kvc_session_kvzip_evict_prefix(self->session, s, n_ctx, ratio, layerwise, n_sink));
+    KVC_PY_CALL(self, rc, n_ctx == n ? kvc_session_kvzip_evict(self->session, s, n_scores, ratio, layerwise, n_sink)
+                                     : kvc_session_kvzip_evict_prefix(self->session, s, n_scores, n_ctx, ratio, layerwise, n_sink));
 done:
     Py_DECREF(sc);
     if (rc < 0) return NULL;

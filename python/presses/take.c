@@ -6,6 +6,7 @@ static PyObject *prefill_take(SessionObject *self, PyObject *args, PyObject *kwd
                              "alpha", "delayed", "inner", "prompt_cached", NULL};
     PyArrayObject *ids = NULL, *probe = NULL, *logits = NULL;
     PyObject *inner = Py_None;
+    kvc_press_spec *spec = NULL;
     kvc_take_config c;
     kvc_take_config_defaults(&c);
     long long budget, chunk = c.chunk_size, warm = 0;
@@ -23,8 +24,8 @@ static PyObject *prefill_take(SessionObject *self, PyObject *args, PyObject *kwd
             PyErr_SetString(PyExc_TypeError, "inner must be a dict of press settings");
             goto done;
         }
-        if (kvc_py_press_config(inner, &c.inner) < 0) goto done;
-        c.use_inner = 1;
+        if (!(spec = kvc_py_press_spec_from(inner))) goto done;
+        c.inner = spec;
     }
     c.probe_ids = (const int32_t *)PyArray_DATA(probe);
     c.n_probe = PyArray_DIM(probe, 0);
@@ -34,6 +35,7 @@ static PyObject *prefill_take(SessionObject *self, PyObject *args, PyObject *kwd
     KVC_PY_CALL(self, rc, kvc_session_prefill_take(self->session, (const int32_t *)PyArray_DATA(ids), PyArray_DIM(ids, 0),
                                                    &c, logits ? (float *)PyArray_DATA(logits) : NULL));
 done:
+    kvc_press_spec_free(spec);
     Py_DECREF(ids);
     Py_DECREF(probe);
     if (rc < 0) {

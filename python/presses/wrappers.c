@@ -1,6 +1,6 @@
-/* kvpress's wrappers over the attached press: ComposedPress (add_press), PerLayerCompressionPress
- * (set_layer_ratios), TADA's layer totals (set_layer_budgets), KeyRerotationPress (set_key_rerotation),
- * DuoAttention (set_head_budgets), BlockPress (set_block_size), ThinK (set_key_channels). */
+/* kvpress's wrappers over the attached press: ComposedPress (add_press), TADA's layer totals (set_layer_budgets),
+ * and every press's arrays by name (set_press_array: PerLayerCompressionPress, DuoAttention, BlockPress,
+ * KeyRerotationPress, ThinK, QFilter, ExpectedAttentionStats, LU-KV; _core.PRESS_ARRAYS lists them). */
 #include "core.h"
 
 static PyObject *add_press(SessionObject *self, PyObject *args, PyObject *kwds) {
@@ -21,16 +21,6 @@ static PyArrayObject *vector(PyObject *arg, int type) {
     return (PyArrayObject *)PyArray_FROMANY(arg, type, 1, 1, NPY_ARRAY_C_CONTIGUOUS);
 }
 
-static PyObject *set_layer_ratios(SessionObject *self, PyObject *arg) {
-    if (kvc_py_check_session(self) < 0) return NULL;
-    PyArrayObject *r = vector(arg, NPY_FLOAT64);
-    if (!r) return NULL;
-    PyObject *res = kvc_py_none(
-        kvc_session_set_layer_ratios(self->session, (const double *)PyArray_DATA(r), (int32_t)PyArray_DIM(r, 0)));
-    Py_DECREF(r);
-    return res;
-}
-
 static PyObject *set_layer_budgets(SessionObject *self, PyObject *arg) {
     if (kvc_py_check_session(self) < 0) return NULL;
     PyArrayObject *a = vector(arg, NPY_INT64);
@@ -41,51 +31,34 @@ static PyObject *set_layer_budgets(SessionObject *self, PyObject *arg) {
     return res;
 }
 
-static PyObject *set_key_rerotation(SessionObject *self, PyObject *arg) {
-    if (kvc_py_check_session(self) < 0) return NULL;
-    const int on = PyObject_IsTrue(arg);
-    if (on < 0) return NULL;
-    return kvc_py_none(kvc_session_set_key_rerotation(self->session, on));
-}
+/* The numpy type of a press array's C type. */
+static int npy_of(int32_t type) { return type == KVC_ARRAY_F64 ? NPY_FLOAT64 : type == KVC_ARRAY_I64 ? NPY_INT64 : NPY_FLOAT32; }
 
-static PyObject *set_head_budgets(SessionObject *self, PyObject *arg) {
+/* set_press_array(name, values): the array's row (kvc_press_array_info) gives its type; values of any shape whose
+ * size is the array's count, converted to that type (a bool or int for a one-value array too). */
+static PyObject *set_press_array(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"name", "values", NULL};
+    const char *name;
+    PyObject *values;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sO", kwlist, &name, &values)) return NULL;
     if (kvc_py_check_session(self) < 0) return NULL;
-    PyArrayObject *k = (PyArrayObject *)PyArray_FROMANY(arg, NPY_INT64, 1, 2, NPY_ARRAY_C_CONTIGUOUS);
-    if (!k) return NULL;
-    PyObject *res = kvc_py_none(
-        kvc_session_set_head_budgets(self->session, (const int64_t *)PyArray_DATA(k), (int64_t)PyArray_SIZE(k)));
-    Py_DECREF(k);
+    int32_t type = KVC_ARRAY_F32; /* an unknown name: the C setter says so */
+    for (int32_t i = 0; i < kvc_press_array_count(); i++) {
+        kvc_press_array_desc d;
+        if (kvc_press_array_info(i, &d) == KVC_OK && strcmp(d.name, name) == 0) type = d.type;
+    }
+    PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(values, npy_of(type), 0, 4, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST);
+    if (!a) return NULL;
+    PyObject *res = kvc_py_none(kvc_session_set_press_array(self->session, name, type, PyArray_DATA(a), (int64_t)PyArray_SIZE(a)));
+    Py_DECREF(a);
     return res;
-}
-
-static PyObject *set_block_size(SessionObject *self, PyObject *arg) {
-    if (kvc_py_check_session(self) < 0) return NULL;
-    const long long b = PyLong_AsLongLong(arg);
-    if (b == -1 && PyErr_Occurred()) return NULL;
-    return kvc_py_none(kvc_session_set_block_size(self->session, b));
-}
-
-static PyObject *set_key_channels(SessionObject *self, PyObject *args) {
-    double ratio;
-    int window, free_channels = 1;
-    if (!PyArg_ParseTuple(args, "di|p", &ratio, &window, &free_channels)) return NULL;
-    if (kvc_py_check_session(self) < 0) return NULL;
-    return kvc_py_none(kvc_session_set_key_channels(self->session, ratio, window, free_channels));
 }
 
 PyMethodDef kvc_py_wrapper_methods[] = {
     {"add_press", (PyCFunction)(void (*)(void))add_press, METH_VARARGS | METH_KEYWORDS,
      "add_press(scorer=..., ...): a press that compresses, layer by layer, what the attached press kept (ComposedPress)."},
-    {"set_layer_ratios", (PyCFunction)set_layer_ratios, METH_O,
-     "set_layer_ratios(ratios[L]): each layer's compression_ratio for the attached press (PerLayerCompressionPress)."},
-    {"set_key_rerotation", (PyCFunction)set_key_rerotation, METH_O,
-     "set_key_rerotation(on): the attached press re-rotates kept keys to positions 0 .. n_kept - 1 (KeyRerotationPress)."},
-    {"set_head_budgets", (PyCFunction)set_head_budgets, METH_O,
-     "set_head_budgets(keep[L, Hkv]): rows each head keeps (-1: all) instead of the press budget (DuoAttention)."},
-    {"set_block_size", (PyCFunction)set_block_size, METH_O,
-     "set_block_size(b): the attached press selects block by block (BlockPress); 0 turns it off."},
-    {"set_key_channels", (PyCFunction)set_key_channels, METH_VARARGS,
-     "set_key_channels(ratio, window, free_channels=True): ThinK key-channel pruning by the attached press\n"
-     "(free_channels: pruned keys stored with the kept channels only; False: channels zeroed in place)."},
+    {"set_press_array", (PyCFunction)(void (*)(void))set_press_array, METH_VARARGS | METH_KEYWORDS,
+     "set_press_array(name, values): an array of the last press of the chain by name (_core.PRESS_ARRAYS lists\n"
+     "them with their types, shapes and meaning), e.g. set_press_array('block_size', 128)."},
     {"set_layer_budgets", (PyCFunction)set_layer_budgets, METH_O, "set_layer_budgets(totals[L]): per-layer totals (KVC_ALLOC_LAYER)."},
     {NULL, NULL, 0, NULL}};

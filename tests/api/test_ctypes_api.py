@@ -3,7 +3,7 @@ import ctypes as C
 
 import numpy as np
 
-from capi import PressSpec, lib
+from capi import ARRAY_F64, ARRAY_I64, PressArrayDesc, PressSpec, lib
 
 
 def test_ctypes_forward_matches_module(default_gguf, default_model, rng):
@@ -117,4 +117,62 @@ def test_ctypes_callback_scorer(default_gguf):
     assert lib.kvc_forward(s3, ids, len(ids), 1, logits) == 0  # nothing was evicted at layer 0: it goes on
     for s in (s1, s2, s3):
         lib.kvc_session_free(s)
+    lib.kvc_model_free(m)
+
+
+def test_ctypes_press_arrays_by_name(default_gguf, rng):
+    """A wrapper's arrays through the header alone: BlockPress's block_size and PerLayerCompressionPress's
+    layer_ratios set by name with their sizes, checked against the model; introspection lists every array."""
+    arrays = {}
+    for i in range(lib.kvc_press_array_count()):
+        d = PressArrayDesc()
+        assert lib.kvc_press_array_info(i, C.byref(d)) == 0
+        arrays[d.name.decode()] = (d.press.decode(), d.type, d.shape.decode())
+    assert arrays["block_size"] == ("BlockPress", ARRAY_I64, "one")
+    assert arrays["layer_ratios"] == ("PerLayerCompressionPress", ARRAY_F64, "layers")
+    assert lib.kvc_press_array_info(len(arrays), C.byref(PressArrayDesc())) == 1
+    m = C.c_void_p()
+    assert lib.kvc_model_load(default_gguf.encode(), C.byref(m)) == 0, lib.kvc_last_error()
+    s = C.c_void_p()
+    assert lib.kvc_session_new(m, 0, C.byref(s)) == 0
+    spec = C.c_void_p()
+    assert lib.kvc_press_spec_new(b"knorm", C.byref(spec)) == 0
+    assert lib.kvc_press_spec_set_f64(spec, b"compression_ratio", 0.5) == 0
+    assert lib.kvc_session_attach_press(s, spec) == 0
+    one = C.c_int64(16)
+    assert lib.kvc_session_set_press_array(s, b"block_size", ARRAY_I64, C.byref(one), 1) == 0
+    bad = C.c_int64(0)
+    assert lib.kvc_session_set_press_array(s, b"block_size", ARRAY_I64, C.byref(bad), 1) == 1
+    assert b">= 1" in lib.kvc_last_error()
+    two = np.array([0.5, 0.5])
+    assert lib.kvc_session_set_press_array(s, b"layer_ratios", ARRAY_F64, two.ctypes.data, 2) == 1
+    assert b"[30 layers]" in lib.kvc_last_error()
+    assert lib.kvc_session_set_press_array(s, b"layer_ratios", ARRAY_I64, two.ctypes.data, 30) == 1
+    assert b"float64" in lib.kvc_last_error()
+    assert lib.kvc_session_set_press_array(s, b"no_such_array", ARRAY_I64, C.byref(one), 1) == 1
+    assert b"no_such_array" in lib.kvc_last_error()
+    # QFilter chooses the rows as BlockPress does: one part that selects per press
+    filters = np.zeros(30 * 3 * 64, np.float32)
+    assert lib.kvc_session_set_press_array(s, b"key_filters", 0, filters.ctypes.data, filters.size) == 1
+    assert b"BlockPress and QFilterPress" in lib.kvc_last_error()
+    ids = rng.integers(0, 49152, size=64).astype(np.int32)
+    logits = np.zeros(49152, dtype=np.float32)
+    assert lib.kvc_forward(s, ids, 64, 1, logits) == 0
+    assert lib.kvc_session_cache_len(s, 3, 1) == 32
+    # key re-rotation acts on a press alone: no chain after it
+    on = C.c_int64(1)
+    assert lib.kvc_session_set_press_array(s, b"key_rerotation", ARRAY_I64, C.byref(on), 1) == 0
+    assert lib.kvc_session_chain_press(s, spec) == 1 and b"alone" in lib.kvc_last_error()
+    lib.kvc_press_spec_free(spec)
+    # a whole-cache method's array carries its size: KVzip's scores [L, Hkv, n] of a full 64-row cache
+    full = C.c_void_p()
+    assert lib.kvc_session_new(m, 0, C.byref(full)) == 0
+    assert lib.kvc_forward(full, ids, 64, 1, logits) == 0
+    scores = rng.random(30 * 3 * 64).astype(np.float32)
+    assert lib.kvc_session_kvzip_evict(full, scores, scores.size - 1, 0.5, 0, 4) == 1
+    assert b"the array holds 5759 values, the call needs 5760" in lib.kvc_last_error()
+    assert lib.kvc_session_kvzip_evict(full, scores, scores.size, 0.5, 0, 4) == 0
+    assert sum(lib.kvc_session_cache_len(full, l, h) for l in range(30) for h in range(3)) == 30 * 3 * 64 // 2
+    lib.kvc_session_free(full)
+    lib.kvc_session_free(s)
     lib.kvc_model_free(m)

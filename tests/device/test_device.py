@@ -81,18 +81,24 @@ def test_without_gpu_cuda_is_unavailable_with_a_clear_error(tmp_path):
 # ---------------------------------------------------------------------------------------------- #
 
 def _setting_fixture(name, setting, ids):
-    """A fixture over the two values 0 and 1 of a device setting: each test runs with both, and the
-    setting is back at 0 afterwards."""
-    @pytest.fixture(params=[0, 1], ids=ids, name=name)
+    """A fixture over the values 0, 1, ... of a device setting (one per id): each test runs with each, and the
+    setting is back at 0 afterwards. A value the device cannot run here (cuDNN that does not load: the
+    emulated device, a machine without libcudnn) skips with the device's reason."""
+    @pytest.fixture(params=list(range(len(ids))), ids=ids, name=name)
     def fixture(request, device):
-        check(lib.kvc_device_set_option(dev(device), setting.encode(), request.param))
+        st = lib.kvc_device_set_option(dev(device), setting.encode(), request.param)
+        if st != 0 and "cuDNN attention is not available" in lib.kvc_last_error().decode():
+            pytest.skip(lib.kvc_last_error().decode())
+        check(st)
         yield request.param
         check(lib.kvc_device_set_option(dev(device), setting.encode(), 0))
     return fixture
 
 
 gemm_mode = _setting_fixture("gemm_mode", "builtin_gemm", ["default-gemm", "builtin-gemm"])
-attention_kernel = _setting_fixture("attention_kernel", "attention_kernel", ["wmma-attention", "mma-attention"])
+# 2: cuDNN's SDPA for prefills (heads at one stride, no window); the own kernels for the rest
+attention_kernel = _setting_fixture("attention_kernel", "attention_kernel", ["wmma-attention", "mma-attention",
+                                                                             "cudnn-attention"])
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 512), (7, 33, 65), (300, 1000, 256)])
@@ -381,6 +387,21 @@ def test_cuda_logits_match_the_emulated_device(model_path, rng):
     emu = kvpress_c.load_model(model_path, device="emulated").logits(ids)
     cuda = kvpress_c.load_model(model_path, device="cuda").logits(ids)
     assert rel(cuda, emu) < MODEL_TOL
+
+
+def test_cudnn_attention_kernel_runs_or_says_why(device):
+    """attention_kernel 2 (cuDNN's SDPA) either runs or is refused with the reason (cuDNN absent, the emulated
+    device), never silently replaced: a refusal leaves the kernel that was in use."""
+    try:
+        kvpress_c._core.set_device_option(device, "attention_kernel", 2)
+    except NotImplementedError as e:
+        assert "cuDNN attention is not available" in str(e)
+        if device == "emulated":
+            assert "emulated device" in str(e)
+    finally:
+        kvpress_c._core.set_device_option(device, "attention_kernel", 0)
+    with pytest.raises(ValueError):
+        kvpress_c._core.set_device_option(device, "attention_kernel", 3)
 
 
 def test_logits_with_the_mma_attention_kernel(cpu_model, dev_model, rng, device, attention_kernel):

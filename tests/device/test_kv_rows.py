@@ -5,7 +5,8 @@ import pytest
 
 from capi import DEVICES, CError, check, lib
 
-READ, GATHER, WRITE = 0, 1, 2
+READ, GATHER, WRITE, READ_BATCHED, WRITE_BATCHED = 0, 1, 2, 3, 4  # 3, 4: every head in one transfer, checked
+# against a read per head / read back (kvc_device_kernel_kv_rows)
 HKV, D, LEN = 2, 64, 10  # room for LEN + 4 rows
 
 
@@ -19,7 +20,7 @@ def where(request, device):
 
 
 @pytest.mark.parametrize("dk", [0, 16])
-@pytest.mark.parametrize("op", [READ, GATHER])
+@pytest.mark.parametrize("op", [READ, GATHER, READ_BATCHED])
 def test_rows_held_are_the_limit(where, op, dk):
     kv_rows(where, op, 0, LEN, dk)  # every row held
     kv_rows(where, op, LEN - 3, 3, dk)  # the last rows (full ones)
@@ -30,8 +31,10 @@ def test_rows_held_are_the_limit(where, op, dk):
 
 
 @pytest.mark.parametrize("dk", [0, 16])
-def test_writes_reach_the_room(where, dk):
-    kv_rows(where, WRITE, LEN, 4, dk)  # past the rows held, inside the room: appends write there
-    kv_rows(where, WRITE, 0, LEN + 4, dk)
-    with pytest.raises(CError, match="K/V write: rows \\[12, 15\\) of head 0 are outside the 14 rows it has room for"):
-        kv_rows(where, WRITE, LEN + 2, 3, dk)
+@pytest.mark.parametrize("op", [WRITE, WRITE_BATCHED])
+def test_writes_reach_the_room(where, op, dk):
+    kv_rows(where, op, LEN, 4, dk)  # past the rows held, inside the room: appends write there
+    kv_rows(where, op, 0, LEN + 4, dk)
+    kv_rows(where, op, 3, 2, dk)  # inside the pruned prefix when dk > 0
+    with pytest.raises(CError, match="K/V write: rows \\[(12, 15|14, 15)\\) of head 0 are outside the 14 rows it has room for"):
+        kv_rows(where, op, LEN + 2, 3, dk)

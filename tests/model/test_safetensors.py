@@ -306,7 +306,15 @@ def test_rope_config_spellings(tiny, tmp_path):
     assert c_load(d)[2].rope_theta == 10000.0
 
 
-@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "longrope"])
+def test_longrope_without_its_factors_is_a_format_error(tiny, tmp_path):
+    """LongRoPE runs on any architecture (issue 30; tests/model/test_phi3.py), given its factor lists."""
+    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), rope_scaling={"rope_type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="short_factor"):
+        kvpress_c.load_model(d)
+
+
+# "linear" runs (every frequency / factor, on any architecture: Gemma 3's full layers; tests/model/test_gemma3.py)
+@pytest.mark.parametrize("kind", ["dynamic", "yarn"])
 def test_other_rope_scaling_types_are_unsupported(tiny, tmp_path, kind):
     d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), rope_scaling={"rope_type": kind, "factor": 4.0})
     st, msg = c_load(d)[:2]
@@ -428,9 +436,13 @@ def test_sliding_window_layer_pattern_the_engine_cannot_run(tiny, tmp_path):
 
 
 def test_unknown_architecture_names_what_is_supported(tiny, tmp_path):
-    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), model_type="gemma3")
+    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), model_type="gemma2")
     st, msg = c_load(d)[:2]
-    assert st == ST_UNSUPPORTED and "gemma3" in msg and "qwen3" in msg, msg
+    assert st == ST_UNSUPPORTED and "gemma2" in msg and "qwen3" in msg and "gemma3_text" in msg, msg
+    # a multimodal Gemma 3 config runs its text_config's model: without one, a clear error
+    d = edit_cfg(clone(tiny("llama"), tmp_path / "m2"), model_type="gemma3")
+    st, msg = c_load(d)[:2]
+    assert st == ST_FORMAT and "'gemma3' config needs a 'text_config'" in msg, msg
 
 
 # ------------------------------------------------------------------------------------------------

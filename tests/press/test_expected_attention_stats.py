@@ -78,7 +78,7 @@ def test_missing_or_wrong_stats_are_clear_errors(tmp_path, rng):
         press.before_prefill(s, 10, model.config)
     with pytest.raises(ValueError, match="ExpectedAttention"):  # the C core: statistics belong to that scorer
         s.set_press(**kvpress_c.KnormPress(compression_ratio=0.5).c_config())
-        s.set_query_stats(np.zeros((30, 9, 64), np.float32), np.zeros((30, 9, 64, 64), np.float32))
+        s.set_press_array("query_mean", np.zeros((30, 9, 64), np.float32))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "default"])

@@ -351,10 +351,26 @@ def test_chunkkv_matches_kvpress(ratio, hf_default, default_model, prompt_ids, d
 
 # -- (b) tiny random Hugging Face llama and qwen3 (per-head q/k norms) models ----------------------------
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+# Open on Phi-3 with LongRoPE past its original context (issue 30): our scorers that turn keys or queries on the
+# host (ExpectedAttention's and CAP's future positions, LeverageScore's and Compactor's pre-RoPE keys) use the
+# short factors' frequencies and no attention factor; kvpress 0.5.5's CriticalKV reads config.head_dim, which
+# Phi3Config lacks. Strict: a fix turns them into failures to remove from this list.
+_HOST_ROPE = "host-side RoPE of a LongRoPE model uses the short factors (issue 30, open)"
+PHI3_OPEN = {"ExpectedAttention": _HOST_ROPE, "AdaKV-ExpectedAttention": _HOST_ROPE, "Cap": _HOST_ROPE,
+             "LeverageScore": _HOST_ROPE, "Compactor": _HOST_ROPE,
+             "CriticalKV": "kvpress 0.5.5 reads Phi3Config.head_dim", "CriticalAdaKV": "kvpress 0.5.5 reads Phi3Config.head_dim"}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
 def tiny(tmp_path_factory, request):
     from hf_models import write_tiny_model
-    path = write_tiny_model(str(tmp_path_factory.mktemp("parity") / "tiny"), arch=request.param, seed=11)
+    from phi3_models import write_tiny_phi3
+    folder = str(tmp_path_factory.mktemp("parity") / "tiny")
+    # phi3: fused projections and LongRoPE, the 200-token prompt past the original context (64): the long factors.
+    # The whole head turns (Phi-3 / Phi-3.5): kvpress 0.5.5's query reconstruction assumes it (a partial rotary
+    # factor fails inside kvpress's SnapKV / ExpectedAttention with a shape error)
+    path = write_tiny_phi3(folder, seed=11) if request.param == "phi3" else \
+        write_tiny_model(folder, arch=request.param, seed=11)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = np.random.default_rng(11).integers(3, hf.config.vocab_size, 200).tolist()
     return hf, kvpress_c.load_model(path), ids, full_cache_keys(hf, ids)
@@ -362,8 +378,10 @@ def tiny(tmp_path_factory, request):
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("name", NAMES)
-def test_tiny_model_matches_kvpress(name, ratio, tiny):
+def test_tiny_model_matches_kvpress(name, ratio, tiny, request):
     hf, model, ids, keys = tiny
+    if model.config["arch"] == "phi3" and name in PHI3_OPEN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=PHI3_OPEN[name]))
     # Qwen3's k_norm gives every key head the same RMS (times the norm weights): Knorm's -||k|| scores are
     # near-equal by construction, and at 0.9 the cut falls among near-ties (measured: 7/8 heads exact,
     # mean Jaccard 0.9875, every differing row within TIE_TOL of kvpress's cut)

@@ -146,3 +146,32 @@ def test_no_leak():
         del spec
     gc.collect()
     assert rss() - before < 20_000  # KiB: 50k specs that were never freed would be far more (settings dicts alone)
+
+
+def test_press_arrays_are_rows_of_the_part_table():
+    """Every wrapper's or method's array by name, with the press it belongs to, its type and its count; the
+    dataclasses set them through Session.set_press_array (no method per press)."""
+    arrays = _core.PRESS_ARRAYS
+    assert set(arrays) == {"layer_ratios", "head_budgets", "block_size", "key_rerotation", "key_channel_ratio",
+                           "channel_window", "channel_free", "key_filters", "query_mean", "query_cov", "head_prune",
+                           "lukv_sink", "lukv_window"}
+    assert arrays["key_filters"] == {"press": "QFilterPress", "type": "float32",
+                                     "shape": "layers x kv_heads x head_dim", "doc": arrays["key_filters"]["doc"]}
+    assert all(row["doc"] for row in arrays.values())
+
+
+def test_set_press_array_checks_against_the_model(default_model):
+    s = default_model.new_session()
+    with pytest.raises(ValueError, match="no press is attached"):
+        s.set_press_array("block_size", 8)
+    s.set_press(scorer="snapkv", compression_ratio=0.5, window=2)
+    with pytest.raises(NotImplementedError, match="keys alone"):  # BlockPress refuses a scorer that reads queries
+        s.set_press_array("block_size", 8)
+    L, Hkv = default_model.config["n_layers"], default_model.config["n_kv_heads"]
+    with pytest.raises(ValueError, match=rf"head_budgets \(DuoAttentionPress\) needs \[{L} layers, {Hkv} KV heads\]"):
+        s.set_press_array("head_budgets", np.ones(L * Hkv + 1, np.int64))
+    s.set_press_array("head_budgets", np.full((L, Hkv), 3))
+    with pytest.raises(ValueError, match="DuoAttentionPress and LUKVPress each choose"):
+        s.set_press_array("head_prune", np.zeros((L, Hkv), np.float32))
+    with pytest.raises(ValueError, match="ExpectedAttention"):
+        s.set_press_array("query_mean", np.zeros(L * default_model.config["n_heads"] * default_model.config["head_dim"]))

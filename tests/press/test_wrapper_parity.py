@@ -178,8 +178,8 @@ def test_wrapper_errors_are_clear():
     m = kvpress_c.load_model()
     s = m.new_session()
     s.set_press(**kvpress_c.KnormPress(compression_ratio=0.5).c_config())
-    with pytest.raises(ValueError, match="30 compression ratios"):
-        s.set_layer_ratios([0.5, 0.5])
+    with pytest.raises(ValueError, match=r"layer_ratios \(PerLayerCompressionPress\) needs \[30 layers\], got 2"):
+        s.set_press_array("layer_ratios", [0.5, 0.5])
     with pytest.raises(ValueError, match="model has 30 layers"):
         kvpress_c.PerLayerCompressionPress(kvpress_c.KnormPress(), compression_ratios=[0.5]).before_prefill(s, 10, m.config)
 

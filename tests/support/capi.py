@@ -1,5 +1,5 @@
 """The one ctypes view of the public C ABI (csrc/include/kvpress_c.h) for the tests: the library with every
-signature the tests call, its structs (kvc_config, kvc_press_config), status and device codes, and the
+signature the tests call, its structs (kvc_config, kvc_press_array_desc), status and device codes, and the
 press functions on plain arrays. Tests that call the C core without the Python module import from here."""
 from __future__ import annotations
 
@@ -38,7 +38,10 @@ class Config(C.Structure):  # kvc_config
                [("rms_eps", C.c_float), ("rope_theta", C.c_float), ("rope_scaling_factor", C.c_float),
                 ("rope_low_freq_factor", C.c_float), ("rope_high_freq_factor", C.c_float),
                 ("rope_original_context", C.c_int32), ("bos_id", C.c_int32), ("eos_id", C.c_int32),
-                ("qk_norm", C.c_int32), ("sliding_window", C.c_int32), ("window_first_layer", C.c_int32)]
+                ("qk_norm", C.c_int32), ("sliding_window", C.c_int32), ("window_first_layer", C.c_int32),
+                ("rope_dim", C.c_int32), ("rope_long_context", C.c_int32), ("rope_attn_factor", C.c_float),
+                ("window_period", C.c_int32), ("rope_local_theta", C.c_float), ("attn_scale", C.c_float),
+                ("embed_scale", C.c_float), ("mlp_act", C.c_int32), ("post_norms", C.c_int32)]
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
@@ -74,6 +77,11 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_press_spec_compute": (_I, [_I32, _V, _I32, _I32, _I32, _I32, _I32, F32P, _I64, _V, _I64, _I64, F32P, F32P, _I64,
                                     _I64, _I64, F32P, _I64, I64P, _I64, I64P]),
     "kvc_press_param_count": (_I32, []),
+    "kvc_session_set_press_array": (_I, [_V, C.c_char_p, _I32, _V, _I64]),
+    "kvc_session_chain_press": (_I, [_V, _V]),
+    "kvc_press_array_count": (_I32, []),
+    "kvc_press_array_info": (_I, [_I32, _V]),
+    "kvc_session_kvzip_evict": (_I, [_V, F32P, _I64, _D, _I32, _I32]),
     "kvc_kernel_matmul": (_I, [F32P, F32P, F32P, _I64, _I64, _I64]),
     "kvc_kernel_rmsnorm": (_I, [F32P, F32P, F32P, _I64, _I64, _F]),
     "kvc_kernel_rope": (_I, [F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
@@ -118,6 +126,15 @@ class ScorerView(C.Structure):  # kvc_scorer_view: what a callback scorer receiv
 
 # kvc_scorer_callback
 SCORER_CALLBACK = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.POINTER(ScorerView))
+
+
+class PressArrayDesc(C.Structure):  # kvc_press_array_desc
+    _fields_ = [("name", C.c_char_p), ("press", C.c_char_p), ("type", C.c_int32), ("shape", C.c_char_p),
+                ("doc", C.c_char_p)]
+
+
+# KVC_ARRAY_*
+ARRAY_F32, ARRAY_F64, ARRAY_I64 = range(3)
 
 
 def bind(lib):

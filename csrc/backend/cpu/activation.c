@@ -1,5 +1,6 @@
 /* Elementwise kernels: SwiGLU (silu(gate) * up, silu(g) = g / (1 + exp(-g))), residual add, bias
  * add. Memory-bound: threads only for large arrays (a fork/join costs microseconds). */
+#include <math.h>
 #include <omp.h>
 
 #include "cpu.h"
@@ -39,6 +40,27 @@ void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows
         const int64_t i0 = (int64_t)t * span;
         if (i0 < n) swiglu_span(gate + i0, up + i0, out + i0, n - i0 < span ? n - i0 : span);
     }
+}
+
+/* gu[r, :F] = gelu_tanh(gu[r, :F]) * gu[r, F:2F] (GeGLU; scalar: Gemma models only, the tanh in double
+ * keeps it within float rounding of transformers' gelu_pytorch_tanh) */
+void kvc_cpu_geglu_rows(float *gu, int64_t ld, int64_t rows, int64_t F) {
+    const int par = rows > 1 && rows * F >= PAR_MIN && !omp_in_parallel();
+#pragma omp parallel for schedule(static) num_threads(kvc_cpu_threads()) if (par)
+    for (int64_t r = 0; r < rows; r++) {
+        float *g = gu + r * ld;
+        const float *u = g + F;
+        for (int64_t i = 0; i < F; i++) {
+            const double x = g[i];
+            g[i] = (float)(0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))) * u[i];
+        }
+    }
+}
+
+/* x[r, :cols] *= alpha for each row of stride ld */
+void kvc_cpu_scale_rows(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < cols; i++) x[r * ld + i] *= alpha;
 }
 
 /* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] for each row of stride ld (the fused gate|up GEMM output) */

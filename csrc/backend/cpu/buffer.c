@@ -500,6 +500,28 @@ kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows,
     return KVC_OK;
 }
 
+/* The batched entries of the table: checked whole before anything moves, so a refused call changes nothing. */
+kvc_status kvc_hkv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v) {
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        KVC_TRY(rows_check(KVC_KV_READ, kv, h, row0 ? row0[h] : 0, rows[h], NULL, kv->len[h], 0));
+    size_t off = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        KVC_TRY(kvc_hkv_read(kv, h, row0 ? row0[h] : 0, rows[h], k ? k + off : NULL, v ? v + off : NULL));
+        off += (size_t)rows[h] * kv->d;
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_hkv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v) {
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        for (int64_t i = 0; i < n[h]; i++) KVC_TRY(rows_check(KVC_KV_WRITE, kv, h, idx[h][i], 1, NULL, 0, kv->cap[h]));
+    size_t off = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++)
+        for (int64_t i = 0; i < n[h]; i++, off += (size_t)kv->d)
+            KVC_TRY(kvc_hkv_write(kv, h, idx[h][i], 1, k ? k + off : NULL, v ? v + off : NULL));
+    return KVC_OK;
+}
+
 kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
     const int32_t Hkv = kv->Hkv, d = kv->d;
     for (int32_t h = 0; h < Hkv; h++)

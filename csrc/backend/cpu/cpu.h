@@ -14,9 +14,11 @@
 void kvc_cpu_rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t dim,
                      float eps);
 void kvc_cpu_rope(float *x, int64_t ld, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
-                  int32_t pairing);
+                  int32_t pairing, float mscale);
 void kvc_cpu_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
 void kvc_cpu_swiglu_rows(float *gu, int64_t ld, int64_t rows, int64_t F);
+void kvc_cpu_geglu_rows(float *gu, int64_t ld, int64_t rows, int64_t F);
+void kvc_cpu_scale_rows(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha);
 void kvc_cpu_add(float *y, const float *x, int64_t n);
 void kvc_cpu_add_bias(float *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
 /* in place on n rows (stride ld) of `heads` heads of d values: RMSNorm of each head with weights w[d] */

@@ -85,14 +85,14 @@ kvc_status kvc_host_add_bias_v(kvc_view y, kvc_view b, int64_t rows, int64_t dim
 }
 
 kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                           int32_t pairing) {
+                           int32_t pairing, float mscale) {
     if (pos.buf->dtype != KVC_I64 || inv_freq.buf->dtype != KVC_F32)
         return kvc_fail(KVC_ERR_INTERNAL, "rope: positions must be i64 and frequencies f32");
     kvc_view xv = kvc_view_at(x, 0, col0);
     kvc_frows X;
     KVC_TRY(kvc_frows_get(xv, n, (int64_t)heads * d, 1, &X));
     kvc_cpu_rope(X.p, X.ld, (const int64_t *)kvc_hbuf_at(pos, 0, 0), n, heads, d, (const float *)kvc_hbuf_at(inv_freq, 0, 0),
-                 pairing);
+                 pairing, mscale);
     kvc_frows_put(xv, n, (int64_t)heads * d, &X);
     return KVC_OK;
 }
@@ -139,6 +139,22 @@ kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F) {
     KVC_TRY(kvc_frows_get(gu, rows, 2 * F, 1, &G));
     kvc_cpu_swiglu_rows(G.p, G.ld, rows, F);
     kvc_frows_put(gu, rows, 2 * F, &G);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_geglu_v(kvc_view gu, int64_t rows, int64_t F) {
+    kvc_frows G;
+    KVC_TRY(kvc_frows_get(gu, rows, 2 * F, 1, &G));
+    kvc_cpu_geglu_rows(G.p, G.ld, rows, F);
+    kvc_frows_put(gu, rows, 2 * F, &G);
+    return KVC_OK;
+}
+
+kvc_status kvc_host_scale_v(kvc_view x, int64_t rows, int64_t cols, float alpha) {
+    kvc_frows X;
+    KVC_TRY(kvc_frows_get(x, rows, cols, 1, &X));
+    kvc_cpu_scale_rows(X.p, X.ld, rows, cols, alpha);
+    kvc_frows_put(x, rows, cols, &X);
     return KVC_OK;
 }
 
@@ -222,6 +238,8 @@ static const kvc_backend g_cpu = {
     .kv_prune_keys = kvc_hkv_prune_keys,
     .kv_write = kvc_hkv_write,
     .kv_read = kvc_hkv_read,
+    .kv_read_heads = kvc_hkv_read_heads,
+    .kv_write_rows = kvc_hkv_write_rows,
     .embed = kvc_host_embed,
     .rmsnorm = kvc_host_rmsnorm_v,
     .matmul = kvc_host_matmul_v,
@@ -231,6 +249,8 @@ static const kvc_backend g_cpu = {
     .head_rmsnorm = kvc_host_head_rmsnorm_v,
     .attention = kvc_host_attention_v,
     .swiglu = kvc_host_swiglu_v,
+    .geglu = kvc_host_geglu_v,
+    .scale = kvc_host_scale_v,
     .score = kvc_host_score_v,
     .topk = kvc_host_topk_v,
     .cos_sum = kvc_host_cos_sum_v,

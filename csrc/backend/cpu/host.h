@@ -71,6 +71,8 @@ kvc_status kvc_hkv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t 
 kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len);
 kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
 kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kvc_hkv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+kvc_status kvc_hkv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
 
 /* bf16 with round to nearest even (NaN stays a quiet NaN), as the device converts */
@@ -116,11 +118,13 @@ kvc_status kvc_host_rmsnorm_v(kvc_view x, const kvc_view *add, kvc_view w, kvc_v
 kvc_status kvc_host_matmul_v(kvc_view a, kvc_view w, kvc_view c, int64_t m, int64_t n, int64_t k, int32_t accumulate);
 kvc_status kvc_host_add_bias_v(kvc_view y, kvc_view b, int64_t rows, int64_t dim);
 kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                           int32_t pairing);
+                           int32_t pairing, float mscale);
 kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps);
 kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
                                 int32_t flags);
 kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F);
+kvc_status kvc_host_geglu_v(kvc_view gu, int64_t rows, int64_t F);
+kvc_status kvc_host_scale_v(kvc_view x, int64_t rows, int64_t cols, float alpha);
 kvc_status kvc_host_score_v(const kvc_score_args *a);
 kvc_status kvc_host_topk_v(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep);
 kvc_status kvc_host_cos_sum_v(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out);

@@ -70,7 +70,7 @@ kvc_status kvc_kernel_rope(float *x, const int64_t *pos, int64_t n, int32_t head
           "rope: pairing must be KVC_ROPE_HALF (0) or KVC_ROPE_ADJACENT (1), got %d", pairing);
     for (int64_t i = 0; i < n; i++)
         CHECK(pos[i] >= 0, "rope: position %lld is negative (%lld)", (long long)i, (long long)pos[i]);
-    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing);
+    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing, 1.0f);
     return KVC_OK;
 }
 

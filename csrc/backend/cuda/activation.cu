@@ -63,6 +63,35 @@ kvc_status swiglu(bf16 *gu, int64_t rows, int64_t F) {
     return KVC_OK;
 }
 
+/* gelu_tanh(g) * u (Gemma's GeGLU), computed in fp32, rounded once */
+__global__ void geglu_kernel(bf16 *gu, int64_t rows, int64_t F) {
+    const int64_t total = rows * F;
+    for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < total; t += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = t / F, i = t % F;
+        bf16 *row = gu + r * 2 * F;
+        const float x = __bfloat162float(row[i]), up = __bfloat162float(row[F + i]);
+        row[i] = __float2bfloat16(0.5f * x * (1.f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x))) * up);
+    }
+}
+kvc_status geglu(bf16 *gu, int64_t rows, int64_t F) {
+    if (rows <= 0) return KVC_OK;
+    geglu_kernel<<<blocks_for(rows * F, 256), 256, 0, g.stream>>>(gu, rows, F);
+    LAUNCH_TRY("geglu");
+    return KVC_OK;
+}
+
+__global__ void scale_kernel(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha) {
+    const int64_t total = rows * cols;
+    for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < total; t += (int64_t)gridDim.x * blockDim.x)
+        x[(t / cols) * ld + t % cols] *= alpha;
+}
+kvc_status scale_rows(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha) {
+    if (rows <= 0) return KVC_OK;
+    scale_kernel<<<blocks_for(rows * cols, 256), 256, 0, g.stream>>>(x, ld, rows, cols, alpha);
+    LAUNCH_TRY("scale");
+    return KVC_OK;
+}
+
 __global__ void add_bias_kernel(bf16 *y, int64_t ld, const float *__restrict__ b, int64_t rows, int64_t dim) {
     const int64_t total = rows * dim;
     for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < total; t += (int64_t)gridDim.x * blockDim.x) {

@@ -19,7 +19,7 @@ static Buf g_partial;
 struct Temp {
     std::vector<std::pair<void *, size_t>> a;
     ~Temp() {
-        cudaStreamSynchronize(g.stream);
+        stream_wait();
         for (auto &x : a) dfree(x.first, x.second, MEM_ACT);
     }
     template <class T> kvc_status get(T **p, size_t count) {
@@ -44,7 +44,7 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
     kvc_status st = KVC_OK;
     bf16 *A = nullptr, *B = nullptr, *Cm = nullptr, *K = nullptr, *V = nullptr;
     bf16 **kd = nullptr, **vd = nullptr;
-    int32_t *past = nullptr;
+    int32_t *past = nullptr, *lens = nullptr;
     const int64_t a0 = dims[0], a1 = dims[1], a2 = dims[2], a3 = what == 1 ? dims[3] : 0;
     /* values do not change the time: small constants keep the softmax finite */
     if (what == 0) {
@@ -60,9 +60,12 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
             (st = t.get(&K, (size_t)Hkv * n * d)) == KVC_OK && (st = t.get(&V, (size_t)Hkv * n * d)) == KVC_OK &&
             (st = t.get(&kd, (size_t)Hkv)) == KVC_OK && (st = t.get(&vd, (size_t)Hkv)) == KVC_OK)
             st = t.get(&past, (size_t)Hkv);
+        if (st == KVC_OK) st = t.get(&lens, (size_t)Hkv);
         if (st == KVC_OK) {
             bf16 *kh[KVC_MAX_KV], *vh[KVC_MAX_KV];
+            int32_t lens_h[KVC_MAX_KV];
             for (int64_t h = 0; h < Hkv; h++) {
+                lens_h[h] = (int32_t)n; /* every head holds the n rows (cuDNN's per-entry lengths) */
                 kh[h] = K + h * n * d;
                 vh[h] = V + h * n * d;
             }
@@ -70,8 +73,9 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
                 cudaMemsetAsync(K, 0, sizeof(bf16) * Hkv * n * d, g.stream) != cudaSuccess ||
                 cudaMemsetAsync(V, 0, sizeof(bf16) * Hkv * n * d, g.stream) != cudaSuccess ||
                 cudaMemsetAsync(past, 0, sizeof(int32_t) * Hkv, g.stream) != cudaSuccess ||
-                cudaMemcpyAsync(kd, kh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream) != cudaSuccess ||
-                cudaMemcpyAsync(vd, vh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream) != cudaSuccess)
+                h2d(lens, lens_h, sizeof(int32_t) * Hkv) != cudaSuccess ||
+                h2d(kd, kh, sizeof(bf16 *) * Hkv) != cudaSuccess ||
+                h2d(vd, vh, sizeof(bf16 *) * Hkv) != cudaSuccess)
                 st = cuda_fail(cudaGetLastError(), "bench init");
         }
     }
@@ -80,7 +84,11 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
         cudaEventRecord(e0, g.stream);
         if (what == 0)
             st = gemm(A, a2, B, a2, Cm, a1, 0, a0, a1, a2, 0.f);
-        else
+        else if (attention_cudnn_enabled()) { /* the kernel the setting chose, or the reason it cannot run */
+            st = attention_cudnn(A, a1 * a3, a0, (int32_t)a1, (int32_t)a2, (int32_t)a3, K, V, a0 * a3, lens, a0,
+                                 1.0f / sqrtf((float)a3), Cm, a1 * a3);
+            if (st == KVC_ERR_UNSUPPORTED) st = fail(KVC_ERR_UNSUPPORTED, "bench: cuDNN has no attention plan for this shape");
+        } else
             st = attention_prefill(A, a1 * a3, a0, (int32_t)a1, (int32_t)a2, (int32_t)a3, kd, vd, past, nullptr,
                                    1.0f / sqrtf((float)a3), Cm, a1 * a3);
         cudaEventRecord(e1, g.stream);
@@ -123,9 +131,9 @@ static kvc_status t_add_bias(kvc_view y, kvc_view b, int64_t rows, int64_t dim) 
 }
 
 static kvc_status t_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                         int32_t pairing) {
+                         int32_t pairing, float mscale) {
     KVC_TRY(need(x.buf->dtype == KVC_BF16 && pos.buf->dtype == KVC_I64 && inv_freq.buf->dtype == KVC_F32, "rope"));
-    return rope(at<bf16>(x), x.ld, col0, n, heads, d, at<int64_t>(pos), at<float>(inv_freq), pairing);
+    return rope(at<bf16>(x), x.ld, col0, n, heads, d, at<int64_t>(pos), at<float>(inv_freq), pairing, mscale);
 }
 
 static kvc_status t_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps) {
@@ -162,6 +170,20 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
         return attention_decode(at<bf16>(q), H, Hkv, d, kd, kv->vd, kv->lend, lo, scale, at<bf16>(out),
                                 g_partial.as<float>(), DECODE_SPLITS);
     }
+    if (!lo && !kv->dk && attention_cudnn_enabled()) { /* cuDNN where the heads lie at one stride */
+        const int64_t stride = Hkv > 1 ? kv->kh[1] - kv->kh[0] : kv->cap[0] * d;
+        int64_t most = 1;
+        int uniform = stride > 0 && kv->vh[0] && kv->kh[0];
+        for (int32_t h = 0; h < Hkv && uniform; h++) {
+            uniform = kv->kh[h] == kv->kh[0] + h * stride && kv->vh[h] == kv->vh[0] + h * stride;
+            most = kv->cap[h] > most ? kv->cap[h] : most;
+        }
+        if (uniform) {
+            const kvc_status st = attention_cudnn(at<bf16>(q), q.ld, n, H, Hkv, d, kv->kh[0], kv->vh[0], stride, kv->lend,
+                                                  most, scale, at<bf16>(out), out.ld);
+            if (st != KVC_ERR_UNSUPPORTED) return st;
+        }
+    }
     /* the prefill kernels read past = len - n per head */
     CU_TRY(cudaMemcpyAsync(kv->pastd, kv->lend, sizeof(int32_t) * Hkv, cudaMemcpyDeviceToDevice, g.stream), "attention");
     KVC_TRY(add_lens(kv->pastd, Hkv, -(int32_t)n));
@@ -173,6 +195,16 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
 static kvc_status t_swiglu(kvc_view gu, int64_t rows, int64_t F) {
     KVC_TRY(need(gu.buf->dtype == KVC_BF16 && gu.ld == 2 * F, "swiglu"));
     return swiglu(at<bf16>(gu), rows, F);
+}
+
+static kvc_status t_geglu(kvc_view gu, int64_t rows, int64_t F) {
+    KVC_TRY(need(gu.buf->dtype == KVC_BF16 && gu.ld == 2 * F, "geglu"));
+    return geglu(at<bf16>(gu), rows, F);
+}
+
+static kvc_status t_scale(kvc_view x, int64_t rows, int64_t cols, float alpha) {
+    KVC_TRY(need(x.buf->dtype == KVC_F32, "scale"));
+    return scale_rows(at<float>(x), x.ld, rows, cols, alpha);
 }
 
 /* ---- graphs: the decode step captured once, replayed every token ---- */
@@ -187,7 +219,7 @@ struct kvc_graph {
 namespace kvc {
 
 static kvc_status t_graph_capture(kvc_graph **gp, kvc_status (*run)(void *), void *user) {
-    CU_TRY(cudaStreamSynchronize(g.stream), "decode graph");
+    CU_TRY(stream_wait(), "decode graph");
     CU_TRY(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal), "decode graph capture");
     kvc_status st = run(user);
     cudaGraph_t graph = nullptr;
@@ -218,13 +250,13 @@ static kvc_status t_graph_capture(kvc_graph **gp, kvc_status (*run)(void *), voi
 static kvc_status t_graph_launch(kvc_graph *gr) {
     if (gr->generation != g_generation + kv_layout_generation) return KVC_ERR_UNSUPPORTED; /* capture again */
     CU_TRY(cudaGraphLaunch(gr->exec, g.stream), "decode step (graph)");
-    CU_TRY(cudaStreamSynchronize(g.stream), "decode step (graph)");
+    CU_TRY(stream_wait(), "decode step (graph)");
     return KVC_OK;
 }
 
 static void t_graph_free(kvc_graph *gr) {
     if (!gr) return;
-    cudaStreamSynchronize(g.stream);
+    stream_wait();
     cudaGraphExecDestroy(gr->exec);
     free(gr);
 }
@@ -234,10 +266,13 @@ static void t_graph_free(kvc_graph *gr) {
 static const char *t_device_name(void) { return g.ready ? g.name : ""; }
 
 static kvc_status t_set_option(const char *name, int value) {
-    if (value != 0 && value != 1) return fail(KVC_ERR_ARG, "setting %s must be 0 or 1, got %d", name, value);
+    const int most = !strcmp(name, "attention_kernel") ? 2 : 1;
+    if (value < 0 || value > most) return fail(KVC_ERR_ARG, "setting %s must be 0 to %d, got %d", name, most, value);
     if (!strcmp(name, "builtin_gemm")) gemm_force_builtin(value);
-    else if (!strcmp(name, "attention_kernel")) attention_use_mma(value);
-    else return fail(KVC_ERR_ARG, "the CUDA backend has no setting '%s' (builtin_gemm, attention_kernel)", name);
+    else if (!strcmp(name, "attention_kernel")) { /* 0 WMMA, 1 mma.sync, 2 cuDNN (the own kernels where it cannot) */
+        KVC_TRY(attention_use_cudnn(value == 2));
+        attention_use_mma(value == 1);
+    } else return fail(KVC_ERR_ARG, "the CUDA backend has no setting '%s' (builtin_gemm, attention_kernel)", name);
     g_generation++; /* graphs hold the kernels chosen at their capture */
     return KVC_OK;
 }
@@ -251,7 +286,7 @@ static kvc_status t_check_model(const kvc_config *c) {
 
 static void t_memory_stats(int64_t *out) { memory_stats(out); }
 static kvc_status t_sync(void) {
-    CU_TRY(cudaStreamSynchronize(g.stream), "end of call");
+    CU_TRY(stream_wait(), "end of call");
     return KVC_OK;
 }
 static const float *t_host_f32(const kvc_buf *b) { return nullptr; }
@@ -282,6 +317,7 @@ static kvc_backend make_table(void) {
     t.reset_peak = reset_peak;
     t.sync = alive<t_sync>::call;
     t.set_option = alive<t_set_option>::call;
+    t.traffic_stats = traffic_stats;
     t.check_model = alive<t_check_model>::call;
     t.alloc = alive<buf_alloc>::call;
     t.free = buf_free;
@@ -298,6 +334,8 @@ static kvc_backend make_table(void) {
     t.kv_prune_keys = alive<kv_prune_keys>::call;
     t.kv_write = alive<kv_write>::call;
     t.kv_read = alive<kv_read>::call;
+    t.kv_read_heads = alive<kv_read_heads>::call;
+    t.kv_write_rows = alive<kv_write_rows>::call;
     t.embed = alive<t_embed>::call;
     t.rmsnorm = alive<t_rmsnorm>::call;
     t.head_rmsnorm = alive<t_head_rmsnorm>::call;
@@ -307,6 +345,8 @@ static kvc_backend make_table(void) {
     t.kv_append = alive<kv_append>::call;
     t.attention = alive<t_attention>::call;
     t.swiglu = alive<t_swiglu>::call;
+    t.geglu = alive<t_geglu>::call;
+    t.scale = alive<t_scale>::call;
     t.score = alive<score>::call;
     t.topk = alive<topk>::call;
     t.cos_sum = alive<cos_sum>::call;

@@ -29,7 +29,7 @@ kvc_status buf_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kv
 
 void buf_free(kvc_buf *b) {
     if (!b) return;
-    cudaStreamSynchronize(g.stream); /* work in flight may still read it */
+    stream_wait(); /* work in flight may still read it */
     dfree(b->p, b->bytes, b->cat);
     free(b);
 }
@@ -45,15 +45,16 @@ kvc_status buf_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src,
     if (rows <= 0 || cols <= 0) return KVC_OK;
     const size_t es = kvc_dtype_size(t);
     if (t != KVC_BF16) {
+        traffic_add(0, 1, 0, 0, rows * cols * (int64_t)es);
         CU_TRY(cudaMemcpy2DAsync(at<char>(dst), (size_t)dst.ld * es, src, (size_t)cols * es, (size_t)cols * es, rows,
                                  cudaMemcpyHostToDevice, g.stream),
                "upload");
-        CU_TRY(cudaStreamSynchronize(g.stream), "upload"); /* src is the caller's pageable memory */
+        CU_TRY(stream_wait(), "upload"); /* src is the caller's pageable memory */
         return KVC_OK;
     }
     const int64_t n = rows * cols;
     KVC_TRY(scratch(g_stage_f32, sizeof(float) * n, "upload staging"));
-    CU_TRY(cudaMemcpyAsync(g_stage_f32.p, src, sizeof(float) * n, cudaMemcpyHostToDevice, g.stream), "upload");
+    CU_TRY(h2d(g_stage_f32.p, src, sizeof(float) * n), "upload");
     if (dst.ld == cols) return f32_to_bf16(g_stage_f32.as<float>(), at<bf16>(dst), n);
     KVC_TRY(scratch(g_stage_bf16, sizeof(bf16) * n, "upload staging"));
     KVC_TRY(f32_to_bf16(g_stage_f32.as<float>(), g_stage_bf16.as<bf16>(), n));
@@ -70,6 +71,7 @@ kvc_status buf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int
     if (rows <= 0 || cols <= 0) return KVC_OK;
     const size_t es = kvc_dtype_size(t);
     if (t != KVC_BF16) {
+        traffic_add(1, 0, 0, rows * cols * (int64_t)es, 0);
         CU_TRY(cudaMemcpy2DAsync(dst, (size_t)cols * es, at<char>(src), (size_t)src.ld * es, (size_t)cols * es, rows,
                                  cudaMemcpyDeviceToHost, g.stream),
                "download");
@@ -81,9 +83,9 @@ kvc_status buf_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int
                                  sizeof(bf16) * cols, rows, cudaMemcpyDeviceToDevice, g.stream),
                "download");
         KVC_TRY(bf16_to_f32(g_stage_bf16.as<bf16>(), g_stage_f32.as<float>(), n));
-        CU_TRY(cudaMemcpyAsync(dst, g_stage_f32.p, sizeof(float) * n, cudaMemcpyDeviceToHost, g.stream), "download");
+        CU_TRY(d2h(dst, g_stage_f32.p, sizeof(float) * n), "download");
     }
-    CU_TRY(cudaStreamSynchronize(g.stream), "download");
+    CU_TRY(stream_wait(), "download");
     return KVC_OK;
 }
 

@@ -91,6 +91,24 @@ struct Buf {
     template <class T> T *as() const { return (T *)p; }
 };
 
+/* ---- host-device traffic (context.cu): each copy and wait counted where it is made (traffic_stats) ---- */
+void traffic_add(int64_t downs, int64_t ups, int64_t syncs, int64_t down_bytes, int64_t up_bytes);
+void traffic_stats(int64_t *out, int reset);
+/* cudaMemcpyAsync between host and device memory on the stream, counted */
+cudaError_t h2d(void *dst, const void *src, size_t bytes);
+cudaError_t d2h(void *dst, const void *src, size_t bytes);
+/* cudaStreamSynchronize(g.stream), counted */
+cudaError_t stream_wait(void);
+
+/* Page-locked host memory grown on demand (the batched K/V reads and writes: one DMA at full bandwidth,
+ * no staging copy by the driver). */
+struct Pinned {
+    void *p = nullptr;
+    size_t bytes = 0;
+    kvc_status need(size_t b, const char *what);
+    template <class T> T *as() const { return (T *)p; }
+};
+
 /* ---- the table's objects (buffer.cu, kv.cu) ---- */
 } // namespace kvc
 
@@ -111,11 +129,12 @@ struct kvc_kv {
     size_t bytes;
     bf16 *kh[KVC_MAX_KV], *vh[KVC_MAX_KV]; /* head slices (device pointers, host copy) */
     int64_t cap[KVC_MAX_KV];               /* rows of room per head (the core keeps the lengths) */
-    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], kxd [Hkv], lend [Hkv], pastd [Hkv] */
+    void *tables;  /* one allocation: kd [Hkv], vd [Hkv], kxd [Hkv], lend [Hkv], pastd [Hkv], xrowsd [Hkv] */
     size_t tables_bytes;
     bf16 **kd, **vd;
     int32_t *lend;  /* device lengths: the kernels read them; kv_append moves them on the device */
     int32_t *pastd; /* lend - n of a prefill call (scratch) */
+    int32_t *xrowsd; /* rows of each head the expansion scratch holds expanded, when it holds this store's (kv_pruned.cu) */
     /* ThinK-pruned rows (core/backend.h; kv_pruned.cu): rows r < np[h] keep dk key channels in kph[h]
      * [np, dk]; kh[h] then holds rows from np[h] on, and the device table kd[h] = kh[h] - np[h] d, so the
      * append kernel still writes row len at kd[h] + len d. dk 0: none. */
@@ -157,6 +176,9 @@ kvc_status kv_rows_check(kvc_kv_op op, const kvc_kv *kv, int32_t h, int64_t row0
                          int64_t held, int64_t cap);
 /* kv_pruned.cu: a store leaves the list of pruned stores whose expanded-key tables follow the scratch */
 void kv_pruned_forget(kvc_kv *kv);
+/* kv_pruned.cu: the store's rows changed other than by appends (lengths set, rows written): its next expansion
+ * starts from row 0 */
+kvc_status kv_pruned_stale(kvc_kv *kv);
 /* kv_pruned.cu: the layout changes of a store with pruned rows, through the host (rows as f32): a new arena
  * of cap[h] rows per head holding rows keep[h][0 .. n[h]) of from (keep NULL: rows [0, n[h])), the first
  * np_new[h] of them pruned to the dk channels kidx (dk 0: none) */
@@ -176,6 +198,8 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
 kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len);
 kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v);
 kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v);
+kvc_status kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
 
 /* ---- gemm.cu ---- */
@@ -195,6 +219,8 @@ kvc_status bf16_to_f32(const bf16 *src, float *dst, int64_t n);
 kvc_status embed(const bf16 *table, const int32_t *ids, int64_t n, int64_t D, float *x);
 /* gu [rows, 2F] (gate | up): gu[r, :F] = silu(gate) * up, in place */
 kvc_status swiglu(bf16 *gu, int64_t rows, int64_t F);
+kvc_status geglu(bf16 *gu, int64_t rows, int64_t F);
+kvc_status scale_rows(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha);
 /* y[r, :] += b over rows (bf16 y with row stride ld, fp32 b) */
 kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t dim);
 
@@ -206,7 +232,7 @@ kvc_status head_rmsnorm(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t he
 /* ---- rope.cu ---- */
 /* in place on `heads` heads of d values starting at column col0 of each row of x (row stride ld) */
 kvc_status rope(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t heads, int32_t d, const int64_t *pos,
-                const float *inv_freq, int32_t pairing);
+                const float *inv_freq, int32_t pairing, float mscale);
 /* Per-head pointer table of a layer's cache, passed by value to kernels. */
 struct HeadPtrs {
     bf16 *k[KVC_MAX_KV];
@@ -235,6 +261,17 @@ kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t 
                                  const int64_t *start, float scale, bf16 *out, int64_t ldo);
 void attention_use_mma(int on);
 int attention_mma_enabled(void);
+
+/* ---- attention_cudnn.cu: cuDNN's fused attention (attention_kernel 2; opened at run time) ---- */
+/* on: load cuDNN (KVC_ERR_UNSUPPORTED with the reason where it cannot) and prefer it for prefills */
+kvc_status attention_use_cudnn(int on);
+int attention_cudnn_enabled(void);
+/* The causal prefill of n queries over Hkv heads at one stride (head h's keys at k0 + h head_stride, values at
+ * v0 + h head_stride, seq_kv[h] rows held, this call's n the last), per-entry lengths on the device. KVC_ERR_UNSUPPORTED
+ * (no message): not enabled, or no cuDNN plan for the shape, and the own kernels run it. */
+kvc_status attention_cudnn(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const bf16 *k0,
+                           const bf16 *v0, int64_t head_stride, const int32_t *seq_kv, int64_t max_kv, float scale, bf16 *out,
+                           int64_t ldo);
 
 /* ---- attention_decode.cu ---- */
 /* One query per head (q [H*d]) over len[h] rows of each KV head (len: device int32 [Hkv]), from row

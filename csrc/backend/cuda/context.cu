@@ -193,6 +193,56 @@ void dfree(void *p, size_t bytes, int cat) {
     g_cat[cat] -= (int64_t)bytes;
 }
 
+/* ---- host-device traffic (calls are serialised by the core's device lock) ---- */
+
+static int64_t g_traffic[KVC_XFER_N];
+
+void traffic_add(int64_t downs, int64_t ups, int64_t syncs, int64_t down_bytes, int64_t up_bytes) {
+    g_traffic[KVC_XFER_DOWNLOADS] += downs;
+    g_traffic[KVC_XFER_UPLOADS] += ups;
+    g_traffic[KVC_XFER_SYNCS] += syncs;
+    g_traffic[KVC_XFER_DOWN_BYTES] += down_bytes;
+    g_traffic[KVC_XFER_UP_BYTES] += up_bytes;
+}
+
+void traffic_stats(int64_t *out, int reset) {
+    memcpy(out, g_traffic, sizeof g_traffic);
+    if (reset) memset(g_traffic, 0, sizeof g_traffic);
+}
+
+cudaError_t h2d(void *dst, const void *src, size_t bytes) {
+    traffic_add(0, 1, 0, 0, (int64_t)bytes);
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, g.stream);
+}
+
+cudaError_t d2h(void *dst, const void *src, size_t bytes) {
+    traffic_add(1, 0, 0, (int64_t)bytes, 0);
+    return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, g.stream);
+}
+
+cudaError_t stream_wait(void) {
+    traffic_add(0, 0, 1, 0, 0);
+    return cudaStreamSynchronize(g.stream);
+}
+
+kvc_status Pinned::need(size_t b, const char *what) {
+    if (b <= bytes) return KVC_OK;
+    if (p) {
+        cudaStreamSynchronize(g.stream); /* a copy in flight may still read it */
+        cudaFreeHost(p);
+    }
+    p = nullptr;
+    bytes = 0;
+    const size_t nb = b + b / 4;
+    const cudaError_t e = cudaMallocHost(&p, nb);
+    if (e != cudaSuccess) {
+        p = nullptr;
+        return cuda_fail(e, what);
+    }
+    bytes = nb;
+    return KVC_OK;
+}
+
 void memory_stats(int64_t *out) {
     std::lock_guard<std::mutex> lk(g_mem_lock);
     out[KVC_STAT_CURRENT] = g_cur;

@@ -8,6 +8,7 @@
 namespace kvc {
 
 static Buf g_rows_d, g_stage; /* gather rows (device int32), row conversions */
+static Pinned g_pinned;       /* the batched reads' and writes' host side */
 
 kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     *out = nullptr;
@@ -17,7 +18,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     if (!kv) return fail(KVC_ERR_NOMEM, "out of memory: K/V store");
     kv->Hkv = Hkv;
     kv->d = d;
-    kv->tables_bytes = (size_t)Hkv * (3 * sizeof(bf16 *) + 2 * sizeof(int32_t));
+    kv->tables_bytes = (size_t)Hkv * (3 * sizeof(bf16 *) + 3 * sizeof(int32_t));
     kvc_status st = dalloc(&kv->tables, kv->tables_bytes, MEM_CACHE, "K/V tables");
     if (st != KVC_OK) {
         free(kv);
@@ -28,6 +29,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
     kv->kxd = kv->vd + Hkv;
     kv->lend = (int32_t *)(kv->kxd + Hkv);
     kv->pastd = kv->lend + Hkv;
+    kv->xrowsd = kv->pastd + Hkv;
     if (cudaMemsetAsync(kv->tables, 0, kv->tables_bytes, g.stream) != cudaSuccess) {
         st = cuda_fail(cudaGetLastError(), "K/V tables");
         kv_free(kv);
@@ -39,7 +41,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
 
 void kv_free(kvc_kv *kv) {
     if (!kv) return;
-    cudaStreamSynchronize(g.stream);
+    stream_wait();
     kv_pruned_forget(kv);
     if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
     if (kv->tables) dfree(kv->tables, kv->tables_bytes, MEM_CACHE);
@@ -58,8 +60,8 @@ static size_t kv_arena_bytes(int32_t Hkv, int32_t d, const int64_t *cap) {
 
 kvc_status kv_host_lens(const kvc_kv *kv, int64_t *len) {
     int32_t l32[KVC_MAX_KV];
-    CU_TRY(cudaMemcpyAsync(l32, kv->lend, sizeof(int32_t) * kv->Hkv, cudaMemcpyDeviceToHost, g.stream), "K/V lengths");
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V lengths");
+    CU_TRY(d2h(l32, kv->lend, sizeof(int32_t) * kv->Hkv), "K/V lengths");
+    CU_TRY(stream_wait(), "K/V lengths");
     for (int32_t h = 0; h < kv->Hkv; h++) len[h] = l32[h];
     return KVC_OK;
 }
@@ -81,10 +83,10 @@ kvc_status kv_upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const 
         len32[h] = (int32_t)len[h];
         kshift[h] = kh[h] ? kh[h] - (np ? np[h] : 0) * kv->d : nullptr; /* row r >= np at kd[h] + r d */
     }
-    CU_TRY(cudaMemcpyAsync(kv->kd, kshift, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
-    CU_TRY(cudaMemcpyAsync(kv->vd, vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V tables");
-    CU_TRY(cudaMemcpyAsync(kv->lend, len32, sizeof(int32_t) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "K/V lengths");
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V tables"); /* len32 lives on this stack frame */
+    CU_TRY(h2d(kv->kd, kshift, sizeof(bf16 *) * kv->Hkv), "K/V tables");
+    CU_TRY(h2d(kv->vd, vh, sizeof(bf16 *) * kv->Hkv), "K/V tables");
+    CU_TRY(h2d(kv->lend, len32, sizeof(int32_t) * kv->Hkv), "K/V lengths");
+    CU_TRY(stream_wait(), "K/V tables"); /* len32 lives on this stack frame */
     return KVC_OK;
 }
 static kvc_status upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *len) {
@@ -111,13 +113,13 @@ static kvc_status arena_new(const kvc_kv *kv, const int64_t *cap, void **arena, 
 /* The new arena replaces the old one once the copies into it are done and the device tables point at
  * it; on any failure the store keeps its old arena and tables (the core keeps its old lengths too). */
 static kvc_status adopt(kvc_kv *kv, void *arena, size_t bytes, bf16 **nk, bf16 **nv, const int64_t *cap, const int64_t *len) {
-    const cudaError_t e = cudaStreamSynchronize(g.stream);
+    const cudaError_t e = stream_wait();
     kvc_status st = e == cudaSuccess ? upload_tables(kv, nk, nv, len) : cuda_fail(e, "K/V copy");
     if (st != KVC_OK) {
         /* best effort: point the device tables back at the old arena before the new one goes */
-        cudaMemcpyAsync(kv->kd, kv->kh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream);
-        cudaMemcpyAsync(kv->vd, kv->vh, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream);
-        cudaStreamSynchronize(g.stream);
+        h2d(kv->kd, kv->kh, sizeof(bf16 *) * kv->Hkv);
+        h2d(kv->vd, kv->vh, sizeof(bf16 *) * kv->Hkv);
+        stream_wait();
         if (arena) dfree(arena, bytes, MEM_CACHE);
         return st;
     }
@@ -162,7 +164,7 @@ kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const 
         if (cudaMemcpyAsync(nk[h], from->kh[h], n, cudaMemcpyDeviceToDevice, g.stream) != cudaSuccess ||
             cudaMemcpyAsync(nv[h], from->vh[h], n, cudaMemcpyDeviceToDevice, g.stream) != cudaSuccess) {
             const kvc_status st = cuda_fail(cudaGetLastError(), "K/V copy");
-            cudaStreamSynchronize(g.stream);
+            stream_wait();
             if (arena) dfree(arena, bytes, MEM_CACHE);
             return st;
         }
@@ -197,7 +199,7 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
     bf16 *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
     kvc_status st = scratch(g_rows_d, sizeof(int32_t) * (size_t)(total > 0 ? total : 1), "compaction rows");
     if (st == KVC_OK && total > 0 &&
-        cudaMemcpyAsync(g_rows_d.p, rows, sizeof(int32_t) * total, cudaMemcpyHostToDevice, g.stream) != cudaSuccess)
+        h2d(g_rows_d.p, rows, sizeof(int32_t) * total) != cudaSuccess)
         st = cuda_fail(cudaGetLastError(), "compaction rows");
     if (st == KVC_OK) st = arena_new(kv, cap, &arena, &bytes, nk, nv);
     if (st == KVC_OK) {
@@ -210,11 +212,11 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
         if (total > 0) st = gather_rows(gi, kv->Hkv, kv->d, g_rows_d.as<int32_t>());
         if (st == KVC_OK) st = adopt(kv, arena, bytes, nk, nv, cap, n_keep);
         else if (arena) {
-            cudaStreamSynchronize(g.stream);
+            stream_wait();
             dfree(arena, bytes, MEM_CACHE);
         }
     }
-    cudaStreamSynchronize(g.stream); /* rows (host) was read by the copy */
+    stream_wait(); /* rows (host) was read by the copy */
     free(rows);
     return st;
 }
@@ -235,6 +237,7 @@ kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
         }
         return kv_restage(kv, kv, cap, nullptr, len, np, kv->dk, kv->kidx);
     }
+    if (kv->dk) KVC_TRY(kv_pruned_stale(kv)); /* a truncation: rows appended later reuse expanded slots */
     return kv_upload_tables(kv, kv->kh, kv->vh, kv->np, len);
 }
 
@@ -247,9 +250,9 @@ kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const flo
     for (int pass = 0; pass < 2; pass++) {
         const float *src = pass ? v : k;
         if (!src) continue;
-        CU_TRY(cudaMemcpyAsync(g_stage.p, src, sizeof(float) * n, cudaMemcpyHostToDevice, g.stream), "K/V write");
+        CU_TRY(h2d(g_stage.p, src, sizeof(float) * n), "K/V write");
         KVC_TRY(f32_to_bf16(g_stage.as<float>(), (pass ? kv->vh[h] : kv->kh[h]) + row0 * kv->d, n));
-        CU_TRY(cudaStreamSynchronize(g.stream), "K/V write");
+        CU_TRY(stream_wait(), "K/V write");
     }
     return KVC_OK;
 }
@@ -266,9 +269,109 @@ kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, floa
         float *dst = pass ? v : k;
         if (!dst) continue;
         KVC_TRY(bf16_to_f32((pass ? kv->vh[h] : kv->kh[h]) + row0 * kv->d, g_stage.as<float>(), n));
-        CU_TRY(cudaMemcpyAsync(dst, g_stage.p, sizeof(float) * n, cudaMemcpyDeviceToHost, g.stream), "K/V read");
-        CU_TRY(cudaStreamSynchronize(g.stream), "K/V read");
+        CU_TRY(d2h(dst, g_stage.p, sizeof(float) * n), "K/V read");
+        CU_TRY(stream_wait(), "K/V read");
     }
+    return KVC_OK;
+}
+
+/* Every head's rows converted into one f32 staging block on the device (K of every head, then V), one copy into
+ * pinned memory, one wait; then spread into the caller's arrays. A store with pruned keys reads head by head. */
+kvc_status kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v) {
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    int64_t held[KVC_MAX_KV], total = 0;
+    KVC_TRY(kv_host_lens(kv, held));
+    for (int32_t h = 0; h < Hkv; h++) {
+        KVC_TRY(kv_rows_check(KVC_KV_READ, kv, h, row0 ? row0[h] : 0, rows[h], nullptr, held[h], 0));
+        total += rows[h];
+    }
+    if (total == 0 || (!k && !v)) return KVC_OK;
+    if (kv->dk) {
+        int64_t off = 0;
+        for (int32_t h = 0; h < Hkv; off += rows[h] * d, h++)
+            if (rows[h] > 0) KVC_TRY(kv_read_pruned(kv, h, row0 ? row0[h] : 0, rows[h], k ? k + off : nullptr, v ? v + off : nullptr));
+        return KVC_OK;
+    }
+    const int64_t n = total * d, parts = (k != nullptr) + (v != nullptr);
+    KVC_TRY(scratch(g_stage, sizeof(float) * (size_t)(n * parts), "K/V read staging"));
+    KVC_TRY(g_pinned.need(sizeof(float) * (size_t)(n * parts), "K/V read (pinned)"));
+    int64_t off = 0;
+    for (int32_t h = 0; h < Hkv; off += rows[h] * d, h++) {
+        if (rows[h] == 0) continue;
+        const int64_t r0 = (row0 ? row0[h] : 0) * d;
+        if (k) KVC_TRY(bf16_to_f32(kv->kh[h] + r0, g_stage.as<float>() + off, rows[h] * d));
+        if (v) KVC_TRY(bf16_to_f32(kv->vh[h] + r0, g_stage.as<float>() + (k ? n : 0) + off, rows[h] * d));
+    }
+    CU_TRY(d2h(g_pinned.p, g_stage.p, sizeof(float) * (size_t)(n * parts)), "K/V read");
+    CU_TRY(stream_wait(), "K/V read");
+    if (k) memcpy(k, g_pinned.p, sizeof(float) * (size_t)n);
+    if (v) memcpy(v, g_pinned.as<float>() + (k ? n : 0), sizeof(float) * (size_t)n);
+    return KVC_OK;
+}
+
+/* Scatter of rows written back: one block per row, its head found from the prefix sums of the counts. */
+struct ScatterInfo {
+    bf16 *k[KVC_MAX_KV], *v[KVC_MAX_KV];
+    int64_t off[KVC_MAX_KV + 1];
+};
+
+__global__ void scatter_rows_kernel(const ScatterInfo si, int32_t Hkv, int32_t d, const int32_t *__restrict__ idx,
+                                    const float *__restrict__ kin, const float *__restrict__ vin) {
+    const int64_t i = blockIdx.x;
+    int32_t h = 0;
+    while (h + 1 < Hkv && si.off[h + 1] <= i) h++;
+    const int64_t r = idx[i];
+    for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+        if (kin) si.k[h][r * d + c] = __float2bfloat16(kin[i * d + c]);
+        if (vin) si.v[h][r * d + c] = __float2bfloat16(vin[i * d + c]);
+    }
+}
+
+/* The rows and their indices packed into pinned memory, one copy, one scatter, one wait (the pinned block is
+ * reused by the next call). Keys of a store with pruned rows go head by head (kv_write keeps their channels). */
+kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v) {
+    const int32_t Hkv = kv->Hkv, d = kv->d;
+    int64_t total = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        for (int64_t i = 0; i < n[h]; i++) KVC_TRY(kv_rows_check(KVC_KV_WRITE, kv, h, idx[h][i], 1, nullptr, 0, kv->cap[h]));
+        total += n[h];
+    }
+    if (total == 0 || (!k && !v)) return KVC_OK;
+    if (kv->dk && k) {
+        int64_t off = 0;
+        for (int32_t h = 0; h < Hkv; h++)
+            for (int64_t i = 0; i < n[h]; i++, off += d)
+                KVC_TRY(kv_write(kv, h, idx[h][i], 1, k + off, v ? v + off : nullptr));
+        return KVC_OK;
+    }
+    if (total >= 2147483647) return fail(KVC_ERR_ARG, "K/V write: %lld rows in one call", (long long)total);
+    const int64_t vals = total * d, parts = (k != nullptr) + (v != nullptr);
+    const size_t bytes = sizeof(int32_t) * (size_t)total + sizeof(float) * (size_t)(vals * parts);
+    KVC_TRY(g_pinned.need(bytes, "K/V write (pinned)"));
+    KVC_TRY(scratch(g_stage, bytes, "K/V write staging"));
+    /* every entry that copies from the pinned block waits for the copy before it returns: it is free here */
+    int32_t *ix = g_pinned.as<int32_t>();
+    float *vals_h = (float *)(ix + total);
+    ScatterInfo si;
+    memset(&si, 0, sizeof si);
+    int64_t off = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        si.k[h] = kv->kh[h];
+        si.v[h] = kv->vh[h];
+        si.off[h] = off;
+        for (int64_t i = 0; i < n[h]; i++) ix[off + i] = (int32_t)idx[h][i];
+        off += n[h];
+    }
+    si.off[Hkv] = off;
+    if (k) memcpy(vals_h, k, sizeof(float) * (size_t)vals);
+    if (v) memcpy(vals_h + (k ? vals : 0), v, sizeof(float) * (size_t)vals);
+    CU_TRY(h2d(g_stage.p, g_pinned.p, bytes), "K/V write");
+    const int32_t *ixd = g_stage.as<int32_t>();
+    const float *kd = (const float *)(ixd + total);
+    scatter_rows_kernel<<<(unsigned)total, d < 128 ? d : 128, 0, g.stream>>>(si, Hkv, d, ixd, k ? kd : nullptr,
+                                                                          v ? kd + (k ? vals : 0) : nullptr);
+    LAUNCH_TRY("K/V write");
+    CU_TRY(stream_wait(), "K/V write");
     return KVC_OK;
 }
 

@@ -4,7 +4,11 @@
  * as f32 rows (bf16 -> f32 -> bf16 is exact); they happen once per compressed layer or on a geometric
  * growth. The kernels read pruned rows expanded to d channels (zeros in the dropped ones) into a scratch
  * of the layer's rows (kv_keys_full): the cache keeps the freed bytes, one layer's keys are expanded at a
- * time. Compile-only in this project's CI (no GPU): the CPU backend is the reference it follows. */
+ * time. The scratch remembers on the device whose rows it holds (g_owner, the store's xrowsd): expanding the
+ * same store again (a model with one pruned layer; prefill chunks of one layer) converts only the rows appended
+ * since, and a store's layout change, truncation or key write starts it again from row 0. With several pruned
+ * layers each decode step expands every row of each (the scratch is shared so the freed bytes stay free).
+ * Compile-only in this project's CI (no GPU): the CPU backend is the reference it follows. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,6 +19,19 @@ namespace kvc {
 uint64_t kv_layout_generation = 0;
 static Buf g_stage_p, g_kexp; /* row conversions, expanded keys (one layer at a time) */
 static kvc_kv *g_pruned;      /* the stores with pruned rows: their expanded-key tables point into g_kexp */
+static Buf g_owner;           /* device uint64: the store (its address) whose rows g_kexp holds expanded; 0: none */
+
+/* the scratch holds nobody's rows (it moved, or a store's rows changed) */
+static kvc_status owner_clear(void) {
+    KVC_TRY(scratch(g_owner, sizeof(uint64_t), "pruned keys owner"));
+    CU_TRY(cudaMemsetAsync(g_owner.p, 0, sizeof(uint64_t), g.stream), "pruned keys owner");
+    return KVC_OK;
+}
+
+kvc_status kv_pruned_stale(kvc_kv *kv) {
+    CU_TRY(cudaMemsetAsync(kv->xrowsd, 0, sizeof(int32_t) * kv->Hkv, g.stream), "pruned keys");
+    return KVC_OK;
+}
 
 /* a head's block: Kp [np, dk] | K [cap - np, d] | V [cap, d] (core/kv_layout.h) */
 static kvc_kv_slices slices_p(int32_t d, int32_t dk, int64_t cap, int64_t np) {
@@ -25,17 +42,17 @@ static kvc_kv_slices slices_p(int32_t d, int32_t dk, int64_t cap, int64_t np) {
 static kvc_status put_f32(const float *src, bf16 *dst, int64_t n) {
     if (n <= 0) return KVC_OK;
     KVC_TRY(scratch(g_stage_p, sizeof(float) * (size_t)n, "K/V staging"));
-    CU_TRY(cudaMemcpyAsync(g_stage_p.p, src, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, g.stream), "K/V write");
+    CU_TRY(h2d(g_stage_p.p, src, sizeof(float) * (size_t)n), "K/V write");
     KVC_TRY(f32_to_bf16(g_stage_p.as<float>(), dst, n));
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V write");
+    CU_TRY(stream_wait(), "K/V write");
     return KVC_OK;
 }
 static kvc_status get_f32(const bf16 *src, float *dst, int64_t n) {
     if (n <= 0) return KVC_OK;
     KVC_TRY(scratch(g_stage_p, sizeof(float) * (size_t)n, "K/V staging"));
     KVC_TRY(bf16_to_f32(src, g_stage_p.as<float>(), n));
-    CU_TRY(cudaMemcpyAsync(dst, g_stage_p.p, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, g.stream), "K/V read");
-    CU_TRY(cudaStreamSynchronize(g.stream), "K/V read");
+    CU_TRY(d2h(dst, g_stage_p.p, sizeof(float) * (size_t)n), "K/V read");
+    CU_TRY(stream_wait(), "K/V read");
     return KVC_OK;
 }
 
@@ -65,6 +82,7 @@ kvc_status kv_read_pruned(const kvc_kv *kv, int32_t h, int64_t row0, int64_t row
 /* the same rows written: a pruned row keeps its kept channels only */
 kvc_status kv_write_pruned(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
     const int32_t d = kv->d, dk = kv->dk;
+    if (k) KVC_TRY(kv_pruned_stale(kv)); /* expanded copies of these keys are stale */
     if (v) KVC_TRY(put_f32(v, kv->vh[h] + row0 * d, rows * d));
     if (!k) return KVC_OK;
     const int64_t np = kv->np[h], pe = row0 + rows < np ? row0 + rows : np;
@@ -104,8 +122,8 @@ static kvc_status kexp_point(kvc_kv *kv, const int64_t *cap) {
     bf16 *outs[KVC_MAX_KV];
     kexp_heads(kv->Hkv, kv->d, cap, outs);
     if (!memcmp(outs, kv->kxh, sizeof(bf16 *) * kv->Hkv)) return KVC_OK;
-    CU_TRY(cudaMemcpyAsync(kv->kxd, outs, sizeof(bf16 *) * kv->Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
-    CU_TRY(cudaStreamSynchronize(g.stream), "pruned keys table"); /* outs lives on this stack frame */
+    CU_TRY(h2d(kv->kxd, outs, sizeof(bf16 *) * kv->Hkv), "pruned keys table");
+    CU_TRY(stream_wait(), "pruned keys table"); /* outs lives on this stack frame */
     memcpy(kv->kxh, outs, sizeof(bf16 *) * kv->Hkv);
     return KVC_OK;
 }
@@ -116,6 +134,7 @@ static kvc_status kexp_reserve(const kvc_kv *kv, const int64_t *cap) {
     bf16 *outs[KVC_MAX_KV];
     if (kexp_heads(kv->Hkv, kv->d, cap, outs) <= g_kexp.bytes) return KVC_OK;
     KVC_TRY(scratch(g_kexp, kexp_heads(kv->Hkv, kv->d, cap, outs), "pruned keys expanded"));
+    KVC_TRY(owner_clear()); /* a new scratch holds nothing */
     kv_layout_generation++;
     for (kvc_kv *o = g_pruned; o; o = o->pruned_next) KVC_TRY(kexp_point(o, o->cap));
     return KVC_OK;
@@ -155,7 +174,8 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
     }
     const size_t map_off = bytes;
     if (dk) bytes += sizeof(int32_t) * (size_t)Hkv * d;
-    if (dk) KVC_TRY(kexp_reserve(kv, cap)); /* here, never in a capture's kv_keys_full */
+    if (dk && !g_owner.p) KVC_TRY(owner_clear()); /* here, never in a capture's kv_keys_full */
+    if (dk) KVC_TRY(kexp_reserve(kv, cap));
     void *arena = nullptr;
     if (bytes) KVC_TRY(dalloc(&arena, bytes, MEM_CACHE, "KV cache"));
     bf16 *nkp[KVC_MAX_KV], *nk[KVC_MAX_KV], *nv[KVC_MAX_KV];
@@ -183,8 +203,7 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
             for (int32_t c = 0; c < d; c++) inv[(size_t)h * d + c] = -1;
             for (int32_t j = 0; j < dk; j++) inv[(size_t)h * d + kidx[(size_t)h * dk + j]] = j;
         }
-        if (cudaMemcpyAsync((char *)arena + map_off, inv, sizeof(int32_t) * (size_t)Hkv * d, cudaMemcpyHostToDevice,
-                            g.stream) != cudaSuccess)
+        if (h2d((char *)arena + map_off, inv, sizeof(int32_t) * (size_t)Hkv * d) != cudaSuccess)
             st = cuda_fail(cudaGetLastError(), "K/V channel map");
     }
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
@@ -210,9 +229,10 @@ kvc_status kv_restage(kvc_kv *kv, const kvc_kv *from, const int64_t *cap, const 
         if (st == KVC_OK) st = put_f32(V, nv[h], n[h] * d);
     }
     if (st == KVC_OK && dk) st = kexp_point(kv, cap);
+    if (st == KVC_OK) st = kv_pruned_stale(kv); /* a new layout: nothing of it is expanded yet */
     if (st == KVC_OK) st = kv_upload_tables(kv, nk, nv, np, n);
     if (st != KVC_OK) {
-        cudaStreamSynchronize(g.stream);
+        stream_wait();
         if (arena) dfree(arena, bytes, MEM_CACHE);
         free(ixc);
     } else {
@@ -255,7 +275,8 @@ kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
     return kv_restage(kv, kv, cap, nullptr, len, len, dk, kidx); /* every row held becomes pruned */
 }
 
-/* Expansion: one block per (row, head); rows at or past the device length are left alone. */
+/* Expansion: blocks stride over the rows of head blockIdx.y not yet expanded ([xrows, len) when the scratch holds
+ * this store's rows, else [0, len)); rows at or past the device length are left alone. */
 struct ExpandInfo {
     const bf16 *kp[KVC_MAX_KV], *kf[KVC_MAX_KV];
     bf16 *out[KVC_MAX_KV];
@@ -263,20 +284,28 @@ struct ExpandInfo {
 };
 
 __global__ void expand_keys_kernel(const ExpandInfo ei, const int32_t *__restrict__ len, const int32_t *__restrict__ inv,
-                                   int32_t d, int32_t dk) {
+                                   int32_t d, int32_t dk, const uint64_t *__restrict__ owner, uint64_t self,
+                                   const int32_t *__restrict__ xrows) {
     const int32_t h = blockIdx.y;
-    const int64_t r = blockIdx.x;
-    if (r >= len[h]) return;
-    bf16 *o = ei.out[h] + r * d;
     const int64_t np = ei.np[h];
-    for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
-        if (r >= np) {
-            o[c] = ei.kf[h][(r - np) * d + c];
-        } else {
-            const int32_t j = inv[(size_t)h * d + c];
-            o[c] = j >= 0 ? ei.kp[h][r * dk + j] : __float2bfloat16(0.f);
+    const int64_t from = *owner == self && xrows[h] <= len[h] ? xrows[h] : 0;
+    for (int64_t r = from + blockIdx.x; r < len[h]; r += gridDim.x) {
+        bf16 *o = ei.out[h] + r * d;
+        for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+            if (r >= np) {
+                o[c] = ei.kf[h][(r - np) * d + c];
+            } else {
+                const int32_t j = inv[(size_t)h * d + c];
+                o[c] = j >= 0 ? ei.kp[h][r * dk + j] : __float2bfloat16(0.f);
+            }
         }
     }
+}
+
+/* after the expansion (stream order): the scratch holds this store's rows up to its lengths */
+__global__ void expand_done_kernel(uint64_t *owner, uint64_t self, int32_t *xrows, const int32_t *len, int32_t Hkv) {
+    if (threadIdx.x == 0) *owner = self;
+    for (int32_t h = threadIdx.x; h < Hkv; h += blockDim.x) xrows[h] = len[h];
 }
 
 kvc_status kv_keys_full(const kvc_kv *kvc, const bf16 **heads, bf16 ***table) {
@@ -310,10 +339,21 @@ kvc_status kv_keys_full(const kvc_kv *kvc, const bf16 **heads, bf16 ***table) {
         if (cs != cudaStreamCaptureStatusNone)
             return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key table changed during a graph capture");
         memcpy(kv->kxh, outs, sizeof(bf16 *) * Hkv);
-        CU_TRY(cudaMemcpyAsync(kv->kxd, kv->kxh, sizeof(bf16 *) * Hkv, cudaMemcpyHostToDevice, g.stream), "pruned keys table");
+        CU_TRY(h2d(kv->kxd, kv->kxh, sizeof(bf16 *) * Hkv), "pruned keys table");
     }
-    dim3 grid((unsigned)maxcap, (unsigned)Hkv);
-    expand_keys_kernel<<<grid, d < 128 ? d : 128, 0, g.stream>>>(ei, kv->lend, kv->invd, d, kv->dk);
+    if (!g_owner.p) { /* sized once, outside a capture (restage clears it first) */
+        if (cs != cudaStreamCaptureStatusNone)
+            return fail(KVC_ERR_UNSUPPORTED, "CUDA pruned-key owner must be allocated during a graph capture");
+        KVC_TRY(owner_clear());
+    }
+    /* enough blocks for a prefill's rows, few enough that a decode step's one new row costs little */
+    const unsigned blocks = (unsigned)(maxcap < 1024 ? maxcap : 1024);
+    const uint64_t self = (uint64_t)(uintptr_t)kv;
+    dim3 grid(blocks, (unsigned)Hkv);
+    expand_keys_kernel<<<grid, d < 128 ? d : 128, 0, g.stream>>>(ei, kv->lend, kv->invd, d, kv->dk, g_owner.as<uint64_t>(),
+                                                                 self, kv->xrowsd);
+    LAUNCH_TRY("pruned keys expansion");
+    expand_done_kernel<<<1, 64, 0, g.stream>>>(g_owner.as<uint64_t>(), self, kv->xrowsd, kv->lend, Hkv);
     LAUNCH_TRY("pruned keys expansion");
     *table = kv->kxd;
     return KVC_OK;

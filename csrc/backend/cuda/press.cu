@@ -104,9 +104,9 @@ kvc_status topk(kvc_view scores, int32_t heads, const int64_t *len, const int64_
         if (k[h] > len[h] || len[h] > ld) st = fail(KVC_ERR_INTERNAL, "top-k: %lld of %lld rows", (long long)k[h], (long long)len[h]);
         if (st == KVC_OK) st = topk_rows(at<float>(scores) + (size_t)h * ld, len[h], k[h], g_rows.as<int32_t>(), g_topk_tmp);
         if (st == KVC_OK &&
-            cudaMemcpyAsync(host, g_rows.p, sizeof(int32_t) * k[h], cudaMemcpyDeviceToHost, g.stream) != cudaSuccess)
+            d2h(host, g_rows.p, sizeof(int32_t) * k[h]) != cudaSuccess)
             st = cuda_fail(cudaGetLastError(), "top-k copy");
-        if (st == KVC_OK && cudaStreamSynchronize(g.stream) != cudaSuccess) st = cuda_fail(cudaGetLastError(), "top-k");
+        if (st == KVC_OK && stream_wait() != cudaSuccess) st = cuda_fail(cudaGetLastError(), "top-k");
         for (int64_t i = 0; st == KVC_OK && i < k[h]; i++) keep[h][i] = host[i];
     }
     free(host);
@@ -118,8 +118,8 @@ kvc_status cos_sum(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *
         return fail(KVC_ERR_INTERNAL, "cos_sum: the residual stream must be f32 rows of D and O bf16");
     KVC_TRY(scratch(g_dsum, sizeof(double), "dissimilarity"));
     KVC_TRY(dissim_sum(at<float>(resid), at<bf16>(o), o.ld, rows, D, g_dsum.as<double>()));
-    CU_TRY(cudaMemcpyAsync(out, g_dsum.p, sizeof(double), cudaMemcpyDeviceToHost, g.stream), "dissimilarity");
-    CU_TRY(cudaStreamSynchronize(g.stream), "dissimilarity");
+    CU_TRY(d2h(out, g_dsum.p, sizeof(double)), "dissimilarity");
+    CU_TRY(stream_wait(), "dissimilarity");
     return KVC_OK;
 }
 

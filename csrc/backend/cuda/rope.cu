@@ -1,13 +1,15 @@
 /* Rotary position embedding in place on bf16 rows, and the append of new K/V rows to the ragged
  * cache. RoPE: for pair (a, b) and i < d/2, angle = pos * inv_freq[i] (in double, like the CPU
  * backend: positions reach 1e5+), a' = a cos - b sin, b' = a sin + b cos; KVC_ROPE_HALF pairs
- * (i, i + d/2), KVC_ROPE_ADJACENT (2i, 2i + 1). One block per token: cos/sin once, every head. */
+ * (i, i + d/2), KVC_ROPE_ADJACENT (2i, 2i + 1); cos and sin times mscale on the pairs that turn (a pair of frequency
+ * 0, the pass-through part of a partial rotary embedding, is left as it is). One block per token: cos/sin once,
+ * every head. */
 #include "common.cuh"
 
 namespace kvc {
 
 __global__ void rope_kernel(bf16 *x, int64_t ld, int64_t col0, int32_t heads, int32_t d, const int64_t *__restrict__ pos,
-                            const float *__restrict__ inv_freq, int32_t pairing) {
+                            const float *__restrict__ inv_freq, int32_t pairing, float mscale) {
     extern __shared__ float cs[]; /* [half] cos, then [half] sin */
     const int64_t t = blockIdx.x;
     const int32_t half = d / 2;
@@ -15,8 +17,9 @@ __global__ void rope_kernel(bf16 *x, int64_t ld, int64_t col0, int32_t heads, in
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double s, c;
         sincos((double)pos[t] * (double)inv_freq[i], &s, &c);
-        cs[i] = (float)c;
-        sn[i] = (float)s;
+        const double ms = inv_freq[i] != 0.0f ? (double)mscale : 1.0;
+        cs[i] = (float)(ms * c);
+        sn[i] = (float)(ms * s);
     }
     __syncthreads();
     bf16 *row = x + t * ld + col0;
@@ -31,10 +34,10 @@ __global__ void rope_kernel(bf16 *x, int64_t ld, int64_t col0, int32_t heads, in
 }
 
 kvc_status rope(bf16 *x, int64_t ld, int64_t col0, int64_t n, int32_t heads, int32_t d, const int64_t *pos,
-                const float *inv_freq, int32_t pairing) {
+                const float *inv_freq, int32_t pairing, float mscale) {
     if (n <= 0) return KVC_OK;
     if (n > 2147483647) return fail(KVC_ERR_ARG, "rope: too many tokens");
-    rope_kernel<<<(unsigned)n, 128, sizeof(float) * d, g.stream>>>(x, ld, col0, heads, d, pos, inv_freq, pairing);
+    rope_kernel<<<(unsigned)n, 128, sizeof(float) * d, g.stream>>>(x, ld, col0, heads, d, pos, inv_freq, pairing, mscale);
     LAUNCH_TRY("rope");
     return KVC_OK;
 }

@@ -13,13 +13,39 @@
  *   that moved since the capture is an error (the CUDA graph would read freed memory).
  * - Faults on demand (set_option "fail_after" n): the (n+1)-th device operation from then on fails
  *   once with KVC_ERR_DEVICE, as a CUDA error would, so tests can fail a call at every point and check
- *   that it loses nothing. */
+ *   that it loses nothing.
+ * - Host-device traffic is counted (traffic_stats) as the CUDA backend moves it at each entry: a copy between
+ *   host and device memory is a transfer, a wait for the stream a sync; the K/V entries' length checks and
+ *   table uploads and the graphs' waits included, the waits of frees aside. Tests assert the counts a layer's press
+ *   work takes. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "../cpu/host.h"
 
 static kvc_host_stats g_stats;
+
+/* ---- host-device traffic, as the CUDA backend moves it (calls are serialised) ---- */
+
+static int64_t g_traffic[KVC_XFER_N];
+
+static void traffic(int64_t downs, int64_t ups, int64_t syncs, int64_t down_bytes, int64_t up_bytes) {
+    g_traffic[KVC_XFER_DOWNLOADS] += downs;
+    g_traffic[KVC_XFER_UPLOADS] += ups;
+    g_traffic[KVC_XFER_SYNCS] += syncs;
+    g_traffic[KVC_XFER_DOWN_BYTES] += down_bytes;
+    g_traffic[KVC_XFER_UP_BYTES] += up_bytes;
+}
+static void emu_traffic(int64_t *out, int reset) {
+    memcpy(out, g_traffic, sizeof g_traffic);
+    if (reset) memset(g_traffic, 0, sizeof g_traffic);
+}
+/* the K/V entries read the device's lengths first (the CUDA store checks rows against them) */
+static void traffic_lens(const kvc_kv *kv) { traffic(1, 0, 1, (int64_t)sizeof(int32_t) * kv->Hkv, 0); }
+/* and upload the store's tables (head pointers twice, lengths) after a layout change */
+static void traffic_tables(const kvc_kv *kv) {
+    traffic(0, 3, 1, 0, (int64_t)(2 * sizeof(void *) + sizeof(int32_t)) * kv->Hkv);
+}
 
 /* ---- injected faults (calls are serialised: the core holds the device's lock) ---- */
 
@@ -32,7 +58,7 @@ static kvc_status fault(const char *what) {
 
 /* ---- graph recording ---- */
 
-enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM };
+enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM, OP_GEGLU, OP_SCALE };
 
 typedef struct op {
     int32_t kind, has_add;
@@ -73,24 +99,27 @@ static int record(op o) {
 
 static kvc_status run_op(const op *o) {
     static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu",
-                                        "head_rmsnorm"};
-    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_HEAD_NORM ? names[o->kind] : "a kernel"));
+                                        "head_rmsnorm", "geglu", "scale"};
+    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_SCALE ? names[o->kind] : "a kernel"));
     switch (o->kind) {
     case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
     case OP_MATMUL: return kvc_host_matmul_v(o->v[0], o->v[1], o->v[2], o->i[0], o->i[1], o->i[2], o->j[0]);
     case OP_BIAS: return kvc_host_add_bias_v(o->v[0], o->v[1], o->i[0], o->i[1]);
-    case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2]);
+    case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2], o->f);
     case OP_APPEND: return kvc_hkv_append(o->kv, o->v[0], o->i[0], o->i[1], o->i[2]);
     case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[2], o->v[1], o->j[1]);
     case OP_SWIGLU: return kvc_host_swiglu_v(o->v[0], o->i[0], o->i[1]);
     case OP_HEAD_NORM: return kvc_host_head_rmsnorm_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->f);
+    case OP_GEGLU: return kvc_host_geglu_v(o->v[0], o->i[0], o->i[1]);
+    case OP_SCALE: return kvc_host_scale_v(o->v[0], o->i[0], o->i[1], o->f);
     default: return kvc_fail(KVC_ERR_INTERNAL, "graph: unknown op %d", o->kind);
     }
 }
 
 static kvc_status emu_graph_capture(kvc_graph **g, kvc_status (*run)(void *), void *user) {
     if (g_rec) return kvc_fail(KVC_ERR_INTERNAL, "graph capture inside a capture");
+    traffic(0, 0, 1, 0, 0); /* CUDA waits for the stream before it captures */
     kvc_graph *ng = calloc(1, sizeof *ng);
     if (!ng) return kvc_fail(KVC_ERR_NOMEM, "out of memory: graph");
     g_rec = ng;
@@ -112,6 +141,7 @@ static kvc_status emu_graph_capture(kvc_graph **g, kvc_status (*run)(void *), vo
 }
 
 static kvc_status emu_graph_launch(kvc_graph *g) {
+    traffic(0, 0, 1, 0, 0); /* the replay is waited for */
     for (size_t i = 0; i < g->n; i++) {
         const op *o = &g->ops[i];
         for (int k = 0; k < 4; k++)
@@ -148,8 +178,8 @@ static kvc_status emu_add_bias(kvc_view y, kvc_view b, int64_t rows, int64_t dim
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
-                           int32_t pairing) {
-    op o = {.kind = OP_ROPE, .v = {x, pos, inv_freq}, .i = {col0, n}, .j = {heads, d, pairing}};
+                           int32_t pairing, float mscale) {
+    op o = {.kind = OP_ROPE, .v = {x, pos, inv_freq}, .i = {col0, n}, .j = {heads, d, pairing}, .f = mscale};
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
@@ -169,6 +199,14 @@ static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {
     op o = {.kind = OP_SWIGLU, .v = {gu}, .i = {rows, F}};
     return record(o) ? KVC_OK : run_op(&o);
 }
+static kvc_status emu_geglu(kvc_view gu, int64_t rows, int64_t F) {
+    op o = {.kind = OP_GEGLU, .v = {gu}, .i = {rows, F}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_scale(kvc_view x, int64_t rows, int64_t cols, float alpha) {
+    op o = {.kind = OP_SCALE, .v = {x}, .i = {rows, cols}, .f = alpha};
+    return record(o) ? KVC_OK : run_op(&o);
+}
 
 /* Work that cannot be part of a graph (it reads or writes host memory) is refused during a capture. */
 #define NOT_IN_GRAPH(what)                                                            \
@@ -179,11 +217,16 @@ static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {
 
 static kvc_status emu_upload(kvc_view dst, int64_t rows, int64_t cols, const void *src, int32_t t) {
     NOT_IN_GRAPH("upload");
-    return kvc_hbuf_upload(dst, rows, cols, src, t);
+    KVC_TRY(kvc_hbuf_upload(dst, rows, cols, src, t));
+    /* bf16 goes through device staging (no wait); other dtypes wait for the caller's pageable memory */
+    if (rows > 0 && cols > 0) traffic(0, 1, dst.buf->dtype != KVC_BF16, 0, rows * cols * (int64_t)kvc_dtype_size(t));
+    return KVC_OK;
 }
 static kvc_status emu_download(kvc_view src, int64_t rows, int64_t cols, void *dst, int32_t t) {
     NOT_IN_GRAPH("download");
-    return kvc_hbuf_download(src, rows, cols, dst, t);
+    KVC_TRY(kvc_hbuf_download(src, rows, cols, dst, t));
+    if (rows > 0 && cols > 0) traffic(1, 0, 1, rows * cols * (int64_t)kvc_dtype_size(t), 0);
+    return KVC_OK;
 }
 static kvc_status emu_score(const kvc_score_args *a) {
     NOT_IN_GRAPH("scoring");
@@ -191,24 +234,41 @@ static kvc_status emu_score(const kvc_score_args *a) {
 }
 static kvc_status emu_topk(kvc_view s, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep) {
     NOT_IN_GRAPH("top-k");
-    return kvc_host_topk_v(s, heads, len, k, keep);
+    KVC_TRY(kvc_host_topk_v(s, heads, len, k, keep));
+    for (int32_t h = 0; h < heads; h++) /* each head's rows come back on their own */
+        if (k[h] > 0) traffic(1, 0, 1, k[h] * (int64_t)sizeof(int32_t), 0);
+    return KVC_OK;
 }
 static kvc_status emu_cos_sum(kvc_view r, kvc_view o, int64_t rows, int64_t D, double *out) {
     NOT_IN_GRAPH("cos_sum");
-    return kvc_host_cos_sum_v(r, o, rows, D, out);
+    KVC_TRY(kvc_host_cos_sum_v(r, o, rows, D, out));
+    traffic(1, 0, 1, (int64_t)sizeof(double), 0);
+    return KVC_OK;
 }
 
 static kvc_status emu_kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src) {
     NOT_IN_GRAPH("a K/V resize");
-    return kvc_hkv_resize(kv, cap, rows, src);
+    KVC_TRY(kvc_hkv_resize(kv, cap, rows, src));
+    traffic_lens(src ? src : kv);
+    traffic(0, 0, 1, 0, 0); /* the copies' end */
+    traffic_tables(kv);
+    return KVC_OK;
 }
 static kvc_status emu_kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap) {
     NOT_IN_GRAPH("a K/V compaction");
-    return kvc_hkv_gather(kv, keep, n_keep, cap);
+    KVC_TRY(kvc_hkv_gather(kv, keep, n_keep, cap));
+    int64_t total = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) total += n_keep[h];
+    traffic_lens(kv);
+    traffic(0, 1, 2, 0, total * (int64_t)sizeof(int32_t)); /* the kept rows' indices; the copies' end, the call's */
+    traffic_tables(kv);
+    return KVC_OK;
 }
 static kvc_status emu_kv_set_lens(kvc_kv *kv, const int64_t *len) {
     NOT_IN_GRAPH("setting K/V lengths");
-    return kvc_hkv_set_lens(kv, len);
+    KVC_TRY(kvc_hkv_set_lens(kv, len));
+    traffic_tables(kv);
+    return KVC_OK;
 }
 static kvc_status emu_kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
     NOT_IN_GRAPH("a K/V key-channel pruning");
@@ -216,11 +276,37 @@ static kvc_status emu_kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx)
 }
 static kvc_status emu_kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
     NOT_IN_GRAPH("a K/V write");
-    return kvc_hkv_write(kv, h, row0, rows, k, v);
+    KVC_TRY(kvc_hkv_write(kv, h, row0, rows, k, v));
+    const int64_t passes = (k != NULL) + (v != NULL), bytes = rows * kv->d * (int64_t)sizeof(float);
+    if (rows > 0) traffic(0, passes, passes, 0, passes * bytes); /* K, then V: a copy and a wait each */
+    return KVC_OK;
 }
 static kvc_status emu_kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, float *k, float *v) {
     NOT_IN_GRAPH("a K/V read");
-    return kvc_hkv_read(kv, h, row0, rows, k, v);
+    KVC_TRY(kvc_hkv_read(kv, h, row0, rows, k, v));
+    const int64_t passes = (k != NULL) + (v != NULL), bytes = rows * kv->d * (int64_t)sizeof(float);
+    traffic_lens(kv);
+    if (rows > 0) traffic(passes, 0, passes, passes * bytes, 0);
+    return KVC_OK;
+}
+/* the batched entries: one copy through a pinned staging buffer and one wait for the whole layer */
+static kvc_status emu_kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v) {
+    NOT_IN_GRAPH("a K/V read");
+    KVC_TRY(kvc_hkv_read_heads(kv, row0, rows, k, v));
+    int64_t total = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) total += rows[h];
+    traffic_lens(kv);
+    if (total > 0 && (k || v)) traffic(1, 0, 1, total * kv->d * (int64_t)sizeof(float) * ((k != NULL) + (v != NULL)), 0);
+    return KVC_OK;
+}
+static kvc_status emu_kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v) {
+    NOT_IN_GRAPH("a K/V write");
+    KVC_TRY(kvc_hkv_write_rows(kv, idx, n, k, v));
+    int64_t total = 0;
+    for (int32_t h = 0; h < kv->Hkv; h++) total += n[h];
+    const int64_t row_bytes = kv->d * (int64_t)sizeof(float) * ((k != NULL) + (v != NULL)) + (int64_t)sizeof(int32_t);
+    if (total > 0 && (k || v)) traffic(0, 1, 1, 0, total * row_bytes); /* the rows with their indices */
+    return KVC_OK;
 }
 
 /* ---- the rest of the table ---- */
@@ -230,7 +316,11 @@ static const char *emu_gemm(void) { return "cpu kernels on bf16-rounded operands
 static void emu_memory(int64_t *out) { kvc_host_stats_read(&g_stats, out); }
 static void emu_reset_peak(void) { kvc_host_stats_reset_peak(&g_stats); }
 /* nothing is asynchronous here; the entry exists so the engine's end-of-call path runs as on a device */
-static kvc_status emu_sync(void) { return fault("sync"); }
+static kvc_status emu_sync(void) {
+    KVC_TRY(fault("sync"));
+    traffic(0, 0, 1, 0, 0);
+    return KVC_OK;
+}
 static kvc_status emu_option(const char *name, int value) {
     if (!strcmp(name, "fail_after")) {
         g_fault_in = value < 0 ? -1 : value;
@@ -238,6 +328,8 @@ static kvc_status emu_option(const char *name, int value) {
     }
     /* the CUDA backend's settings, accepted so the same tests run here; one set of kernels underneath */
     if ((!strcmp(name, "builtin_gemm") || !strcmp(name, "attention_kernel")) && (value == 0 || value == 1)) return KVC_OK;
+    if (!strcmp(name, "attention_kernel") && value == 2) /* as CUDA answers where cuDNN cannot load */
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "cuDNN attention is not available: the emulated device runs the CPU kernels");
     return kvc_fail(KVC_ERR_ARG, "unknown setting '%s' = %d for the emulated device", name, value);
 }
 static kvc_status emu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
@@ -266,6 +358,7 @@ static const kvc_backend g_emulated = {
     .reset_peak = emu_reset_peak,
     .sync = emu_sync,
     .set_option = emu_option,
+    .traffic_stats = emu_traffic,
     .alloc = emu_alloc,
     .free = kvc_hbuf_free,
     .upload = emu_upload,
@@ -281,6 +374,8 @@ static const kvc_backend g_emulated = {
     .kv_prune_keys = emu_kv_prune_keys,
     .kv_write = emu_kv_write,
     .kv_read = emu_kv_read,
+    .kv_read_heads = emu_kv_read_heads,
+    .kv_write_rows = emu_kv_write_rows,
     .embed = emu_embed,
     .rmsnorm = emu_rmsnorm,
     .matmul = emu_matmul,
@@ -290,6 +385,8 @@ static const kvc_backend g_emulated = {
     .head_rmsnorm = emu_head_rmsnorm,
     .attention = emu_attention,
     .swiglu = emu_swiglu,
+    .geglu = emu_geglu,
+    .scale = emu_scale,
     .score = emu_score,
     .topk = emu_topk,
     .cos_sum = emu_cos_sum,

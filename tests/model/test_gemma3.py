@@ -1,0 +1,332 @@
+"""Gemma 3 text (Gemma3ForCausalLM) against HF transformers in fp32 on tiny random models the test writes:
+sliding and full layers interleaved, each on its own RoPE (linear scaling on the full ones), prompts longer
+than the window, q/k norms, the four layer norms with Gemma's 1 + w, GeGLU (tanh GELU), the embedding scale,
+query_pre_attn_scalar, tied embeddings; greedy continuations."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvpress_c  # noqa: E402
+from gemma3_models import GGUF_SHAPE, LAYERS, PERIOD, WINDOW, write_gemma3_gguf, write_tiny_gemma3  # noqa: E402
+
+TOL = 1e-5  # the issue's bound; measured figures printed by each test
+
+
+def rel_err(ours, ref):
+    return float(np.max(np.abs(ours.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@pytest.fixture(params=[4.0, 0.0], ids=["linear4", "plain"])
+def gemma3(request, tmp_path_factory, rng):
+    seed = int(rng.integers(1 << 31))
+    print(f"seed {seed}")
+    return write_tiny_gemma3(str(tmp_path_factory.mktemp("gemma3")), seed=seed, linear=request.param), seed
+
+
+def test_config(gemma3):
+    c = kvpress_c.load_model(gemma3[0]).config
+    assert c["arch"] == "gemma3" and c["head_dim"] == 16 and c["n_layers"] == LAYERS
+    assert c["sliding_window"] == WINDOW and c["window_period"] == PERIOD and c["window_first_layer"] == 0
+    assert c["rope_theta"] == 1e6 and c["rope_local_theta"] == 10000.0
+    assert c["attn_scale"] == pytest.approx(24 ** -0.5, rel=1e-7) and c["embed_scale"] == pytest.approx(8.0)
+    assert c["mlp_act"] == "gelu_tanh" and c["post_norms"] and c["tied_embeddings"]
+
+
+@pytest.mark.parametrize("n", [10, 70])  # inside the window (16) and well past it
+def test_logits_match_hf(gemma3, rng, n):
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    ids = rng.integers(3, 256, size=n).tolist()
+    err = rel_err(model.logits(ids), hf_logits(hf, ids))
+    print(f"n {n} (seed {seed}): max relative logit error {err:.2e}")
+    assert err < TOL
+
+
+def test_decode_over_the_cache_matches_hf(gemma3, rng):
+    """A prefill of 30, then one token at a time to 60: the sliding layers' window moves over the cache."""
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    ids = rng.integers(3, 256, size=60).tolist()
+    ref = []
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:30]]), use_cache=True)
+        ref.append(out.logits[0].double().numpy())
+        for t in ids[30:]:
+            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+            ref.append(out.logits[0].double().numpy())
+    s = model.new_session()
+    ours = [s.forward(ids[:30], logits="all")] + [s.forward([t])[None] for t in ids[30:]]
+    err = rel_err(np.concatenate(ours), np.concatenate(ref))
+    print(f"(seed {seed}): prefill 30 + 30 decode steps {err:.2e}")
+    assert err < TOL
+
+
+def test_greedy_matches_hf(gemma3, rng):
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    prompt = rng.integers(3, 256, size=40).tolist()
+    ours = model.generate(prompt, max_new_tokens=16, stop_ids=[])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = out[0, len(prompt):].tolist()
+    # equal unless HF's own rows have a near tie (1e-5 of the row's scale) on the way
+    with torch.no_grad():
+        rows = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].double().numpy()
+    near_tie = any(np.sort(r)[-1] - np.sort(r)[-2] < 1e-5 * np.abs(r).max() for r in rows)
+    assert ours == ref or near_tie, f"ours {ours} vs HF {ref} (seed {seed})"
+
+
+def hf_full_cache_keys(hf, ids):
+    """HF's cached keys [Hkv, n, d] of each layer after a prefill (the full layers hold every row; transformers'
+    sliding layers keep only their last window - 1)."""
+    cache = transformers.DynamicCache(config=hf.config)
+    with torch.no_grad():
+        hf(torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return [lay.keys[0].double().numpy() for lay in cache.layers]
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9])
+def test_presses_act_on_full_layers_only(gemma3, rng, ratio):
+    """kvpress compresses Gemma 3 on its full-attention layers only (its hooks skip the layers with is_sliding):
+    so do we. KnormPress's kept set on the full layers is the float64 reference's from HF's cached keys (the
+    top n_kept of -||k|| per head); the sliding layers keep every row."""
+    path, seed = gemma3
+    hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
+    n = 60
+    ids = rng.integers(3, 256, size=n).tolist()
+    keys = hf_full_cache_keys(hf, ids)
+    s = model.new_session()
+    s.set_press(**kvpress_c.KnormPress(compression_ratio=ratio).c_config())
+    s.forward(np.array(ids, dtype=np.int32), logits="last")
+    n_kept = int(n * (1 - ratio))
+    for l in range(LAYERS):
+        full = (l + 1) % PERIOD == 0
+        for h in range(keys[l].shape[0]):
+            kept = set(s.cache_positions(l, h).tolist())
+            if not full:
+                assert kept == set(range(n)), f"sliding layer {l} head {h} was compressed"
+                continue
+            score = -np.linalg.norm(keys[l][h], axis=-1)
+            ref = set(np.argsort(-score, kind="stable")[:n_kept].tolist())
+            assert kept == ref, f"full layer {l} head {h} (seed {seed})"
+
+
+@pytest.mark.parametrize("linear", [8.0, 0.0])
+def test_gguf_matches_hf(tmp_path, rng, linear):
+    """The same weights as a GGUF 'gemma3' file (llama.cpp's names and metadata; it fixes every 6th layer full
+    and the attention scale at 1/sqrt(head_dim), so the model is made that way): the same logits."""
+    pytest.importorskip("gguf")
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_gemma3(str(tmp_path / "hf"), seed=seed, linear=linear, **GGUF_SHAPE)
+    g = kvpress_c.load_model(write_gemma3_gguf(path, str(tmp_path / "model.gguf")), weights="fp32")
+    c = g.config
+    assert c["arch"] == "gemma3" and c["window_period"] == 6 and c["sliding_window"] == WINDOW
+    ids = rng.integers(3, 256, size=70).tolist()
+    ref = hf_logits(hf_model(path), ids)
+    err = rel_err(g.logits(ids), ref)
+    err_hf = rel_err(kvpress_c.load_model(path, weights="fp32").logits(ids), ref)
+    print(f"linear {linear} (seed {seed}): GGUF {err:.2e}, HF folder {err_hf:.2e}")
+    assert err < TOL and err_hf < TOL
+
+
+def edit_config(path, drop=(), **set_):
+    import json
+    import os
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    for k in drop:
+        cfg.pop(k, None)
+    cfg.update(set_)
+    json.dump(cfg, open(f, "w"))
+    return path
+
+
+def test_older_config_form_reads_the_same(tmp_path, rng):
+    """Configs on the Hub before transformers 5: rope_theta, rope_local_base_freq, rope_scaling {linear} and
+    sliding_window_pattern instead of layer_types and rope_parameters. transformers reads both forms the same;
+    so do we."""
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_gemma3(str(tmp_path / "g3"), seed=seed, linear=4.0)
+    ids = rng.integers(3, 256, size=50).tolist()
+    new = kvpress_c.load_model(path, weights="fp32")
+    ours_new, cfg_new = new.logits(ids), new.config
+    edit_config(path, drop=("layer_types", "rope_parameters"), rope_theta=1e6, rope_local_base_freq=10000.0,
+                rope_scaling={"rope_type": "linear", "factor": 4.0}, sliding_window_pattern=PERIOD)
+    old = kvpress_c.load_model(path, weights="fp32")
+    assert old.config == cfg_new
+    np.testing.assert_array_equal(old.logits(ids), ours_new)
+    err = rel_err(old.logits(ids), hf_logits(hf_model(path), ids))
+    print(f"older config form (seed {seed}): {err:.2e}")
+    assert err < TOL
+
+
+@pytest.mark.parametrize("edit,exc,match", [
+    (dict(attn_logit_softcapping=50.0), NotImplementedError, "attn_logit_softcapping is set"),
+    (dict(final_logit_softcapping=30.0), NotImplementedError, "final_logit_softcapping is set"),
+    (dict(hidden_activation="gelu"), NotImplementedError, "hidden_activation 'gelu'"),
+    (dict(use_bidirectional_attention=True), NotImplementedError, "use_bidirectional_attention"),
+    (dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+     NotImplementedError, "every P-th layer full"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     ValueError, "sliding_attention.rope_type"),
+])
+def test_what_gemma3_refuses(tmp_path, edit, exc, match):
+    path = edit_config(write_tiny_gemma3(str(tmp_path / "g3")), **edit)
+    with pytest.raises(exc, match=match):
+        kvpress_c.load_model(path)
+
+
+def test_whole_cache_methods_refused(gemma3, rng):
+    """KVzip, KVCompose and TAKE select over every layer's cache at once; with presses on the full layers only
+    they are not defined on Gemma 3 yet (kvpress's KVzip refuses Gemma 3): a clear error, not scores of layers
+    never measured."""
+    model = kvpress_c.load_model(gemma3[0])
+    ids = rng.integers(3, 256, size=40).astype(np.int32)
+    s = model.new_session()
+    s.forward(ids, logits="none")
+    with pytest.raises(NotImplementedError, match="KVzip selects over every layer"):
+        kvpress_c.KVzipPress(compression_ratio=0.5).scores(s, ids)
+    with pytest.raises(NotImplementedError, match="KVzip selects over every layer"):
+        s.kvzip_evict(np.zeros((LAYERS, 2, 40), np.float32), 0.5)
+    with pytest.raises(NotImplementedError, match="TAKE selects over every layer"):
+        model.new_session().prefill_take(ids, ids[-8:], 16, chunk_size=16)
+
+
+GEMMA3_FUZZ = r'''
+import ctypes, json, os, random, sys
+lib = ctypes.CDLL(sys.argv[1]); lib.kvc_last_error.restype = ctypes.c_char_p
+lib.kvc_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+lib.kvc_model_free.argtypes = [ctypes.c_void_p]
+folder, seed, n = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(seed)
+path = os.path.join(folder, 'config.json')
+BASE = json.load(open(path))
+KEYS = ['layer_types', 'sliding_window', 'sliding_window_pattern', 'rope_parameters', 'rope_scaling', 'rope_theta',
+        'rope_local_base_freq', 'query_pre_attn_scalar', 'hidden_activation', 'hidden_act', 'attn_logit_softcapping',
+        'final_logit_softcapping', 'use_bidirectional_attention', 'head_dim', 'tie_word_embeddings', 'num_hidden_layers']
+VALUES = [0, -1, 1, 2, 3, 7, 2**31, 2**63, 1e300, -1e-300, 0.5, 'x', '', None, True, [], [1, 2], {}, {'a': 1},
+          ['sliding_attention'] * 5, ['full_attention'] * 5, ['sliding_attention', 7, None, 'x', 'full_attention'],
+          {'full_attention': {'rope_type': 'linear'}}, {'sliding_attention': {'rope_type': 'yarn', 'factor': 2}},
+          {'full_attention': {'rope_type': 'linear', 'factor': -1}, 'sliding_attention': 3}, 'gelu_pytorch_tanh']
+counts = {'loaded': 0, 'rejected': 0}
+for i in range(n):
+    cfg = json.loads(json.dumps(BASE))
+    for _ in range(rng.randint(1, 3)):
+        k = rng.choice(KEYS)
+        if rng.random() < 0.15:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = rng.choice(VALUES)
+    json.dump(cfg, open(path, 'w'))
+    m = ctypes.c_void_p()
+    st = lib.kvc_model_load(folder.encode(), ctypes.byref(m))
+    if st == 0:
+        counts['loaded'] += 1; lib.kvc_model_free(m)
+    else:
+        counts['rejected'] += 1
+        msg = lib.kvc_last_error()
+        assert 1 <= st <= 7 and not m.value, (i, cfg, st)
+        assert msg and len(msg) > 10, f'case {i}: status {st} without a message'
+print(f"{n} configs (seed {seed}): {counts['rejected']} rejected with a message, {counts['loaded']} loaded")
+'''
+
+
+def test_fuzz_gemma3_configs_never_crash(tmp_path, rng):
+    """Random values in Gemma 3's own config keys: every one loads or is refused with a message (a subprocess,
+    so a crash fails the test)."""
+    import subprocess
+    import sys
+
+    from kvpress_c._paths import core_library_path
+    seed = int(rng.integers(1 << 30))
+    folder = write_tiny_gemma3(str(tmp_path / "g3"), seed=seed)
+    script = tmp_path / "fuzz.py"
+    script.write_text(GEMMA3_FUZZ)
+    n = 300
+    res = subprocess.run([sys.executable, str(script), core_library_path(), folder, str(seed), str(n)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"fuzzer failed (seed {seed}): rc={res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    print(res.stdout)
+    assert f"{n} configs (seed {seed})" in res.stdout
+
+
+def test_embedding_scale_in_the_embeddings_dtype(tmp_path, rng):
+    """transformers multiplies the embeddings by sqrt(hidden) cast to the embedding's dtype: sqrt(80) = 8.944 is
+    8.9375 in bf16. A bf16 folder held natively (bf16 embedding) uses the bf16 value, as transformers running it
+    in bf16; converted to fp32, the fp32 value, as transformers running it in fp32 (logits checked there)."""
+    path = write_tiny_gemma3(str(tmp_path / "g3"), seed=int(rng.integers(1 << 31)), dtype=torch.bfloat16, hidden=80)
+    want_bf16 = float(torch.tensor(80 ** 0.5).to(torch.bfloat16))
+    assert want_bf16 == 8.9375
+    native, fp32 = kvpress_c.load_model(path), kvpress_c.load_model(path, weights="fp32")
+    assert native.config["embed_scale"] == want_bf16
+    assert fp32.config["embed_scale"] == pytest.approx(80 ** 0.5, rel=1e-7)
+    ids = rng.integers(3, 256, size=30).tolist()
+    err = rel_err(fp32.logits(ids), hf_logits(hf_model(path), ids))
+    print(f"bf16 folder, fp32 on both sides: {err:.2e}")
+    assert err < TOL
+
+
+def test_native_f16_gguf(tmp_path, rng):
+    """F16 matrices in their file's type (GGUF 'gemma3'): the native load and the fp32-converted one agree with
+    each other and with HF to F16's rounding."""
+    pytest.importorskip("gguf")
+    path = write_tiny_gemma3(str(tmp_path / "hf"), seed=int(rng.integers(1 << 31)), **GGUF_SHAPE)
+    g = write_gemma3_gguf(path, str(tmp_path / "f16.gguf"), weight_type="F16")
+    native, fp32 = kvpress_c.load_model(g), kvpress_c.load_model(g, weights="fp32")
+    assert native.config["native_matrices"] > 0
+    ids = rng.integers(3, 256, size=60).tolist()
+    ref = hf_logits(hf_model(path), ids)
+    a, b = native.logits(ids), fp32.logits(ids)
+    ea, eb = rel_err(a, b.astype(np.float64)), rel_err(b, ref)
+    print(f"F16 GGUF: fp32-converted vs HF {eb:.2e}, native vs fp32-converted {ea:.2e}")
+    # measured: F16 weights against HF's fp32 1.3e-3; native against fp32-converted 0 here (F16 decodes exactly to
+    # fp32); the bounds are test_phi3.py's for the same file types
+    assert eb < 1e-2 and ea < 2e-2
+
+
+@pytest.mark.parametrize("old_names", [False, True], ids=["transformers5-names", "older-names"])
+def test_multimodal_folder_runs_its_text_model(gemma3, tmp_path, rng, old_names):
+    """Gemma 3 4B/12B/27B come as Gemma3ForConditionalGeneration folders (model_type 'gemma3', a text_config,
+    the language model's tensors under model.language_model. or, before transformers 4.52, language_model.model.):
+    we run the text model, the same logits as the text-only folder's."""
+    from gemma3_models import write_tiny_gemma3_multimodal
+    text_dir, seed = gemma3
+    mm_dir = write_tiny_gemma3_multimodal(text_dir, str(tmp_path / "mm"), old_names=old_names)
+    ids = rng.integers(3, 256, size=50).tolist()
+    a = kvpress_c.load_model(mm_dir, weights="fp32")
+    b = kvpress_c.load_model(text_dir, weights="fp32")
+    assert a.config == b.config
+    np.testing.assert_array_equal(a.logits(ids), b.logits(ids))
+    err = rel_err(a.logits(ids), hf_logits(hf_model(text_dir), ids))
+    print(f"multimodal folder (seed {seed}): {err:.2e}")
+    assert err < TOL
+
+
+def test_linear_rope_scaling_on_llama(tmp_path, rng):
+    """'linear' RoPE scaling, read for Gemma 3's full layers, is transformers' generic one: on a llama folder too."""
+    import json
+    import os
+
+    from hf_models import write_tiny_model
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_model(str(tmp_path / "llama"), arch="llama", seed=seed)
+    f = os.path.join(path, "config.json")
+    cfg = json.load(open(f))
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    json.dump(cfg, open(f, "w"))
+    ids = rng.integers(3, 256, size=80).tolist()
+    err = rel_err(kvpress_c.load_model(path, weights="fp32").logits(ids), hf_logits(hf_model(path), ids))
+    print(f"llama, linear 4 (seed {seed}): {err:.2e}")
+    assert err < TOL
