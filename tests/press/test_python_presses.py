@@ -1,7 +1,8 @@
 """Presses written in Python run inside the engine (kvpress_c/presses/python_press.py, csrc/press/scorers/
-callback.c): Python re-implementations of Knorm, KeyDiff, TOVA and SnapKV (python_presses.py, float64 NumPy
-from docs/METHODS.md) keep the rows of the C presses, alone and under AdaKVPress, ChunkKVPress, DecodingPress
-and TAKE, on the CPU and the emulated device; where the kept sets differ, the rows that differ tie."""
+callback.c): Python re-implementations of Knorm, KeyDiff, TOVA, SnapKV and ExpectedAttention (python_presses.py,
+float64 NumPy from docs/METHODS.md) keep the rows of the C presses, alone and under AdaKVPress, ChunkKVPress,
+DecodingPress (alone and over AdaKV: heads of different lengths) and TAKE, on the CPU and the emulated device;
+where the kept sets differ, the rows that differ must tie."""
 import numpy as np
 import pytest
 
@@ -44,6 +45,9 @@ def wrap(kind, make, ratio):
         return K.ChunkKVPress(make(compression_ratio=ratio), chunk_length=8)
     if kind == "decoding":
         return K.DecodingPress(make(), compression_interval=20, target_size=max(keep, 24), hidden_states_buffer_size=32)
+    if kind == "decoding_adakv":  # Ada-KV's uneven heads: the view pads them (layer.lengths)
+        return K.DecodingPress(K.AdaKVPress(make()), compression_interval=20, target_size=max(keep, 24),
+                               hidden_states_buffer_size=32)
     if kind == "take":
         return K.TAKEPress(budget=keep, chunk_size=64, press=make())
     raise AssertionError(kind)
@@ -66,10 +70,12 @@ def kept(model, press, ids, n_decode=45):
 
 
 def inner(press):
-    return getattr(press, "base_press", None) or getattr(press, "press", None) or press
+    while not hasattr(press, "recorded"):
+        press = getattr(press, "base_press", None) or press.press
+    return press
 
 
-@pytest.mark.parametrize("kind", ["alone", "adakv", "chunkkv", "decoding", "take"])
+@pytest.mark.parametrize("kind", ["alone", "adakv", "chunkkv", "decoding", "decoding_adakv", "take"])
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_python_press_keeps_the_c_press_rows(model, ids, name, ratio, kind):
@@ -78,12 +84,15 @@ def test_python_press_keeps_the_c_press_rows(model, ids, name, ratio, kind):
     got, want = kept(model, ours, ids), kept(model, theirs, ids)
     recorded = inner(ours).recorded
     assert recorded, "the Python press was never called"
+    if kind == "decoding_adakv" and name != "tova":  # TOVA's scores are the layer's: Ada-KV keeps its heads even
+        # the last compression scored heads of different lengths (the previous one's Ada-KV split), padded
+        assert any(len(set(lens.tolist())) > 1 for lens, _ in recorded.values())
     for l, (gl, wl) in enumerate(zip(got, want)):
         for h, (g, w) in enumerate(zip(gl, wl)):
             if np.array_equal(g, w):
                 continue
             # the sets differ: only where the prefill's rows are its positions can the scores say they tie
-            assert kind not in ("decoding", "take"), (l, h, np.setxor1d(g, w))
+            assert kind not in ("decoding", "decoding_adakv", "take"), (l, h, np.setxor1d(g, w))
             lens, s = recorded[l]
             a, b = np.setdiff1d(g, w), np.setdiff1d(w, g)
             assert len(a) == len(b), (l, h, a, b)
