@@ -14,7 +14,12 @@ import os
 import sys
 import time
 
-import numpy as np
+# The Python presses' NumPy matmuls run on OpenBLAS's own pool: give it the engines' thread count (a second pool
+# of threads on the same cores made the Python SnapKV 5x slower on the 2-core machine, measured)
+if "--threads" in sys.argv[:-1] and sys.argv[sys.argv.index("--threads") + 1] != "0":
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", sys.argv[sys.argv.index("--threads") + 1])
+
+import numpy as np  # noqa: E402
 
 # run from a checkout without installing: the package is one folder up
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,7 +61,15 @@ def presses_ours(ratio):
         "Chunk(KeyDiff)": k.ChunkPress(k.KeyDiffPress(compression_ratio=ratio)),
         "SimLayerKV": k.SimLayerKVPress(lazy_threshold=0.5),
         "EntropyGatedChunkKV(SnapKV)": k.EntropyGatedChunkKVPress(k.SnapKVPress(compression_ratio=ratio)),
+        # issue 26: the same scorers written in Python (tests/press/python_presses.py, NumPy), run by the engine
+        **python_presses(ratio),
     }
+
+
+def python_presses(ratio):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "press"))
+    from python_presses import PyKnorm, PySnapKV
+    return {"Python Knorm": PyKnorm(compression_ratio=ratio), "Python SnapKV": PySnapKV(compression_ratio=ratio, window_size=64)}
 
 
 def hub_files(folder, model, seed=0):
@@ -140,6 +153,8 @@ def presses_kvpress(ratio):
         "Chunk(KeyDiff)": kp.ChunkPress(kp.KeyDiffPress(compression_ratio=ratio)),
         "SimLayerKV": kp.SimLayerKVPress(lazy_threshold=0.5),
         "EntropyGatedChunkKV(SnapKV)": kp.EntropyGatedChunkKVPress(kp.SnapKVPress(compression_ratio=ratio)),
+        "Python Knorm": kp.KnormPress(compression_ratio=ratio),  # kvpress's own, for the row of our Python one
+        "Python SnapKV": kp.SnapKVPress(compression_ratio=ratio),
     }
 
 

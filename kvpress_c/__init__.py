@@ -10,6 +10,7 @@ from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
 from . import presses as _presses
 from .presses import *  # noqa: F401,F403  (every press of kvpress_c/presses/, discovered there)
+from .presses.from_kvpress import from_kvpress  # kvpress's own ScorerPresses inside the engine
 
 __version__ = _core.__version__
 
@@ -98,7 +99,7 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
     return memory_stats("cuda", reset_peak)
 
 
-__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", *_presses.__all__, "default_model_path",
+__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", *_presses.__all__, "from_kvpress", "default_model_path",
            "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
            "device_traffic",
            "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

@@ -124,6 +124,13 @@ extern PyMethodDef kvc_py_press_methods[];
 kvc_decoding_config *kvc_py_decoding_config(PyObject *kwargs);
 int kvc_py_press_constants(PyObject *module);
 
+/* presses/pyscorer.c: presses written in Python (the module's kvc_scorer_callback) */
+extern PyMethodDef kvc_py_pyscorer_methods[];
+/* Raise this thread's kept exception of a failed Python press when the C failure is its; 1 if raised, else 0. */
+int kvc_py_raise_pending(void);
+/* Whether this thread's last raised failure was a Python press's exception. */
+int kvc_py_press_raised(void);
+
 /* judgeq.c, device.c */
 extern PyMethodDef kvc_py_judgeq_methods[];
 extern PyMethodDef kvc_py_device_methods[];

@@ -26,7 +26,10 @@ static int Session_init(SessionObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "Session is already initialised");
         return -1;
     }
-    kvc_status st = kvc_session_new(mo->model, capacity, &self->session);
+    kvc_status st;
+    Py_BEGIN_ALLOW_THREADS /* the device's lock: see attach_nogil */
+    st = kvc_session_new(mo->model, capacity, &self->session);
+    Py_END_ALLOW_THREADS
     if (st != KVC_OK) {
         kvc_py_raise(st);
         return -1;
@@ -39,7 +42,9 @@ static int Session_init(SessionObject *self, PyObject *args, PyObject *kwds) {
 static void Session_dealloc(SessionObject *self) {
     PyTypeObject *tp = Py_TYPE(self);
     PyObject_GC_UnTrack(self);
+    Py_BEGIN_ALLOW_THREADS /* the device's lock: see attach_nogil */
     kvc_session_free(self->session);
+    Py_END_ALLOW_THREADS
     Py_CLEAR(self->model);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -121,9 +126,17 @@ static PyObject *Session_forward(SessionObject *self, PyObject *args, PyObject *
     }
     if (row != KVC_ROW_NONE && !logits) goto fail;
     int rc;
+    const int64_t pos0 = kvc_session_position(self->session);
     KVC_PY_CALL(self, rc, kvc_forward_ex(self->session, ids ? (const int32_t *)PyArray_DATA(ids) : NULL, n_ids,
                                          emb ? (const float *)PyArray_DATA(emb) : NULL, n_emb, row,
                                          logits ? (float *)PyArray_DATA(logits) : NULL));
+    /* a Python press raised in a prefill from an empty session: the session is empty again, as before the call
+     * (the rows earlier layers evicted were all this call's), and usable without reset() */
+    if (rc < 0 && pos0 == 0 && kvc_py_press_raised()) {
+        Py_BEGIN_ALLOW_THREADS /* the reset takes the device's lock, which a forward in a Python press may hold */
+        kvc_session_reset(self->session);
+        Py_END_ALLOW_THREADS
+    }
     if (rc < 0) goto fail;
     Py_XDECREF(ids);
     Py_XDECREF(emb);
@@ -213,7 +226,11 @@ static PyObject *Session_set_position(SessionObject *self, PyObject *arg) {
 
 static PyObject *Session_reset(SessionObject *self, PyObject *unused) {
     if (kvc_py_check_session(self) < 0) return NULL;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS /* the device's lock: see attach_nogil */
     kvc_session_reset(self->session);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
     Py_RETURN_NONE;
 }
 
@@ -231,18 +248,27 @@ static PyObject *Session_cache_lengths(SessionObject *self, PyObject *unused) {
 }
 
 
+/* Attaching frees the press it replaces under the device's lock, which a forward running a Python press in
+ * another thread may hold while it waits for the GIL: the GIL is released (KVC_PY_CALL) around it. */
+static PyObject *attach_nogil(SessionObject *self, const kvc_press_spec *spec) {
+    int rc;
+    KVC_PY_CALL(self, rc, kvc_session_attach_press(self->session, spec));
+    if (rc < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* set_press(None) or set_press(**settings): the same path as attach_press(PressSpec(**settings)). */
 static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject *kwds) {
     if (kvc_py_check_session(self) < 0) return NULL;
     if (PyTuple_GET_SIZE(args) == 1 && PyTuple_GET_ITEM(args, 0) == Py_None && (!kwds || PyDict_GET_SIZE(kwds) == 0))
-        return kvc_py_none(kvc_session_attach_press(self->session, NULL));
+        return attach_nogil(self, NULL);
     if (PyTuple_GET_SIZE(args) != 0) {
         PyErr_SetString(PyExc_TypeError, "set_press takes None or keyword arguments (the fields of kvc_press_config)");
         return NULL;
     }
     kvc_press_spec *spec = kvc_py_press_spec_from(kwds);
     if (!spec) return NULL;
-    PyObject *res = kvc_py_none(kvc_session_attach_press(self->session, spec));
+    PyObject *res = attach_nogil(self, spec);
     kvc_press_spec_free(spec);
     return res;
 }
@@ -250,14 +276,14 @@ static PyObject *Session_set_press(SessionObject *self, PyObject *args, PyObject
 /* attach_press(spec): a PressSpec's press compresses the next prefill (the spec is copied); None detaches. */
 static PyObject *Session_attach_press(SessionObject *self, PyObject *arg) {
     if (kvc_py_check_session(self) < 0) return NULL;
-    if (arg == Py_None) return kvc_py_none(kvc_session_attach_press(self->session, NULL));
+    if (arg == Py_None) return attach_nogil(self, NULL);
     PyObject *module = PyType_GetModuleByDef(Py_TYPE(self), &kvc_core_module);
     if (!module) return NULL;
     if (!PyObject_TypeCheck(arg, get_state(module)->press_spec_type)) {
         PyErr_Format(PyExc_TypeError, "attach_press() takes a PressSpec or None, not %.100s", Py_TYPE(arg)->tp_name);
         return NULL;
     }
-    return kvc_py_none(kvc_session_attach_press(self->session, ((PressSpecObject *)arg)->spec));
+    return attach_nogil(self, ((PressSpecObject *)arg)->spec);
 }
 
 static PyObject *Session_get_decoding_compressions(SessionObject *self, void *c) {

@@ -237,6 +237,49 @@ KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, i
  * struct. The scorers, allocations and safeguards are names too ("snapkv", "pyramid", "protect": the choices of
  * kvc_press_param_info's "scorer", "allocation" and "safeguard"). */
 
+/* ---- A scorer the caller gives: a C function the engine calls for every layer it compresses ----
+ * With scorer "callback" (its scores ranked by the press's allocation), "callback_window" (the same, the last
+ * `window` rows of every head protected, as SnapKV's), "callback_stats" (the same, a decoding press buffering every
+ * row's query for it: statistics of all queries, as ExpectedAttention's) or "callback_select" (it chooses the kept
+ * rows itself: keep, n_keep), the engine calls `callback` once per layer, at every compression (prefill, TAKE's chunks, a decoding
+ * press's intervals), on the calling thread. Everything in the view is valid during the call only; arrays are
+ * host fp32, row-major, with the sizes beside them. The callback returns 0, or nonzero to fail the forward (the
+ * call is rolled back; message, if it wrote one, is the error's text). */
+enum {
+    KVC_VIEW_VALUES = 1 << 0,     /* values */
+    KVC_VIEW_QUERIES = 1 << 1,    /* the window queries after RoPE */
+    KVC_VIEW_HIDDEN = 1 << 2,     /* the layer's normed input rows of this call */
+    KVC_VIEW_ATTENTIONS = 1 << 3, /* the window queries' attention over every row (softmax, causal) */
+    KVC_VIEW_ALL_QUERIES = 1 << 4, /* the window is every query of the call (ExpectedAttention's statistics), not
+                                    * the config's window (which TAKE sets to its probes) */
+};
+typedef struct kvc_scorer_view {
+    int32_t layer, n_layers;       /* the layer scored, of how many */
+    int32_t n_heads, n_kv_heads, head_dim, hidden_dim;
+    int32_t device;                /* the session's kvc_device */
+    const int64_t *len;            /* [n_kv_heads] rows each head holds (heads may differ: Ada-KV, decoding) */
+    int64_t max_len;               /* the row stride of keys, values, attentions, scores and keep */
+    const float *keys;             /* [n_kv_heads, max_len, head_dim]; rows past len[h] are zeros */
+    const float *values;           /* the same (KVC_VIEW_VALUES), else NULL */
+    int64_t n_call;                /* rows this forward call appended (the last n_call rows of a prefill's heads) */
+    const int64_t *positions;      /* [n_call] their positions */
+    int32_t window;                /* w: the call's last queries the scorer reads (the config's window, >= 1 if asked) */
+    const float *queries;          /* [w, n_heads, head_dim] after RoPE (KVC_VIEW_QUERIES), else NULL */
+    const float *hidden;           /* [n_call, hidden_dim] (KVC_VIEW_HIDDEN), else NULL */
+    const float *attentions;       /* [n_heads, w, max_len]: window query i sees head rows < len - w + i + 1 (zeros
+                                    * after) (KVC_VIEW_ATTENTIONS), else NULL */
+    float *scores;                 /* out [n_kv_heads, max_len]: higher keeps (finite); "callback" and "callback_window" */
+    int64_t *keep;                 /* out [n_kv_heads, max_len]: kept row indices ("callback_select") */
+    int64_t *n_keep;               /* out [n_kv_heads]: how many */
+    char *message;                 /* a failing callback may say why here (message_size bytes) */
+    int32_t message_size;
+    int32_t rope_pairing;          /* the model's kvc_rope_pairing of the keys' and queries' channels */
+    const double *rope_freq;       /* [head_dim / 2] RoPE's frequency of each pair (scaling applied) */
+    int64_t future_from;           /* the first position after the rows the queries came from (a decoding press's
+                                    * buffer: kvpress's q_len, as ExpectedAttention's future positions start) */
+} kvc_scorer_view;
+typedef int32_t (*kvc_scorer_callback)(void *user, const kvc_scorer_view *view);
+
 /* ---- Presses by name: the interface for bindings and C clients (no struct to mirror, no codes) ---- */
 /* A press's settings, opaque: made from a scorer's name ("snapkv", "knorm", ...: kvc_press_param_info of
  * "scorer" lists them) with kvpress's defaults, then set by name. Every setting is a row of one table

@@ -75,6 +75,11 @@ typedef struct kvc_press_config {
     int32_t dms;               /* 1: rows leaving the window that score below dms_threshold are evicted (no ratio) */
     float dms_threshold;       /* DMSPress threshold */
     int32_t dms_window;        /* DMSPress sliding_window_size: the last rows, never judged yet (128) */
+    /* ---- a scorer the caller gives (scorers "callback", "callback_window", "callback_stats", "callback_select";
+     *      kvc_scorer_view in kvpress_c.h; scorers/callback.c). Set by name like every setting: an address is a number. */
+    uint64_t callback;         /* the kvc_scorer_callback's address */
+    uint64_t callback_user;    /* the user pointer it receives */
+    int32_t callback_needs;    /* KVC_VIEW_* bits: what its view carries beyond the keys */
 } kvc_press_config;
 
 typedef struct kvc_decoding_config {

@@ -143,7 +143,16 @@ class ScorerPress(BasePress):
         """Type checks of this press's fields (subclasses add theirs); values are checked in C."""
         check_budget(self.compression_ratio, self.budget)
 
+    @property
+    def is_noop(self) -> bool:
+        if callable(getattr(self, "compress", None)):  # a Python press choosing its rows: no ratio to say
+            return False
+        return super().is_noop
+
     def c_config(self) -> dict:
+        from . import python_press  # a subclass defining score() or compress() runs in Python
+        if python_press.is_python_press(self):
+            return python_press.c_config(self)
         return {"scorer": self.scorer, "allocation": "uniform",
                 "compression_ratio": float(self.compression_ratio), "budget": int(self.budget or 0),
                 "window": 0, "kernel": 1}

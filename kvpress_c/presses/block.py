@@ -18,9 +18,10 @@ class BlockPress(WrapperPress):
     def __post_init__(self):
         if not isinstance(self.press, ScorerPress):
             raise ValueError("BlockPress wraps a scorer press, e.g. BlockPress(KnormPress(compression_ratio=0.5))")
-        if self.press.scorer not in ("knorm", "streaming", "random"):
-            raise ValueError("BlockPress scores each block from its keys alone: wrap KnormPress, StreamingLLMPress or "
-                             f"RandomPress, not {type(self.press).__name__}")
+        inner = self.press.c_config()  # a Python press reading keys (and values) alone may be wrapped too
+        if inner["scorer"] not in ("knorm", "streaming", "random", "callback") or inner.get("callback_needs", 0) & ~1:
+            raise ValueError("BlockPress scores each block from its keys alone: wrap KnormPress, StreamingLLMPress, "
+                             f"RandomPress or a Python press reading keys and values, not {type(self.press).__name__}")
         check_int("block_size", self.block_size, minimum=1)
         c_check(self.c_config())
 

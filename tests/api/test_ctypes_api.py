@@ -53,6 +53,73 @@ def test_ctypes_errors_without_model():
     assert lib.kvc_model_load(b"", C.byref(m)) == 1
 
 
+def test_ctypes_callback_scorer(default_gguf):
+    """A C client's own scorer (kvc_scorer_callback, set by name as "callback"): here -||k|| computed in the
+    callback from the view's keys keeps the rows the built-in Knorm keeps; a failing callback fails the forward
+    with its message, and the session goes on once reset."""
+    from capi import SCORER_CALLBACK, check
+    m = C.c_void_p()
+    check(lib.kvc_model_load(default_gguf.encode(), C.byref(m)))
+    seen = []
+
+    def knorm(user, view):
+        v = view.contents
+        hkv, n, d = v.n_kv_heads, v.max_len, v.head_dim
+        keys = np.ctypeslib.as_array(v.keys, shape=(hkv, n, d))
+        lens = np.ctypeslib.as_array(v.len, shape=(hkv,))
+        scores = np.ctypeslib.as_array(v.scores, shape=(hkv, n))
+        scores[:] = -np.linalg.norm(keys.astype(np.float64), axis=-1)
+        seen.append((v.layer, user, lens.tolist(), v.values is None or not bool(v.values)))
+        return 0
+
+    def failing(user, view):
+        msg = b"no scores today"
+        C.memmove(view.contents.message, msg, len(msg) + 1)
+        return 1
+
+    ids = np.random.default_rng(3).integers(3, 49152, size=64).astype(np.int32)
+    logits = np.zeros(49152, dtype=np.float32)
+
+    def kept(scorer, fn=None):
+        spec = PressSpec(scorer=scorer, compression_ratio=0.5)
+        if fn is not None:
+            spec.callback = C.cast(fn, C.c_void_p).value
+            spec.callback_user = 42
+        s = C.c_void_p()
+        check(lib.kvc_session_new(m, 0, C.byref(s)))
+        check(lib.kvc_session_attach_press(s, spec._p))
+        st = lib.kvc_forward(s, ids, len(ids), 1, logits)
+        out = []
+        if st == 0:
+            for l in range(30):
+                for h in range(3):
+                    pos = np.zeros(64, np.int64)
+                    check(lib.kvc_session_cache_positions(s, l, h, pos))
+                    out.append(pos[:lib.kvc_session_cache_len(s, l, h)].copy())
+        return st, out, s
+
+    cb = SCORER_CALLBACK(knorm)
+    st, ours, s1 = kept("callback", cb)
+    assert st == 0, lib.kvc_last_error()
+    st, ref, s2 = kept("knorm")
+    assert st == 0
+    assert all(np.array_equal(a, b) for a, b in zip(ours, ref))
+    assert [x[0] for x in seen] == list(range(30)) and {x[1] for x in seen} == {42}
+    assert all(x[2] == [64, 64, 64] and x[3] for x in seen)  # no values asked for: none given
+    # no function: refused at attach
+    spec = PressSpec(scorer="callback", compression_ratio=0.5)
+    assert lib.kvc_press_spec_check(spec._p) == 1 and b"callback" in lib.kvc_last_error()
+    bad = SCORER_CALLBACK(failing)
+    st, _, s3 = kept("callback", bad)
+    assert st == 1 and b"layer 0" in lib.kvc_last_error() and b"no scores today" in lib.kvc_last_error()
+    assert lib.kvc_session_cache_len(s3, 0, 0) == 0  # rolled back
+    check(lib.kvc_session_attach_press(s3, None))
+    assert lib.kvc_forward(s3, ids, len(ids), 1, logits) == 0  # nothing was evicted at layer 0: it goes on
+    for s in (s1, s2, s3):
+        lib.kvc_session_free(s)
+    lib.kvc_model_free(m)
+
+
 def test_ctypes_press_arrays_by_name(default_gguf, rng):
     """A wrapper's arrays through the header alone: BlockPress's block_size and PerLayerCompressionPress's
     layer_ratios set by name with their sizes, checked against the model; introspection lists every array."""

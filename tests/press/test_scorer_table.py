@@ -74,4 +74,4 @@ def test_messages_list_the_table():
     c = PressSpec(scorer="observed", chunk_press=8, compression_ratio=0.5)
     assert lib.kvc_press_spec_check(c._p) != 0
     msg = lib.kvc_last_error().decode()
-    assert "scores each chunk alone" in msg and msg.endswith("StreamingLLM, Knorm, Random, TOVA, SnapKV, KeyDiff or LagKV"), msg
+    assert "scores each chunk alone" in msg and msg.endswith("StreamingLLM, Knorm, Random, TOVA, SnapKV, KeyDiff, LagKV, Callback or CallbackWindow"), msg

@@ -110,7 +110,22 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_scorer_info": (_I, [_I32, C.POINTER(C.c_char_p), C.POINTER(_I32), C.POINTER(C.c_uint32),
                              C.POINTER(C.POINTER(C.c_char_p))]),
     "kvc_cam_merge": (_I, [F32P, F32P, F32P, _I32, _I64, _I32, _I64, _I64, _I32, C.c_uint64, _I32, _I64, I64P, F32P]),
+    "kvc_session_cache_positions": (_I, [_V, _I32, _I32, I64P]),
 }
+
+
+class ScorerView(C.Structure):  # kvc_scorer_view: what a callback scorer receives (kvpress_c.h)
+    _fields_ = [(n, C.c_int32) for n in ("layer", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "device")] + [
+        ("len", C.POINTER(C.c_int64)), ("max_len", C.c_int64), ("keys", C.POINTER(C.c_float)),
+        ("values", C.POINTER(C.c_float)), ("n_call", C.c_int64), ("positions", C.POINTER(C.c_int64)),
+        ("window", C.c_int32), ("queries", C.POINTER(C.c_float)), ("hidden", C.POINTER(C.c_float)),
+        ("attentions", C.POINTER(C.c_float)), ("scores", C.POINTER(C.c_float)), ("keep", C.POINTER(C.c_int64)),
+        ("n_keep", C.POINTER(C.c_int64)), ("message", C.POINTER(C.c_char)), ("message_size", C.c_int32),
+        ("rope_pairing", C.c_int32), ("rope_freq", C.POINTER(C.c_double)), ("future_from", C.c_int64)]
+
+
+# kvc_scorer_callback
+SCORER_CALLBACK = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.POINTER(ScorerView))
 
 
 class PressArrayDesc(C.Structure):  # kvc_press_array_desc

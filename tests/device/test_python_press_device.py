@@ -1,0 +1,46 @@
+"""A Python press on a device: the views are host arrays that export DLPack (numpy.from_dlpack gives the same
+memory), holding the device's K/V as stored (bf16 on the emulated device, widened to fp32 exactly)."""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import kvpress_c as K
+from kvpress_c import ScorerPress
+from random_llama import write_random_llama
+
+
+@dataclass
+class Capture(ScorerPress):
+    seen: dict = field(default_factory=dict)
+    reads = ("values",)
+
+    def score(self, layer):
+        keys = np.from_dlpack(layer.keys)
+        assert np.shares_memory(keys, layer.keys) and not keys.flags.writeable
+        self.seen[layer.index] = (keys.copy(), np.from_dlpack(layer.values).copy(), layer.device)
+        return -np.linalg.norm(keys, axis=-1)
+
+
+def test_views_are_the_device_rows_through_dlpack(device, tmp_path):
+    path = write_random_llama(str(tmp_path / "m"), layers=2, hidden=128, heads=4, kv_heads=2, vocab=256, seed=5)
+    model = K.load_model(path, device=device)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print("prompt seed", seed)
+    ids = np.random.default_rng(seed).integers(3, 256, size=80).astype(np.int32)
+    full = model.new_session()
+    full.forward(ids, logits="none")
+    press = Capture(compression_ratio=0.5)
+    s = model.new_session()
+    s.set_press(**press.c_config())
+    s.forward(ids, logits="none")
+    for l in range(2):
+        keys, values, dev = press.seen[l]
+        assert dev == {"emulated": 2, "cuda": 1}[device]
+        for h in range(2):
+            k, v = full.cache_rows(l, h)
+            np.testing.assert_array_equal(keys[h], k)  # the stored rows, bit for bit
+            np.testing.assert_array_equal(values[h], v)
+        # and what the engine kept is the top half of what the press scored
+        want = np.sort(np.argsort(-(-np.linalg.norm(keys, axis=-1)), axis=1, kind="stable")[:, :40], axis=1)
+        for h in range(2):
+            np.testing.assert_array_equal(s.cache_positions(l, h), want[h])
