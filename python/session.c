@@ -349,7 +349,9 @@ static PyObject *Session_truncate(SessionObject *self, PyObject *args) {
         Py_DECREF(lens);
         return NULL;
     }
-    PyObject *res = kvc_py_none(kvc_session_truncate(self->session, (const int64_t *)PyArray_DATA(lens), position));
+    int rc__;
+    KVC_PY_CALL(self, rc__, kvc_session_truncate(self->session, (const int64_t *)PyArray_DATA(lens), position));
+    PyObject *res = rc__ < 0 ? NULL : Py_NewRef(Py_None);
     Py_DECREF(lens);
     return res;
 }

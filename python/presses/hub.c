@@ -22,9 +22,11 @@ static PyObject *set_kvzap(SessionObject *self, PyObject *args) {
                          a[i] ? (long long)PyArray_SIZE(a[i]) : 0LL, (long long)want[i]);
             goto done;
         }
-    res = kvc_py_none(kvc_session_set_kvzap(self->session, hid, (const float *)PyArray_DATA(a[0]),
+    int rc__;
+    KVC_PY_CALL(self, rc__, kvc_session_set_kvzap(self->session, hid, (const float *)PyArray_DATA(a[0]),
                                             (const float *)PyArray_DATA(a[1]), a[2] ? (const float *)PyArray_DATA(a[2]) : NULL,
                                             a[3] ? (const float *)PyArray_DATA(a[3]) : NULL));
+    res = rc__ < 0 ? NULL : Py_NewRef(Py_None);
 done:
     for (int i = 0; i < 4; i++) Py_XDECREF(a[i]);
     return res;
@@ -68,7 +70,9 @@ static PyObject *set_fastkvzip(SessionObject *self, PyObject *args, PyObject *kw
     c.k_norm = PyArray_DATA(a[4]);
     c.k_base = PyArray_DATA(a[5]);
     c.b = PyArray_DATA(a[6]);
-    res = kvc_py_none(kvc_session_set_fastkvzip(self->session, &c));
+    int rc__;
+    KVC_PY_CALL(self, rc__, kvc_session_set_fastkvzip(self->session, &c));
+    res = rc__ < 0 ? NULL : Py_NewRef(Py_None);
 done:
     for (int i = 0; i < 7; i++) Py_XDECREF(a[i]);
     return res;

@@ -11,7 +11,9 @@ static PyObject *add_press(SessionObject *self, PyObject *args, PyObject *kwds) 
     }
     kvc_press_spec *spec = kvc_py_press_spec_from(kwds);
     if (!spec) return NULL;
-    PyObject *res = kvc_py_none(kvc_session_chain_press(self->session, spec));
+    int rc__;
+    KVC_PY_CALL(self, rc__, kvc_session_chain_press(self->session, spec));
+    PyObject *res = rc__ < 0 ? NULL : Py_NewRef(Py_None);
     kvc_press_spec_free(spec);
     return res;
 }
@@ -25,8 +27,9 @@ static PyObject *set_layer_budgets(SessionObject *self, PyObject *arg) {
     if (kvc_py_check_session(self) < 0) return NULL;
     PyArrayObject *a = vector(arg, NPY_INT64);
     if (!a) return NULL;
-    PyObject *res = kvc_py_none(
-        kvc_session_set_layer_budgets(self->session, (const int64_t *)PyArray_DATA(a), (int32_t)PyArray_DIM(a, 0)));
+    int rc__;
+    KVC_PY_CALL(self, rc__, kvc_session_set_layer_budgets(self->session, (const int64_t *)PyArray_DATA(a), (int32_t)PyArray_DIM(a, 0)));
+    PyObject *res = rc__ < 0 ? NULL : Py_NewRef(Py_None);
     Py_DECREF(a);
     return res;
 }
@@ -49,7 +52,9 @@ static PyObject *set_press_array(SessionObject *self, PyObject *args, PyObject *
     }
     PyArrayObject *a = (PyArrayObject *)PyArray_FROMANY(values, npy_of(type), 0, 4, NPY_ARRAY_C_CONTIGUOUS | NPY_ARRAY_FORCECAST);
     if (!a) return NULL;
-    PyObject *res = kvc_py_none(kvc_session_set_press_array(self->session, name, type, PyArray_DATA(a), (int64_t)PyArray_SIZE(a)));
+    int rc__;
+    KVC_PY_CALL(self, rc__, kvc_session_set_press_array(self->session, name, type, PyArray_DATA(a), (int64_t)PyArray_SIZE(a)));
+    PyObject *res = rc__ < 0 ? NULL : Py_NewRef(Py_None);
     Py_DECREF(a);
     return res;
 }
