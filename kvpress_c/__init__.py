@@ -99,6 +99,18 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
     return memory_stats("cuda", reset_peak)
 
 
+# Subpackages imported on first use, so `kvpress_c.eval.run(...)` works after a plain `import kvpress_c`
+# while the import itself stays light (the harness and its metrics load only when asked for).
+_LAZY = ("eval", "judgeq")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["Model", "load_model", "Pipeline", "PipelineResult", *_presses.__all__, "from_kvpress", "default_model_path",
            "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
            "device_traffic",
