@@ -1,5 +1,6 @@
 /* A session's cache saved to a file and loaded back (the file: persist/cache_file.h): the engine's side,
  * which owns the session's cache and position. */
+#include <stdio.h>
 #include <string.h>
 
 #include "../persist/cache_file.h"
@@ -10,8 +11,13 @@ kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, co
                             const char *const *values) {
     if (!s || !path) return kvc_fail(KVC_ERR_ARG, "kvc_session_save: session or path is NULL");
     if (s->needs_reset) return kvc_fail(KVC_ERR_ARG, "the session failed a call: its cache is not one to save (reset() it)");
+    char attached[64] = ""; /* the presses attached now, by name: a load says when it cannot restore one */
+    for (int32_t i = 0; i < KVC_N_SLOTS; i++)
+        if (s->slots[i].vt)
+            snprintf(attached + strlen(attached), sizeof attached - strlen(attached), "%s%s", attached[0] ? "," : "",
+                     s->slots[i].vt->name);
     kvc_backend_lock(s->be);
-    kvc_status st = kvc_cache_file_write(&s->cache, s->model, s->pos, path, n_meta, keys, values);
+    kvc_status st = kvc_cache_file_write(&s->cache, s->model, s->pos, attached, path, n_meta, keys, values);
     kvc_backend_unlock(s->be);
     return st;
 }

@@ -172,7 +172,8 @@ static kvc_status write_all(const char *path, const void *a, size_t na, const vo
     return KVC_OK;
 }
 
-kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t position, const char *path, int32_t n_meta,
+kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t position, const char *attached,
+                                const char *path, int32_t n_meta,
                                 const char *const *keys, const char *const *values) {
     if (!path || !*path) return kvc_fail(KVC_ERR_ARG, "saving a cache: no path");
     KVC_TRY(check_keys(n_meta, keys, values));
@@ -209,6 +210,8 @@ kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t positi
         sb_str(&b, kv16 ? "\"BF16\"" : "\"F32\"");
         sb_str(&b, ",\"kvc.device\":");
         sb_json(&b, c->be->name);
+        sb_str(&b, ",\"kvc.presses\":");
+        sb_json(&b, attached ? attached : "");
         sb_str(&b, ",\"kvc.model_config\":");
         sb_json(&b, config);
         sb_str(&b, ",\"kvc.model_digest\":");

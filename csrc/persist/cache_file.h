@@ -6,7 +6,7 @@
  *                          their dropped channels)
  *   layer.<l>.pruned_rows  I64 [Hkv]        and layer.<l>.key_channels I32 [Hkv, dk]: ThinK's freed key
  *                          channels (only where a layer has pruned rows)
- * and, in __metadata__ (strings), kvc.format, kvc.version, kvc.position, kvc.dtype, the model's identity
+ * and, in __metadata__ (strings), kvc.format, kvc.version, kvc.position, kvc.dtype, kvc.device, kvc.presses, the model's identity
  * (kvc.model_config, kvc.model_digest: persist/model_id.h), the caller's own keys (anything not starting
  * with "kvc.") and kvc.digest: SHA-256 of the whole file with the digest's own 64 hex digits read as '0',
  * so a byte changed anywhere is caught. The safetensors package reads the file as any other. */
@@ -20,9 +20,10 @@
 
 typedef struct kvc_cache_file kvc_cache_file;
 
-/* Write cache c of model m (position: the next token's) to path (a new file renamed into place). The caller
- * holds the backend lock. */
-kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t position, const char *path, int32_t n_meta,
+/* Write cache c of model m (position: the next token's; attached: the names of the presses attached, comma
+ * separated, kvc.presses) to path (a new file renamed into place). The caller holds the backend lock. */
+kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t position, const char *attached,
+                                const char *path, int32_t n_meta,
                                 const char *const *keys, const char *const *values);
 /* Open and check a saved cache: the safetensors structure, the format, its version, the digest. */
 kvc_status kvc_cache_file_open(const char *path, kvc_cache_file **out);
