@@ -9,6 +9,7 @@ from ._paths import core_library_path, cublas_path, default_model_path, openblas
 from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
 from .saved import cache_info, load_session, save_session
+from .conversation import Conversation
 from . import presses as _presses
 from .presses import *  # noqa: F401,F403  (every press of kvpress_c/presses/, discovered there)
 from .presses.from_kvpress import from_kvpress  # kvpress's own ScorerPresses inside the engine
@@ -112,7 +113,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "load_session", "save_session", "cache_info", *_presses.__all__, "from_kvpress", "default_model_path",
+__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "Conversation", "load_session", "save_session", "cache_info", *_presses.__all__, "from_kvpress", "default_model_path",
            "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
            "device_traffic",
            "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

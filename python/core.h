@@ -107,6 +107,8 @@ extern PyMethodDef kvc_py_kvzip_methods[], kvc_py_kvgrad_methods[], kvc_py_take_
     kvc_py_decoding_methods[], kvc_py_diagnostics_methods[];
 /* persist.c: Session.save / load, and the module's saved-cache functions */
 extern PyMethodDef kvc_py_persist_methods[], kvc_py_persist_module_methods[];
+/* press_scope.c: Session.set_press_scope / press_scope */
+extern PyMethodDef kvc_py_press_scope_methods[];
 
 /* presses/spec.c: kvpress_c._core.PressSpec, a kvc_press_spec by name */
 extern PyType_Spec kvc_py_press_spec_spec;

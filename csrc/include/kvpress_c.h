@@ -235,6 +235,14 @@ KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, i
  * channels), with its position, the model's identity (configuration and a SHA-256 of its weight files) and
  * a SHA-256 of the whole file; n_meta string pairs keys[i] -> values[i] of the caller's ride along (keys must
  * not start with "kvc."). Format version KVC_CACHE_FILE_VERSION; a newer file is refused. */
+/* What a prefill press sees of a layer in a call on a session that holds rows already: every row
+ * (KVC_PRESS_SCOPE_CACHE, the default: the whole cache is compressed again), or only this call's rows
+ * (KVC_PRESS_SCOPE_CALL: the rows held before are set aside while the press runs, as after a prefill into an
+ * empty session, and kept as they were; a conversation's turns). */
+enum { KVC_PRESS_SCOPE_CACHE = 0, KVC_PRESS_SCOPE_CALL = 1 };
+KVC_API kvc_status kvc_session_set_press_scope(kvc_session *s, int32_t scope);
+KVC_API int32_t kvc_session_press_scope(const kvc_session *s);
+
 #define KVC_CACHE_FILE_VERSION 1
 KVC_API kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, const char *const *keys,
                                     const char *const *values);
