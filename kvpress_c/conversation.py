@@ -57,6 +57,7 @@ class Conversation:
         self._rendered = ""   # the text the cache holds (the template's, turn after turn)
         self._pending: list[int] = []  # generated tokens not yet in the cache (a turn cut by max_new_tokens)
         self._ids: list[int] = []  # every token id run through the session, in order
+        self._context: Optional[str] = None  # a compressed context the first message follows (from_cache)
         self.last_turn: dict = {}
 
     def __call__(self, message: str, max_new_tokens: Optional[int] = None) -> str:
@@ -68,7 +69,8 @@ class Conversation:
             raise TypeError("message must be a string")
         max_new = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         model, session = self.model, self.session
-        messages = self.messages + [{"role": "user", "content": message}]
+        content = message if self._context is None else self._context + message  # kvpress's context + question
+        messages = self.messages + [{"role": "user", "content": content}]
         full = model.apply_chat_template(messages)
         if not full.startswith(self._rendered):
             raise RuntimeError("the chat template renders earlier turns differently once a new one is added: the "
@@ -105,6 +107,7 @@ class Conversation:
         answer = model.decode(out)
         self._rendered = full + answer
         self.messages = messages + [{"role": "assistant", "content": answer}]
+        self._context = None
         self.last_turn = {"prompt_tokens": len(ids), "new_tokens": len(out), "compressed": compressed, "why": why,
                           "prefill_s": prefill_s, "decode_s": time.perf_counter() - t0 - prefill_s,
                           "cache_rows": int(session.cache_lengths().sum()), "cache_bytes": session.cache_bytes,
@@ -134,14 +137,30 @@ class Conversation:
     @classmethod
     def load(cls, model: Model, path: str | os.PathLike, press: Optional[BasePress] = None,
              compress: Optional[str] = None, max_new_tokens: Optional[int] = None) -> "Conversation":
-        """A conversation saved with save(), ready for its next turn. `press`: the press to go on with (the
+        """A conversation saved with save(), ready for its next turn; or one that starts from a compressed
+        chat context (PipelineResult.save_cache, `python -m kvpress_c compress`): its first message is then
+        the question after that context. `press`: the press to go on with (the
         file records the press's settings, not the press object: give it again to keep compressing; None
         goes on uncompressed, apart from a decoding press the file re-attaches)."""
         from .saved import load_session_info
         session, info = load_session_info(model, path, press)
-        if "conversation" not in info:
-            raise ValueError(f"'{os.fspath(path)}' is a saved cache, not a saved conversation (Conversation.save)")
-        state = json.loads(info["conversation"])
+        if "conversation" in info:
+            state = json.loads(info["conversation"])
+        elif "context" in info and info.get("chat", True) and info.get("prompt_ids") is not None:
+            # a compressed context (PipelineResult.save_cache): the first message is its question
+            from .chat import split_context_question
+            tok = model.tokenizer
+            ctx_text = split_context_question(
+                tok.chat_template, info["context"],
+                bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None and tok.bos_id >= 0 else "",
+                eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "")[0]
+            if tok.encode(ctx_text) != list(info["prompt_ids"]):
+                raise ValueError(f"'{os.fspath(path)}': its context does not encode to the tokens its cache holds")
+            state = {"messages": [], "rendered": ctx_text, "pending": [], "compress": "new",
+                     "max_new_tokens": 256, "context": info["context"]}
+        else:
+            raise ValueError(f"'{os.fspath(path)}' holds neither a conversation (Conversation.save) nor a compressed "
+                             "chat context (PipelineResult.save_cache)")
         conv = cls(model, press=press, compress=compress or state["compress"],
                    max_new_tokens=state["max_new_tokens"] if max_new_tokens is None else max_new_tokens)
         if press is None and info.get("decoding_press"):
@@ -151,6 +170,7 @@ class Conversation:
         conv.session = session
         conv.messages, conv._rendered, conv._pending = state["messages"], state["rendered"], state["pending"]
         conv._ids = list(info.get("prompt_ids") or [])
+        conv._context = state.get("context")
         return conv
 
 

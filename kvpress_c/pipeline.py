@@ -25,7 +25,8 @@ class PipelineResult:
     stats: dict
     kept_indices: list[list[np.ndarray]] = field(repr=False, default_factory=list)
     press_errors: Optional[list[float]] = field(repr=False, default=None)
-    # the compressed context's cache: (session, prompt ids, press, (decoding press, its config) or None, chat)
+    # the compressed context's cache: (session, prompt ids, press, (decoding press, its config) or None, chat,
+    # the context's text)
     _context: Optional[tuple] = field(repr=False, default=None, compare=False)
 
     @property
@@ -40,8 +41,9 @@ class PipelineResult:
             raise ValueError("this result holds no question-free cache to save: query_aware=True compresses each "
                              "question with the context, or the cache was released")
         from .saved import save_session
-        session, prompt_ids, press, decoding, chat = self._context
-        save_session(session, path, prompt_ids=prompt_ids, press=press, decoding=decoding, chat=chat)
+        session, prompt_ids, press, decoding, chat, context = self._context
+        save_session(session, path, prompt_ids=prompt_ids, press=press, decoding=decoding, chat=chat,
+                     metadata={"context": context})
 
     def release_cache(self) -> None:
         """Free the compressed context's cache this result keeps (save_cache is then unavailable)."""
@@ -80,6 +82,11 @@ class Pipeline:
         return ctx_ids, q_ids
 
     # -- run ----------------------------------------------------------------------------------------
+    def compress(self, context: str, press: Optional[BasePress] = None, chat: bool = True) -> PipelineResult:
+        """Compress a context alone, without a question (query-agnostic): a result whose save_cache(path)
+        writes the cache that questions are answered from later (Pipeline(model)(question=..., cache=path))."""
+        return self.run_many(context, "", None, [press], 0, chat=chat)[0]
+
     def __call__(self, context: str = "", question: str = "", questions: Optional[Sequence[str]] = None,
                  press: Optional[BasePress] = None, max_new_tokens: int = 50, answer_prefix: str = "",
                  query_aware: bool = False, record_scores: bool = False, cache=None) -> PipelineResult:
@@ -124,7 +131,8 @@ class Pipeline:
             saved = info["decoding_press"]
             decoding = (press, saved["config"]) if press is not None else (None, saved["config"])
         results = self._answer_all([[(session, None, 0.0, n_prompt, False)]], parts, False, max_new_tokens,
-                                   set(self.model.tokenizer.stop_ids), record_scores, [decoding], chat)
+                                   set(self.model.tokenizer.stop_ids), record_scores, [decoding], chat, None,
+                                   info.get("context", context or ""))
         results[0].stats["load_s"] = load_s
         results[0].stats["cache_file"] = str(path)
         return results[0]
@@ -174,7 +182,7 @@ class Pipeline:
             for k, entry in self._prefill_all(ids, presses, record_scores, q_ids, decoding):
                 per_press[k].append(entry)
         return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores, decoding, chat,
-                                originals)
+                                originals, context)
 
     @staticmethod
     def _shares_prefill(press, ids, question_ids=None) -> bool:
@@ -266,7 +274,7 @@ class Pipeline:
         return kept, stats, errors
 
     def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record, decoding, chat=True,
-                    presses=None):
+                    presses=None, context=""):
         """Decode every press's answers together (batched decode across the presses' sessions)."""
         collected = [self._collect(s, n, t, shared, record) for s, _, t, n, shared in (e[0] for e in per_press)]
         answers = [[] for _ in per_press]
@@ -317,5 +325,6 @@ class Pipeline:
         if not query_aware:  # the compressed context every question started from
             for k, entries in enumerate(per_press):
                 press = presses[k] if presses is not None else None
-                kept[k] = (contexts[k] if decoding[k] else entries[0][0], list(parts[0][0]), press, decoding[k], chat)
+                kept[k] = (contexts[k] if decoding[k] else entries[0][0], list(parts[0][0]), press, decoding[k], chat,
+                           context)
         return [PipelineResult(answers[k], c[1], c[0], c[2], kept[k]) for k, c in enumerate(collected)]

@@ -25,7 +25,8 @@ def cache_info(path: str | os.PathLike) -> dict:
     """The metadata of a saved cache, checked as a load checks it (digest, format version): `version`,
     `position`, `dtype` (the store's: F32 on the CPU, BF16 on a device), `device` it was saved on,
     `model_config`, `model_digest`, `attached` (presses attached when it was saved), and where the Python
-    side saved them `prompt_ids`, `press`, `decoding_press`, `chat`; other keys as saved (strings)."""
+    side saved them `prompt_ids`, `press`, `decoding_press`, `chat`; other keys as saved (strings: a
+    pipeline's `context`, a conversation's `conversation`)."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no saved cache at '{path}'")

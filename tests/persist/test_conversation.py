@@ -124,12 +124,29 @@ def test_refusals(default_model, tmp_path):
         kvpress_c.Conversation(m, compress="some")
     with pytest.raises(NotImplementedError, match="runs its own prefill"):
         kvpress_c.Conversation(m, press=kvpress_c.TAKEPress(budget=64))
-    res = kvpress_c.Pipeline(m)("Some context here for the cache.", question="Q?", max_new_tokens=2)
-    res.save_cache(tmp_path / "p.kvc")
-    with pytest.raises(ValueError, match="not a saved conversation"):
+    s = m.new_session(0)
+    s.forward(np.arange(10, 30, dtype=np.int32), logits="last")
+    s.save(str(tmp_path / "p.kvc"))
+    with pytest.raises(ValueError, match="holds neither a conversation"):
         kvpress_c.Conversation.load(m, tmp_path / "p.kvc")
     conv = kvpress_c.Conversation(m, press=kvpress_c.ThinKPress(key_channel_compression_ratio=0.25, window_size=8),
                                   compress="new", max_new_tokens=4)
     conv("My name is Ann. I keep bees in a garden in Oslo and I have a cat named Tom.")
     with pytest.raises(NotImplementedError, match="one channel set"):
         conv("And what else do you know about my garden in the north?")
+
+
+def test_conversation_from_a_compressed_context(default_model, tmp_path):
+    """A context compressed alone (Pipeline.compress, query-agnostic) and saved: a conversation's first message is
+    its question, answered as the pipeline answers that question from the same file."""
+    m = default_model
+    pipe = kvpress_c.Pipeline(m)
+    ctx = "Ann keeps bees in Oslo. Her cat is called Tom. Bob plays the violin in Rome. " * 4
+    pipe.compress(ctx, press=kvpress_c.SnapKVPress(compression_ratio=0.5)).save_cache(tmp_path / "ctx.kvc")
+    q = "What is the cat called?"
+    want = pipe(question=q, cache=tmp_path / "ctx.kvc", max_new_tokens=10).answer
+    conv = kvpress_c.Conversation.load(m, tmp_path / "ctx.kvc", max_new_tokens=10)
+    assert conv(q) == want
+    assert conv.messages[0]["content"] == ctx + q
+    conv("And who plays the violin?")  # the next turn extends the same cache
+    assert conv.session.position == len(conv._ids)
