@@ -16,8 +16,10 @@ kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, co
         if (s->slots[i].vt)
             snprintf(attached + strlen(attached), sizeof attached - strlen(attached), "%s%s", attached[0] ? "," : "",
                      s->slots[i].vt->name);
+    char digest[72]; /* before the backend lock: the model's own lock is taken for it */
+    KVC_TRY(kvc_model_id_digest(s->model, digest));
     kvc_backend_lock(s->be);
-    kvc_status st = kvc_cache_file_write(&s->cache, s->model, s->pos, attached, path, n_meta, keys, values);
+    kvc_status st = kvc_cache_file_write(&s->cache, &s->model->cfg, digest, s->pos, attached, path, n_meta, keys, values);
     kvc_backend_unlock(s->be);
     return st;
 }
@@ -28,9 +30,15 @@ kvc_status kvc_session_load(kvc_session *s, const char *path) {
         return kvc_fail(KVC_ERR_ARG, "loading a saved cache needs an empty session: call reset() on it first");
     kvc_cache_file *f = NULL;
     KVC_TRY(kvc_cache_file_open(path, &f));
+    char digest[72]; /* before the backend lock: the model's own lock is taken for it */
+    kvc_status st = kvc_model_id_digest(s->model, digest);
     int64_t pos = 0;
+    if (st != KVC_OK) {
+        kvc_cache_file_close(f);
+        return st;
+    }
     kvc_backend_lock(s->be);
-    kvc_status st = kvc_cache_file_load(f, s->model, &s->cache, &pos);
+    st = kvc_cache_file_load(f, &s->model->cfg, digest, &s->cache, &pos);
     kvc_backend_unlock(s->be);
     kvc_cache_file_close(f);
     if (st == KVC_OK) s->pos = pos;

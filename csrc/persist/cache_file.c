@@ -172,13 +172,11 @@ static kvc_status write_all(const char *path, const void *a, size_t na, const vo
     return KVC_OK;
 }
 
-kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t position, const char *attached,
-                                const char *path, int32_t n_meta,
-                                const char *const *keys, const char *const *values) {
+kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const char *model_digest, int64_t position,
+                                const char *attached, const char *path, int32_t n_meta, const char *const *keys,
+                                const char *const *values) {
     if (!path || !*path) return kvc_fail(KVC_ERR_ARG, "saving a cache: no path");
     KVC_TRY(check_keys(n_meta, keys, values));
-    char model_digest[72];
-    KVC_TRY(kvc_model_id_digest(m, model_digest));
     const int32_t Hkv = c->n_kv, d = c->d, kv16 = c->be->act_dtype == KVC_BF16;
     const size_t es = kv16 ? 2 : 4;
     entry *e = calloc((size_t)c->n_layers * 6 + 1, sizeof *e);
@@ -199,7 +197,7 @@ kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t positi
         }
     }
     uint8_t *data = calloc(off ? off : 1, 1);
-    char *config = kvc_model_id_config_json(&m->cfg);
+    char *config = kvc_model_id_config_json(cfg);
     kvc_status st = data && config ? fill_data(c, e, data, kv16) : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
     sbuf b = {0};
     size_t digest_at = 0;
@@ -472,14 +470,13 @@ static kvc_status load_layer(kvc_cache *c, int32_t l, const layer_in *in) {
     return st;
 }
 
-kvc_status kvc_cache_file_load(const kvc_cache_file *f, kvc_model *m, kvc_cache *c, int64_t *position) {
-    if (!f || !m || !c || !position) return kvc_fail(KVC_ERR_ARG, "kvc_cache_file_load: null argument");
+kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, const char *here, kvc_cache *c,
+                               int64_t *position) {
+    if (!f || !cfg || !here || !c || !position) return kvc_fail(KVC_ERR_ARG, "kvc_cache_file_load: null argument");
     if (!kvc_cache_is_empty(c)) return kvc_fail(KVC_ERR_ARG, "loading a saved cache into a session that holds rows: reset() it first");
     const char *config = st_meta(f->st, "kvc.model_config"), *digest = st_meta(f->st, "kvc.model_digest");
     if (!config || !digest) return kvc_fail(KVC_ERR_FORMAT, "'%s' does not say which model it was saved from" CORRUPT, f->path);
-    KVC_TRY(kvc_model_id_check_config(&m->cfg, config, f->path));
-    char here[72];
-    KVC_TRY(kvc_model_id_digest(m, here));
+    KVC_TRY(kvc_model_id_check_config(cfg, config, f->path));
     if (strcmp(here, digest) != 0)
         return kvc_fail(KVC_ERR_FORMAT, "'%s' was saved from a different model: its weights' digest is %.40s..., this "
                         "model's %.40s... (same configuration, other weights)", f->path, digest, here);

@@ -14,24 +14,26 @@
 #define KVC_CACHE_FILE_H
 
 #include "../cache/kv_cache.h"
-#include "../model/model.h"
 
 #define KVC_CACHE_FORMAT "kvpress_c.cache"
 
 typedef struct kvc_cache_file kvc_cache_file;
 
-/* Write cache c of model m (position: the next token's; attached: the names of the presses attached, comma
- * separated, kvc.presses) to path (a new file renamed into place). The caller holds the backend lock. */
-kvc_status kvc_cache_file_write(const kvc_cache *c, kvc_model *m, int64_t position, const char *attached,
-                                const char *path, int32_t n_meta,
-                                const char *const *keys, const char *const *values);
+/* Write cache c of a model (its configuration and weights' digest: model_id.h; position: the next token's;
+ * attached: the names of the presses attached, comma separated, kvc.presses) to path (a new file renamed into
+ * place). The caller holds the backend lock (the digest is computed before: it takes the model's lock). */
+kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const char *model_digest, int64_t position,
+                                const char *attached, const char *path, int32_t n_meta, const char *const *keys,
+                                const char *const *values);
 /* Open and check a saved cache: the safetensors structure, the format, its version, the digest. */
 kvc_status kvc_cache_file_open(const char *path, kvc_cache_file **out);
 void kvc_cache_file_close(kvc_cache_file *f);
 /* The metadata as one JSON object of strings into out[cap] (NUL included; *needed says how many bytes). */
 kvc_status kvc_cache_file_meta_json(const kvc_cache_file *f, char *out, size_t cap, size_t *needed);
-/* Fill the empty cache c of model m from the file (model identity and every tensor checked first; on a
- * failure c is left empty); *position receives the saved position. The caller holds the backend lock. */
-kvc_status kvc_cache_file_load(const kvc_cache_file *f, kvc_model *m, kvc_cache *c, int64_t *position);
+/* Fill the empty cache c of the model of configuration cfg and weights' digest model_digest from the file
+ * (model identity and every tensor checked first; on a failure c is left empty); *position receives the
+ * saved position. The caller holds the backend lock. */
+kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, const char *model_digest, kvc_cache *c,
+                               int64_t *position);
 
 #endif
