@@ -83,7 +83,8 @@ def load_session(model, path: str | os.PathLike, press=None):
     """A new session of `model` holding the cache saved at `path`, at its saved position, with the decoding
     press it was saved with re-attached (fresh counters, as at each new question of a Pipeline). `press`:
     the decoding press (or a press with a decoding part) to attach instead, needed where the file says the
-    press hands the session more than its settings (ExpectedAttentionStats' statistics)."""
+    press hands the session more than its settings (ExpectedAttentionStats' statistics), and the prefill press
+    where one was left attached at the save (the file names the presses attached, not their settings)."""
     return load_session_info(model, path, press)[0]
 
 
@@ -108,4 +109,10 @@ def load_session_info(model, path: str | os.PathLike, press=None):
     elif "decoding" in info["attached"]:
         raise ValueError(f"'{os.fspath(path)}' was saved with a decoding press attached but not its settings "
                          "(Session.save): pass the press as load_session(..., press=...)")
+    if "press" in info["attached"]:  # a prefill press left attached acts on the next multi-token call
+        prefill = press.prefill_part if press is not None else None
+        if prefill is None:
+            raise ValueError(f"'{os.fspath(path)}' was saved with a prefill press attached, which the file does not "
+                             "hold: pass it as load_session(..., press=...), or detach it (set_press(None)) before saving")
+        session.set_press(**prefill.c_config())
     return session, info

@@ -194,3 +194,12 @@ def test_refusals_say_which(tmp_path, rng):
         src.save(str(tmp_path / "r.kvc"), {"kvc.position": "3"})
     with pytest.raises(FileNotFoundError):
         kvpress_c.load_session(a, tmp_path / "missing.kvc")
+    attached = a.new_session(0)  # a press left attached: the load needs it given again
+    snap = kvpress_c.SnapKVPress(compression_ratio=0.5, window_size=4)
+    attached.set_press(**snap.c_config())
+    attached.forward(rng.integers(3, 64, 30).astype(np.int32), logits="last")
+    attached.save(str(tmp_path / "att.kvc"))
+    assert kvpress_c.cache_info(tmp_path / "att.kvc")["attached"] == ["press"]
+    with pytest.raises(ValueError, match="saved with a prefill press attached"):
+        kvpress_c.load_session(a, tmp_path / "att.kvc")
+    assert kvpress_c.load_session(a, tmp_path / "att.kvc", press=snap).position == 30
