@@ -203,3 +203,23 @@ def test_refusals_say_which(tmp_path, rng):
     with pytest.raises(ValueError, match="saved with a prefill press attached"):
         kvpress_c.load_session(a, tmp_path / "att.kvc")
     assert kvpress_c.load_session(a, tmp_path / "att.kvc", press=snap).position == 30
+
+
+def test_sha256_at_every_padding_boundary(tmp_path, rng):
+    """The C SHA-256 (csrc/persist/sha256.c) against hashlib where its padding changes: a folder's weight digest
+    covers every *.safetensors in name order, so a second file of n bytes puts the message length at each edge."""
+    import shutil
+    seed = int(rng.integers(1 << 30))
+    folder = write_random_llama(str(tmp_path / "base"), layers=1, hidden=64, heads=2, kv_heads=1, ffn=64, vocab=64,
+                                seed=seed)
+    weights = open(os.path.join(folder, "model.safetensors"), "rb").read()
+    base = len(weights) % 64
+    for i, extra in enumerate([0, 1, 55, 56, 57, 63, 64, 65, 119, 120, 128, int(rng.integers(1, 5000))]):
+        n = (extra - base) % 64 + 64 * (i % 3)  # total length = extra (mod 64), 0-2 more blocks
+        m_dir = str(tmp_path / f"m{i}")
+        shutil.copytree(folder, m_dir)
+        tail = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        with open(os.path.join(m_dir, "zz.safetensors"), "wb") as f:  # not read by the loader (model.safetensors is)
+            f.write(tail)
+        m = kvpress_c.load_model(m_dir, weights="fp32")
+        assert _core.model_digest(m._core) == "sha256:" + hashlib.sha256(weights + tail).hexdigest(), (i, n)
