@@ -8,6 +8,8 @@ from . import _core
 from ._paths import core_library_path, cublas_path, default_model_path, openblas_path
 from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
+from .saved import cache_info, load_session, save_session
+from .conversation import Conversation
 from . import presses as _presses
 from .presses import *  # noqa: F401,F403  (every press of kvpress_c/presses/, discovered there)
 from .presses.from_kvpress import from_kvpress  # kvpress's own ScorerPresses inside the engine
@@ -99,7 +101,19 @@ def cuda_memory_stats(reset_peak: bool = False) -> dict:
     return memory_stats("cuda", reset_peak)
 
 
-__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", *_presses.__all__, "from_kvpress", "default_model_path",
+# Subpackages imported on first use, so `kvpress_c.eval.run(...)` works after a plain `import kvpress_c`
+# while the import itself stays light (the harness and its metrics load only when asked for).
+_LAZY = ("eval", "judgeq")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "Conversation", "load_session", "save_session", "cache_info", *_presses.__all__, "from_kvpress", "default_model_path",
            "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
            "device_traffic",
            "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

@@ -1,4 +1,4 @@
-"""Command line: `python -m kvpress_c demo | eval | report | merge | judgeq`."""
+"""Command line: `python -m kvpress_c demo | eval | report | merge | judgeq | compress | ask | chat`."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +45,8 @@ def main(argv=None) -> int:
     from .eval.cli import add_eval_parser, add_report_parser
     add_eval_parser(sub)
     add_report_parser(sub)
+    from .cache_cli import COMMANDS as CACHE_COMMANDS, add_cache_parsers
+    add_cache_parsers(sub)
     jq = sub.add_parser("judgeq", help="Judge Q soft tokens: train | eval (see `judgeq -h`)", add_help=False)
     jq.add_argument("rest", nargs=argparse.REMAINDER)
     jq.set_defaults(func=lambda a: _judgeq(a.rest))
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["judgeq"]:  # its own parser takes every argument after the word
         return _judgeq(argv[1:])
     args = parser.parse_args(argv)
-    if args.command in ("eval", "report", "merge"):
+    if args.command in ("eval", "report", "merge", *CACHE_COMMANDS):
         try:
             return args.func(args)
         except (ValueError, FileNotFoundError, MemoryError, ImportError, ConnectionError) as e:  # say what to change

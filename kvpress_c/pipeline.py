@@ -4,6 +4,8 @@ The context is prefilled once with the press attached (each layer compressed rig
 attention, evicted for real); each question is then prefilled after the compressed context and
 answered greedily, and the cache is cut back to the compressed context before the next question.
 Question-aware mode puts the question inside the compressed prompt instead.
+A result keeps its compressed context's cache (`PipelineResult.save_cache(path)` writes it to a file) and
+`Pipeline(model)(question=..., cache=path)` answers from such a file without a prefill (kvpress_c/saved.py).
 """
 from __future__ import annotations
 
@@ -23,10 +25,29 @@ class PipelineResult:
     stats: dict
     kept_indices: list[list[np.ndarray]] = field(repr=False, default_factory=list)
     press_errors: Optional[list[float]] = field(repr=False, default=None)
+    # the compressed context's cache: (session, prompt ids, press, (decoding press, its config) or None, chat,
+    # the context's text)
+    _context: Optional[tuple] = field(repr=False, default=None, compare=False)
 
     @property
     def answer(self) -> str:
         return self.answers[0]
+
+    def save_cache(self, path) -> None:
+        """Write the compressed context's cache (before any question: the same cache every question of the
+        run started from) to `path`, with the prompt's token ids, the press and a decoding press's settings;
+        `Pipeline(model)(question=..., cache=path)` or `kvpress_c.load_session(model, path)` read it back."""
+        if self._context is None:
+            raise ValueError("this result holds no question-free cache to save: query_aware=True compresses each "
+                             "question with the context, or the cache was released")
+        from .saved import save_session
+        session, prompt_ids, press, decoding, chat, context = self._context
+        save_session(session, path, prompt_ids=prompt_ids, press=press, decoding=decoding, chat=chat,
+                     metadata={"context": context})
+
+    def release_cache(self) -> None:
+        """Free the compressed context's cache this result keeps (save_cache is then unavailable)."""
+        self._context = None
 
 
 class Pipeline:
@@ -61,11 +82,60 @@ class Pipeline:
         return ctx_ids, q_ids
 
     # -- run ----------------------------------------------------------------------------------------
-    def __call__(self, context: str, question: str = "", questions: Optional[Sequence[str]] = None,
+    def compress(self, context: str, press: Optional[BasePress] = None, chat: bool = True) -> PipelineResult:
+        """Compress a context alone, without a question (query-agnostic): a result whose save_cache(path)
+        writes the cache that questions are answered from later (Pipeline(model)(question=..., cache=path))."""
+        return self.run_many(context, "", None, [press], 0, chat=chat)[0]
+
+    def __call__(self, context: str = "", question: str = "", questions: Optional[Sequence[str]] = None,
                  press: Optional[BasePress] = None, max_new_tokens: int = 50, answer_prefix: str = "",
-                 query_aware: bool = False, record_scores: bool = False) -> PipelineResult:
+                 query_aware: bool = False, record_scores: bool = False, cache=None) -> PipelineResult:
+        """cache=path: answer from a saved cache (PipelineResult.save_cache, Session.save) without a prefill;
+        `context` may then be left out (given, it must be the saved prompt's), `press` only where the file
+        asks for its decoding press (kvpress_c.load_session)."""
+        if cache is not None:
+            return self._from_cache(cache, context, question, questions, press, max_new_tokens, answer_prefix,
+                                    query_aware, record_scores)
         return self.run_many(context, question, questions, [press], max_new_tokens, answer_prefix,
                              query_aware, record_scores)[0]
+
+    def _from_cache(self, path, context, question, questions, press, max_new_tokens, answer_prefix, query_aware,
+                    record_scores) -> PipelineResult:
+        from .saved import load_session_info
+        if query_aware:
+            raise ValueError("query_aware=True compresses the question with the context: a saved cache answers "
+                             "questions after its context (query_aware=False)")
+        if questions is None:
+            questions = [question]
+        elif question:
+            raise ValueError("give question= or questions=, not both")
+        if not questions:
+            raise ValueError("questions is empty")
+        if max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        t0 = time.perf_counter()
+        session, info = load_session_info(self.model, path, press)
+        load_s = time.perf_counter() - t0
+        chat = info.get("chat", True)
+        prompt = info.get("prompt_ids")
+        if context:
+            ctx_ids = self.split_prompt(context, questions[0], answer_prefix, chat)[0]
+            if prompt is not None and list(ctx_ids) != list(prompt):
+                raise ValueError(f"the context given is not the one the cache at '{path}' was saved from "
+                                 f"({len(ctx_ids)} tokens here, {len(prompt)} in the file)")
+        parts = [(prompt or [], self.split_prompt(context or "", q, answer_prefix, chat)[1]) for q in questions]
+        n_prompt = len(prompt) if prompt is not None else session.position
+        warn_past_context(self.model, session.position + max(len(q) for _, q in parts) + max_new_tokens)
+        decoding = None
+        if info.get("decoding_press"):
+            saved = info["decoding_press"]
+            decoding = (press, saved["config"]) if press is not None else (None, saved["config"])
+        results = self._answer_all([[(session, None, 0.0, n_prompt, False)]], parts, False, max_new_tokens,
+                                   set(self.model.tokenizer.stop_ids), record_scores, [decoding], chat, None,
+                                   info.get("context", context or ""))
+        results[0].stats["load_s"] = load_s
+        results[0].stats["cache_file"] = str(path)
+        return results[0]
 
     def run_many(self, context: str, question: str = "", questions: Optional[Sequence[str]] = None,
                  presses: Sequence[Optional[BasePress]] = (None,), max_new_tokens: int = 50,
@@ -105,12 +175,14 @@ class Pipeline:
         # a press acts on the prefill (prefill_part) and/or while decoding (decoding_config)
         # (the press, its settings): the press also hands the session what its settings cannot carry (before_decoding)
         decoding = [(p, p.decoding_config()) if p is not None and p.decoding_config() else None for p in presses]
+        originals = list(presses)
         presses = [p.prefill_part if p is not None else None for p in presses]
         for pi, ids in enumerate(prompts):
             q_ids = parts[pi][1] if query_aware else None
             for k, entry in self._prefill_all(ids, presses, record_scores, q_ids, decoding):
                 per_press[k].append(entry)
-        return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores, decoding)
+        return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores, decoding, chat,
+                                originals, context)
 
     @staticmethod
     def _shares_prefill(press, ids, question_ids=None) -> bool:
@@ -201,7 +273,8 @@ class Pipeline:
             stats["gpu_memory"] = _core.memory_stats(device)
         return kept, stats, errors
 
-    def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record, decoding):
+    def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record, decoding, chat=True,
+                    presses=None, context=""):
         """Decode every press's answers together (batched decode across the presses' sessions)."""
         collected = [self._collect(s, n, t, shared, record) for s, _, t, n, shared in (e[0] for e in per_press)]
         answers = [[] for _ in per_press]
@@ -209,9 +282,10 @@ class Pipeline:
             for session, *_ in entries:
                 session.set_press(None)
         saved = [(e[0][0].cache_lengths(), e[0][0].position) for e in per_press] if not query_aware else None
-        # a decoding press evicts context rows too: the next question starts from a copy of the context
+        # a decoding press evicts context rows too: the next question starts from a copy of the context (kept
+        # after the last question too, for PipelineResult.save_cache)
         contexts = [None] * len(per_press)
-        if not query_aware and len(parts) > 1:
+        if not query_aware:
             for k, entries in enumerate(per_press):
                 if decoding[k]:
                     contexts[k] = self.model.new_session(0)
@@ -247,4 +321,10 @@ class Pipeline:
         memory = self.model.memory()  # resident bytes now: weights, cache, scratch, rss
         for c in collected:
             c[1]["memory"] = memory
-        return [PipelineResult(answers[k], c[1], c[0], c[2]) for k, c in enumerate(collected)]
+        kept = [None] * len(per_press)
+        if not query_aware:  # the compressed context every question started from
+            for k, entries in enumerate(per_press):
+                press = presses[k] if presses is not None else None
+                kept[k] = (contexts[k] if decoding[k] else entries[0][0], list(parts[0][0]), press, decoding[k], chat,
+                           context)
+        return [PipelineResult(answers[k], c[1], c[0], c[2], kept[k]) for k, c in enumerate(collected)]

@@ -105,6 +105,10 @@ int kvc_py_size(PyArrayObject *a, const char *what, int64_t want);
 extern PyMethodDef kvc_py_kvzip_methods[], kvc_py_kvgrad_methods[], kvc_py_take_methods[], kvc_py_restorekv_methods[],
     kvc_py_kvcompose_methods[], kvc_py_hub_methods[], kvc_py_expected_attention_methods[], kvc_py_wrapper_methods[],
     kvc_py_decoding_methods[], kvc_py_diagnostics_methods[];
+/* persist.c: Session.save / load, and the module's saved-cache functions */
+extern PyMethodDef kvc_py_persist_methods[], kvc_py_persist_module_methods[];
+/* press_scope.c: Session.set_press_scope / press_scope */
+extern PyMethodDef kvc_py_press_scope_methods[];
 
 /* presses/spec.c: kvpress_c._core.PressSpec, a kvc_press_spec by name */
 extern PyType_Spec kvc_py_press_spec_spec;

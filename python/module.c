@@ -156,7 +156,8 @@ static int module_exec(PyObject *m) {
     state->press_spec_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvc_py_press_spec_spec, NULL);
     if (!state->press_spec_type || PyModule_AddType(m, state->press_spec_type) < 0) return -1;
     if (add_methods(m, kvc_py_press_methods) < 0 || add_methods(m, kvc_py_judgeq_methods) < 0 ||
-        add_methods(m, kvc_py_device_methods) < 0 || add_methods(m, kvc_py_pyscorer_methods) < 0)
+        add_methods(m, kvc_py_device_methods) < 0 || add_methods(m, kvc_py_pyscorer_methods) < 0 ||
+        add_methods(m, kvc_py_persist_module_methods) < 0)
         return -1;
     if (kvc_py_press_constants(m) < 0) return -1;
     if (PyModule_AddStringConstant(m, "__version__", kvc_version()) < 0) return -1;

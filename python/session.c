@@ -467,6 +467,8 @@ static PyMethodDef *const session_method_tables[] = {
     kvc_py_kvcompose_methods,
     kvc_py_restorekv_methods,
     kvc_py_take_methods,
+    kvc_py_persist_methods,
+    kvc_py_press_scope_methods,
     NULL};
 
 /* the assembled table lives as long as the process (types of every module instance point to it) */

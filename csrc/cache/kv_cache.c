@@ -2,6 +2,7 @@
 #include <string.h>
 
 #include "kv_cache.h"
+#include "../core/kv_layout.h"
 
 kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d) {
     memset(c, 0, sizeof *c);
@@ -16,7 +17,8 @@ kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers,
         L->len = calloc((size_t)n_kv, sizeof *L->len);
         L->cap = calloc((size_t)n_kv, sizeof *L->cap);
         L->pos = calloc((size_t)n_kv, sizeof *L->pos);
-        if (!L->len || !L->cap || !L->pos) {
+        L->np = calloc((size_t)n_kv, sizeof *L->np);
+        if (!L->len || !L->cap || !L->pos || !L->np) {
             kvc_cache_free(c);
             return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache head table");
         }
@@ -38,6 +40,8 @@ void kvc_cache_free(kvc_cache *c) {
         free(L->len);
         free(L->cap);
         free(L->pos);
+        free(L->np);
+        free(L->kidx);
     }
     free(c->layers);
     memset(c, 0, sizeof *c);
@@ -62,6 +66,21 @@ static int64_t *positions_new(const kvc_cache *c, const int64_t *cap, int64_t **
         o += (size_t)cap[h];
     }
     return p;
+}
+
+/* No pruned row left: the plain layout again (as the backend's store does). */
+static void pruned_settle(const kvc_cache *c, kvc_layer_cache *L) {
+    for (int32_t h = 0; h < c->n_kv; h++)
+        if (L->np[h] > 0) return;
+    free(L->kidx);
+    L->kidx = NULL;
+    L->dk = 0;
+}
+
+/* The pruned prefix after the lengths were cut to len (kv_set_lens below it shrinks it). */
+static void pruned_cut(const kvc_cache *c, kvc_layer_cache *L) {
+    for (int32_t h = 0; h < c->n_kv; h++) L->np[h] = kvc_kv_resized_pruned(L->len[h], L->np[h]);
+    pruned_settle(c, L);
 }
 
 /* The layer's new arena is allocated while the old one still exists: count both for the peak. */
@@ -93,8 +112,9 @@ kvc_status kvc_cache_clear(kvc_cache *c) {
         kvc_free(L->pos[0]);
         for (int32_t h = 0; h < c->n_kv; h++) {
             L->pos[h] = NULL;
-            L->len[h] = L->cap[h] = 0;
+            L->len[h] = L->cap[h] = L->np[h] = 0;
         }
+        pruned_settle(c, L);
         c->bytes -= L->bytes;
         L->bytes = 0;
     }
@@ -107,21 +127,32 @@ kvc_status kvc_cache_clear(kvc_cache *c) {
 static kvc_status layer_resize(kvc_cache *c, int32_t l, const int64_t *cap, const int64_t *rows, const kvc_cache *src) {
     kvc_layer_cache *L = &c->layers[l];
     const kvc_layer_cache *F = src ? &src->layers[l] : L;
+    const int copy_kidx = F != L && F->dk > 0; /* the source's pruned prefix goes along */
     int64_t **npos = calloc((size_t)c->n_kv, sizeof *npos);
-    if (!npos) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
-    if (!positions_new(c, cap, npos)) {
+    int32_t *kidx = copy_kidx ? malloc(sizeof(int32_t) * (size_t)c->n_kv * (size_t)F->dk) : NULL;
+    if (!npos || (copy_kidx && !kidx) || !positions_new(c, cap, npos)) {
         free(npos);
-        return KVC_ERR_NOMEM;
+        free(kidx);
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
     }
     kvc_status st = c->be->kv_resize(L->kv, cap, rows, src ? F->kv : NULL);
     if (st != KVC_OK) {
         kvc_free(npos[0]);
         free(npos);
+        free(kidx);
         return st;
     }
     const size_t nb = layer_bytes(c, L, cap);
     for (int32_t h = 0; h < c->n_kv; h++)
         if (rows[h] > 0) memcpy(npos[h], F->pos[h], sizeof(int64_t) * (size_t)rows[h]);
+    if (copy_kidx) {
+        memcpy(kidx, F->kidx, sizeof(int32_t) * (size_t)c->n_kv * (size_t)F->dk);
+        free(L->kidx);
+        L->kidx = kidx;
+        L->dk = F->dk;
+    }
+    for (int32_t h = 0; h < c->n_kv; h++) L->np[h] = kvc_kv_resized_pruned(rows[h], F->np[h]);
+    pruned_settle(c, L);
     account(c, L, nb);
     adopt(c, L, npos, cap, rows);
     free(npos);
@@ -214,8 +245,11 @@ kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *
             kvc_free(npos[0]);
         } else {
             const size_t nb = layer_bytes(c, L, cap);
-            for (int32_t h = 0; h < Hkv; h++)
+            for (int32_t h = 0; h < Hkv; h++) {
                 for (int64_t i = 0; i < n_keep[h]; i++) npos[h][i] = L->pos[h][keep[h][i]];
+                L->np[h] = kvc_kv_gathered_pruned(keep[h], n_keep[h], L->np[h]);
+            }
+            pruned_settle(c, L);
             account(c, L, nb);
             adopt(c, L, npos, cap, n_keep);
             c->compactions++;
@@ -228,7 +262,19 @@ kvc_status kvc_cache_compact(kvc_cache *c, int32_t layer, const int64_t *const *
 
 kvc_status kvc_cache_prune_keys(kvc_cache *c, int32_t layer, int32_t dk, const int32_t *kidx) {
     kvc_layer_cache *L = &c->layers[layer];
-    KVC_TRY(c->be->kv_prune_keys(L->kv, dk, kidx));
+    int32_t *mine = malloc(sizeof(int32_t) * (size_t)c->n_kv * (size_t)(dk > 0 ? dk : 1));
+    if (!mine) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache key channels");
+    kvc_status st = c->be->kv_prune_keys(L->kv, dk, kidx);
+    if (st != KVC_OK) {
+        free(mine);
+        return st;
+    }
+    memcpy(mine, kidx, sizeof(int32_t) * (size_t)c->n_kv * (size_t)dk);
+    free(L->kidx);
+    L->kidx = mine;
+    L->dk = dk;
+    for (int32_t h = 0; h < c->n_kv; h++) L->np[h] = L->len[h]; /* every row held */
+    pruned_settle(c, L);
     account(c, L, layer_bytes(c, L, L->cap));
     c->compactions++; /* the dropped channels cannot come back either */
     return KVC_OK;
@@ -254,6 +300,7 @@ kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_le
                             (long long)new_len[h]);
     KVC_TRY(c->be->kv_set_lens(L->kv, new_len));
     for (int32_t h = 0; h < c->n_kv; h++) L->len[h] = new_len[h];
+    pruned_cut(c, L);
     account(c, L, layer_bytes(c, L, L->cap)); /* cutting into ThinK-pruned rows rebuilds the arena */
     return KVC_OK;
 }
@@ -271,6 +318,42 @@ void kvc_cache_drop_from(kvc_cache *c, int32_t last, int64_t pos0) {
         for (int32_t h = 0; h < c->n_kv; h++)
             while (L->len[h] > 0 && L->pos[h][L->len[h] - 1] >= pos0) L->len[h]--;
         c->be->kv_set_lens(L->kv, L->len); /* the host lengths are the truth; the device follows */
+        pruned_cut(c, L);
         account(c, L, layer_bytes(c, L, L->cap));
     }
+}
+
+kvc_status kvc_cache_load_layer(kvc_cache *c, int32_t layer, const int64_t *len, const int64_t *const *pos,
+                                const float *const *k, const float *const *v, int32_t dk, const int32_t *kidx,
+                                const int64_t *np) {
+    kvc_layer_cache *L = &c->layers[layer];
+    const int32_t Hkv = c->n_kv;
+    for (int32_t h = 0; h < Hkv; h++)
+        if (L->len[h] != 0) return kvc_fail(KVC_ERR_ARG, "loading rows into layer %d, which holds rows already", layer);
+    int64_t *zero = calloc((size_t)(Hkv > 0 ? Hkv : 1), sizeof *zero);
+    if (!zero) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
+    kvc_status st = layer_resize(c, layer, len, zero, NULL); /* room for exactly the rows, none held yet */
+    free(zero);
+    int pruned = 0;
+    for (int32_t h = 0; h < Hkv; h++) pruned |= dk > 0 && np[h] > 0;
+    /* the pruned prefix first, pruned as ThinK left it; then the full rows after it */
+    for (int32_t h = 0; h < Hkv && st == KVC_OK && pruned; h++)
+        if (np[h] > 0) st = c->be->kv_write(L->kv, h, 0, np[h], k[h], v[h]);
+    if (st == KVC_OK && pruned) st = c->be->kv_set_lens(L->kv, np);
+    if (st == KVC_OK && pruned) {
+        for (int32_t h = 0; h < Hkv; h++) L->len[h] = np[h];
+        st = kvc_cache_prune_keys(c, layer, dk, kidx);
+        c->compactions--; /* a load, not an eviction */
+    }
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+        const int64_t r0 = pruned ? np[h] : 0, d = c->d;
+        if (len[h] > r0) st = c->be->kv_write(L->kv, h, r0, len[h] - r0, k[h] + r0 * d, v[h] + r0 * d);
+    }
+    if (st == KVC_OK) st = c->be->kv_set_lens(L->kv, len);
+    if (st == KVC_OK)
+        for (int32_t h = 0; h < Hkv; h++) {
+            if (len[h] > 0) memcpy(L->pos[h], pos[h], sizeof(int64_t) * (size_t)len[h]);
+            L->len[h] = len[h];
+        }
+    return st;
 }

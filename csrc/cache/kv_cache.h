@@ -16,6 +16,12 @@ typedef struct kvc_layer_cache {
     int64_t *cap;   /* [Hkv] rows of room */
     int64_t **pos;  /* [Hkv] -> [cap] original token positions of the rows (one host allocation) */
     size_t bytes;   /* the arena plus the positions */
+    /* ThinK's freed key channels, as the backend's store holds them (core/kv_layout.h's rules, mirrored
+     * here so a saved cache can say which rows lost which channels): rows [0, np[h]) of head h keep only
+     * the dk channels kidx[h dk ..]; dk 0 and kidx NULL when no row is pruned. */
+    int64_t *np;    /* [Hkv] */
+    int32_t dk;
+    int32_t *kidx;  /* [Hkv dk] */
 } kvc_layer_cache;
 
 typedef struct kvc_cache {
@@ -55,6 +61,12 @@ kvc_status kvc_cache_prune_keys(kvc_cache *c, int32_t layer, int32_t dk, const i
 kvc_status kvc_cache_copy(kvc_cache *dst, const kvc_cache *src);
 /* Cut every head of `layer` back to new_len[h] (<= current) rows; no reallocation. */
 kvc_status kvc_cache_truncate(kvc_cache *c, int32_t layer, const int64_t *new_len);
+/* Fill the empty `layer` with len[h] rows per head given on the host as f32: K k[h] and V v[h] ([len[h], d],
+ * pruned rows with zeros in their dropped channels), positions pos[h]; rows [0, np[h]) then keep only the dk
+ * channels kidx (dk 0: none), as kvc_cache_prune_keys leaves them. The arena holds exactly the rows. */
+kvc_status kvc_cache_load_layer(kvc_cache *c, int32_t layer, const int64_t *len, const int64_t *const *pos,
+                                const float *const *k, const float *const *v, int32_t dk, const int32_t *kidx,
+                                const int64_t *np);
 /* 1 when no head of any layer holds a row. */
 int kvc_cache_is_empty(const kvc_cache *c);
 /* Drop the rows at positions >= pos0 from layers [0, last] (a failed call loses nothing it appended). */

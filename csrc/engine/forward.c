@@ -170,6 +170,8 @@ static kvc_status run_hooks(kvc_session *s, const kvc_layer_ctx *ctx, int decode
     return KVC_OK;
 }
 
+static kvc_status run_prefill_hooks(kvc_session *s, const kvc_layer_ctx *ctx) { return run_hooks(s, ctx, 0); }
+
 /* ---- the layer --------------------------------------------------------------------------------------- */
 
 /* LongRoPE (transformers' longrope update): a call whose last position + 1 (`end`) exceeds the original
@@ -297,7 +299,7 @@ static kvc_status layer_forward(kvc_session *s, int32_t l, int64_t n) {
     const int prefill = n > 1 && has_layer_hook(s), decode = decode_hooks_active(s);
     if (prefill || decode) {
         const kvc_layer_ctx ctx = layer_ctx(s, l, n, past);
-        if (prefill) KVC_TRY(run_hooks(s, &ctx, 0));
+        if (prefill) KVC_TRY(kvc_scoped_hooks(s, &ctx, run_prefill_hooks)); /* the press scope: press_scope.c */
         if (decode) KVC_TRY(run_hooks(s, &ctx, 1));
     }
     for (int32_t i = 0; i < s->n_followers; i++) KVC_TRY(follower_layer(s->followers[i], s, l, n));

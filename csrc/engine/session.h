@@ -54,7 +54,13 @@ struct kvc_session {
     int32_t graph_rope_long;   /* the capture's RoPE frequencies were LongRoPE's long ones */
     int64_t decodes_since_capture, graph_steps;
     char graph_error[256];     /* why the last capture or replay failed ("" if none) */
+    int32_t press_scope;       /* KVC_PRESS_SCOPE_*: what a prefill press sees of a layer (press_scope.c) */
 };
+
+/* press_scope.c: a layer's prefill hooks (run) under the session's press scope: with KVC_PRESS_SCOPE_CALL the
+ * rows held before the call are set aside while they run, then put back in front of what they kept. */
+kvc_status kvc_scoped_hooks(kvc_session *s, const kvc_layer_ctx *ctx,
+                            kvc_status (*run)(kvc_session *s, const kvc_layer_ctx *ctx));
 
 /* forward.c */
 /* Activations for n rows and logit_rows rows of logits (never shrinks, except after running out of memory). */

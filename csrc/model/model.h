@@ -94,6 +94,7 @@ struct kvc_model {
     pthread_mutex_t host_lock;
     kvc_host_weights *host;
     struct kvc_model *host_twin;
+    char digest[72];          /* "sha256:..." of its weight files, computed once under host_lock (persist/) */
 };
 
 /* Where a tensor of the file goes. */

@@ -30,6 +30,9 @@ struct st_file {
     int64_t n;
     const st_tensor **by_name; /* sorted by name, for st_find */
     char *path;
+    size_t data_off;           /* 8 + the header's length */
+    char **meta;               /* __metadata__: key, value, key, value ... (header order) */
+    size_t n_meta;
 };
 
 static int dtype_of(const char *s, st_dtype *dt, size_t *bytes) {
@@ -136,6 +139,11 @@ static kvc_status parse_header(st_file *f, const json_value *hdr, size_t data_of
             int ok = e->kind == JSON_OBJECT;
             for (size_t k = 0; ok && k < e->n; k++) ok = e->items[k].kind == JSON_STRING;
             if (!ok) st = kvc_fail(KVC_ERR_FORMAT, "safetensors '%s': __metadata__ must map strings to strings" HINT, f->path);
+            if (ok && e->n && !(f->meta = calloc(2 * e->n, sizeof *f->meta)))
+                st = kvc_fail(KVC_ERR_NOMEM, "out of memory: safetensors metadata of '%s'", f->path);
+            for (size_t k = 0; ok && f->meta && k < e->n && st == KVC_OK; k++, f->n_meta++)
+                if (!(f->meta[2 * k] = strdup(e->keys[k])) || !(f->meta[2 * k + 1] = strdup(e->items[k].string)))
+                    st = kvc_fail(KVC_ERR_NOMEM, "out of memory: safetensors metadata of '%s'", f->path);
             continue;
         }
         st = parse_entry(f, hdr->keys[i], e, data_size, data_off);
@@ -202,7 +210,8 @@ kvc_status st_open(const char *path, st_file **out) {
     char what[600];
     snprintf(what, sizeof what, "safetensors header of '%.500s'", path);
     if (st == KVC_OK) st = json_parse((const char *)f->map + 8, (size_t)hlen, what, &hdr);
-    if (st == KVC_OK) st = parse_header(f, hdr, 8 + (size_t)hlen);
+    f->data_off = 8 + (size_t)hlen;
+    if (st == KVC_OK) st = parse_header(f, hdr, f->data_off);
     json_free(hdr);
     if (st != KVC_OK) {
         st_close(f);
@@ -217,9 +226,31 @@ void st_close(st_file *f) {
     for (int64_t i = 0; i < f->n; i++) free(f->tensors[i].name);
     free(f->tensors);
     free(f->by_name);
+    for (size_t i = 0; i < 2 * f->n_meta; i++) free(f->meta[i]);
+    free(f->meta);
     if (f->map) munmap(f->map, f->size);
     free(f->path);
     free(f);
+}
+
+const char *st_meta(const st_file *f, const char *key) {
+    for (size_t i = 0; f && key && i < f->n_meta; i++)
+        if (f->meta[2 * i] && strcmp(f->meta[2 * i], key) == 0) return f->meta[2 * i + 1];
+    return NULL;
+}
+
+size_t st_meta_count(const st_file *f) { return f ? f->n_meta : 0; }
+
+const char *st_meta_at(const st_file *f, size_t i, const char **value) {
+    if (!f || i >= f->n_meta) return NULL;
+    *value = f->meta[2 * i + 1];
+    return f->meta[2 * i];
+}
+
+const uint8_t *st_bytes(const st_file *f, size_t *size, size_t *data_off) {
+    *size = f ? f->size : 0;
+    *data_off = f ? f->data_off : 0;
+    return f ? f->map : NULL;
 }
 
 int64_t st_n_tensors(const st_file *f) { return f ? f->n : 0; }

@@ -25,6 +25,13 @@ void st_close(st_file *f);
 int64_t st_n_tensors(const st_file *f);
 const st_tensor *st_tensor_at(const st_file *f, int64_t i);
 const st_tensor *st_find(const st_file *f, const char *name);
+/* The string of `key` in the header's __metadata__, or NULL. */
+const char *st_meta(const st_file *f, const char *key);
+/* The metadata entries in header order: key i (NULL past the end), its value in *value. */
+size_t st_meta_count(const st_file *f);
+const char *st_meta_at(const st_file *f, size_t i, const char **value);
+/* The whole file as mapped (size bytes) and where its data section starts (8 + the header's length). */
+const uint8_t *st_bytes(const st_file *f, size_t *size, size_t *data_off);
 /* Convert a tensor to fp32 into dst (n_elements floats); KVC_ERR_UNSUPPORTED for other dtypes. */
 kvc_status st_to_f32(const st_tensor *t, float *dst);
 /* The same for elements [first, first + n). */
