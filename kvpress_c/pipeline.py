@@ -50,6 +50,17 @@ class PipelineResult:
         self._context = None
 
 
+def question_list(question: str, questions) -> list:
+    """The questions of a call: question= or questions=, not both, and at least one."""
+    if questions is None:
+        return [question]
+    if question:
+        raise ValueError("give question= or questions=, not both")
+    if not questions:
+        raise ValueError("questions is empty")
+    return list(questions)
+
+
 class Pipeline:
     """`Pipeline(model)(context, question=..., press=..., max_new_tokens=...)`."""
 
@@ -105,12 +116,7 @@ class Pipeline:
         if query_aware:
             raise ValueError("query_aware=True compresses the question with the context: a saved cache answers "
                              "questions after its context (query_aware=False)")
-        if questions is None:
-            questions = [question]
-        elif question:
-            raise ValueError("give question= or questions=, not both")
-        if not questions:
-            raise ValueError("questions is empty")
+        questions = question_list(question, questions)
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
         t0 = time.perf_counter()
@@ -149,12 +155,7 @@ class Pipeline:
         cost of one. Judge Q, and TAKE on a prompt of one chunk, then take a copy of the full cache, one
         press at a time, and run only their soft rows or probes on it. TAKE on a longer prompt changes
         the forward itself and runs its own prefill."""
-        if questions is None:
-            questions = [question]
-        elif question:
-            raise ValueError("give question= or questions=, not both")
-        if not questions:
-            raise ValueError("questions is empty")
+        questions = question_list(question, questions)
         presses = list(presses)
         if not presses:
             raise ValueError("presses is empty")

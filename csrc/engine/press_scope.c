@@ -51,7 +51,7 @@ static kvc_status rows_read(const kvc_cache *c, int32_t l, const int64_t *r0, co
 }
 
 /* The layer again: the rows set aside (old, pruned prefix old_np with channels old_kidx) in front of what the
- * press kept. ThinK's pruned rows must stay a prefix under one channel set. */
+ * press kept. Rows with pruned key channels must stay a prefix under one channel set. */
 static kvc_status put_back(kvc_cache *c, int32_t l, const rows_out *old, const int64_t *old_np, int32_t old_dk,
                            const int32_t *old_kidx) {
     const int32_t Hkv = c->n_kv, d = c->d;
@@ -68,7 +68,7 @@ static kvc_status put_back(kvc_cache *c, int32_t l, const rows_out *old, const i
     if (new_pruned && (!old_all_pruned || (old_pruned && !same_channels)))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "layer %d: the press freed key channels of this call's rows, but the rows "
                         "held before keep other channels, and a cache holds one channel set for its pruned rows: "
-                        "scope the press to the whole cache (ThinK prunes every row at once)", l);
+                        "scope the press to the whole cache (a press that prunes channels prunes every row at once)", l);
     rows_out now = {0};
     kvc_status st = rows_read(c, l, zero, L->len, &now);
     int32_t dk = new_pruned ? L->dk : old_pruned ? old_dk : 0;

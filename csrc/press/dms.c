@@ -39,7 +39,14 @@ static void free_rows(int32_t Hkv, float **scores, int64_t **keep) {
 typedef struct {
     float *tail;     /* [L * Hkv * dms_window] */
     int64_t *tail_n; /* [L] how many (-1: no prefill yet) */
+    int32_t L;
 } dms_state;
+
+/* a reset session has no prefill: nothing is left for the decoding part */
+static void reset(void *state) {
+    dms_state *t = state;
+    for (int32_t l = 0; t->tail_n && l < t->L; l++) t->tail_n[l] = -1;
+}
 
 static void release(void *state) {
     dms_state *t = state;
@@ -63,6 +70,7 @@ static kvc_status dms_prefill(kvc_press *p, void *state, kvc_session *s, const k
             return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
         }
         for (int32_t i = 0; i < p->n_layers; i++) t->tail_n[i] = -1;
+        t->L = p->n_layers;
     }
     const int64_t *len = kvc_door_cache(s)->layers[l].len, n = ctx->n;
     float *scores[KVC_MAX_KV_HEADS] = {0};
@@ -88,7 +96,7 @@ static int wanted(const kvc_press_config *cfg) { return cfg->dms != 0; }
 /* the press's setting dms turns it on: threshold eviction in place of the schedule's */
 static const kvc_press_part_i dms_part = {
     .name = "dms", .title = "DMSPress", .traits = KVC_PART_SELECTS, .order = 10, .state_size = sizeof(dms_state),
-    .wanted = wanted, .release = release, .take_layer = dms_prefill,
+    .wanted = wanted, .release = release, .reset = reset, .take_layer = dms_prefill,
     .doc = "rows leaving a sliding window evicted when they score below a threshold"};
 KVC_REGISTER_PART(dms_part);
 

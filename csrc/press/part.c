@@ -96,6 +96,11 @@ void kvc_press_parts_free(kvc_press *p) {
     }
 }
 
+void kvc_press_parts_reset(kvc_press *p) {
+    KVC_FOR_PARTS(p, row, state)
+        if (row->reset) row->reset(state);
+}
+
 kvc_status kvc_press_parts_wanted(kvc_press *p) {
     void *state = NULL;
     for (int32_t i = 0; i < kvc_part_count(); i++) {

@@ -57,6 +57,7 @@ typedef struct kvc_press_part_i {
     kvc_status (*admit)(const kvc_press *p);
     void (*init)(void *state, const kvc_press *p);     /* defaults, or NULL */
     void (*release)(void *state);                      /* what the state holds (not the block itself), or NULL */
+    void (*reset)(void *state);                        /* the session was reset: back to before its first call, or NULL */
     /* a layer's config seen by the rest of the schedule (PerLayerCompressionPress), or NULL */
     void (*layer_config)(const void *state, int32_t layer, kvc_press_config *cfg);
     /* the whole compression of the layer in place of the schedule's (DMSPress, FastKVzip), or NULL */
@@ -84,6 +85,8 @@ void *kvc_press_part(const kvc_press *p, const kvc_press_part_i *row);
 kvc_status kvc_press_part_state(kvc_press *p, const kvc_press_part_i *row, void **out);
 /* Every part's state a press holds, released (kvc_press_free). */
 void kvc_press_parts_free(kvc_press *p);
+/* Every part's reset hook (the session was reset). */
+void kvc_press_parts_reset(kvc_press *p);
 /* The parts a setting of the press config turns on (kvc_press_new). */
 kvc_status kvc_press_parts_wanted(kvc_press *p);
 /* Whether any part a press holds has all the traits. */

@@ -4,7 +4,15 @@
 
 static void press_free_self(void *self) { kvc_press_free(self); }
 
-const kvc_press_vt kvc_press_slot_vt = {"press", 0, kvc_press_hook, NULL, NULL, press_free_self};
+/* The session was reset: every press of the chain back to before its first call (ChunkKV's group, the parts). */
+static void press_reset_self(void *self) {
+    for (kvc_press *p = self; p; p = p->next) {
+        p->reuse_len = 0;
+        kvc_press_parts_reset(p);
+    }
+}
+
+const kvc_press_vt kvc_press_slot_vt = {"press", 0, kvc_press_hook, NULL, press_reset_self, press_free_self};
 
 kvc_status kvc_attached_press(const kvc_session *s, kvc_press **out) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");

@@ -10,21 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 import kvpress_c  # noqa: E402
 from gemma3_models import GGUF_SHAPE, LAYERS, PERIOD, WINDOW, write_gemma3_gguf, write_tiny_gemma3  # noqa: E402
+from hf_models import hf_logits, hf_model, rel_err  # noqa: E402
 
 TOL = 1e-5  # the bound; measured figures printed by each test
-
-
-def rel_err(ours, ref):
-    return float(np.max(np.abs(ours.astype(np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].double().numpy()
 
 
 @pytest.fixture(params=[4.0, 0.0], ids=["linear4", "plain"])

@@ -11,6 +11,7 @@ pytest.importorskip("gguf")
 
 import kvpress_c  # noqa: E402
 from phi3_models import ORIGINAL_CONTEXT, write_phi3_gguf, write_tiny_phi3  # noqa: E402
+from hf_models import hf_logits, hf_model, rel_err  # noqa: E402
 
 # measured: fp32 against HF eager on these tiny models, max |ours - HF| / max |HF| over every logit,
 # 6.6e-7 .. 8.9e-7 (40- and 300-token prompts, partial 1.0 and 0.5, LongRoPE): the bound
@@ -19,19 +20,6 @@ TOL = 1e-5
 # (partial rotary factor, LongRoPE): Phi-3-mini-128k / Phi-3.5 (whole head, LongRoPE), Phi-4-mini (0.75 of the
 # head, LongRoPE: 12 of 16 dims here), Phi-3-mini-4k (no scaling), a half-head rotary without scaling
 CASES = [(1.0, True), (0.75, True), (1.0, False), (0.5, False)]
-
-
-def rel_err(ours, ref):
-    return float(np.max(np.abs(ours.astype(np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def hf_model(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].double().numpy()
 
 
 @pytest.fixture(params=CASES, ids=lambda c: f"partial{c[0]}-{'longrope' if c[1] else 'plain'}")

@@ -7,25 +7,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvpress_c  # noqa: E402
-from hf_models import write_tiny_model  # noqa: E402
+from hf_models import hf_logits, hf_model, rel_err, write_tiny_model  # noqa: E402
 
 # measured: fp32 against HF eager on these tiny models, max |ours - HF| / max |HF| over every logit,
 # 2e-7 .. 9e-7 over 20 seeds (the llama/qwen2 parity tests use the same 1e-4 bound)
 TOL = 1e-4
-
-
-def rel_err(ours, ref):
-    return float(np.max(np.abs(ours.astype(np.float64) - ref)) / np.max(np.abs(ref)))
-
-
-def hf_model(path):
-    # eager: the mask (sliding window included) is the one transformers builds, not a kernel's own
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].double().numpy()
 
 
 # (arch, window, first window layer): windows short against the 120-token prompt, so most keys are outside

@@ -63,6 +63,34 @@ def test_dms_matches_reference(tiny_model, rng, window, decoding):
         assert evicted > 0
 
 
+def test_dms_reset_forgets_the_prefill_window(tiny_model, rng):
+    """A session reset resets the press's parts (the part table's reset hook): the decoding part does not take up
+    the unjudged window of a prefill from before the reset. After a reset, a one-token first call (no prefill
+    press acts on it) and decode steps keep exactly what a fresh session keeps."""
+    ids = rng.integers(3, 300, 60).astype(np.int32)
+    steps = rng.integers(3, 300, 30).astype(np.int32)
+    full = tiny_model.new_session()
+    full.forward(ids, logits="none")
+    scores = np.concatenate([np.linalg.norm(full.cache_rows(0, h)[0], axis=1) for h in range(2)])
+    press = kvpress_c.DMSPress(kvpress_c.KnormPress(), threshold=float(np.quantile(-scores, 0.5)),
+                               sliding_window_size=8, decoding=True)
+
+    def decode(s):
+        for t in steps:
+            s.forward(np.array([t], np.int32), logits="none")
+        return [[s.cache_positions(l, h).tolist() for h in range(2)] for l in range(2)]
+
+    s = tiny_model.new_session()
+    s.set_press(**press.c_config())
+    s.set_decoding_press(**press.decoding_config())
+    s.forward(ids, logits="none")  # leaves each layer's last 8 rows unjudged for the decoding part
+    s.reset()
+    fresh = tiny_model.new_session()
+    fresh.set_press(**press.c_config())
+    fresh.set_decoding_press(**press.decoding_config())
+    assert decode(s) == decode(fresh)
+
+
 def test_dms_errors(tiny_model):
     with pytest.raises(ValueError, match="threshold"):
         kvpress_c.DMSPress(kvpress_c.KnormPress())

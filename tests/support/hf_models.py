@@ -123,3 +123,26 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + extra)
             extra += 1
     return table
+
+
+# ---- the logit parity tests' references (tests/model): HF eager in fp32 ----
+
+def rel_err(ours, ref):
+    """max |ours - ref| / max |ref| over every value (ref float64)."""
+    import numpy as np
+    return float(np.max(np.abs(ours.astype(np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+def hf_model(path):
+    """A folder's model in fp32, eager attention: the mask (sliding window included) is the one transformers
+    builds, not a kernel's own."""
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def hf_logits(hf, ids):
+    """Every position's logits of one prompt, float64."""
+    import torch
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].double().numpy()
