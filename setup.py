@@ -130,6 +130,16 @@ def cudnn_build_inputs(fetch=None):
     return cudnn_build_inputs(False) if os.path.exists(os.path.join(lib, "libcudnn.so.9")) else None
 
 
+def nvcc_link(nvcc, out_dir, name, objects, libs):
+    """A shared library `name` in out_dir from nvcc objects, the CUDA runtime static; returns its path."""
+    path = os.path.join(out_dir, name)
+    cmd = [nvcc, "-shared", "--cudart=static", "-o", path, *objects, *libs, f"-Xlinker=-soname,{name}", "-ldl",
+           "-lpthread", "-lrt"]
+    print(" ".join(cmd))
+    subprocess.check_call(cmd)
+    return path
+
+
 class FetchCudnn(Command):
     """setup.py fetch_cudnn: the cuDNN headers and loader stub into build/cudnn/ (a GPU session's prebuild)."""
     description = "download the cuDNN build inputs into build/cudnn"
@@ -214,11 +224,7 @@ class BuildExt(build_ext):
             return
         try:
             objects = self._build_cuda(nvcc)
-            path = os.path.join(out_dir, "libkvpress_c_cuda.so")
-            cmd = [nvcc, "-shared", "--cudart=static", "-o", path, *objects, f"-L{lib_dir}",
-                   "-Xlinker=-soname,libkvpress_c_cuda.so", "-ldl", "-lpthread", "-lrt"]
-            print(" ".join(cmd))
-            subprocess.check_call(cmd)
+            path = nvcc_link(nvcc, out_dir, "libkvpress_c_cuda.so", objects, [f"-L{lib_dir}"])
             print(f"kvpress_c: built the CUDA backend ({path})", file=sys.stderr)
         except (subprocess.CalledProcessError, OSError) as exc:
             print(f"kvpress_c: the CUDA backend did not build ({exc}); building the CPU backend only. "
@@ -258,11 +264,8 @@ class BuildExt(build_ext):
                            f"-I{fe_inc}", f"-I{inc}", "-c", src, "-o", obj]
                     print(" ".join(cmd))
                     subprocess.check_call(cmd)
-            path = os.path.join(out_dir, "libkvpress_c_cudnn.so")
-            cmd = [nvcc, "-shared", "--cudart=static", "-o", path, *objects, f"-L{lib_dir}", f"-L{stub}", "-l:libcudnn.so.9",
-                   "-Xlinker=-soname,libkvpress_c_cudnn.so", "-ldl", "-lpthread", "-lrt"]
-            print(" ".join(cmd))
-            subprocess.check_call(cmd)
+            path = nvcc_link(nvcc, out_dir, "libkvpress_c_cudnn.so", objects,
+                             [f"-L{lib_dir}", f"-L{stub}", "-l:libcudnn.so.9"])
             print(f"kvpress_c: built the cuDNN attention ({path})", file=sys.stderr)
         except (subprocess.CalledProcessError, OSError) as exc:
             print(f"kvpress_c: the cuDNN attention did not build ({exc}); the CUDA backend runs its own kernels. "

@@ -64,25 +64,19 @@ def write_gemma3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
     import torch
     import transformers
 
+    from hf_models import gguf_writer_from_hf
+
     model = transformers.Gemma3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
     full = c.rope_parameters["full_attention"]
-    w = gguf.GGUFWriter(out, "gemma3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer_from_hf(out, "gemma3", c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(full["rope_theta"])
     w.add_sliding_window(c.sliding_window)
     if full.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(full["factor"])
-    w.add_vocab_size(c.vocab_size)
     w.add_token_list([f"<t{i}>".encode() for i in range(c.vocab_size)])
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)

@@ -146,3 +146,19 @@ def hf_logits(hf, ids):
     import torch
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def gguf_writer_from_hf(out: str, arch: str, c):
+    """A GGUFWriter for `arch` with the hyperparameters every llama.cpp converter writes from an HF config `c`
+    (layers, context, widths, heads, RMSNorm eps, vocabulary size); the family's own keys are the caller's."""
+    import gguf
+    w = gguf.GGUFWriter(out, arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    return w

@@ -72,23 +72,17 @@ def write_phi3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
     import torch
     import transformers
 
+    from hf_models import gguf_writer_from_hf
+
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     model = transformers.Phi3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
     head_dim = c.hidden_size // c.num_attention_heads
     rp = c.rope_parameters
     rot = int(head_dim * rp.get("partial_rotary_factor", 1.0))
-    w = gguf.GGUFWriter(out, "phi3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = gguf_writer_from_hf(out, "phi3", c)
     w.add_rope_dimension_count(rot)
     w.add_rope_freq_base(rp["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
     if rp.get("rope_type") == "longrope":
