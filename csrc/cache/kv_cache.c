@@ -4,12 +4,15 @@
 #include "kv_cache.h"
 #include "../core/kv_layout.h"
 
-kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d) {
+kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d,
+                          const kvc_kv_format *fmt) {
     memset(c, 0, sizeof *c);
     c->be = be;
     c->n_layers = n_layers;
     c->n_kv = n_kv;
     c->d = d;
+    c->fmt.type = KVC_KV_NATIVE;
+    if (fmt) c->fmt = *fmt;
     c->layers = calloc((size_t)n_layers, sizeof *c->layers);
     if (!c->layers) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache layer table");
     for (int32_t l = 0; l < n_layers; l++) {
@@ -22,13 +25,34 @@ kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers,
             kvc_cache_free(c);
             return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache head table");
         }
-        kvc_status st = be->kv_new(n_kv, d, &L->kv);
+        kvc_status st = be->kv_new(n_kv, d, &c->fmt, &L->kv);
         if (st != KVC_OK) {
             kvc_cache_free(c);
             return st;
         }
     }
     return KVC_OK;
+}
+
+kvc_status kvc_cache_set_format(kvc_cache *c, const kvc_kv_format *fmt) {
+    if (!kvc_cache_is_empty(c)) return kvc_fail(KVC_ERR_ARG, "the K/V cache type can change only while the cache is empty: reset the session first");
+    KVC_TRY(kvc_cache_clear(c)); /* no room reserved in the old stores either */
+    kvc_kv **fresh = calloc((size_t)c->n_layers, sizeof *fresh);
+    if (!fresh) return kvc_fail(KVC_ERR_NOMEM, "out of memory: KV cache");
+    kvc_status st = KVC_OK;
+    for (int32_t l = 0; l < c->n_layers && st == KVC_OK; l++) st = c->be->kv_new(c->n_kv, c->d, fmt, &fresh[l]);
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        kvc_kv *old = st == KVC_OK ? c->layers[l].kv : fresh[l];
+        if (old) c->be->kv_free(old);
+        if (st == KVC_OK) {
+            c->layers[l].kv = fresh[l];
+            c->bytes -= c->layers[l].bytes;
+            c->layers[l].bytes = 0;
+        }
+    }
+    free(fresh);
+    if (st == KVC_OK) c->fmt = *fmt;
+    return st;
 }
 
 void kvc_cache_free(kvc_cache *c) {
@@ -186,12 +210,20 @@ void kvc_cache_note_append(kvc_cache *c, int32_t layer, const int64_t *pos, int6
         memcpy(L->pos[h] + L->len[h], pos, sizeof(int64_t) * (size_t)n);
         L->len[h] += n;
     }
+    account(c, L, layer_bytes(c, L, L->cap)); /* rows waiting in f32 count until committed */
 }
 
 kvc_status kvc_cache_append(kvc_cache *c, int32_t layer, kvc_view src, int64_t kcol, int64_t vcol, const int64_t *pos,
                             int64_t n) {
     KVC_TRY(c->be->kv_append(c->layers[layer].kv, src, kcol, vcol, n));
     kvc_cache_note_append(c, layer, pos, n);
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_commit(kvc_cache *c, int32_t layer) {
+    kvc_layer_cache *L = &c->layers[layer];
+    KVC_TRY(c->be->kv_commit(L->kv));
+    account(c, L, layer_bytes(c, L, L->cap));
     return KVC_OK;
 }
 
@@ -213,6 +245,7 @@ kvc_status kvc_cache_append_host(kvc_cache *c, int32_t layer, const float *k, co
     }
     if (st == KVC_OK) st = c->be->kv_set_lens(L->kv, len);
     if (st == KVC_OK) kvc_cache_note_append(c, layer, pos, n);
+    if (st == KVC_OK) st = kvc_cache_commit(c, layer);
     free(hk);
     free(len);
     return st;
@@ -355,5 +388,6 @@ kvc_status kvc_cache_load_layer(kvc_cache *c, int32_t layer, const int64_t *len,
             if (len[h] > 0) memcpy(L->pos[h], pos[h], sizeof(int64_t) * (size_t)len[h]);
             L->len[h] = len[h];
         }
+    if (st == KVC_OK) st = kvc_cache_commit(c, layer);
     return st;
 }

@@ -27,13 +27,19 @@ typedef struct kvc_layer_cache {
 typedef struct kvc_cache {
     const kvc_backend *be;
     int32_t n_layers, n_kv, d;
+    kvc_kv_format fmt; /* the stores' type (core/kv_type.h; KVC_KV_NATIVE: the backend's own) */
     kvc_layer_cache *layers;
     size_t bytes;      /* held now */
     size_t peak_bytes; /* most ever held at once (an old arena and its replacement together included) */
     uint64_t compactions; /* evictions so far: a call that fails after one cannot give the rows back */
 } kvc_cache;
 
-kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d);
+kvc_status kvc_cache_init(kvc_cache *c, const kvc_backend *be, int32_t n_layers, int32_t n_kv, int32_t d,
+                          const kvc_kv_format *fmt);
+/* New stores of type fmt for the empty cache c (KVC_ERR_ARG when it holds rows); on failure c keeps its own. */
+kvc_status kvc_cache_set_format(kvc_cache *c, const kvc_kv_format *fmt);
+/* After `layer`'s attention: the rows appended since into the stores' type (the backend's kv_commit). */
+kvc_status kvc_cache_commit(kvc_cache *c, int32_t layer);
 void kvc_cache_free(kvc_cache *c);
 /* Drop every row of every layer (arenas freed). */
 kvc_status kvc_cache_clear(kvc_cache *c);

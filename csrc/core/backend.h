@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 6 /* 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+#define KVC_BACKEND_VERSION 7 /* 7: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
                                  scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
                                  kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
@@ -208,9 +208,17 @@ typedef struct kvc_backend {
 
     /* ---- K/V of one layer (the ragged cache; cache/kv_cache.c keeps lengths, capacities and positions
      * on the host and mirrors the lengths here with kv_set_lens) ---- */
-    kvc_status (*kv_new)(int32_t Hkv, int32_t d, kvc_kv **out);
+    /* A store of Hkv heads of d values in the storage type fmt (core/kv_type.h has the formats; NULL or
+     * KVC_KV_NATIVE: act_dtype's own). KVC_ERR_ARG for a format the heads cannot take, KVC_ERR_UNSUPPORTED
+     * for a type the backend does not store, each with the reason. */
+    kvc_status (*kv_new)(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out);
+    /* The rows kv_append added since the last commit go into the store's type (until then they are read
+     * as appended: a call's own queries see its rows exact); KIVI: whole key blocks once its residual
+     * fills. The engine calls it after each layer's attention (graph-safe on devices with graphs). */
+    kvc_status (*kv_commit)(kvc_kv *kv);
     void (*kv_free)(kvc_kv *kv);
-    /* Storage bytes of the store's arena now (the memory report; pruned keys count dk values a row). */
+    /* Storage bytes of the store now (the memory report; pruned keys count dk values a row; rows waiting in
+     * f32 count as f32). */
     size_t (*kv_bytes)(const kvc_kv *kv);
     /* A new arena of cap[h] rows per head holding rows [0, rows[h]) of src (kv itself when NULL), lengths
      * rows[h]; the old arena is freed. */

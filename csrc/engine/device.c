@@ -248,7 +248,7 @@ static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, in
     if (st == KVC_OK && start) st = scope_buf(&sc, KVC_I64, n * Hkv, start, n, Hkv, KVC_I64, &S);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, q, n, qd, KVC_F32, &Q);
     if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * qd, NULL, 0, 0, 0, &O);
-    if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, &sc.kv);
+    if (st == KVC_OK) st = sc.be->kv_new(Hkv, d, NULL, &sc.kv);
     if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, cap, zero, NULL);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) st = sc.be->kv_write(sc.kv, h, 0, len[h], k[h], v[h]);
     if (st == KVC_OK && pr_rows) {
@@ -338,7 +338,7 @@ kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, in
     scope sc;
     kvc_status st = scope_begin(&sc, device);
     if (st == KVC_OK) {
-        st = sc.be->kv_new(Hkv, d, &sc.kv);
+        st = sc.be->kv_new(Hkv, d, NULL, &sc.kv);
         if (st == KVC_OK) st = kv_rows_store(sc.be, sc.kv, Hkv, d, len, dk, buf);
         for (int32_t h = 0; h < Hkv && st == KVC_OK && op <= 2 && op != 1; h++)
             st = op == 0 ? sc.be->kv_read(sc.kv, h, row0, rows, buf, buf) : sc.be->kv_write(sc.kv, h, row0, rows, buf, buf);

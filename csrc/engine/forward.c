@@ -232,6 +232,8 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
             KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
         }
         KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), start, kvc_view_at(att, i * n, 0), 0));
+        /* the call's rows, read exact by its own queries, go into the cache's type */
+        KVC_TRY(body ? be->kv_commit(L->kv) : kvc_cache_commit(&si->cache, l));
     }
     return be->matmul(att, W->wo, kvc_view_of(lead->act.o, 0, D), rows, D, qd, 0);
 }
@@ -287,6 +289,7 @@ static kvc_status follower_layer(kvc_session *f, const kvc_session *lead, int32_
     KVC_TRY(kvc_cache_reserve(&f->cache, l, n));
     memcpy(past, f->cache.layers[l].len, sizeof(int64_t) * (size_t)c->n_kv_heads);
     KVC_TRY(kvc_cache_append(&f->cache, l, kvc_view_of(lead->act.qkv, 0, qd + 2 * kd), qd, qd + kd, lead->positions, n));
+    KVC_TRY(kvc_cache_commit(&f->cache, l)); /* as the leader's rows after its attention */
     if (!has_layer_hook(f) || n <= 1) return KVC_OK;
     const kvc_layer_ctx ctx = layer_ctx(lead, l, n, past);
     return run_hooks(f, &ctx, 0);

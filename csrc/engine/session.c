@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "session.h"
+#include "../core/kv_type.h"
 
 static int graphs_default(void) {
     const char *e = getenv("KVC_DECODE_GRAPHS");
@@ -23,7 +24,8 @@ kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session 
     s->capacity_hint = capacity_hint;
     s->graphs = graphs_default();
     kvc_backend_lock(s->be);
-    kvc_status st = kvc_cache_init(&s->cache, s->be, model->cfg.n_layers, model->cfg.n_kv_heads, model->cfg.head_dim);
+    kvc_status st = kvc_cache_init(&s->cache, s->be, model->cfg.n_layers, model->cfg.n_kv_heads, model->cfg.head_dim,
+                                   &model->kv_format);
     kvc_backend_unlock(s->be);
     if (st != KVC_OK) {
         free(s);
@@ -164,4 +166,43 @@ kvc_status kvc_session_graph_info(const kvc_session *s, int32_t *on, int64_t *gr
     *graph_steps = s->graph_steps;
     *error = s->graph_error;
     return KVC_OK;
+}
+
+/* ---- the K/V cache's storage type (core/kv_type.h) ---- */
+
+kvc_status kvc_model_set_kv_format(kvc_model *model, const kvc_kv_format *format) {
+    if (!model || !format) return kvc_fail(KVC_ERR_ARG, "kvc_model_set_kv_format: model or format is NULL");
+    KVC_TRY(kvc_kv_format_check(format, model->cfg.head_dim));
+    model->kv_format = *format;
+    return KVC_OK;
+}
+
+void kvc_model_get_kv_format(const kvc_model *model, kvc_kv_format *out) {
+    if (!out) return;
+    out->type = KVC_KV_NATIVE;
+    out->group = out->residual = 0;
+    if (model) *out = model->kv_format;
+}
+
+kvc_status kvc_session_set_kv_format(kvc_session *s, const kvc_kv_format *format) {
+    if (!s || !format) return kvc_fail(KVC_ERR_ARG, "kvc_session_set_kv_format: session or format is NULL");
+    KVC_TRY(kvc_kv_format_check(format, s->model->cfg.head_dim));
+    if (s->graph) { /* a captured decode reads the old stores */
+        s->be->graph_free(s->graph);
+        s->graph = NULL;
+    }
+    kvc_backend_lock(s->be);
+    const kvc_status st = kvc_cache_set_format(&s->cache, format);
+    kvc_backend_unlock(s->be);
+    return st;
+}
+
+void kvc_session_get_kv_format(const kvc_session *s, kvc_kv_format *out) {
+    if (!out) return;
+    out->type = KVC_KV_NATIVE;
+    out->group = out->residual = 0;
+    if (!s) return;
+    *out = s->cache.fmt;
+    if (out->type == KVC_KV_NATIVE) out->type = s->be->act_dtype == KVC_BF16 ? KVC_KV_BF16 : KVC_KV_F32;
+    if (!kvc_kv_type_key_blocks(out->type)) out->group = out->residual = 0;
 }

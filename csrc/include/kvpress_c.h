@@ -173,6 +173,27 @@ KVC_API kvc_status kvc_model_meta_string(const kvc_model *model, int64_t i, uint
 
 typedef struct kvc_session kvc_session;
 
+/* The K/V cache's storage type (docs/METHODS.md, "Quantised K/V cache"): what each kept row costs.
+ * KVC_KV_NATIVE: the device's own (f32 on the CPU, bf16 on devices). kivi4 / kivi2: KIVI's asymmetric
+ * codes, keys per channel over `group` rows, values per row over min(group, head_dim) channels, the most
+ * recent rows in f32 until `residual` of them wait (transformers' QuantizedCache: nbits, q_group_size,
+ * residual_length). group and residual are ignored by the other types. */
+enum { KVC_KV_NATIVE = -1, KVC_KV_F32 = 0, KVC_KV_BF16 = 1, KVC_KV_F16 = 2, KVC_KV_Q8_0 = 3, KVC_KV_KIVI4 = 4,
+       KVC_KV_KIVI2 = 5, KVC_KV_N_TYPES = 6 };
+typedef struct kvc_kv_format {
+    int32_t type;
+    int32_t group;    /* KIVI: rows of a key block and channels of a value group (q_group_size) */
+    int32_t residual; /* KIVI: rows that wait in f32 before they are quantised (residual_length) */
+} kvc_kv_format;
+/* The type new sessions of this model get (KVC_KV_NATIVE at load). KVC_ERR_ARG for a format the model's
+ * heads cannot take (a group that does not divide head_dim, ...), with what to change. */
+KVC_API kvc_status kvc_model_set_kv_format(kvc_model *model, const kvc_kv_format *format);
+KVC_API void kvc_model_get_kv_format(const kvc_model *model, kvc_kv_format *out);
+/* A session's own type; only while its cache is empty (fresh or reset): KVC_ERR_ARG otherwise. */
+KVC_API kvc_status kvc_session_set_kv_format(kvc_session *s, const kvc_kv_format *format);
+/* The session's type as its stores hold it (KVC_KV_NATIVE resolved to the device's type). */
+KVC_API void kvc_session_get_kv_format(const kvc_session *s, kvc_kv_format *out);
+
 /* `capacity_hint`: tokens to preallocate per KV head (0: grow as needed). */
 KVC_API kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out);
 KVC_API void kvc_session_free(kvc_session *s);

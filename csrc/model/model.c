@@ -254,6 +254,7 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
     pthread_mutex_init(&m->host_lock, NULL);
     m->cfg = *cfg;
     m->be = be;
+    m->kv_format.type = KVC_KV_NATIVE;
     m->weights = weights & ~(KVC_WEIGHTS_NO_MMAP | KVC_WEIGHTS_NO_REPACK);
     snprintf(m->format, sizeof m->format, "%s", format);
     kvc_status st = KVC_OK;

@@ -66,6 +66,7 @@ struct kvc_model {
     char format[16];          /* "gguf" or "safetensors" */
     char *path;               /* the file or folder it was loaded from */
     const kvc_backend *be;
+    kvc_kv_format kv_format;  /* the K/V type new sessions get (KVC_KV_NATIVE after load) */
     kvc_view tok_embd;        /* [V, D] */
     kvc_view out_norm;        /* [D] */
     kvc_view lm_head;         /* [V, D]; the token embedding when tied */

@@ -41,7 +41,7 @@ static kvc_status block_select(kvc_press *p, void *state, const kvc_press_config
     const int64_t nk = kvc_layer_budget(cfg, ctx->layer, p->n_layers, n);
     int64_t *cand[KVC_MAX_KV_HEADS] = {0}, full[KVC_MAX_KV_HEADS], kk[KVC_MAX_KV_HEADS], mm[KVC_MAX_KV_HEADS];
     kvc_kv *tmp = NULL;
-    kvc_status st = be->kv_new(Hkv, d, &tmp);
+    kvc_status st = be->kv_new(Hkv, d, NULL, &tmp);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         n_keep[h] = nk;
         kk[h] = nk;

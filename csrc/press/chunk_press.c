@@ -75,7 +75,7 @@ kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
     kvc_buf *qbuf = NULL;
     float *q = w ? malloc(sizeof(float) * (size_t)w * (size_t)qd) : NULL;
     int64_t *delta = w ? malloc(sizeof(int64_t) * (size_t)w) : NULL;
-    kvc_status st = w && (!q || !delta) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: ChunkPress") : be->kv_new(Hkv, d, &tmp);
+    kvc_status st = w && (!q || !delta) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: ChunkPress") : be->kv_new(Hkv, d, NULL, &tmp);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
         if (!(rows[h] = malloc(sizeof(int64_t) * (size_t)(C < n ? C : n)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: ChunkPress");
     const kvc_layer_rows chunk_rows = {be, lr->mc, tmp, lr->inv_freq, lr->wo, lr->q_mean, lr->q_cov, lr->future_from};

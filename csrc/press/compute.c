@@ -45,7 +45,7 @@ kvc_status kvc_device_press_compute(int32_t device, const kvc_press_config *cfg,
     kvc_buf *qb = NULL, *ab = NULL, *sb = NULL;
     int64_t ld = 0;
     const int64_t qd = (int64_t)H * d;
-    kvc_status st = be->kv_new(Hkv, d, &kv);
+    kvc_status st = be->kv_new(Hkv, d, NULL, &kv);
     if (st == KVC_OK) st = be->kv_resize(kv, lens, zero, NULL);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
         st = be->kv_write(kv, h, 0, len, k + (size_t)h * len * d, v + (size_t)h * len * d);

@@ -154,7 +154,7 @@ static kvc_status score_call(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ct
     const int64_t n = ctx->n, *len = kvc_door_cache(s)->layers[ctx->layer].len;
     int64_t rows[KVC_MAX_KV_HEADS], zero[KVC_MAX_KV_HEADS] = {0};
     for (int32_t h = 0; h < Hkv; h++) rows[h] = n;
-    if (!d->tmp) KVC_TRY(d->be->kv_new(Hkv, dh, &d->tmp));
+    if (!d->tmp) KVC_TRY(d->be->kv_new(Hkv, dh, NULL, &d->tmp));
     KVC_TRY(d->be->kv_resize(d->tmp, rows, zero, NULL));
     float *k = malloc(sizeof(float) * (size_t)(n * dh)), *v = malloc(sizeof(float) * (size_t)(n * dh));
     kvc_status st = k && v ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");

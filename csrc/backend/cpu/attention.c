@@ -24,9 +24,12 @@
  * arithmetic: keys are prefetched ahead and a tile's values during its scores (2x at 600 keys).
  * Scratch lives on the stack (about 150 KB per thread at d = 256) except the decode partials (kept per
  * calling thread, grown as needed).
- * ThinK-pruned rows (pr, cpu.h): the first np[h] keys of a head hold dk channels; their tiles score the
- * query's kept channels (Qp) against them, the later tiles the whole query against full keys, inside the
- * same online softmax (exact: the dropped channels of a pruned key are zeros). */
+ * ThinK-pruned rows (kvc_cpu_kvsrc's narrow rows): the first np[h] keys of a head hold dk channels; their
+ * tiles score the query's kept channels (Qp) against them, the later tiles the whole query against full
+ * keys, inside the same online softmax (exact: the dropped channels of a pruned key are zeros).
+ * Rows come a tile at a time from the source (cpu.h, kvc_cpu_kvsrc): an f32 store's in place, any other
+ * type's decoded into the task's tile buffers, so a quantised cache is read in its own bytes (the decode
+ * streams a quarter of the f32 cache's bytes at 8 bits). */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -236,29 +239,29 @@ static void mask_tile(float *S, int64_t rs, int64_t js, int rows, int gc, int64_
         }
 }
 
-/* Pruned keys: keys [0, np) are Kp [np, dk] scored with the rows' kept channels Qp; K holds keys from np on. */
+/* Pruned keys: keys [0, np) hold dk channels, scored with the rows' kept channels Qp. */
 typedef struct pruned_keys {
-    const float *Qp, *Kp;
+    const float *Qp;
     int dk;
     int64_t np;
 } pruned_keys;
 
 /* The pruned-key view of head h for `rows` scaled queries Q: by rows [rows, d] when rp == 0, else
  * transposed [d, rp]; Qp gets their kept channels in the same layout ([rows, dk] or [dk, rp]). */
-static const pruned_keys *prune_view(const kvc_cpu_pruned *pr, int32_t h, const float *Q, int rows, int d, int rp,
+static const pruned_keys *prune_view(const kvc_cpu_kvsrc *kv, int32_t h, const float *Q, int rows, int d, int rp,
                                      float *Qp, pruned_keys *pk) {
-    if (!pr || pr->np[h] == 0) return NULL;
-    const int32_t *ix = pr->kidx + (size_t)h * pr->dk;
+    const int64_t np = kv->narrow ? kv->narrow(kv->src, h) : 0;
+    if (np == 0) return NULL;
+    const int32_t *ix = kv->kidx + (size_t)h * kv->dk;
     if (rp == 0) {
         for (int r = 0; r < rows; r++)
-            for (int j = 0; j < pr->dk; j++) Qp[r * pr->dk + j] = Q[r * d + ix[j]];
+            for (int j = 0; j < kv->dk; j++) Qp[r * kv->dk + j] = Q[r * d + ix[j]];
     } else {
-        for (int j = 0; j < pr->dk; j++) memcpy(Qp + (size_t)j * LS(rp), Q + (size_t)ix[j] * LS(rp), sizeof(float) * rp);
+        for (int j = 0; j < kv->dk; j++) memcpy(Qp + (size_t)j * LS(rp), Q + (size_t)ix[j] * LS(rp), sizeof(float) * rp);
     }
     pk->Qp = Qp;
-    pk->Kp = pr->kp[h];
-    pk->dk = pr->dk;
-    pk->np = pr->np[h];
+    pk->dk = kv->dk;
+    pk->np = np;
     return pk;
 }
 
@@ -281,20 +284,21 @@ static void gather_q(const float *q, int64_t ldq, int32_t d, int32_t hq0, int32_
 /* Q[rows][d] holds the queries already multiplied by `scale`; row r is query i0 + r / gc, which  */
 /* sees the keys < past + i0 + r / gc + 1, and >= lo[(i0 + r / gc) * Hkv] with a window (lo: the  */
 /* head's column of start, else NULL). Accumulates into O[rows][d], m[rows], l[rows].             */
-static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, const float *K, const float *V,
+static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, const kvc_cpu_kvsrc *kv, int32_t h,
                        const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke,
                        float *O, float *m, float *l) {
-    float S[ROWS_MAX * TK];
+    float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
     const int64_t np = pk ? pk->np : 0;
     if (lo && kb < lo[i0 * Hkv]) kb = lo[i0 * Hkv]; /* nothing below the first query's window start */
     for (int64_t k0 = kb; k0 < ke;) {
         const int64_t end = k0 < np && np < ke ? np : ke; /* a tile never straddles the pruned prefix's end */
         const int tk = (int)(end - k0 < TK ? end - k0 : TK);
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
-        scores_dot(pruned ? pk->Qp : Q, rows, ds, pruned ? pk->Kp + k0 * ds : K + (k0 - np) * d, tk, V + k0 * d, S);
+        const float *K = kv->keys(kv->src, h, k0, tk, Kb), *V = kv->values(kv->src, h, k0, tk, Vb);
+        scores_dot(pruned ? pk->Qp : Q, rows, ds, K, tk, V, S);
         mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
         softmax_step(S, rows, tk, m, l, O, d);
-        update_pv_rows(S, rows, tk, V + k0 * d, d, O);
+        update_pv_rows(S, rows, tk, V, d, O);
         k0 += tk;
     }
 }
@@ -339,16 +343,16 @@ static void softmax_cols(float *S, int rp, int tk, float *m, float *l, float *co
 }
 
 /* QT [d][rp]: the task's scaled queries transposed (rows..rp-1 zero; rp a multiple of KVC_NR).   */
-static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, int d, const float *K, const float *V,
+static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, int d, const kvc_cpu_kvsrc *kv, int32_t h,
                          const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t ke, float *O,
                          float *m, float *l) {
-    float S[PTK * LS(ROWS_MAX)], corr[ROWS_MAX];
+    float S[PTK * LS(ROWS_MAX)], corr[ROWS_MAX], Kb[PTK * d], Vb[PTK * d];
     const int64_t np = pk ? pk->np : 0;
     for (int64_t k0 = lo ? lo[i0 * Hkv] : 0; k0 < ke;) {
         const int64_t end = k0 < np && np < ke ? np : ke; /* a tile never straddles the pruned prefix's end */
         const int tk = (int)(end - k0 < PTK ? end - k0 : PTK);
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
-        const float *Qs = pruned ? pk->Qp : QT, *Ks = pruned ? pk->Kp + k0 * ds : K + (k0 - np) * d;
+        const float *Qs = pruned ? pk->Qp : QT, *Ks = kv->keys(kv->src, h, k0, tk, Kb), *V = kv->values(kv->src, h, k0, tk, Vb);
         for (int j0 = 0; j0 < tk; j0 += KVC_MR) {
             const int mr = tk - j0 < KVC_MR ? tk - j0 : KVC_MR;
             for (int r0 = 0; r0 < rp; r0 += KVC_NR)
@@ -363,7 +367,7 @@ static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, 
             const int nr = d - e0 < KVC_NR ? d - e0 : KVC_NR;
             for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
                 const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
-                kvc_cpu_ukr_at(mr, nr, tk, S + r0, LS(rp), V + k0 * d + e0, d, O + r0 * d + e0, d, 1);
+                kvc_cpu_ukr_at(mr, nr, tk, S + r0, LS(rp), V + e0, d, O + r0 * d + e0, d, 1);
             }
         }
         k0 += tk;
@@ -372,8 +376,8 @@ static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, 
 
 /* Task = (KV head h, query heads [h*g + g0, +gc), queries [i0, i0 + mq)).                         */
 static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                              const float *const *k, const float *const *v, const int64_t *past_len,
-                              const int64_t *start, const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
+                              const kvc_cpu_kvsrc *kv, const int64_t *past_len, const int64_t *start, float scale,
+                              float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     /* rows per task: QT [d][rp] must fit QBUF with rp a whole number of lane groups */
     const int rmax = QBUF / d / KVC_NR * KVC_NR < ROWS_MAX ? QBUF / d / KVC_NR * KVC_NR : ROWS_MAX;
@@ -394,10 +398,10 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
         const int64_t i0 = qt * tq, mq = n - i0 < tq ? n - i0 : tq;
         const int rows = (int)(mq * gn), rp = (rows + KVC_NR - 1) / KVC_NR * KVC_NR;
         gather_q(q, ldq, d, h * g + g0, gn, i0, rows, rp, scale, QT);
-        const pruned_keys *pkh = prune_view(pr, h, QT, rows, d, rp, QpT, &pk);
+        const pruned_keys *pkh = prune_view(kv, h, QT, rows, d, rp, QpT, &pk);
         memset(O, 0, sizeof(float) * rows * d);
         for (int r = 0; r < rp; r++) m[r] = -FLT_MAX, l[r] = 0.f;
-        attend_tiles(QT, rows, rp, gn, i0, d, k[h], v[h], pkh, past_len[h], start ? start + h : NULL, Hkv,
+        attend_tiles(QT, rows, rp, gn, i0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv,
                      past_len[h] + i0 + mq, O, m, l);
         for (int r = 0; r < rows; r++) {
             float *dst = out + (i0 + r / gn) * ldo + ((int64_t)h * g + g0 + r % gn) * d;
@@ -426,8 +430,8 @@ static float *partials(size_t floats) {
 }
 
 static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                            const float *const *k, const float *const *v, const int64_t *past_len,
-                            const int64_t *start, const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
+                            const kvc_cpu_kvsrc *kv, const int64_t *past_len, const int64_t *start, float scale,
+                            float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
     if (rows > ROWS_MAX || rows * d > QBUF || Hkv > KVC_MAX_KV_HEADS) return 0;
@@ -456,10 +460,10 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
             pruned_keys pk;
             float *O = part + t * stride, *m = O + rows * d, *l = m + rows;
             gather_q(q, ldq, d, h * g, g, 0, rows, 0, scale, Q);
-            const pruned_keys *pkh = prune_view(pr, h, Q, rows, d, 0, Qp, &pk);
+            const pruned_keys *pkh = prune_view(kv, h, Q, rows, d, 0, Qp, &pk);
             memset(O, 0, sizeof(float) * rows * d);
             for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-            attend_dot(Q, rows, g, 0, d, k[h], v[h], pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, O, m, l);
+            attend_dot(Q, rows, g, 0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, O, m, l);
         }
         /* merge: rescale each chunk to the largest max of its row */
 #pragma omp for schedule(static)
@@ -488,9 +492,8 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
     return 1;
 }
 
-void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                       const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
-                       const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo) {
-    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, k, v, past_len, start, pr, scale, out, ldo)) return;
-    attention_prefill(q, ldq, n, H, Hkv, d, k, v, past_len, start, pr, scale, out, ldo);
+void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,
+                       const int64_t *past_len, const int64_t *start, float scale, float *out, int64_t ldo) {
+    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, out, ldo)) return;
+    attention_prefill(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, out, ldo);
 }

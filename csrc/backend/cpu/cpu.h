@@ -24,19 +24,22 @@ void kvc_cpu_add_bias(float *y, int64_t ld, const float *b, int64_t rows, int64_
 /* in place on n rows (stride ld) of `heads` heads of d values: RMSNorm of each head with weights w[d] */
 void kvc_cpu_head_rmsnorm(float *x, int64_t ld, int64_t n, int32_t heads, int32_t d, const float *w, float eps);
 /* causal GQA attention over a ragged cache: query i of head hq (row i of q, stride ldq) reads KV head
- * hq / (H / Hkv), whose rows k[h], v[h] are [past_len[h] + n, d], and sees the first past_len[h] + i + 1,
- * from row start[i * Hkv + h] on when start is not NULL (a sliding window) */
-/* ThinK-pruned key rows (NULL: none): rows r < np[h] of head h have their keys in kp[h] [np[h], dk],
- * channels kidx[h dk ..]; k[h] then starts at row np[h]. Their scores use the query's kept channels. */
-typedef struct kvc_cpu_pruned {
+ * hq / (H / Hkv), whose rows (kv: past_len[h] + n of them) it sees up to past_len[h] + i + 1, from row
+ * start[i * Hkv + h] on when start is not NULL (a sliding window); pruned keys score the query's kept
+ * channels */
+/* Where the attention reads head h's rows: f32 rows [r0, r0 + n), in place or decoded into buf ([n, d]
+ * floats): a host store in any type (kv_store.c), or plain arrays. Keys of rows below narrow(src, h)
+ * (ThinK's pruned rows stored narrow; NULL: none) hold the dk channels kidx[h dk ..]: [n, dk]. */
+typedef struct kvc_cpu_kvsrc {
+    const void *src;
+    const float *(*keys)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf);
+    const float *(*values)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf);
+    int64_t (*narrow)(const void *src, int32_t h);
     int32_t dk;
     const int32_t *kidx;
-    const int64_t *np;
-    const float *const *kp;
-} kvc_cpu_pruned;
-void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                       const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
-                       const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo);
+} kvc_cpu_kvsrc;
+void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,
+                       const int64_t *past_len, const int64_t *start, float scale, float *out, int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
 /* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is

@@ -107,6 +107,14 @@ kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t 
     return KVC_OK;
 }
 
+static const float *store_keys(const void *kv, int32_t h, int64_t r0, int64_t n, float *buf) {
+    return kvc_hkv_keys_f32(kv, h, r0, n, buf);
+}
+static const float *store_values(const void *kv, int32_t h, int64_t r0, int64_t n, float *buf) {
+    return kvc_hkv_values_f32(kv, h, r0, n, buf);
+}
+static int64_t store_narrow(const void *kv, int32_t h) { return kvc_hkv_narrow_rows(kv, h); }
+
 kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
                                 int32_t flags) {
     (void)flags; /* one CPU kernel picks its own decode / prefill path */
@@ -114,23 +122,19 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
         return kvc_fail(KVC_ERR_INTERNAL, "attention: window starts must be i64 [n, Hkv]");
     const int64_t *lo = start.buf ? (const int64_t *)kvc_hbuf_at(start, 0, 0) : NULL;
     const int32_t Hkv = kv->Hkv, d = kv->d;
-    int64_t *past = malloc(sizeof(int64_t) * (size_t)Hkv);
-    if (!past) return kvc_fail(KVC_ERR_NOMEM, "out of memory: attention");
+    int64_t past[KVC_MAX_KV_HEADS];
+    if (Hkv > KVC_MAX_KV_HEADS) return kvc_fail(KVC_ERR_INTERNAL, "attention: %d KV heads", Hkv);
     for (int32_t h = 0; h < Hkv; h++) past[h] = kv->len[h] - n;
-    kvc_kv_f32 kf;
+    const kvc_cpu_kvsrc src = {kv, store_keys, store_values, store_narrow, kv->dk, kv->kidx};
     kvc_frows Q = {0}, O = {0};
-    kvc_status st = kvc_kv_f32_get(kv, 1, 1, &kf);
-    if (st == KVC_OK) st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
+    kvc_status st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);
     if (st == KVC_OK) {
-        const kvc_cpu_pruned pr = {kv->dk, kv->kidx, kv->np, kf.kp};
-        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, lo, kv->dk > 0 ? &pr : NULL, scale, O.p, O.ld);
+        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, &src, past, lo, scale, O.p, O.ld);
         kvc_frows_put(out, n, (int64_t)H * d, &O);
     }
     kvc_frows_drop(&Q);
     kvc_frows_drop(&O);
-    kvc_kv_f32_drop(kv, &kf);
-    free(past);
     return st;
 }
 
@@ -205,7 +209,9 @@ static int cpu_weight_type_ok(int32_t ggml_type) { return kvc_cpu_wtype_ok(ggml_
 static int cpu_wrap_keeps_layout(int32_t dtype) {
     return !(kvc_dtype_is_wtype(dtype) && kvc_cpu_wtype_packs(dtype - KVC_WTYPE_BASE));
 }
-static kvc_status cpu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) { return kvc_hkv_new(&g_cpu_stats, KVC_F32, Hkv, d, out); }
+static kvc_status cpu_kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out) {
+    return kvc_hkv_new(&g_cpu_stats, KVC_F32, fmt, Hkv, d, out);
+}
 
 static const kvc_backend g_cpu = {
     .version = KVC_BACKEND_VERSION,
@@ -230,6 +236,7 @@ static const kvc_backend g_cpu = {
     .wrap = kvc_hbuf_wrap,
     .wrap_keeps_layout = cpu_wrap_keeps_layout,
     .kv_new = cpu_kv_new,
+    .kv_commit = kvc_hkv_commit,
     .kv_free = kvc_hkv_free,
     .kv_bytes = kvc_hkv_bytes,
     .kv_resize = kvc_hkv_resize,

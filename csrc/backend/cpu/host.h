@@ -10,6 +10,7 @@
 
 #include "../../core/common.h"
 #include "../../core/backend.h"
+#include "../../core/kv_type.h"
 
 /* Bytes allocated per category now and at most (KVC_STAT_* of memory_stats). */
 typedef struct kvc_host_stats {
@@ -26,21 +27,29 @@ struct kvc_buf {
     int32_t packed;        /* a native weight in the GEMV's interleaved layout (quant.h), else the file's */
 };
 
-/* Per head, the arena holds [Kp: np rows of dk kept key channels][K: cap - np full rows][V: cap rows]:
- * rows r < np[h] are ThinK-pruned keys (channels kidx[h dk ..], increasing), rows r >= np[h] full keys
- * at K row r - np[h]. dk == 0: no pruned rows (np all 0, kp NULL). */
+/* One layer's K/V on the host (kv_store.c has the layout): per head the arena holds [Kp: np rows of dk
+ * kept key channels][K][V] in the store's type fmt (core/kv_type.h); rows [0, nq) are in the type, rows
+ * [nq, len) wait in f32 (staging: appended rows until kv_commit, KIVI's residual). KIVI keys are blocks of
+ * fmt.group rows and keep their width when pruned (np counts the pruned rows; their dropped channels read
+ * as zeros). dk == 0: no pruned rows (np all 0, kp NULL). */
 struct kvc_kv {
-    int32_t Hkv, d, dtype;
+    int32_t Hkv, d, dtype; /* dtype: the rows kv_append receives (the activations': KVC_F32 or KVC_BF16) */
+    kvc_kv_format fmt;     /* the stored type (never KVC_KV_NATIVE) */
+    int32_t direct;        /* fmt is dtype itself: appended rows are stored as they come, nothing waits */
     void *arena;
     size_t bytes;
     kvc_host_stats *stats;
-    void **k, **v;   /* [Hkv] head slices of the arena (dtype elements): K [cap - np, d], V [cap, d] */
-    void **kp;       /* [Hkv] pruned key slices [np, dk] */
+    void **k, **v;   /* [Hkv] head slices of the arena: K, V */
+    void **kp;       /* [Hkv] pruned key slices [np, dk] (rows stored alone) */
     int64_t *len;    /* [Hkv] */
     int64_t *cap;    /* [Hkv] */
     int64_t *np;     /* [Hkv] pruned rows (a prefix) */
     int32_t dk;      /* kept key channels of the pruned rows */
     int32_t *kidx;   /* [Hkv dk] their channel indices (NULL when dk == 0) */
+    int64_t *nq;     /* [Hkv] rows in the type */
+    float **sk;      /* [Hkv] staging rows [scap, 2 d]: row r >= nq at r - nq, its key then its value */
+    int64_t *scap;   /* [Hkv] */
+    size_t sbytes;   /* bytes of the staging rows */
 };
 
 void kvc_host_stats_add(kvc_host_stats *s, int32_t cat, int64_t bytes);
@@ -62,7 +71,17 @@ static inline char *kvc_hbuf_at(kvc_view v, int64_t r, int64_t c) {
                                                                  : (size_t)e * kvc_dtype_size(v.buf->dtype));
 }
 
-kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, int32_t Hkv, int32_t d, kvc_kv **out);
+/* A store for rows of dtype (the activations') kept in fmt's type (NULL or KVC_KV_NATIVE: dtype's own). */
+kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, const kvc_kv_format *fmt, int32_t Hkv, int32_t d, kvc_kv **out);
+/* The rows appended since the last commit into the store's type (KIVI: the residual rule); after a layer's
+ * attention has read them. */
+kvc_status kvc_hkv_commit(kvc_kv *kv);
+/* f32 rows [r0, r0 + n) of head h's keys or values for the kernels: in place where they are f32 in one piece,
+ * else decoded into buf ([n, d] floats). Keys of rows below kvc_hkv_narrow_rows (ThinK's pruned rows stored
+ * narrow) come [n, dk]; a range never straddles that bound. */
+const float *kvc_hkv_keys_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf);
+const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf);
+int64_t kvc_hkv_narrow_rows(const kvc_kv *kv, int32_t h);
 void kvc_hkv_free(kvc_kv *kv);
 size_t kvc_hkv_bytes(const kvc_kv *kv);
 kvc_status kvc_hkv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);
@@ -76,19 +95,8 @@ kvc_status kvc_hkv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64
 kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
 
 /* bf16 with round to nearest even (NaN stays a quiet NaN), as the device converts */
-static inline uint16_t kvc_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float kvc_bf16_to_f32v(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+static inline uint16_t kvc_f32_to_bf16(float f) { return kvc_f32_to_bf16r(f); }
+static inline float kvc_bf16_to_f32v(uint16_t b) { return kvc_bf16_to_f32r(b); }
 
 /* f32 access to rows x cols of a float view: in place for f32, a converted copy for bf16. */
 typedef struct kvc_frows {

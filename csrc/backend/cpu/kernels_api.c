@@ -82,6 +82,20 @@ kvc_status kvc_kernel_swiglu(const float *gate, const float *up, float *out, int
     return KVC_OK;
 }
 
+/* plain arrays as the attention's row source: k[h], v[h] [rows, d], in place */
+typedef struct arrays_src {
+    const float *const *k, *const *v;
+    int32_t d;
+} arrays_src;
+static const float *array_keys(const void *p, int32_t h, int64_t r0, int64_t n, float *buf) {
+    const arrays_src *a = p;
+    return a->k[h] + r0 * a->d;
+}
+static const float *array_values(const void *p, int32_t h, int64_t r0, int64_t n, float *buf) {
+    const arrays_src *a = p;
+    return a->v[h] + r0 * a->d;
+}
+
 kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d, const float *const *k,
                                 const float *const *v, const int64_t *past_len, float scale, float *out) {
     CHECK(q && k && v && past_len && out, "attention: q, k, v, past_len and out must not be NULL");
@@ -94,6 +108,8 @@ kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hk
         CHECK(k[h] && v[h], "attention: k[%d] or v[%d] is NULL", h, h);
         CHECK(past_len[h] >= 0, "attention: past_len[%d] is negative (%lld)", h, (long long)past_len[h]);
     }
-    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, k, v, past_len, NULL, NULL, scale, out, (int64_t)H * d);
+    const arrays_src a = {k, v, d};
+    const kvc_cpu_kvsrc src = {&a, array_keys, array_values, NULL, 0, NULL};
+    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, &src, past_len, NULL, scale, out, (int64_t)H * d);
     return KVC_OK;
 }

@@ -327,6 +327,7 @@ static kvc_backend make_table(void) {
     t.wrap = nullptr; /* weights live in device memory: the loader copies them */
     t.kv_new = alive<kv_new>::call;
     t.kv_free = kv_free;
+    t.kv_commit = kv_commit;
     t.kv_bytes = kv_bytes;
     t.kv_resize = alive<kv_resize>::call;
     t.kv_gather = alive<kv_gather>::call;

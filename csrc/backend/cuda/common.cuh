@@ -162,7 +162,8 @@ template <class T> T *at(kvc_view v) { return (T *)((char *)v.buf->p + (size_t)v
 kvc_status scratch(Buf &b, size_t bytes, const char *what);
 
 /* kv.cu */
-kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out);
+kvc_status kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out);
+kvc_status kv_commit(kvc_kv *kv);
 void kv_free(kvc_kv *kv);
 size_t kv_bytes(const kvc_kv *kv);
 kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);

@@ -10,8 +10,11 @@ namespace kvc {
 static Buf g_rows_d, g_stage; /* gather rows (device int32), row conversions */
 static Pinned g_pinned;       /* the batched reads' and writes' host side */
 
-kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
+kvc_status kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out) {
     *out = nullptr;
+    if (fmt && fmt->type != KVC_KV_NATIVE && fmt->type != KVC_KV_BF16)
+        return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend stores K/V in bf16 only (asked: type %d): use kv_cache='bf16' "
+                    "on CUDA, or the CPU or emulated device for f32, f16, q8_0 and QuantizedCache", fmt->type);
     if (Hkv < 1 || Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend holds 1 to %d KV heads, not %d", KVC_MAX_KV, Hkv);
     KVC_TRY(ensure_init());
     kvc_kv *kv = (kvc_kv *)calloc(1, sizeof *kv);
@@ -36,6 +39,12 @@ kvc_status kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
         return st;
     }
     *out = kv;
+    return KVC_OK;
+}
+
+/* bf16 rows are stored as they are appended: nothing waits */
+kvc_status kv_commit(kvc_kv *kv) {
+    (void)kv;
     return KVC_OK;
 }
 

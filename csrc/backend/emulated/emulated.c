@@ -58,7 +58,7 @@ static kvc_status fault(const char *what) {
 
 /* ---- graph recording ---- */
 
-enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM, OP_GEGLU, OP_SCALE };
+enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM, OP_GEGLU, OP_SCALE, OP_COMMIT };
 
 typedef struct op {
     int32_t kind, has_add;
@@ -99,8 +99,8 @@ static int record(op o) {
 
 static kvc_status run_op(const op *o) {
     static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu",
-                                        "head_rmsnorm", "geglu", "scale"};
-    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_SCALE ? names[o->kind] : "a kernel"));
+                                        "head_rmsnorm", "geglu", "scale", "kv_commit"};
+    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_COMMIT ? names[o->kind] : "a kernel"));
     switch (o->kind) {
     case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
@@ -113,6 +113,7 @@ static kvc_status run_op(const op *o) {
     case OP_HEAD_NORM: return kvc_host_head_rmsnorm_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->f);
     case OP_GEGLU: return kvc_host_geglu_v(o->v[0], o->i[0], o->i[1]);
     case OP_SCALE: return kvc_host_scale_v(o->v[0], o->i[0], o->i[1], o->f);
+    case OP_COMMIT: return kvc_hkv_commit(o->kv);
     default: return kvc_fail(KVC_ERR_INTERNAL, "graph: unknown op %d", o->kind);
     }
 }
@@ -184,6 +185,11 @@ static kvc_status emu_rope(kvc_view x, int64_t col0, int64_t n, int32_t heads, i
 }
 static kvc_status emu_kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
     op o = {.kind = OP_APPEND, .v = {src}, .kv = kv, .i = {kcol, vcol, n}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_kv_commit(kvc_kv *kv) {
+    if (kv->direct) return KVC_OK; /* bf16 rows stored as they come: nothing to do, nothing recorded */
+    op o = {.kind = OP_COMMIT, .kv = kv};
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps) {
@@ -338,10 +344,10 @@ static kvc_status emu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *w
     return kvc_hbuf_alloc(&g_stats, dtype, n, cat, what, out);
 }
 static const float *emu_host_f32(const kvc_buf *b) { (void)b; return NULL; /* device memory: never read in place */ }
-static kvc_status emu_kv_new(int32_t Hkv, int32_t d, kvc_kv **out) {
+static kvc_status emu_kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out) {
     *out = NULL;
     KVC_TRY(fault("kv_new"));
-    return kvc_hkv_new(&g_stats, KVC_BF16, Hkv, d, out);
+    return kvc_hkv_new(&g_stats, KVC_BF16, fmt, Hkv, d, out);
 }
 
 static const kvc_backend g_emulated = {
@@ -366,6 +372,7 @@ static const kvc_backend g_emulated = {
     .host_f32 = emu_host_f32,
     .wrap = NULL, /* device memory, as on CUDA: the loader copies the weights */
     .kv_new = emu_kv_new,
+    .kv_commit = emu_kv_commit,
     .kv_free = kvc_hkv_free,
     .kv_bytes = kvc_hkv_bytes,
     .kv_resize = emu_kv_resize,
