@@ -174,16 +174,6 @@ static kvc_status run_prefill_hooks(kvc_session *s, const kvc_layer_ctx *ctx) { 
 
 /* ---- the layer --------------------------------------------------------------------------------------- */
 
-/* LongRoPE (transformers' longrope update): a call whose last position + 1 (`end`) exceeds the original
- * context runs on the long factors' frequencies, every other on the short ones'. */
-static int rope_long(const kvc_config *c, int64_t end) { return c->rope_long_context > 0 && end > c->rope_long_context; }
-
-/* A layer's frequencies: the sliding layers' own (Gemma 3's local base) where the model has them. */
-static kvc_view rope_freqs(const kvc_model *m, int32_t l, int64_t end) {
-    if (m->inv_freq_local.buf && windowed(&m->cfg, l)) return m->inv_freq_local;
-    return rope_long(&m->cfg, end) ? m->inv_freq_long : m->inv_freq;
-}
-
 /* The attention block up to the hook point for B sessions of n rows each (consecutive rows of the lead
  * session's activations): norm, q|k|v, RoPE, each session's K/V append and attention over its own
  * cache, o projection. body: the replayable decode body of a graph (no host bookkeeping; the caller
@@ -209,10 +199,9 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
     int64_t end = 0; /* the last position + 1 of the call (of the batch's sessions) */
     for (int32_t i = 0; i < B; i++)
         if (ss[i]->pos + n > end) end = ss[i]->pos + n;
-    const kvc_view freq = rope_freqs(m, l, end);
-    const float mscale = c->rope_attn_factor > 0 ? c->rope_attn_factor : 1.0f;
-    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, freq, c->rope_pairing, mscale));
-    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, freq, c->rope_pairing, mscale));
+    const kvc_rope_rule rope = kvc_model_rope(m, l, end); /* LongRoPE's factors, Gemma 3's local base */
+    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, rope.freq, c->rope_pairing, rope.mscale));
+    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, rope.freq, c->rope_pairing, rope.mscale));
     for (int32_t i = 0; i < B; i++) {
         kvc_session *si = ss[i];
         kvc_layer_cache *L = &si->cache.layers[l];
@@ -372,7 +361,7 @@ static void graph_failed(kvc_session *s, const char *what) {
 static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, float *logits, kvc_status *st) {
     const kvc_backend *be = s->be;
     const kvc_config *c = &s->model->cfg;
-    const int stale = !s->graph || s->graph_generation != s->act.generation || s->graph_rope_long != rope_long(c, s->pos + 1);
+    const int stale = !s->graph || s->graph_generation != s->act.generation || s->graph_rope_long != kvc_rope_long(c, s->pos + 1);
     if (stale && s->decodes_since_capture == 0) {
         s->decodes_since_capture = 1; /* the warm-up step */
         return 0;
@@ -387,7 +376,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
             return 0;
         }
         s->graph_generation = s->act.generation;
-        s->graph_rope_long = rope_long(c, s->pos + 1);
+        s->graph_rope_long = kvc_rope_long(c, s->pos + 1);
         s->decodes_since_capture = 0; /* the next capture (activations replaced) gets its eager step too */
     }
     kvc_status g = be->graph_launch(s->graph);

@@ -303,6 +303,8 @@ typedef struct kvc_scorer_view {
     const double *rope_freq;       /* [head_dim / 2] RoPE's frequency of each pair (scaling applied) */
     int64_t future_from;           /* the first position after the rows the queries came from (a decoding press's
                                     * buffer: kvpress's q_len, as ExpectedAttention's future positions start) */
+    double rope_attn_factor;       /* what RoPE multiplied the turned pairs by (LongRoPE's attention factor; else 1):
+                                    * rope_freq and this are the call's RoPE, as the forward turned its rows */
 } kvc_scorer_view;
 typedef int32_t (*kvc_scorer_callback)(void *user, const kvc_scorer_view *view);
 

@@ -121,7 +121,8 @@ class ScorerView(C.Structure):  # kvc_scorer_view: what a callback scorer receiv
         ("window", C.c_int32), ("queries", C.POINTER(C.c_float)), ("hidden", C.POINTER(C.c_float)),
         ("attentions", C.POINTER(C.c_float)), ("scores", C.POINTER(C.c_float)), ("keep", C.POINTER(C.c_int64)),
         ("n_keep", C.POINTER(C.c_int64)), ("message", C.POINTER(C.c_char)), ("message_size", C.c_int32),
-        ("rope_pairing", C.c_int32), ("rope_freq", C.POINTER(C.c_double)), ("future_from", C.c_int64)]
+        ("rope_pairing", C.c_int32), ("rope_freq", C.POINTER(C.c_double)), ("future_from", C.c_int64),
+        ("rope_attn_factor", C.c_double)]
 
 
 # kvc_scorer_callback

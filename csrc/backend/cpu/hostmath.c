@@ -78,8 +78,8 @@ void kvc_host_head_rmsnorm(float *x, int64_t n, int32_t heads, int32_t d, const 
 }
 
 void kvc_host_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
-                   int32_t pairing) {
-    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing, 1.0f);
+                   int32_t pairing, float mscale) {
+    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing, mscale);
 }
 
 void kvc_host_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim) {
