@@ -20,6 +20,9 @@ void kvc_host_gemm_nn(const float *a, int64_t lda, const float *b, int64_t ldb, 
  * [0, visible[i]); probs [m, len] (zeros past visible). One GEMM, then the softmax rows. */
 void kvc_host_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
                          const int64_t *visible, float *probs);
+/* The same with the scaled scores soft-capped (kvc_softcap; cap 0: none): the model's own attention (Gemma 2). */
+void kvc_host_probs_rows_capped(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
+                                float cap, const int64_t *visible, float *probs);
 void kvc_host_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
 /* In place: each of the `heads` heads of d values of each of n rows [n, heads d] normalised on its own (qwen3's q/k norm). */
 void kvc_host_head_rmsnorm(float *x, int64_t n, int32_t heads, int32_t d, const float *w, float eps);

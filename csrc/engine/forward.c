@@ -10,7 +10,9 @@
  *   x += o and xn = rmsnorm(x) (one kernel);
  *   per row block: gu = xn Wgu^T; gu = silu(gate) * up (Gemma: gelu_tanh(gate) * up); x += gu Wdown^T.
  * Gemma 3 also: embeddings times sqrt(D); the attention output and the MLP output each RMS-normed before
- * their residual add; the sliding layers (every one but each window_period-th) on their own RoPE base.
+ * their residual add; the sliding layers (every one but each window_period-th) on their own RoPE base. Gemma 2
+ * the same on one RoPE base, its attention scores soft-capped inside the backend's attention and its logits
+ * soft-capped where they land on the host (kvc_softcap).
  * The same layer serves the prefill and the decode step of one session, a shared prefill (followers
  * receive each layer's K/V rows), a batched decode (one token of each of B sessions: the weight GEMMs run
  * once on B rows, attention per session over its own cache) and the decode step replayed as a graph. */
@@ -220,7 +222,8 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
             if (past) memcpy(past, L->len, sizeof(int64_t) * (size_t)Hkv);
             KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
         }
-        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), start, kvc_view_at(att, i * n, 0), 0));
+        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), c->attn_softcap, start, kvc_view_at(att, i * n, 0),
+                              0));
     }
     return be->matmul(att, W->wo, kvc_view_of(lead->act.o, 0, D), rows, D, qd, 0);
 }
@@ -306,13 +309,24 @@ static kvc_status logits_kernels(kvc_session *s, int64_t first, int64_t rows) {
                          m->cfg.vocab, D, 0);
 }
 
+/* The first `rows` rows of the logits buffer into dst, soft-capped where the model caps them (Gemma 2's
+ * final_logit_softcapping: on the host, where every logit lands). */
+static kvc_status logits_download(kvc_session *s, int64_t rows, float *dst) {
+    const int64_t V = s->model->cfg.vocab;
+    const float cap = s->model->cfg.logit_softcap;
+    KVC_TRY(s->be->download(kvc_view_of(s->act.logits, 0, V), rows, V, dst, KVC_F32));
+    if (cap > 0)
+        for (int64_t i = 0; i < rows * V; i++) dst[i] = kvc_softcap(dst[i], cap);
+    return KVC_OK;
+}
+
 /* Logits of rows [first, first + rows) of the residual stream into dst [rows, vocab], a chunk at a time. */
 static kvc_status logits_out(kvc_session *s, int64_t first, int64_t rows, float *dst) {
     const int64_t V = s->model->cfg.vocab;
     for (int64_t r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
         const int64_t nr = rows - r0 < LOGIT_ROWS ? rows - r0 : LOGIT_ROWS;
         KVC_TRY(logits_kernels(s, first + r0, nr));
-        KVC_TRY(s->be->download(kvc_view_of(s->act.logits, 0, V), nr, V, dst + r0 * V, KVC_F32));
+        KVC_TRY(logits_download(s, nr, dst + r0 * V));
     }
     return KVC_OK;
 }
@@ -393,8 +407,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
         *st = g;
         return 1;
     }
-    *st = logits_row == KVC_ROW_NONE ? end_of_call(be)
-                                     : be->download(kvc_view_of(s->act.logits, 0, c->vocab), 1, c->vocab, logits, KVC_F32);
+    *st = logits_row == KVC_ROW_NONE ? end_of_call(be) : logits_download(s, 1, logits);
     if (*st != KVC_OK) {
         for (int32_t l = 0; l < c->n_layers; l++) be->kv_set_lens(s->cache.layers[l].kv, s->cache.layers[l].len);
         return 1;

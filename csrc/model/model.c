@@ -26,7 +26,7 @@ void kvc_config_defaults(kvc_config *c) {
 static kvc_status check_config(const kvc_config *c) {
 #define REQUIRE(cond, ...) \
     if (!(cond)) return kvc_fail(KVC_ERR_FORMAT, "invalid model config: " __VA_ARGS__)
-    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_GEMMA3, "unknown architecture %d", c->arch);
+    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_GEMMA2, "unknown architecture %d", c->arch);
     REQUIRE(c->n_layers > 0 && c->n_layers <= 4096, "n_layers = %d", c->n_layers);
     REQUIRE(c->hidden > 0 && c->hidden <= 65536, "hidden size = %d", c->hidden);
     REQUIRE(c->n_heads > 0 && c->n_heads <= 1024, "n_heads = %d", c->n_heads);
@@ -64,6 +64,8 @@ static kvc_status check_config(const kvc_config *c) {
     REQUIRE(isfinite(c->embed_scale) && c->embed_scale >= 0, "embedding scale = %g", c->embed_scale);
     REQUIRE(c->mlp_act == KVC_MLP_SILU || c->mlp_act == KVC_MLP_GELU_TANH, "MLP activation %d", c->mlp_act);
     REQUIRE(c->post_norms == 0 || c->post_norms == 1, "post_norms = %d", c->post_norms);
+    REQUIRE(isfinite(c->attn_softcap) && c->attn_softcap >= 0, "attention soft-capping = %g", c->attn_softcap);
+    REQUIRE(isfinite(c->logit_softcap) && c->logit_softcap >= 0, "final logit soft-capping = %g", c->logit_softcap);
 #undef REQUIRE
     /* the one limit the kernels' parameter blocks set (KV heads per layer), checked here for every device */
     if (c->n_kv_heads > KVC_MAX_KV_HEADS)
@@ -113,8 +115,8 @@ int kvc_layer_pressed(const kvc_config *c, int32_t l) { return !(c->window_perio
 kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what) {
     for (int32_t l = 0; l < c->n_layers; l++)
         if (!kvc_layer_pressed(c, l))
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s selects over every layer's cache at once; on Gemma 3 presses act on the "
-                            "full-attention layers only (as kvpress) and %s is not defined there yet", what, what);
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s selects over every layer's cache at once; on Gemma 2 and 3 presses act on "
+                            "the full-attention layers only (as kvpress on Gemma 3) and %s is not defined there yet", what, what);
     return KVC_OK;
 }
 
@@ -683,10 +685,12 @@ kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
     /* the host pass turns its rows by the forward's rule (kvc_model_rope), but is tested on plain RoPE only */
     if (m->cfg.rope_long_context > 0)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward) do not support LongRoPE models yet");
-    /* nor Gemma's layer (norms after attention and MLP, GeGLU, a RoPE base per layer kind, scaled embeddings) */
+    /* nor Gemma's layer (norms after attention and MLP, GeGLU, a RoPE base per layer kind, scaled embeddings,
+     * soft-capping) */
     if (m->cfg.post_norms || m->cfg.mlp_act != KVC_MLP_SILU || m->cfg.rope_local_theta > 0 || m->cfg.embed_scale > 0 ||
-        m->cfg.attn_scale > 0)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support Gemma 3 models yet");
+        m->cfg.attn_scale > 0 || m->cfg.attn_softcap > 0 || m->cfg.logit_softcap > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support Gemma 2 and "
+                        "Gemma 3 models yet");
     pthread_mutex_lock(&m->host_lock);
     kvc_status st = KVC_OK;
     if (!m->host && !(m->host = host_view(m))) {

@@ -36,7 +36,7 @@ typedef struct kvc_cpu_pruned {
 } kvc_cpu_pruned;
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                        const float *const *k, const float *const *v, const int64_t *past_len, const int64_t *start,
-                       const kvc_cpu_pruned *pr, float scale, float *out, int64_t ldo);
+                       const kvc_cpu_pruned *pr, float scale, float cap, float *out, int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
 /* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is

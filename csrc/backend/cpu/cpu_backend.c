@@ -107,8 +107,8 @@ kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t 
     return KVC_OK;
 }
 
-kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
-                                int32_t flags) {
+kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
+                                kvc_view out, int32_t flags) {
     (void)flags; /* one CPU kernel picks its own decode / prefill path */
     if (start.buf && (start.buf->dtype != KVC_I64 || start.ld != kv->Hkv))
         return kvc_fail(KVC_ERR_INTERNAL, "attention: window starts must be i64 [n, Hkv]");
@@ -124,7 +124,7 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);
     if (st == KVC_OK) {
         const kvc_cpu_pruned pr = {kv->dk, kv->kidx, kv->np, kf.kp};
-        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, lo, kv->dk > 0 ? &pr : NULL, scale, O.p, O.ld);
+        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, kf.k, kf.v, past, lo, kv->dk > 0 ? &pr : NULL, scale, softcap, O.p, O.ld);
         kvc_frows_put(out, n, (int64_t)H * d, &O);
     }
     kvc_frows_drop(&Q);

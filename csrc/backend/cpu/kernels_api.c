@@ -94,6 +94,6 @@ kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hk
         CHECK(k[h] && v[h], "attention: k[%d] or v[%d] is NULL", h, h);
         CHECK(past_len[h] >= 0, "attention: past_len[%d] is negative (%lld)", h, (long long)past_len[h]);
     }
-    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, k, v, past_len, NULL, NULL, scale, out, (int64_t)H * d);
+    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, k, v, past_len, NULL, NULL, scale, 0.0f, out, (int64_t)H * d);
     return KVC_OK;
 }
