@@ -38,8 +38,9 @@ typedef struct kvc_cpu_kvsrc {
     int32_t dk;
     const int32_t *kidx;
 } kvc_cpu_kvsrc;
+/* cap > 0: scores capped to cap tanh(s / cap) before the softmax (Gemma 2's attention soft-capping) */
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,
-                       const int64_t *past_len, const int64_t *start, float scale, float *out, int64_t ldo);
+                       const int64_t *past_len, const int64_t *start, float scale, float cap, float *out, int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
 /* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__res
                                                                 int32_t d, const bf16 *const *kp, const bf16 *const *vp,
                                                                 const int32_t *__restrict__ len_arr,
                                                                 const int64_t *__restrict__ start_arr, float scale,
-                                                                float *__restrict__ partial, int32_t splits) {
+                                                                float cap, float *__restrict__ partial, int32_t splits) {
     __shared__ float sm_m[DW][DG], sm_l[DW][DG];
     __shared__ float sm_o[DW][DG][256];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__res
                 float part = 0.f;
                 for (int t = 0; t < EPL; t++) part += qv[j][t] * kv[u][t];
                 for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                part = kvc_softcap(part, cap); /* q was scaled: part is the scaled score */
                 const float mn = fmaxf(m[j], part);
                 const float corr = m[j] == -INFINITY ? 0.f : __expf(m[j] - mn), p = __expf(part - mn);
                 l[j] = l[j] * corr + p;
@@ -146,17 +147,17 @@ __global__ void decode_merge_kernel(const float *__restrict__ partial, int32_t d
 }
 
 kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
-                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, bf16 *out,
-                            float *partial, int32_t splits) {
+                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, float cap,
+                            bf16 *out, float *partial, int32_t splits) {
     if (d > 256) return fail(KVC_ERR_UNSUPPORTED, "CUDA decode attention: head_dim %d > 256", d);
     const int32_t grp = H / Hkv, gchunks = (grp + DG - 1) / DG;
     dim3 grid((unsigned)(Hkv * gchunks), (unsigned)splits);
     if (d <= 64)
-        decode_split_kernel<2><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
+        decode_split_kernel<2><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, cap, partial, splits);
     else if (d <= 128)
-        decode_split_kernel<4><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
+        decode_split_kernel<4><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, cap, partial, splits);
     else
-        decode_split_kernel<8><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
+        decode_split_kernel<8><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, cap, partial, splits);
     LAUNCH_TRY("attention (decode split)");
     decode_merge_kernel<<<(unsigned)H, d < 128 ? d : 128, 0, g.stream>>>(partial, d, splits, out);
     LAUNCH_TRY("attention (decode merge)");

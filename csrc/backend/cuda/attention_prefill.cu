@@ -30,7 +30,7 @@ template <int D>
 __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n,
                                                             int32_t g, const bf16 *const *kp, const bf16 *const *vp,
                                                             const int32_t *__restrict__ past_arr,
-                                                            const int64_t *__restrict__ start, float scale,
+                                                            const int64_t *__restrict__ start, float scale, float cap,
                                                             bf16 *__restrict__ out, int64_t ldo) {
     using S = FlashSmem<D>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
             bf16 *prow = Ps + r_own * S::LDP;
             float mx = -INFINITY;
             for (int c = c_half; c < c_half + BC / 2; c++) {
-                const float s = c < vis && c >= lo ? srow[c] * scale : -INFINITY;
+                const float s = c < vis && c >= lo ? kvc_softcap(srow[c] * scale, cap) : -INFINITY;
                 srow[c] = s;
                 mx = fmaxf(mx, s);
             }
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
 __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n, int32_t H, int32_t g,
                                     int32_t d, const bf16 *const *kp, const bf16 *const *vp,
                                     const int32_t *__restrict__ past_arr, const int64_t *__restrict__ start,
-                                    float scale, bf16 *__restrict__ out, int64_t ldo) {
+                                    float scale, float cap, bf16 *__restrict__ out, int64_t ldo) {
     const int lane = threadIdx.x % 32;
     const int64_t wid = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (wid >= n * H) return;
@@ -173,7 +173,7 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
             if (e < d) part += qv[t] * __bfloat162float(K[j * d + e]);
         }
         for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-        const float s = part * scale, mn = fmaxf(m, s);
+        const float s = kvc_softcap(part * scale, cap), mn = fmaxf(m, s);
         const float corr = m == -INFINITY ? 0.f : __expf(m - mn), p = __expf(s - mn);
         l = l * corr + p;
         for (int t = 0; t < 8; t++) {
@@ -190,8 +190,8 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
 
 template <int D>
 static kvc_status launch_flash(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const bf16 *const *kp,
-                               const bf16 *const *vp, const int32_t *past, const int64_t *start, float scale, bf16 *out,
-                               int64_t ldo) {
+                               const bf16 *const *vp, const int32_t *past, const int64_t *start, float scale, float cap,
+                               bf16 *out, int64_t ldo) {
     static int configured = 0;
     const size_t smem = FlashSmem<D>::bytes;
     if (!configured) {
@@ -202,25 +202,25 @@ static kvc_status launch_flash(const bf16 *q, int64_t ldq, int64_t n, int32_t H,
     const int64_t tiles = (n + BR - 1) / BR;
     if (tiles > 2147483647) return fail(KVC_ERR_ARG, "attention: too many queries");
     dim3 grid((unsigned)tiles, (unsigned)H);
-    flash_prefill_kernel<D><<<grid, 128, smem, g.stream>>>(q, ldq, n, grp, kp, vp, past, start, scale, out, ldo);
+    flash_prefill_kernel<D><<<grid, 128, smem, g.stream>>>(q, ldq, n, grp, kp, vp, past, start, scale, cap, out, ldo);
     LAUNCH_TRY("attention (flash prefill)");
     return KVC_OK;
 }
 
 kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                              const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
-                             float scale, bf16 *out, int64_t ldo) {
+                             float scale, float cap, bf16 *out, int64_t ldo) {
     if (n <= 0) return KVC_OK;
     const int32_t grp = H / Hkv;
     const int aligned = ldq % 8 == 0;
     if (aligned && (d == 64 || d == 128) && attention_mma_enabled())
-        return attention_prefill_mma(q, ldq, n, H, Hkv, d, kp, vp, past, start, scale, out, ldo);
-    if (d == 128 && aligned) return launch_flash<128>(q, ldq, n, H, grp, kp, vp, past, start, scale, out, ldo);
-    if (d == 64 && aligned) return launch_flash<64>(q, ldq, n, H, grp, kp, vp, past, start, scale, out, ldo);
+        return attention_prefill_mma(q, ldq, n, H, Hkv, d, kp, vp, past, start, scale, cap, out, ldo);
+    if (d == 128 && aligned) return launch_flash<128>(q, ldq, n, H, grp, kp, vp, past, start, scale, cap, out, ldo);
+    if (d == 64 && aligned) return launch_flash<64>(q, ldq, n, H, grp, kp, vp, past, start, scale, cap, out, ldo);
     if (d > 256) return fail(KVC_ERR_UNSUPPORTED, "CUDA attention: head_dim %d > 256", d);
     const int64_t warps = n * H;
     attn_generic_kernel<<<(unsigned)((warps + 3) / 4), 128, 0, g.stream>>>(q, ldq, n, H, grp, d, kp, vp, past, start,
-                                                                          scale, out, ldo);
+                                                                          scale, cap, out, ldo);
     LAUNCH_TRY("attention (generic)");
     return KVC_OK;
 }

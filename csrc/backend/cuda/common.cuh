@@ -250,16 +250,17 @@ kvc_status add_lens(int32_t *len, int32_t count, int32_t add);
  * each KV head (kp/vp: device arrays [Hkv]); query i of KV head h sees rows < past[h] + i + 1
  * (past: device int32 [Hkv]) and, with a sliding window (start: device i64 [n, Hkv], nondecreasing
  * in i; NULL without one), only the rows >= start[i * Hkv + h]. out rows stride ldo. Flash-style
- * (never n x n), WMMA tensor cores. */
+ * (never n x n), WMMA tensor cores. The scaled scores soft-capped by `cap` (kvc_softcap; 0: none), here and
+ * in the other kernels. */
 kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                              const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
-                             float scale, bf16 *out, int64_t ldo);
+                             float scale, float cap, bf16 *out, int64_t ldo);
 
 /* ---- attention_prefill_mma.cu: the register-tile kernel (opt-in: KVC_ATTN_MMA=1 or attention_use_mma; a
  * preference attention_prefill honours for head_dim 64 and 128, the other kernels doing the rest) ---- */
 kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                                  const bf16 *const *kp, const bf16 *const *vp, const int32_t *past,
-                                 const int64_t *start, float scale, bf16 *out, int64_t ldo);
+                                 const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo);
 void attention_use_mma(int on);
 int attention_mma_enabled(void);
 
@@ -280,8 +281,8 @@ kvc_status attention_cudnn(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int
  * partial: scratch of decode_partial_floats() floats. */
 size_t decode_partial_floats(int32_t H, int32_t d, int32_t splits);
 kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
-                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, bf16 *out,
-                            float *partial, int32_t splits);
+                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, float cap,
+                            bf16 *out, float *partial, int32_t splits);
 
 /* ---- score.cu, press.cu ---- */
 struct HeadInfo {
