@@ -159,8 +159,7 @@ kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const 
     KVC_TRY(kv_host_lens(from, held));
     for (int32_t h = 0; h < kv->Hkv; h++) KVC_TRY(kv_rows_check(KVC_KV_RESIZE, kv, h, 0, rows[h], nullptr, held[h], cap[h]));
     if (kv->typed || from->typed) {
-        if (!kv->typed || !from->typed || kv->fmt.type != from->fmt.type || kv->fmt.group != from->fmt.group ||
-            kv->fmt.residual != from->fmt.residual || kv->d != from->d)
+        if (!kv->typed || !from->typed || kv->fmt.type != from->fmt.type || kv->fmt.group != from->fmt.group || kv->d != from->d)
             return fail(KVC_ERR_INTERNAL, "K/V resize: the source store has another type");
         return kvt_resize(kv, cap, rows, src);
     }

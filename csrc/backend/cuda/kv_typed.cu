@@ -547,11 +547,12 @@ static kvc_status rebuild(kvc_kv *kv, kvc_kv *from, const int64_t *cap, const in
         channel_map(Hkv, d, dk, ixc, inv);
     }
     /* the rows each head takes: rows stored alone all of them, KIVI those past its whole blocks */
-    int64_t cnt[KVC_MAX_KV], most = 0;
+    int64_t cnt[KVC_MAX_KV], most = 0, rows_held = 0;
     const int64_t *rows_of[KVC_MAX_KV];
     for (int32_t h = 0; h < Hkv; h++) {
         cnt[h] = n[h] - whole[h];
         most = cnt[h] > most ? cnt[h] : most;
+        rows_held += n[h];
         rows_of[h] = keep ? keep[h] + whole[h] : nullptr;
     }
     RowList L;
@@ -561,11 +562,13 @@ static kvc_status rebuild(kvc_kv *kv, kvc_kv *from, const int64_t *cap, const in
     /* the arena (and KIVI's staging rows) */
     size_t bytes = 0, sbytes = 0;
     for (int32_t h = 0; h < Hkv; h++) bytes += typed_slices(kv, dk, cap[h], np[h]).bytes;
-    const int64_t scap = kb ? (most > stage_keep(kv) ? most : stage_keep(kv)) : kv->scap;
+    /* staging rows: an empty store has none (a cleared cache holds nothing); KIVI's new ones hold its staged rows
+     * and the room of the appends to come (a graph's capture must not grow them); rows stored alone keep theirs */
+    const int64_t scap = !rows_held ? 0 : kb ? (most > stage_keep(kv) ? most : stage_keep(kv)) : kv->scap;
     void *arena = nullptr;
     float *stage = nullptr;
     if (st == KVC_OK && bytes) st = dalloc(&arena, bytes, MEM_CACHE, "KV cache");
-    if (st == KVC_OK && kb) {
+    if (st == KVC_OK && kb && scap) {
         sbytes = sizeof(float) * 2 * (size_t)d * (size_t)Hkv * (size_t)scap;
         st = dalloc((void **)&stage, sbytes, MEM_CACHE, "K/V staging rows");
     }
@@ -584,7 +587,7 @@ static kvc_status rebuild(kvc_kv *kv, kvc_kv *from, const int64_t *cap, const in
         nt.np[h] = (int32_t)np[h];
         dst.np[h] = kb ? 0 : np[h];
         dst.same[h] = dk && from->dk == dk && !memcmp(from->kidx + (size_t)h * dk, ixc + (size_t)h * dk, sizeof(int32_t) * dk);
-        if (kb) nt.st[h] = stage + (size_t)h * scap * 2 * d;
+        if (kb || !scap) nt.st[h] = stage ? stage + (size_t)h * scap * 2 * d : nullptr;
     }
     nt.dk = dk;
     nt.kprow = dk && !kb ? kvc_kv_row_bytes(&kv->fmt, dk) : 0;
@@ -636,7 +639,7 @@ static kvc_status rebuild(kvc_kv *kv, kvc_kv *from, const int64_t *cap, const in
     if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
     kv->arena = arena;
     kv->bytes = bytes;
-    if (kb) {
+    if (kb || !scap) {
         if (kv->stage) dfree(kv->stage, kv->sbytes, MEM_CACHE);
         kv->stage = stage;
         kv->scap = scap;
