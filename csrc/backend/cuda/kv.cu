@@ -44,7 +44,7 @@ kvc_status kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out
     return KVC_OK;
 }
 
-/* bf16 rows are stored as they are appended: nothing waits */
+/* bf16 rows are stored as they are appended: nothing waits (a typed store's rows wait in f32: kv_typed.cu) */
 kvc_status kv_commit(kvc_kv *kv) { return kv->typed ? kvt_commit(kv) : KVC_OK; }
 
 void kv_free(kvc_kv *kv) {
