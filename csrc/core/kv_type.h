@@ -132,66 +132,88 @@ KVC_KVT_FN void kvc_kv_encode_row(const kvc_kv_format *f, const float *x, int32_
     }
 }
 
-KVC_KVT_FN void kvc_kv_decode_row(const kvc_kv_format *f, const void *src, int32_t w, float *out) {
+/* Values [e0, e0 + n) of a row of w stored alone into out[0 .. n) (a device kernel reads a lane's channels;
+ * kvc_kv_decode_row is the whole row). */
+KVC_KVT_FN void kvc_kv_decode_span(const kvc_kv_format *f, const void *src, int32_t w, int32_t e0, int32_t n, float *out) {
     const uint8_t *p = (const uint8_t *)src;
+    const int32_t e1 = e0 + n;
     switch (f->type) {
-    case KVC_KV_F32: memcpy(out, p, 4 * (size_t)w); return;
+    case KVC_KV_F32: memcpy(out, p + 4 * (size_t)e0, 4 * (size_t)n); return;
     case KVC_KV_F16:
-        for (int32_t e = 0; e < w; e++) out[e] = kvc_f16_to_f32v(((const uint16_t *)p)[e]);
+        for (int32_t e = e0; e < e1; e++) out[e - e0] = kvc_f16_to_f32v(((const uint16_t *)p)[e]);
         return;
     case KVC_KV_BF16:
-        for (int32_t e = 0; e < w; e++) out[e] = kvc_bf16_to_f32r(((const uint16_t *)p)[e]);
+        for (int32_t e = e0; e < e1; e++) out[e - e0] = kvc_bf16_to_f32r(((const uint16_t *)p)[e]);
         return;
     case KVC_KV_Q8_0:
-        for (int32_t b0 = 0; b0 < w; b0 += KVC_Q8_0_BLOCK, p += KVC_Q8_0_BYTES) {
+        for (int32_t b0 = e0 / KVC_Q8_0_BLOCK * KVC_Q8_0_BLOCK; b0 < e1; b0 += KVC_Q8_0_BLOCK) {
+            const uint8_t *blk = p + (size_t)(b0 / KVC_Q8_0_BLOCK) * KVC_Q8_0_BYTES;
             uint16_t dh;
-            memcpy(&dh, p, 2);
+            memcpy(&dh, blk, 2);
             const float d = kvc_f16_to_f32v(dh);
-            const int32_t nb = w - b0 < KVC_Q8_0_BLOCK ? w - b0 : KVC_Q8_0_BLOCK;
-            for (int32_t e = 0; e < nb; e++) out[b0 + e] = d * (float)((const int8_t *)p)[2 + e];
+            const int32_t lo = b0 > e0 ? b0 : e0, hi = b0 + KVC_Q8_0_BLOCK < e1 ? b0 + KVC_Q8_0_BLOCK : e1;
+            for (int32_t e = lo; e < hi; e++) out[e - e0] = d * (float)((const int8_t *)blk)[2 + e - b0];
         }
         return;
     default: {
         const int32_t g = kvc_kivi_vgroup(f->group, w), bits = kvc_kv_type_bits(f->type);
-        for (int32_t g0 = 0; g0 < w; g0 += g, p += 4 + (size_t)g * bits / 8) {
+        for (int32_t g0 = e0 / g * g; g0 < e1; g0 += g) {
+            const uint8_t *grp = p + (size_t)(g0 / g) * (4 + (size_t)g * bits / 8);
             uint16_t sh, mh;
-            memcpy(&sh, p, 2);
-            memcpy(&mh, p + 2, 2);
+            memcpy(&sh, grp, 2);
+            memcpy(&mh, grp + 2, 2);
             const float s = kvc_f16_to_f32v(sh), m = kvc_f16_to_f32v(mh);
-            for (int32_t e = 0; e < g; e++) out[g0 + e] = m + s * (float)kvc_kivi_get(p + 4, e, bits);
+            const int32_t lo = g0 > e0 ? g0 : e0, hi = g0 + g < e1 ? g0 + g : e1;
+            for (int32_t e = lo; e < hi; e++) out[e - e0] = m + s * (float)kvc_kivi_get(grp + 4, e - g0, bits);
         }
         return;
     }
     }
 }
 
+KVC_KVT_FN void kvc_kv_decode_row(const kvc_kv_format *f, const void *src, int32_t w, float *out) {
+    kvc_kv_decode_span(f, src, w, 0, w, out);
+}
+
 /* ---- KIVI key blocks: `group` rows x w channels, each channel quantised over the block's rows ---- */
-KVC_KVT_FN void kvc_kivi_encode_block(const kvc_kv_format *f, const float *x /* [group, w] */, int32_t w, void *dst) {
+/* Channels [c0, c0 + nc) of a block from its rows x (row r at x + r ldx). c0 and nc are multiples of the codes a
+ * byte holds (8 / bits), so the code bytes written are this call's alone: disjoint channel ranges may be encoded
+ * at once (the CUDA store's commit kernel) and every bit of those bytes is written. */
+KVC_KVT_FN void kvc_kivi_encode_cols(const kvc_kv_format *f, const float *x, size_t ldx, int32_t w, int32_t c0, int32_t nc,
+                                     void *dst) {
     uint8_t *p = (uint8_t *)dst;
     const int32_t G = f->group, bits = kvc_kv_type_bits(f->type);
     uint8_t *codes = p + 4 * (size_t)w;
-    memset(codes, 0, (size_t)G * w * bits / 8);
-    for (int32_t c = 0; c < w; c++) {
+    for (int32_t c = c0; c < c0 + nc; c++) {
         uint16_t sh, mh;
-        kvc_kivi_params(x + c, G, w, bits, &sh, &mh);
+        kvc_kivi_params(x + c, G, (int64_t)ldx, bits, &sh, &mh);
         memcpy(p + 2 * (size_t)c, &sh, 2);
         memcpy(p + 2 * (size_t)w + 2 * (size_t)c, &mh, 2);
         const float s = kvc_f16_to_f32v(sh), m = kvc_f16_to_f32v(mh);
-        for (int32_t r = 0; r < G; r++) kvc_kivi_put(codes, (int64_t)r * w + c, kvc_kivi_code(x[(size_t)r * w + c], s, m, bits), bits);
+        for (int32_t r = 0; r < G; r++) kvc_kivi_put(codes, (int64_t)r * w + c, kvc_kivi_code(x[(size_t)r * ldx + c], s, m, bits), bits);
     }
 }
-/* rows [r0, r0 + n) of a block into out [n, w] */
-KVC_KVT_FN void kvc_kivi_decode_block(const kvc_kv_format *f, const void *src, int32_t w, int32_t r0, int32_t n, float *out) {
+KVC_KVT_FN void kvc_kivi_encode_block(const kvc_kv_format *f, const float *x /* [group, w] */, int32_t w, void *dst) {
+    memset((uint8_t *)dst + 4 * (size_t)w, 0, (size_t)f->group * w * kvc_kv_type_bits(f->type) / 8);
+    kvc_kivi_encode_cols(f, x, (size_t)w, w, 0, w, dst);
+}
+/* Rows [r0, r0 + n), channels [c0, c0 + nc) of a block into out (row stride ldo). */
+KVC_KVT_FN void kvc_kivi_decode_cols(const kvc_kv_format *f, const void *src, int32_t w, int32_t r0, int32_t n, int32_t c0,
+                                     int32_t nc, float *out, size_t ldo) {
     const uint8_t *p = (const uint8_t *)src;
     const int32_t bits = kvc_kv_type_bits(f->type);
     const uint8_t *codes = p + 4 * (size_t)w;
-    for (int32_t c = 0; c < w; c++) {
+    for (int32_t c = c0; c < c0 + nc; c++) {
         uint16_t sh, mh;
         memcpy(&sh, p + 2 * (size_t)c, 2);
         memcpy(&mh, p + 2 * (size_t)w + 2 * (size_t)c, 2);
         const float s = kvc_f16_to_f32v(sh), m = kvc_f16_to_f32v(mh);
-        for (int32_t r = 0; r < n; r++) out[(size_t)r * w + c] = m + s * (float)kvc_kivi_get(codes, (int64_t)(r0 + r) * w + c, bits);
+        for (int32_t r = 0; r < n; r++) out[(size_t)r * ldo + (c - c0)] = m + s * (float)kvc_kivi_get(codes, (int64_t)(r0 + r) * w + c, bits);
     }
+}
+/* rows [r0, r0 + n) of a block into out [n, w] */
+KVC_KVT_FN void kvc_kivi_decode_block(const kvc_kv_format *f, const void *src, int32_t w, int32_t r0, int32_t n, float *out) {
+    kvc_kivi_decode_cols(f, src, w, r0, n, 0, w, out, (size_t)w);
 }
 
 /* ---- the table's checks and names (kv_type.c) ---- */
