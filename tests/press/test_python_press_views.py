@@ -5,7 +5,7 @@ the rows the engine's copies and a full-cache session hold; heads of different l
 may come back as torch tensors; and an array kept past its call (by the press, by an exception's frames, by a DLPack
 consumer) stays valid, the session's results unchanged. The references are a full-cache session's rows (kv_read
 copies) and copies taken inside the call; "stays valid" is checked after the session is freed and its memory
-reused (without the engine keeping it, these reads return other data or crash: checked by hand, 2026-11-27)."""
+reused (without the engine keeping it, these reads return other data or crash: checked by hand, 2026-11-26)."""
 import gc
 from dataclasses import dataclass, field
 
