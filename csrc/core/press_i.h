@@ -32,6 +32,8 @@ typedef kvc_status (*kvc_layer_hook)(void *user, kvc_session *s, const kvc_layer
 enum {
     KVC_PRESS_EAGER_DECODE = 1u << 0, /* its decode steps do host work between layers: no decode graphs */
     KVC_PRESS_EVERY_LAYER = 1u << 1,  /* its hooks see every layer, the ones the model does not press too (a probe) */
+    KVC_PRESS_SEES_ALL_ROWS = 1u << 2, /* its hooks see every row of the layer whatever the session's press scope (a
+                                          probe: its caller scopes it, kvc_door_aside) */
 };
 
 /* What the engine calls on an attached press. */
@@ -78,5 +80,13 @@ void *kvc_door_slot(const kvc_session *s, const kvc_press_vt *vt);
  * it stays and the session needs a reset (the hook may have evicted rows). */
 kvc_status kvc_door_probe(kvc_session *s, const int32_t *ids, int64_t n, const float *emb, int64_t n_emb,
                           kvc_layer_hook hook, void *user, int64_t logits_row, float *logits, int64_t advance);
+/* The session's press scope (KVC_PRESS_SCOPE_*): what a whole-cache method that runs its own prefill compresses
+ * of a session holding rows (TAKE: every row, or the rows its call appends). */
+int32_t kvc_door_press_scope(const kvc_session *s);
+/* hook on layer ctx->layer with the first aside[h] rows of each head set aside (aside[h] <= ctx->past_len[h]):
+ * it sees the layer as if those rows were not there (its ctx's past_len less them) and may compact what it sees;
+ * the rows set aside are put back in front of what it kept (engine/press_scope.c). */
+kvc_status kvc_door_aside(kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *aside, kvc_layer_hook hook,
+                          void *user);
 
 #endif
