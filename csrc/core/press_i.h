@@ -36,6 +36,25 @@ enum {
                                           probe: its caller scopes it, kvc_door_aside) */
 };
 
+/* A press's state between calls (counters, buffered queries, score queues), as a saved cache keeps it (persist/:
+ * the file's state.<slot>.<name> tensors): named one-dimensional arrays of KVC_I64 or KVC_F32 values. */
+typedef struct kvc_state_io kvc_state_io;
+/* Writing: array `name` of n values (copied). */
+kvc_status kvc_state_put(kvc_state_io *io, const char *name, int32_t dtype, const void *data, int64_t n);
+/* Reading: the count of array `name` into *n (-1 when the file has none); KVC_ERR_FORMAT when it is not a
+ * one-dimensional array of dtype. */
+kvc_status kvc_state_count(kvc_state_io *io, const char *name, int32_t dtype, int64_t *n);
+/* Reading: its n values into out; KVC_ERR_FORMAT naming it when it is absent or holds another count. */
+kvc_status kvc_state_get(kvc_state_io *io, const char *name, int32_t dtype, void *out, int64_t n);
+/* Reading: whether the file holds any array under the current names (the slot's, the scope's). */
+int kvc_state_present(const kvc_state_io *io);
+/* Names from here on are `scope`.name (a part of a press); kvc_state_unscope(io, the value returned) ends it. */
+size_t kvc_state_scope(kvc_state_io *io, const char *scope);
+void kvc_state_unscope(kvc_state_io *io, size_t mark);
+/* A state the file holds that the press refuses (its settings or the cache disagree): KVC_ERR_FORMAT with the
+ * file's path and `what` (printf-style). */
+kvc_status kvc_state_bad(kvc_state_io *io, const char *fmt, ...);
+
 /* What the engine calls on an attached press. */
 typedef struct kvc_press_vt {
     const char *name;
@@ -46,6 +65,11 @@ typedef struct kvc_press_vt {
     kvc_status (*on_decode_layer)(void *self, kvc_session *s, const kvc_layer_ctx *ctx);
     void (*reset)(void *self); /* the session was reset, or NULL */
     void (*free)(void *self);  /* called with the backend locked */
+    /* its state between calls into a saved cache, or NULL (it keeps none) */
+    kvc_status (*save_state)(const void *self, kvc_state_io *io);
+    /* the state a saved cache holds for it, read back into a press just attached, after the cache was loaded (s: the
+     * session holding it); every value checked against the press's settings and the cache; or NULL */
+    kvc_status (*load_state)(void *self, kvc_session *s, kvc_state_io *io);
 } kvc_press_vt;
 
 /* A session's press slots: a prefill press and a decoding press may act at once (PrefillDecodingPress).

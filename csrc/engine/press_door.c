@@ -39,8 +39,8 @@ static kvc_status probe_on_layer(void *self, kvc_session *s, const kvc_layer_ctx
     return p->hook(p->user, s, ctx);
 }
 
-static const kvc_press_vt probe_vt = {"probe", KVC_PRESS_EVERY_LAYER | KVC_PRESS_SEES_ALL_ROWS, probe_on_layer, NULL, NULL,
-                                      NULL};
+static const kvc_press_vt probe_vt = {.name = "probe", .traits = KVC_PRESS_EVERY_LAYER | KVC_PRESS_SEES_ALL_ROWS,
+                                      .on_layer = probe_on_layer};
 
 kvc_status kvc_door_probe(kvc_session *s, const int32_t *ids, int64_t n, const float *emb, int64_t n_emb,
                           kvc_layer_hook hook, void *user, int64_t logits_row, float *logits, int64_t advance) {

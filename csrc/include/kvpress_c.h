@@ -230,24 +230,30 @@ KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t lay
  * head_dim values each. */
 KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, int32_t kv_head, float *k, float *v);
 
-/* Saved caches (csrc/persist/; docs/ARCHITECTURE.md "Saved caches"): a session's cache written exactly to a
- * safetensors file (per layer and KV head its rows, positions, K/V in the store's type, ThinK's freed key
- * channels), with its position, the model's identity (configuration and a SHA-256 of its weight files) and
- * a SHA-256 of the whole file; n_meta string pairs keys[i] -> values[i] of the caller's ride along (keys must
- * not start with "kvc."). Format version KVC_CACHE_FILE_VERSION; a newer file is refused. */
 /* What a prefill press sees of a layer in a call on a session that holds rows already: every row
  * (KVC_PRESS_SCOPE_CACHE, the default: the whole cache is compressed again), or only this call's rows
  * (KVC_PRESS_SCOPE_CALL: the rows held before are set aside while the press runs, as after a prefill into an
- * empty session, and kept as they were; a conversation's turns). */
+ * empty session, and kept as they were; a conversation's turns). TAKE's chunked prefill (kvc_session_prefill_take)
+ * follows it too, its call's rows being those of all its chunks. */
 enum { KVC_PRESS_SCOPE_CACHE = 0, KVC_PRESS_SCOPE_CALL = 1 };
 KVC_API kvc_status kvc_session_set_press_scope(kvc_session *s, int32_t scope);
 KVC_API int32_t kvc_session_press_scope(const kvc_session *s);
 
-#define KVC_CACHE_FILE_VERSION 1
+/* Saved caches (csrc/persist/; docs/ARCHITECTURE.md "Saved caches"): a session's cache written exactly to a
+ * safetensors file (per layer and KV head its rows, positions, K/V in the store's type, ThinK's freed key
+ * channels), with its position, the attached presses' state between calls (a decoding press's counters,
+ * buffered queries and score queues: a cache saved mid-answer goes on as the session that saved it), the model's
+ * identity (configuration and a SHA-256 of its weight files) and a SHA-256 of the whole file; n_meta string
+ * pairs keys[i] -> values[i] of the caller's ride along (keys must not start with "kvc."). Format version
+ * KVC_CACHE_FILE_VERSION (2: the presses' state); an older or newer file is refused. */
+#define KVC_CACHE_FILE_VERSION 2
 KVC_API kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, const char *const *keys,
                                     const char *const *values);
 /* Fill the empty session s (fresh or reset) from a saved cache: KVC_ERR_FORMAT, saying which, for a file of
- * another model, a newer format version, a truncated or corrupt file. The presses attached to s stay. */
+ * another model, an older or newer format version, a truncated or corrupt file. The presses attached to s stay
+ * and receive the state the file holds for them (a press attached at the save and attached again here, with the
+ * same settings: every value is checked against its settings and the cache; KVC_ERR_FORMAT and s left empty,
+ * its presses reset, otherwise); a press the file holds no state for starts afresh. */
 KVC_API kvc_status kvc_session_load(kvc_session *s, const char *path);
 /* A saved cache's metadata (checked as kvc_session_load checks the file) as a JSON object of strings into
  * out[cap]; *needed receives the bytes it takes (NUL included): call again with a larger out if cap < *needed. */

@@ -210,6 +210,10 @@ void kvc_dms_free(kvc_dms *d);
 void kvc_dms_reset(kvc_dms *d);
 /* After the attention of a layer in a call after the session's first. */
 kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx);
+/* Its queue of unjudged scores in a saved cache (the decoding press's state), read back checked against the
+ * window and the cache s holds. */
+kvc_status kvc_dms_save(const kvc_dms *d, kvc_state_io *io);
+kvc_status kvc_dms_load(kvc_dms *d, kvc_session *s, kvc_state_io *io);
 
 /* ---- decoding.c: compression while decoding (kvc_decoding_config; kvc_session_set_decoding_press) ---- */
 typedef struct kvc_decoding kvc_decoding;

@@ -142,7 +142,7 @@ def test_bad_arguments_and_models(tiny, tmp_path):
         kvpress_c.KVgradPress(kvzip_plus_normalization=True)  # not an argument of KVgrad (kvpress: init=False)
     s = model.new_session()
     arr = np.asarray(ids, np.int32)
-    with pytest.raises(ValueError, match="full cache"):
+    with pytest.raises(ValueError, match="must hold the cache of the context"):
         s.kvgrad_score(arr[:10], 0, 5)
     s.forward(arr, logits="none")
     with pytest.raises(ValueError, match="outside"):
