@@ -128,7 +128,7 @@ class Conversation:
         state = {"messages": self.messages, "rendered": self._rendered, "pending": self._pending,
                  "compress": self.compress, "max_new_tokens": self.max_new_tokens}
         decoding = (self.press, self._decoding) if self._decoding else None
-        # the decoding press goes in by its settings (load_session re-attaches it; each turn does again)
+        # the decoding press goes in by its settings and state (load_session re-attaches it; each turn starts it afresh)
         save_session(self.session, path, prompt_ids=self._ids, press=self.press, decoding=decoding,
                      chat=True, metadata={"conversation": json.dumps(state)})
 

@@ -152,7 +152,7 @@ def test_own_prefill_turns_equal_the_calls_by_hand(default_model, case):
         assert evicted > 0 and s.cache_bytes == kept * row_bytes, (evicted, s.cache_bytes, kept)
         out = greedy_many([s], [logits], 6, set(m.tokenizer.stop_ids))[0]
         assert out == answer
-    assert s.position == conv.session.position
+    assert s.position == conv.session.position and s.cache_bytes == conv.session.cache_bytes
     L, Hkv = c["n_layers"], c["n_kv_heads"]
     for x, y in zip(sum(_heads(s, L, Hkv), []), sum(_heads(conv.session, L, Hkv), [])):
         assert all(np.array_equal(u, w) for u, w in zip(x, y))
