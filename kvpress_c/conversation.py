@@ -7,10 +7,12 @@
 
 Each turn appends the user's message with the model's chat template (the text the template adds after what
 the cache holds: the end of the last answer, the user's turn, the assistant's header), runs it through the
-session with the press attached, and generates greedily. `compress` chooses what the press compresses:
-"new" (the default) this turn's rows only, the cache of earlier turns kept as it is (the session's press
-scope 'call', csrc/engine/press_scope.c); "all" every row the cache holds, earlier turns' included, again
-at each turn (scope 'cache': a ratio then compounds over the turns; a budget keeps the cache at its size).
+session with the press (BasePress.prefill_turn: attached for the forward, or the press's own prefill: TAKE's
+chunks with probes, KVzip's reconstruction of the text being compressed), and generates greedily. `compress`
+chooses what the press compresses: "new" (the default) this turn's rows only, the cache of earlier turns kept
+as it is (the session's press scope 'call', csrc/engine/press_scope.c); "all" every row the cache holds,
+earlier turns' included, again at each turn (scope 'cache': a ratio then compounds over the turns; a budget
+keeps the cache at its size).
 A decoding press is attached at the start of each turn with fresh counters (as at each question of a
 Pipeline) and compresses while the answer is generated. A turn too short for the press (shorter than its
 observation window, say) is kept whole: `last_turn["compressed"]` is False and `last_turn["why"]` says why.
@@ -46,11 +48,9 @@ class Conversation:
         self._prefill = press.prefill_part if press is not None else None
         if self._prefill is not None and (self._prefill.is_noop and type(self._prefill).before_prefill is BasePress.before_prefill):
             self._prefill = None
-        if self._prefill is not None and not (self._prefill.attach_to_session and
-                                              type(self._prefill).prefill is BasePress.prefill):
-            raise NotImplementedError(f"{type(self._prefill).__name__} runs its own prefill; a Conversation compresses "
-                                      "each turn in the forward, with presses that act after each layer "
-                                      "(scorer presses, Ada-KV, ChunkKV, ThinK, merging ...) and decoding presses")
+        why = self._prefill.turn_refusal() if self._prefill is not None else None
+        if why is not None:
+            raise NotImplementedError(why)
         self._decoding = press.decoding_config() if press is not None else None
         self.session = model.new_session(0)
         self.session.set_press_scope("call" if compress == "new" else "cache")
@@ -85,17 +85,15 @@ class Conversation:
         compressed, why = self._prefill is not None, ""
         logits = None
         if compressed:
-            try:
-                session.set_press(**self._prefill.c_config())
-                self._prefill.before_prefill(session, len(arr), cfg)
-                logits = session.forward(arr, logits="last")
-                self._prefill.after_prefill(session, len(arr), cfg)
+            pos0, lens0 = session.position, session.cache_lengths().copy()
+            try:  # the press's turn: in the forward, or its own prefill (TAKE, KVzip); the press scope says which rows
+                logits = self._prefill.prefill_turn(session, self._ids + [int(i) for i in ids], len(self._ids), cfg)
             except ValueError as e:
-                if not self._rendered:  # the first turn is the press's prefill: its refusal is the caller's to see
+                # the first turn is the press's prefill: its refusal is the caller's to see; a later one's goes in whole
+                # where the call was rolled back (a press that refused before anything went into the cache)
+                if not self._rendered or session.position != pos0 or not np.array_equal(session.cache_lengths(), lens0):
                     raise
-                compressed, why = False, str(e)  # the call was rolled back: the turn goes in whole
-            finally:
-                session.set_press(None)
+                compressed, why = False, str(e)
         if logits is None:
             logits = session.forward(arr, logits="last")
         prefill_s = time.perf_counter() - t0
@@ -130,7 +128,7 @@ class Conversation:
         state = {"messages": self.messages, "rendered": self._rendered, "pending": self._pending,
                  "compress": self.compress, "max_new_tokens": self.max_new_tokens}
         decoding = (self.press, self._decoding) if self._decoding else None
-        # the decoding press goes in by its settings (load_session re-attaches it; each turn does again)
+        # the decoding press goes in by its settings and state (load_session re-attaches it; each turn starts it afresh)
         save_session(self.session, path, prompt_ids=self._ids, press=self.press, decoding=decoding,
                      chat=True, metadata={"conversation": json.dumps(state)})
 

@@ -5,10 +5,12 @@
     kvpress_c.cache_info("ctx.kvc")                           # what the file says (checked)
 
 The file is safetensors (csrc/persist/cache_file.h has the layout): per layer and KV head the rows, their
-positions, K/V in the store's type, ThinK's freed key channels; the position; the model's identity (its
-configuration and a SHA-256 of its weight files); a SHA-256 of the whole file; and what the Python side
-adds: the prompt's token ids, the press's settings and a decoding press's settings (re-attached on load).
-A file of another model, of a newer format version, truncated or corrupt: ValueError saying which.
+positions, K/V in the store's type, ThinK's freed key channels; the position; the attached presses' state
+between calls (a decoding press's counters, buffered queries and score queues: a cache saved mid-answer goes on
+as the session that saved it); the model's identity (its configuration and a SHA-256 of its weight files); a
+SHA-256 of the whole file; and what the Python side adds: the prompt's token ids, the press's settings and a
+decoding press's settings (re-attached on load, then given its saved state). A file of another model, of an
+older or newer format version, truncated or corrupt: ValueError saying which.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Optional, Sequence
 
 from . import _core
 
-FORMAT_VERSION = 1  # KVC_CACHE_FILE_VERSION
+FORMAT_VERSION = 2  # KVC_CACHE_FILE_VERSION (2: the presses' state)
 
 
 def cache_info(path: str | os.PathLike) -> dict:
@@ -81,18 +83,19 @@ def save_session(session, path: str | os.PathLike, prompt_ids: Optional[Sequence
 
 def load_session(model, path: str | os.PathLike, press=None):
     """A new session of `model` holding the cache saved at `path`, at its saved position, with the decoding
-    press it was saved with re-attached (fresh counters, as at each new question of a Pipeline). `press`:
-    the decoding press (or a press with a decoding part) to attach instead, needed where the file says the
-    press hands the session more than its settings (ExpectedAttentionStats' statistics), and the prefill press
-    where one was left attached at the save (the file names the presses attached, not their settings)."""
+    press it was saved with re-attached in the state it had (a cache saved mid-answer goes on with the logits of
+    the session that saved it; one saved between questions holds a fresh state). `press`: the decoding press (or a
+    press with a decoding part) to attach instead, with the same settings, needed where the file says the press
+    hands the session more than its settings (ExpectedAttentionStats' statistics), and the prefill press where one
+    was left attached at the save (the file names the presses attached and holds their state, not their settings)."""
     return load_session_info(model, path, press)[0]
 
 
 def load_session_info(model, path: str | os.PathLike, press=None):
-    """(session, cache_info(path)) of load_session."""
+    """(session, cache_info(path)) of load_session: the presses are attached first, then the file fills the cache
+    and gives each its saved state."""
     info = cache_info(path)
     session = model.new_session(0)
-    session.load(os.fspath(path))
     saved = info.get("decoding_press")
     given = press.decoding_config() if press is not None else None
     if given:
@@ -115,4 +118,5 @@ def load_session_info(model, path: str | os.PathLike, press=None):
             raise ValueError(f"'{os.fspath(path)}' was saved with a prefill press attached, which the file does not "
                              "hold: pass it as load_session(..., press=...), or detach it (set_press(None)) before saving")
         session.set_press(**prefill.c_config())
+    session.load(os.fspath(path))
     return session, info

@@ -67,11 +67,13 @@ static PyObject *Session_load(SessionObject *self, PyObject *args) {
 
 PyMethodDef kvc_py_persist_methods[] = {
     {"save", (PyCFunction)(void (*)(void))Session_save, METH_VARARGS | METH_KEYWORDS,
-     "save(path, metadata=None): write the cache exactly to a safetensors file (metadata: str -> str pairs that\n"
-     "ride along; keys starting with 'kvc.' are the file's own)."},
+     "save(path, metadata=None): write the cache exactly to a safetensors file, with the attached presses' state\n"
+     "(a decoding press's counters and buffered queries mid-answer; metadata: str -> str pairs that ride along;\n"
+     "keys starting with 'kvc.' are the file's own)."},
     {"load", (PyCFunction)Session_load, METH_VARARGS,
-     "load(path): fill this empty session from a saved cache (ValueError saying why for another model, a newer\n"
-     "format version, a truncated or corrupt file)."},
+     "load(path): fill this empty session from a saved cache; the presses attached to it receive the state the\n"
+     "file holds for them (ValueError saying why for another model, an older or newer format version, a state\n"
+     "a press of other settings kept, a truncated or corrupt file)."},
     {NULL, NULL, 0, NULL}};
 
 static PyObject *mod_cache_file_metadata(PyObject *m, PyObject *arg) {

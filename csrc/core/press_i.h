@@ -32,7 +32,28 @@ typedef kvc_status (*kvc_layer_hook)(void *user, kvc_session *s, const kvc_layer
 enum {
     KVC_PRESS_EAGER_DECODE = 1u << 0, /* its decode steps do host work between layers: no decode graphs */
     KVC_PRESS_EVERY_LAYER = 1u << 1,  /* its hooks see every layer, the ones the model does not press too (a probe) */
+    KVC_PRESS_SEES_ALL_ROWS = 1u << 2, /* its hooks see every row of the layer whatever the session's press scope (a
+                                          probe: its caller scopes it, kvc_door_aside) */
 };
+
+/* A press's state between calls (counters, buffered queries, score queues), as a saved cache keeps it (persist/:
+ * the file's state.<slot>.<name> tensors): named one-dimensional arrays of KVC_I64 or KVC_F32 values. */
+typedef struct kvc_state_io kvc_state_io;
+/* Writing: array `name` of n values (copied). */
+kvc_status kvc_state_put(kvc_state_io *io, const char *name, int32_t dtype, const void *data, int64_t n);
+/* Reading: the count of array `name` into *n (-1 when the file has none); KVC_ERR_FORMAT when it is not a
+ * one-dimensional array of dtype. */
+kvc_status kvc_state_count(kvc_state_io *io, const char *name, int32_t dtype, int64_t *n);
+/* Reading: its n values into out; KVC_ERR_FORMAT naming it when it is absent or holds another count. */
+kvc_status kvc_state_get(kvc_state_io *io, const char *name, int32_t dtype, void *out, int64_t n);
+/* Reading: whether the file holds any array under the current names (the slot's, the scope's). */
+int kvc_state_present(const kvc_state_io *io);
+/* Names from here on are `scope`.name (a part of a press); kvc_state_unscope(io, the value returned) ends it. */
+size_t kvc_state_scope(kvc_state_io *io, const char *scope);
+void kvc_state_unscope(kvc_state_io *io, size_t mark);
+/* A state the file holds that the press refuses (its settings or the cache disagree): KVC_ERR_FORMAT with the
+ * file's path and `what` (printf-style). */
+kvc_status kvc_state_bad(kvc_state_io *io, const char *fmt, ...);
 
 /* What the engine calls on an attached press. */
 typedef struct kvc_press_vt {
@@ -44,6 +65,11 @@ typedef struct kvc_press_vt {
     kvc_status (*on_decode_layer)(void *self, kvc_session *s, const kvc_layer_ctx *ctx);
     void (*reset)(void *self); /* the session was reset, or NULL */
     void (*free)(void *self);  /* called with the backend locked */
+    /* its state between calls into a saved cache, or NULL (it keeps none) */
+    kvc_status (*save_state)(const void *self, kvc_state_io *io);
+    /* the state a saved cache holds for it, read back into a press just attached, after the cache was loaded (s: the
+     * session holding it); every value checked against the press's settings and the cache; or NULL */
+    kvc_status (*load_state)(void *self, kvc_session *s, kvc_state_io *io);
 } kvc_press_vt;
 
 /* A session's press slots: a prefill press and a decoding press may act at once (PrefillDecodingPress).
@@ -78,5 +104,13 @@ void *kvc_door_slot(const kvc_session *s, const kvc_press_vt *vt);
  * it stays and the session needs a reset (the hook may have evicted rows). */
 kvc_status kvc_door_probe(kvc_session *s, const int32_t *ids, int64_t n, const float *emb, int64_t n_emb,
                           kvc_layer_hook hook, void *user, int64_t logits_row, float *logits, int64_t advance);
+/* The session's press scope (KVC_PRESS_SCOPE_*): what a whole-cache method that runs its own prefill compresses
+ * of a session holding rows (TAKE: every row, or the rows its call appends). */
+int32_t kvc_door_press_scope(const kvc_session *s);
+/* hook on layer ctx->layer with the first aside[h] rows of each head set aside (aside[h] <= ctx->past_len[h]):
+ * it sees the layer as if those rows were not there (its ctx's past_len less them) and may compact what it sees;
+ * the rows set aside are put back in front of what it kept (engine/press_scope.c). */
+kvc_status kvc_door_aside(kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *aside, kvc_layer_hook hook,
+                          void *user);
 
 #endif

@@ -39,7 +39,8 @@ static kvc_status probe_on_layer(void *self, kvc_session *s, const kvc_layer_ctx
     return p->hook(p->user, s, ctx);
 }
 
-static const kvc_press_vt probe_vt = {"probe", KVC_PRESS_EVERY_LAYER, probe_on_layer, NULL, NULL, NULL};
+static const kvc_press_vt probe_vt = {.name = "probe", .traits = KVC_PRESS_EVERY_LAYER | KVC_PRESS_SEES_ALL_ROWS,
+                                      .on_layer = probe_on_layer};
 
 kvc_status kvc_door_probe(kvc_session *s, const int32_t *ids, int64_t n, const float *emb, int64_t n_emb,
                           kvc_layer_hook hook, void *user, int64_t logits_row, float *logits, int64_t advance) {
@@ -55,4 +56,12 @@ kvc_status kvc_door_probe(kvc_session *s, const int32_t *ids, int64_t n, const f
     if (st == KVC_OK) s->pos = pos0 + advance;
     else s->needs_reset = 1;
     return st;
+}
+
+int32_t kvc_door_press_scope(const kvc_session *s) { return s->press_scope; }
+
+kvc_status kvc_door_aside(kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *aside, kvc_layer_hook hook,
+                          void *user) {
+    if (!s || !ctx || !aside || !hook) return kvc_fail(KVC_ERR_ARG, "aside: null argument");
+    return kvc_scope_aside(s, ctx, aside, hook, user);
 }

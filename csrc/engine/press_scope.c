@@ -1,8 +1,9 @@
-/* A press scoped to a call's rows (kvc_session_set_press_scope, KVC_PRESS_SCOPE_CALL): for a layer's prefill
- * hooks the rows each head held before the call are set aside, so the press sees the layer as after a
- * prefill into an empty session (the one case every press handles), and they are put back in front of
- * what the press kept afterwards. A conversation compresses each turn's new rows this way and keeps the
- * earlier turns' cache as it was. The rows go through the host (kv_read, then kvc_cache_load_layer). */
+/* A press scoped to rows at the end of a layer (kvc_session_set_press_scope, KVC_PRESS_SCOPE_CALL; a whole-cache
+ * method's own scope through the door, kvc_door_aside): for a layer's hooks the rows each head holds in front
+ * (the rows held before the call, or before a method's first call: TAKE's turn) are set aside, so the press sees
+ * the layer as after a prefill into an empty session (the one case every press handles), and they are put back
+ * in front of what the press kept afterwards. A conversation compresses each turn's new rows this way and keeps
+ * the earlier turns' cache as it was. The rows go through the host (kv_read, then kvc_cache_load_layer). */
 #include <string.h>
 
 #include "session.h"
@@ -111,40 +112,46 @@ static kvc_status put_back(kvc_cache *c, int32_t l, const rows_out *old, const i
     return st;
 }
 
-kvc_status kvc_scoped_hooks(kvc_session *s, const kvc_layer_ctx *ctx,
-                            kvc_status (*run)(kvc_session *s, const kvc_layer_ctx *ctx)) {
+kvc_status kvc_scope_aside(kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *aside, kvc_layer_hook hook,
+                           void *user) {
     kvc_cache *c = &s->cache;
     const int32_t l = ctx->layer, Hkv = c->n_kv;
-    int64_t held = 0;
-    for (int32_t h = 0; h < Hkv; h++) held += ctx->past_len[h];
-    if (s->press_scope != KVC_PRESS_SCOPE_CALL || held == 0) return run(s, ctx);
     kvc_layer_cache *L = &c->layers[l];
-    int64_t zero[KVC_MAX_KV_HEADS] = {0}, old_np[KVC_MAX_KV_HEADS], n_new[KVC_MAX_KV_HEADS];
+    int64_t held = 0;
+    for (int32_t h = 0; h < Hkv; h++) {
+        if (aside[h] < 0 || aside[h] > ctx->past_len[h])
+            return kvc_fail(KVC_ERR_INTERNAL, "press scope: layer %d head %d sets %lld rows aside of the %lld held before "
+                            "the call", l, h, (long long)aside[h], (long long)ctx->past_len[h]);
+        held += aside[h];
+    }
+    if (held == 0) return hook(user, s, ctx);
+    int64_t zero[KVC_MAX_KV_HEADS] = {0}, old_np[KVC_MAX_KV_HEADS], n_new[KVC_MAX_KV_HEADS], past[KVC_MAX_KV_HEADS];
     int64_t *keep[KVC_MAX_KV_HEADS] = {0};
     rows_out old = {0};
     const int32_t old_dk = L->dk;
     int32_t *old_kidx = NULL;
-    kvc_status st = rows_read(c, l, zero, ctx->past_len, &old);
+    kvc_status st = rows_read(c, l, zero, aside, &old);
     if (st == KVC_OK && old_dk > 0) {
         old_kidx = malloc(sizeof(int32_t) * (size_t)Hkv * (size_t)old_dk);
         if (!old_kidx) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: setting earlier rows aside");
         else memcpy(old_kidx, L->kidx, sizeof(int32_t) * (size_t)Hkv * (size_t)old_dk);
     }
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
-        old_np[h] = L->np[h] < ctx->past_len[h] ? L->np[h] : ctx->past_len[h];
-        n_new[h] = L->len[h] - ctx->past_len[h];
+        old_np[h] = L->np[h] < aside[h] ? L->np[h] : aside[h];
+        n_new[h] = L->len[h] - aside[h];
+        past[h] = ctx->past_len[h] - aside[h];
         keep[h] = malloc(sizeof(int64_t) * (size_t)(n_new[h] ? n_new[h] : 1));
         if (!keep[h]) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: setting earlier rows aside");
-        for (int64_t i = 0; keep[h] && i < n_new[h]; i++) keep[h][i] = ctx->past_len[h] + i;
+        for (int64_t i = 0; keep[h] && i < n_new[h]; i++) keep[h][i] = aside[h] + i;
     }
-    /* the layer holds this call's rows only, as after a prefill into an empty session */
+    /* the layer holds the rows after the ones set aside only, as after a prefill into an empty session */
     const uint64_t before = c->compactions;
     if (st == KVC_OK) st = kvc_cache_compact(c, l, (const int64_t *const *)keep, n_new, 0);
     if (st == KVC_OK) {
         const uint64_t set_aside = c->compactions;
         kvc_layer_ctx alone = *ctx;
-        alone.past_len = zero;
-        st = run(s, &alone);
+        alone.past_len = past;
+        st = hook(user, s, &alone);
         const int evicted = c->compactions != set_aside;
         const kvc_status back = put_back(c, l, &old, old_np, old_dk, old_kidx);
         /* every row back where it was: a press that refused (before evicting) leaves a call that can be undone */
@@ -155,4 +162,17 @@ kvc_status kvc_scoped_hooks(kvc_session *s, const kvc_layer_ctx *ctx,
     free(old_kidx);
     rows_free(&old, Hkv);
     return st;
+}
+
+typedef struct run_box { kvc_status (*run)(kvc_session *s, const kvc_layer_ctx *ctx); } run_box;
+
+static kvc_status run_boxed(void *box, kvc_session *s, const kvc_layer_ctx *ctx) { return ((run_box *)box)->run(s, ctx); }
+
+kvc_status kvc_scoped_hooks(kvc_session *s, const kvc_layer_ctx *ctx,
+                            kvc_status (*run)(kvc_session *s, const kvc_layer_ctx *ctx)) {
+    const kvc_press_vt *vt = s->slots[KVC_SLOT_PREFILL].vt;
+    /* a probe's hook sees every row: its caller scopes it (kvc_door_aside) */
+    if (s->press_scope != KVC_PRESS_SCOPE_CALL || (vt && (vt->traits & KVC_PRESS_SEES_ALL_ROWS))) return run(s, ctx);
+    run_box box = {run};
+    return kvc_scope_aside(s, ctx, ctx->past_len, run_boxed, &box);
 }

@@ -58,9 +58,13 @@ struct kvc_session {
 };
 
 /* press_scope.c: a layer's prefill hooks (run) under the session's press scope: with KVC_PRESS_SCOPE_CALL the
- * rows held before the call are set aside while they run, then put back in front of what they kept. */
+ * rows held before the call are set aside while they run, then put back in front of what they kept (a probe's
+ * hook, KVC_PRESS_SEES_ALL_ROWS, is not scoped). */
 kvc_status kvc_scoped_hooks(kvc_session *s, const kvc_layer_ctx *ctx,
                             kvc_status (*run)(kvc_session *s, const kvc_layer_ctx *ctx));
+/* hook with the first aside[h] rows of each head of the layer set aside (kvc_door_aside). */
+kvc_status kvc_scope_aside(kvc_session *s, const kvc_layer_ctx *ctx, const int64_t *aside, kvc_layer_hook hook,
+                           void *user);
 
 /* forward.c */
 /* Activations for n rows and logit_rows rows of logits (never shrinks, except after running out of memory). */

@@ -1,11 +1,45 @@
 /* A session's cache saved to a file and loaded back (the file: persist/cache_file.h): the engine's side,
- * which owns the session's cache and position. */
+ * which owns the session's cache, its position and the attached presses, whose state between calls (a decoding
+ * press's counters and buffers mid-answer) rides along through their save_state / load_state hooks. */
 #include <stdio.h>
 #include <string.h>
 
 #include "../persist/cache_file.h"
 #include "../persist/model_id.h"
+#include "../persist/press_state.h"
 #include "session.h"
+
+/* Every attached press's state, slot by slot (state.<its name>.*). */
+static kvc_status save_states(const kvc_session *s, kvc_state_io *io) {
+    for (int32_t i = 0; i < KVC_N_SLOTS; i++) {
+        const kvc_press_slot *slot = &s->slots[i];
+        if (!slot->vt || !slot->vt->save_state) continue;
+        KVC_TRY(kvc_state_slot(io, slot->vt->name));
+        KVC_TRY(slot->vt->save_state(slot->self, io));
+    }
+    return KVC_OK;
+}
+
+/* The state the file holds for each press attached now, read into it (a press the file holds none for keeps its
+ * fresh state; a state for a press not attached is the caller's to refuse: kvc.presses names them). */
+static kvc_status load_states(kvc_session *s, const kvc_cache_file *f) {
+    kvc_state_io io;
+    KVC_TRY(kvc_cache_file_state(f, &io));
+    kvc_status st = KVC_OK;
+    for (int32_t i = 0; i < KVC_N_SLOTS && st == KVC_OK; i++) {
+        const kvc_press_slot *slot = &s->slots[i];
+        if (!slot->vt) continue;
+        st = kvc_state_slot(&io, slot->vt->name);
+        if (st != KVC_OK || !kvc_state_present(&io)) continue;
+        if (!slot->vt->load_state)
+            st = kvc_fail(KVC_ERR_FORMAT, "'%s' holds a state for the %s press, which keeps none (a newer file?)", io.path,
+                          slot->vt->name);
+        if (st == KVC_OK) st = slot->vt->load_state(slot->self, s, &io);
+        if (st == KVC_OK) st = kvc_state_all_read(&io);
+    }
+    kvc_state_io_free(&io);
+    return st;
+}
 
 kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, const char *const *keys,
                             const char *const *values) {
@@ -18,9 +52,14 @@ kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, co
                      s->slots[i].vt->name);
     char digest[72]; /* before the backend lock: the model's own lock is taken for it */
     KVC_TRY(kvc_model_id_digest(s->model, digest));
+    kvc_state_io io;
+    kvc_state_writer_init(&io);
+    kvc_status st = save_states(s, &io);
     kvc_backend_lock(s->be);
-    kvc_status st = kvc_cache_file_write(&s->cache, &s->model->cfg, digest, s->pos, attached, path, n_meta, keys, values);
+    if (st == KVC_OK)
+        st = kvc_cache_file_write(&s->cache, &s->model->cfg, digest, s->pos, attached, &io, path, n_meta, keys, values);
     kvc_backend_unlock(s->be);
+    kvc_state_io_free(&io);
     return st;
 }
 
@@ -40,8 +79,19 @@ kvc_status kvc_session_load(kvc_session *s, const char *path) {
     kvc_backend_lock(s->be);
     st = kvc_cache_file_load(f, &s->model->cfg, digest, &s->cache, &pos);
     kvc_backend_unlock(s->be);
+    if (st == KVC_OK) {
+        s->pos = pos; /* the presses check their state against the cache and position loaded */
+        st = load_states(s, f);
+        if (st != KVC_OK) { /* a state refused: the session goes back to empty, its presses afresh */
+            kvc_backend_lock(s->be);
+            kvc_cache_clear(&s->cache);
+            kvc_backend_unlock(s->be);
+            s->pos = 0;
+            for (int32_t i = 0; i < KVC_N_SLOTS; i++)
+                if (s->slots[i].vt && s->slots[i].vt->reset) s->slots[i].vt->reset(s->slots[i].self);
+        }
+    }
     kvc_cache_file_close(f);
-    if (st == KVC_OK) s->pos = pos;
     return st;
 }
 

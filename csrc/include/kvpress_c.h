@@ -255,24 +255,30 @@ KVC_API kvc_status kvc_session_cache_positions(const kvc_session *s, int32_t lay
  * head_dim values each. */
 KVC_API kvc_status kvc_session_cache_rows(const kvc_session *s, int32_t layer, int32_t kv_head, float *k, float *v);
 
-/* Saved caches (csrc/persist/; docs/ARCHITECTURE.md "Saved caches"): a session's cache written exactly to a
- * safetensors file (per layer and KV head its rows, positions, K/V in the store's type, ThinK's freed key
- * channels), with its position, the model's identity (configuration and a SHA-256 of its weight files) and
- * a SHA-256 of the whole file; n_meta string pairs keys[i] -> values[i] of the caller's ride along (keys must
- * not start with "kvc."). Format version KVC_CACHE_FILE_VERSION; a newer file is refused. */
 /* What a prefill press sees of a layer in a call on a session that holds rows already: every row
  * (KVC_PRESS_SCOPE_CACHE, the default: the whole cache is compressed again), or only this call's rows
  * (KVC_PRESS_SCOPE_CALL: the rows held before are set aside while the press runs, as after a prefill into an
- * empty session, and kept as they were; a conversation's turns). */
+ * empty session, and kept as they were; a conversation's turns). TAKE's chunked prefill (kvc_session_prefill_take)
+ * follows it too, its call's rows being those of all its chunks. */
 enum { KVC_PRESS_SCOPE_CACHE = 0, KVC_PRESS_SCOPE_CALL = 1 };
 KVC_API kvc_status kvc_session_set_press_scope(kvc_session *s, int32_t scope);
 KVC_API int32_t kvc_session_press_scope(const kvc_session *s);
 
-#define KVC_CACHE_FILE_VERSION 1
+/* Saved caches (csrc/persist/; docs/ARCHITECTURE.md "Saved caches"): a session's cache written exactly to a
+ * safetensors file (per layer and KV head its rows, positions, K/V in the store's type, ThinK's freed key
+ * channels), with its position, the attached presses' state between calls (a decoding press's counters,
+ * buffered queries and score queues: a cache saved mid-answer goes on as the session that saved it), the model's
+ * identity (configuration and a SHA-256 of its weight files) and a SHA-256 of the whole file; n_meta string
+ * pairs keys[i] -> values[i] of the caller's ride along (keys must not start with "kvc."). Format version
+ * KVC_CACHE_FILE_VERSION (2: the presses' state); an older or newer file is refused. */
+#define KVC_CACHE_FILE_VERSION 2
 KVC_API kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, const char *const *keys,
                                     const char *const *values);
 /* Fill the empty session s (fresh or reset) from a saved cache: KVC_ERR_FORMAT, saying which, for a file of
- * another model, a newer format version, a truncated or corrupt file. The presses attached to s stay. */
+ * another model, an older or newer format version, a truncated or corrupt file. The presses attached to s stay
+ * and receive the state the file holds for them (a press attached at the save and attached again here, with the
+ * same settings: every value is checked against its settings and the cache; KVC_ERR_FORMAT and s left empty,
+ * its presses reset, otherwise); a press the file holds no state for starts afresh. */
 KVC_API kvc_status kvc_session_load(kvc_session *s, const char *path);
 /* A saved cache's metadata (checked as kvc_session_load checks the file) as a JSON object of strings into
  * out[cap]; *needed receives the bytes it takes (NUL included): call again with a larger out if cap < *needed. */
@@ -540,32 +546,38 @@ KVC_API int64_t kvc_session_decoding_compressions(const kvc_session *s);
 /* ---------------------------------------------------------------------------------------------- */
 /* KVzip (arXiv 2505.23416): context-reconstruction scores after a full prefill (csrc/press/kvzip.c) */
 
-/* The session holds the full cache of its s->pos context tokens. The q_len reconstruction tokens `ids`
- * (prompt + the chunk [start, end) of the context) run on it; scores[L, Hkv, end - start] receive each
- * chunk row's most attention from them (softmax over the min(n_sink, start) sinks, the chunk and the
- * causal reconstruction rows; plus: KVzip+ normalisation). Their rows are dropped again afterwards. */
+/* The session holds the cache of its s->pos context tokens, full or compressed (rows evicted, heads ragged: a
+ * conversation's later turn). The q_len reconstruction tokens `ids` (prompt + the context's text at positions
+ * [start, end)) run on it; scores[L, Hkv, end - start] receive, at position - start, the most attention each row a
+ * head holds at those positions gets from them (softmax over the rows it holds at positions < min(n_sink, start),
+ * its chunk rows and the causal reconstruction rows; plus: KVzip+ normalisation); 0 at positions a head does not
+ * hold. Their rows are dropped again afterwards. */
 KVC_API kvc_status kvc_session_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start,
                                            int64_t end, int32_t n_sink, int32_t plus, float *scores, int64_t n_scores);
-/* Evict the int(L Hkv n ratio) lowest of scores[L, Hkv, n] over all layers (layerwise: int(Hkv n ratio)
- * per layer), the first n_sink rows of every head kept, from the session's full cache of n rows. */
+/* Evict, of the C rows the cache holds (n = s->pos positions, scores[L, Hkv, n] by position), the int(C ratio)
+ * lowest over all layers (layerwise: int(C_l ratio) of each layer's C_l), rows at positions < n_sink kept. On the
+ * full cache of a context C = L Hkv n. */
 KVC_API kvc_status kvc_session_kvzip_evict(kvc_session *s, const float *scores, int64_t n_scores, double compression_ratio,
                                            int32_t layerwise, int32_t n_sink);
 
-/* The same on the first n_ctx rows of every head only (scores [L, Hkv, n_ctx]): the rows after them (RestoreKV's
- * restore rows) stay. compression_ratio in [0, 1] (1: every scored row goes). */
-KVC_API kvc_status kvc_session_kvzip_evict_prefix(kvc_session *s, const float *scores, int64_t n_scores, int64_t n_ctx,
-                                                  double compression_ratio, int32_t layerwise, int32_t n_sink);
+/* The same on the rows held at positions [first, first + n) only (scores [L, Hkv, n], by position - first): the
+ * others stay (a conversation's earlier turns, RestoreKV's restore rows). compression_ratio in [0, 1] (1: every
+ * scored row goes). */
+KVC_API kvc_status kvc_session_kvzip_evict_range(kvc_session *s, const float *scores, int64_t n_scores, int64_t first,
+                                                 int64_t n, double compression_ratio, int32_t layerwise, int32_t n_sink);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* KVgrad (openreview cg1wTCJjjk; csrc/press/kvgrad.c): KVzip's reconstruction with a gradient          */
 
-/* The session holds the full cache of its s->pos context tokens. The q_len reconstruction tokens `ids` (KVzip's
- * prompt + the chunk [start, end)) run on the host in fp32 (train/rows_grad.c) over that cache, read-only, at the
+/* The session holds the cache of its s->pos context tokens, full or compressed (kvc_session_kvzip_score). The q_len
+ * reconstruction tokens `ids` (KVzip's prompt + the chunk of positions [start, end)) run on the host in fp32
+ * (train/rows_grad.c) over that cache (each head over the rows it holds), read-only, at the
  * positions after it, through every layer; Phi = sum over the rows of ||h^L||^2 (the last layer's output before
  * the final norm) is differentiated through the rows' own K/V (the context's are constants). scores[L, Hkv,
- * end - start]: for chunk row c at layer l, KV head h, the most over the rows p and the query heads hq of h's
- * group of A[p, c] ||v_c W_o[:, hq]||_2 ||dPhi/da_p^l||_2, A KVzip's softmax (over the min(n_sink, start)
- * sinks, the chunk and the causal reconstruction rows), a^l the residual right after layer l's attention.
+ * end - start]: for the row c a head holds at position start + i (0 where it holds none), at layer l, KV head h,
+ * the most over the rows p and the query heads hq of h's group of A[p, c] ||v_c W_o[:, hq]||_2 ||dPhi/da_p^l||_2, A
+ * KVzip's softmax (over the sinks held, the chunk rows held and the causal reconstruction rows), a^l the residual
+ * right after layer l's attention.
  * grad_norms [L, q_len] (may be NULL) receive ||dPhi/da_p^l||_2. The cache is not changed. A device model uses
  * an fp32 host copy of its file (kvc_model_host_weights). KVC_ERR_UNSUPPORTED for a sliding window shorter
  * than the positions spanned. */
@@ -637,7 +649,9 @@ typedef struct kvc_take_config {
 KVC_API void kvc_take_config_defaults(kvc_take_config *cfg);
 /* Prefill n tokens chunk by chunk, evicting after every chunk; logits of the last prompt token go
  * to `logits` ([vocab], may be NULL; not written when cfg->prompt_cached). The session must be
- * empty or hold a compressed past, or with prompt_cached hold exactly the n tokens' full cache. */
+ * empty or hold a compressed past, or with prompt_cached hold exactly the n tokens' full cache. A past is
+ * scored with the chunks under the press scope KVC_PRESS_SCOPE_CACHE; with KVC_PRESS_SCOPE_CALL only the rows
+ * this call appends are scored and evicted (kvc_session_set_press_scope: a conversation's turns). */
 KVC_API kvc_status kvc_session_prefill_take(kvc_session *s, const int32_t *ids, int64_t n,
                                             const kvc_take_config *cfg, float *logits);
 

@@ -9,9 +9,12 @@
 #include "../model/safetensors.h"
 #include "cache_file.h"
 #include "model_id.h"
+#include "press_state.h"
 #include "sha256.h"
 
-#define VERSION 1 /* KVC_CACHE_FILE_VERSION: what this build writes and the newest it reads */
+/* What this build writes and the one it reads (kvpress_c.h). 2: the presses' state (state.* tensors); 1: the cache
+ * alone (a decoding press's counters and buffers started afresh) */
+#define VERSION KVC_CACHE_FILE_VERSION
 #define DIGEST_PREFIX "sha256:"
 #define CORRUPT "; the file is corrupt"
 
@@ -77,7 +80,14 @@ static uint16_t to_bf16(float f) { /* round to nearest even (the store's values 
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-typedef struct entry { char name[48]; const char *dtype; int64_t shape[2]; int32_t dims; size_t bytes, off; } entry;
+typedef struct entry {
+    char name[KVC_STATE_NAME];
+    const char *dtype;
+    int64_t shape[2];
+    int32_t dims;
+    size_t bytes, off;
+    const void *data; /* a state array's values (the layers' come from the cache) */
+} entry;
 
 static void add_entry(entry *e, int32_t *n, size_t *off, const char *name, int32_t l, const char *dtype, size_t es,
                       int64_t s0, int64_t s1, int32_t dims) {
@@ -98,8 +108,24 @@ static int layer_pruned(const kvc_cache *c, const kvc_layer_cache *L) {
     return 0;
 }
 
-/* The data section: every layer's tensors in entry order. */
-static kvc_status fill_data(const kvc_cache *c, const entry *e, uint8_t *data, int32_t kv16) {
+/* The presses' state arrays after the layers' tensors. */
+static void add_state(entry *e, int32_t *n, size_t *off, const kvc_state_array *a) {
+    entry *x = &e[(*n)++];
+    memcpy(x->name, a->name, sizeof x->name);
+    x->dtype = a->dtype == KVC_I64 ? "I64" : "F32";
+    x->shape[0] = a->n;
+    x->shape[1] = 0;
+    x->dims = 1;
+    x->bytes = (size_t)a->n * kvc_dtype_size(a->dtype);
+    x->off = *off;
+    x->data = a->data;
+    *off += x->bytes;
+}
+
+/* The data section: every layer's tensors in entry order, then the state arrays. */
+static kvc_status fill_data(const kvc_cache *c, const entry *e, int32_t ne, uint8_t *data, int32_t kv16) {
+    for (int32_t i = 0; i < ne; i++)
+        if (e[i].data && e[i].bytes) memcpy(data + e[i].off, e[i].data, e[i].bytes);
     const int32_t Hkv = c->n_kv, d = c->d;
     int64_t maxlen = 1;
     for (int32_t l = 0; l < c->n_layers; l++)
@@ -173,13 +199,13 @@ static kvc_status write_all(const char *path, const void *a, size_t na, const vo
 }
 
 kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const char *model_digest, int64_t position,
-                                const char *attached, const char *path, int32_t n_meta, const char *const *keys,
-                                const char *const *values) {
+                                const char *attached, const kvc_state_io *state, const char *path, int32_t n_meta,
+                                const char *const *keys, const char *const *values) {
     if (!path || !*path) return kvc_fail(KVC_ERR_ARG, "saving a cache: no path");
     KVC_TRY(check_keys(n_meta, keys, values));
-    const int32_t Hkv = c->n_kv, d = c->d, kv16 = c->be->act_dtype == KVC_BF16;
+    const int32_t Hkv = c->n_kv, d = c->d, kv16 = c->be->act_dtype == KVC_BF16, n_state = state ? state->n : 0;
     const size_t es = kv16 ? 2 : 4;
-    entry *e = calloc((size_t)c->n_layers * 6 + 1, sizeof *e);
+    entry *e = calloc((size_t)c->n_layers * 6 + (size_t)n_state + 1, sizeof *e);
     if (!e) return kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
     int32_t ne = 0;
     size_t off = 0;
@@ -196,9 +222,10 @@ kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const
             add_entry(e, &ne, &off, "key_channels", l, "I32", 4, Hkv, L->dk, 2);
         }
     }
+    for (int32_t i = 0; i < n_state; i++) add_state(e, &ne, &off, &state->arr[i]);
     uint8_t *data = calloc(off ? off : 1, 1);
     char *config = kvc_model_id_config_json(cfg);
-    kvc_status st = data && config ? fill_data(c, e, data, kv16) : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
+    kvc_status st = data && config ? fill_data(c, e, ne, data, kv16) : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
     sbuf b = {0};
     size_t digest_at = 0;
     if (st == KVC_OK) {
@@ -315,8 +342,12 @@ kvc_status kvc_cache_file_open(const char *path, kvc_cache_file **out) {
         const int64_t v = parse_count(st_meta(f->st, "kvc.version"), INT32_MAX);
         if (v < 1) st = kvc_fail(KVC_ERR_FORMAT, "'%s': its kvc.version is not a format version" CORRUPT, path);
         else if (v > VERSION)
-            st = kvc_fail(KVC_ERR_FORMAT, "'%s' is cache format version %lld, newer than this kvpress_c reads (version %d "
-                          "and older): upgrade kvpress_c to load it", path, (long long)v, VERSION);
+            st = kvc_fail(KVC_ERR_FORMAT, "'%s' is cache format version %lld, newer than this kvpress_c reads (version %d): "
+                          "upgrade kvpress_c to load it", path, (long long)v, VERSION);
+        else if (v < VERSION)
+            st = kvc_fail(KVC_ERR_FORMAT, "'%s' is cache format version %lld, older than this kvpress_c reads (version %d, "
+                          "which keeps the presses' state mid-answer): compress and save the context again, or load it "
+                          "with the kvpress_c that saved it", path, (long long)v, VERSION);
     }
     if (st == KVC_OK) st = check_digest(f);
     if (st != KVC_OK) {
@@ -359,7 +390,7 @@ kvc_status kvc_cache_file_meta_json(const kvc_cache_file *f, char *out, size_t c
 /* A tensor of the file with the given dtype(s) and shape (s1 < 0: one dimension), or NULL with the error set. */
 static const st_tensor *tensor(const kvc_cache_file *f, int32_t l, const char *name, const char *dtype, int64_t s0,
                                int64_t s1, int optional) {
-    char full[48];
+    char full[KVC_STATE_NAME];
     snprintf(full, sizeof full, "layer.%d.%s", l, name);
     const st_tensor *t = st_find(f->st, full);
     if (!t) {
@@ -490,6 +521,12 @@ kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, c
         st = check_layer(f, l, c->n_kv, c->d, pos, &in[l]);
         expected += in[l].dk ? 6 : 4;
     }
+    for (int64_t i = 0; i < st_n_tensors(f->st) && st == KVC_OK; i++) { /* the presses' state: read by the presses */
+        const st_tensor *t = st_tensor_at(f->st, i);
+        if (strncmp(t->name, KVC_STATE_PREFIX, strlen(KVC_STATE_PREFIX)) != 0) continue;
+        st = kvc_state_check_tensor(t, f->path);
+        expected++;
+    }
     if (st == KVC_OK && st_n_tensors(f->st) != expected)
         st = kvc_fail(KVC_ERR_FORMAT, "'%s' holds %lld tensors, not the %lld of a %d-layer cache" CORRUPT, f->path,
                       (long long)st_n_tensors(f->st), (long long)expected, c->n_layers);
@@ -501,4 +538,9 @@ kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, c
     }
     *position = pos;
     return KVC_OK;
+}
+
+kvc_status kvc_cache_file_state(const kvc_cache_file *f, kvc_state_io *io) {
+    if (!f || !io) return kvc_fail(KVC_ERR_ARG, "kvc_cache_file_state: null argument");
+    return kvc_state_reader_init(io, f->st, f->path);
 }

@@ -618,6 +618,282 @@ kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ct
     return KVC_OK;
 }
 
+/* ---- its state in a saved cache (mid-answer): rings written oldest first, read back checked ---- */
+
+/* n values of a state array, allocated (NULL with n 0); *out NULL and an error otherwise. */
+static kvc_status get_new(kvc_state_io *io, const char *name, int32_t dtype, int64_t n, void **out) {
+    *out = malloc((size_t)(n > 0 ? n : 1) * kvc_dtype_size(dtype));
+    if (!*out) return kvc_fail(KVC_ERR_NOMEM, "out of memory: reading a decoding press's state");
+    const kvc_status st = kvc_state_get(io, name, dtype, *out, n);
+    if (st != KVC_OK) {
+        free(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+static int64_t sum_i64(const int64_t *x, int64_t n) {
+    int64_t s = 0;
+    for (int64_t i = 0; i < n; i++) s += x[i];
+    return s;
+}
+
+static int all_finite(const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
+/* The buffered calls' row counts and query rows of every layer, each ring from its oldest entry. */
+static kvc_status save_buffers(const kvc_decoding *d, kvc_state_io *io) {
+    const int32_t L = d->n_layers;
+    int64_t total = sum_i64(d->n_entries, L), at = 0;
+    int64_t *e = malloc(sizeof(int64_t) * (size_t)(total > 0 ? total : 1));
+    if (!e) return kvc_fail(KVC_ERR_NOMEM, "out of memory: saving a decoding press's state");
+    for (int32_t l = 0; l < L; l++)
+        for (int64_t i = 0; i < d->n_entries[l]; i++) e[at++] = d->entry_rows[(size_t)l * d->ne + (d->entry_head[l] + i) % d->ne];
+    kvc_status st = kvc_state_put(io, "n_entries", KVC_I64, d->n_entries, L);
+    if (st == KVC_OK) st = kvc_state_put(io, "entries", KVC_I64, e, total);
+    free(e);
+    if (st != KVC_OK || d->w == 0) return st;
+    total = sum_i64(d->q_rows, L);
+    at = 0;
+    float *q = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1) * (size_t)d->qd);
+    if (!q) return kvc_fail(KVC_ERR_NOMEM, "out of memory: saving a decoding press's state");
+    for (int32_t l = 0; l < L; l++)
+        for (int64_t i = 0; i < d->q_rows[l]; i++, at++)
+            memcpy(q + (size_t)at * d->qd, d->queries + ((size_t)l * d->w + (size_t)((d->q_head[l] + i) % d->w)) * d->qd,
+                   sizeof(float) * (size_t)d->qd);
+    st = kvc_state_put(io, "q_rows", KVC_I64, d->q_rows, L);
+    if (st == KVC_OK) st = kvc_state_put(io, "queries", KVC_F32, q, total * d->qd);
+    free(q);
+    return st;
+}
+
+/* ExpectedAttention's every buffered row: its query and position. */
+static kvc_status save_rows(const kvc_decoding *d, kvc_state_io *io) {
+    const int32_t L = d->n_layers;
+    const int64_t total = sum_i64(d->rq_n, L);
+    float *q = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1) * (size_t)d->qd);
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(total > 0 ? total : 1)), at = 0;
+    kvc_status st = q && pos ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving a decoding press's state");
+    for (int32_t l = 0; l < L && st == KVC_OK; l++)
+        for (int64_t i = 0; i < d->rq_n[l]; i++, at++) {
+            const int64_t src = (d->rq_head[l] + i) % d->rq_cap[l];
+            memcpy(q + (size_t)at * d->qd, d->rq[l] + (size_t)src * d->qd, sizeof(float) * (size_t)d->qd);
+            pos[at] = d->rpos[l][src];
+        }
+    if (st == KVC_OK) st = kvc_state_put(io, "row_counts", KVC_I64, d->rq_n, L);
+    if (st == KVC_OK) st = kvc_state_put(io, "row_queries", KVC_F32, q, total * d->qd);
+    if (st == KVC_OK) st = kvc_state_put(io, "row_positions", KVC_I64, pos, total);
+    free(q);
+    free(pos);
+    return st;
+}
+
+/* CAMPress's attention sums over the rows each layer tracks (the host copy of the keys is read again). */
+static kvc_status save_cam(const kvc_decoding *d, kvc_state_io *io) {
+    const int32_t L = d->n_layers, Hkv = d->n_kv;
+    const int64_t total = sum_i64(d->cam_rows, L) * Hkv;
+    float *a = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
+    if (!a) return kvc_fail(KVC_ERR_NOMEM, "out of memory: saving a decoding press's state");
+    int64_t at = 0;
+    for (int32_t l = 0; l < L; l++)
+        for (int32_t h = 0; h < Hkv; h++, at += d->cam_rows[l])
+            memcpy(a + at, d->cam_attn[l] + (size_t)h * d->cam_cap[l], sizeof(float) * (size_t)d->cam_rows[l]);
+    kvc_status st = kvc_state_put(io, "cam_rows", KVC_I64, d->cam_rows, L);
+    if (st == KVC_OK) st = kvc_state_put(io, "cam_attention", KVC_F32, a, total);
+    if (st == KVC_OK) st = kvc_state_put(io, "cam_merges", KVC_I64, d->cam_events, L);
+    free(a);
+    return st;
+}
+
+/* The shape of its buffers (layers, KV heads, a query row's values, query rows, buffered calls): a press of other
+ * settings keeps others. */
+static void layout(const kvc_decoding *d, int64_t *out) {
+    out[0] = d->n_layers;
+    out[1] = d->n_kv;
+    out[2] = d->qd;
+    out[3] = d->w;
+    out[4] = d->ne;
+}
+
+static kvc_status save_self(const void *self, kvc_state_io *io) {
+    const kvc_decoding *d = self;
+    int64_t shape[5];
+    layout(d, shape);
+    KVC_TRY(kvc_state_put(io, "layout", KVC_I64, shape, 5));
+    KVC_TRY(kvc_state_put(io, "compressions", KVC_I64, &d->compressions, 1));
+    KVC_TRY(kvc_state_put(io, "steps", KVC_I64, d->steps, d->n_layers));
+    KVC_TRY(save_buffers(d, io));
+    if (d->rq) KVC_TRY(save_rows(d, io));
+    if (d->cfg.cam_merge_budget > 0) KVC_TRY(save_cam(d, io));
+    if (!d->dms) return KVC_OK;
+    const size_t mark = kvc_state_scope(io, "dms");
+    const kvc_status st = kvc_dms_save(d->dms, io);
+    kvc_state_unscope(io, mark);
+    return st;
+}
+
+/* What a file holds for the press, read and checked before any of it replaces the press's own. */
+typedef struct saved_decoding {
+    int64_t compressions, *steps, *n_entries, *entries, *q_rows, *rq_n, *rpos, *cam_rows, *cam_events;
+    float *queries, *rq, *cam_attn;
+} saved_decoding;
+
+static void saved_free(saved_decoding *v) {
+    free(v->steps); free(v->n_entries); free(v->entries); free(v->q_rows); free(v->rq_n); free(v->rpos);
+    free(v->cam_rows); free(v->cam_events); free(v->queries); free(v->rq); free(v->cam_attn);
+}
+
+static kvc_status read_saved(const kvc_decoding *d, kvc_session *s, kvc_state_io *io, saved_decoding *v) {
+    const int32_t L = d->n_layers, Hkv = d->n_kv;
+    const int64_t position = kvc_door_position(s), qd = d->qd;
+    const kvc_cache *c = kvc_door_cache(s);
+    int64_t shape[5], want[5];
+    layout(d, want);
+    KVC_TRY(kvc_state_get(io, "layout", KVC_I64, shape, 5));
+    if (memcmp(shape, want, sizeof want) != 0)
+        return kvc_state_bad(io, "its decoding press buffers %lld query rows and %lld calls per layer; the press attached "
+                             "buffers %lld and %lld (saved with a press of other settings)", (long long)shape[3],
+                             (long long)shape[4], (long long)want[3], (long long)want[4]);
+    KVC_TRY(kvc_state_get(io, "compressions", KVC_I64, &v->compressions, 1));
+    KVC_TRY(get_new(io, "steps", KVC_I64, L, (void **)&v->steps));
+    KVC_TRY(get_new(io, "n_entries", KVC_I64, L, (void **)&v->n_entries));
+    if (v->compressions < 0) return kvc_state_bad(io, "the decoding press's compression count is negative");
+    for (int32_t l = 0; l < L; l++) {
+        if (v->steps[l] < 0 || v->steps[l] > position)
+            return kvc_state_bad(io, "the decoding press's layer %d counts %lld steps at position %lld", l,
+                                 (long long)v->steps[l], (long long)position);
+        if (v->n_entries[l] < 0 || v->n_entries[l] > d->ne)
+            return kvc_state_bad(io, "the decoding press's layer %d buffers %lld calls; the press attached keeps %lld (its "
+                                 "hidden_states_buffer_size + 1)", l, (long long)v->n_entries[l], (long long)d->ne);
+    }
+    const int64_t n_e = sum_i64(v->n_entries, L);
+    KVC_TRY(get_new(io, "entries", KVC_I64, n_e, (void **)&v->entries));
+    for (int64_t i = 0; i < n_e; i++)
+        if (v->entries[i] < 1 || v->entries[i] > position)
+            return kvc_state_bad(io, "the decoding press buffers a call of %lld rows at position %lld",
+                                 (long long)v->entries[i], (long long)position);
+    if (d->w > 0) {
+        KVC_TRY(get_new(io, "q_rows", KVC_I64, L, (void **)&v->q_rows));
+        for (int32_t l = 0; l < L; l++)
+            if (v->q_rows[l] < 0 || v->q_rows[l] > d->w)
+                return kvc_state_bad(io, "the decoding press's layer %d buffers %lld query rows; the press attached reads %d",
+                                     l, (long long)v->q_rows[l], d->w);
+        const int64_t n = sum_i64(v->q_rows, L) * qd;
+        KVC_TRY(get_new(io, "queries", KVC_F32, n, (void **)&v->queries));
+        if (!all_finite(v->queries, n)) return kvc_state_bad(io, "the decoding press's buffered queries are not finite");
+    }
+    if (d->rq) {
+        KVC_TRY(get_new(io, "row_counts", KVC_I64, L, (void **)&v->rq_n));
+        int64_t at = 0;
+        for (int32_t l = 0; l < L; l++) { /* every buffered call's rows, or none with given statistics */
+            const int64_t want = d->q_mean ? 0 : sum_i64(v->entries + at, v->n_entries[l]);
+            at += v->n_entries[l];
+            if (v->rq_n[l] != want)
+                return kvc_state_bad(io, "the decoding press's layer %d buffers %lld query rows for calls of %lld rows", l,
+                                     (long long)v->rq_n[l], (long long)want);
+        }
+        const int64_t n = sum_i64(v->rq_n, L);
+        KVC_TRY(get_new(io, "row_queries", KVC_F32, n * qd, (void **)&v->rq));
+        KVC_TRY(get_new(io, "row_positions", KVC_I64, n, (void **)&v->rpos));
+        if (!all_finite(v->rq, n * qd)) return kvc_state_bad(io, "the decoding press's buffered queries are not finite");
+        for (int64_t i = 0; i < n; i++)
+            if (v->rpos[i] < 0 || v->rpos[i] >= position)
+                return kvc_state_bad(io, "the decoding press buffers a query at position %lld of %lld",
+                                     (long long)v->rpos[i], (long long)position);
+    }
+    if (d->cfg.cam_merge_budget > 0) {
+        KVC_TRY(get_new(io, "cam_rows", KVC_I64, L, (void **)&v->cam_rows));
+        KVC_TRY(get_new(io, "cam_merges", KVC_I64, L, (void **)&v->cam_events));
+        for (int32_t l = 0; l < L; l++) {
+            int ok = v->cam_rows[l] >= 0 && v->cam_events[l] >= 0;
+            for (int32_t h = 0; h < Hkv; h++) ok &= v->cam_rows[l] <= c->layers[l].len[h];
+            if (!ok)
+                return kvc_state_bad(io, "CAMPress's layer %d tracks %lld rows (%lld merges); the cache holds %lld", l,
+                                     (long long)v->cam_rows[l], (long long)v->cam_events[l], (long long)c->layers[l].len[0]);
+        }
+        const int64_t n = sum_i64(v->cam_rows, L) * Hkv;
+        KVC_TRY(get_new(io, "cam_attention", KVC_F32, n, (void **)&v->cam_attn));
+        for (int64_t i = 0; i < n; i++)
+            if (!(v->cam_attn[i] >= 0 && isfinite(v->cam_attn[i])))
+                return kvc_state_bad(io, "CAMPress's attention sums are not finite and >= 0");
+    }
+    return KVC_OK;
+}
+
+/* The checked state replaces the press's own; the rings start at their slot 0. */
+static kvc_status commit_saved(kvc_decoding *d, saved_decoding *v, int32_t dh) {
+    const int32_t L = d->n_layers, Hkv = d->n_kv;
+    for (int32_t l = 0; d->rq && l < L; l++) KVC_TRY(rows_reserve(d, l, v->rq_n[l])); /* may fail: nothing set yet */
+    if (d->cfg.cam_merge_budget > 0)
+        for (int32_t l = 0; l < L; l++) {
+            const int64_t cap = v->cam_rows[l] + d->cfg.compression_interval;
+            float *a = calloc((size_t)(Hkv * cap), sizeof(float)), *k = malloc(sizeof(float) * (size_t)(Hkv * cap) * (size_t)dh);
+            if (!a || !k) {
+                free(a);
+                free(k);
+                return kvc_fail(KVC_ERR_NOMEM, "out of memory: CAMPress attention sums");
+            }
+            free(d->cam_attn[l]);
+            free(d->cam_k[l]);
+            d->cam_attn[l] = a;
+            d->cam_k[l] = k;
+            d->cam_cap[l] = cap;
+        }
+    d->compressions = v->compressions;
+    memcpy(d->steps, v->steps, sizeof(int64_t) * (size_t)L);
+    int64_t at = 0;
+    for (int32_t l = 0; l < L; l++) {
+        d->entry_head[l] = 0;
+        d->n_entries[l] = v->n_entries[l];
+        memcpy(d->entry_rows + (size_t)l * d->ne, v->entries + at, sizeof(int64_t) * (size_t)v->n_entries[l]);
+        at += v->n_entries[l];
+    }
+    at = 0;
+    for (int32_t l = 0; d->w > 0 && l < L; l++) {
+        d->q_head[l] = 0;
+        d->q_rows[l] = v->q_rows[l];
+        memcpy(d->queries + (size_t)l * d->w * d->qd, v->queries + (size_t)at * d->qd, sizeof(float) * (size_t)(v->q_rows[l] * d->qd));
+        at += v->q_rows[l];
+    }
+    at = 0;
+    for (int32_t l = 0; d->rq && l < L; l++) {
+        d->rq_head[l] = 0;
+        d->rq_n[l] = v->rq_n[l];
+        if (v->rq_n[l] > 0) {
+            memcpy(d->rq[l], v->rq + (size_t)at * d->qd, sizeof(float) * (size_t)(v->rq_n[l] * d->qd));
+            memcpy(d->rpos[l], v->rpos + at, sizeof(int64_t) * (size_t)v->rq_n[l]);
+        }
+        at += v->rq_n[l];
+    }
+    at = 0;
+    for (int32_t l = 0; d->cfg.cam_merge_budget > 0 && l < L; l++) {
+        for (int32_t h = 0; h < Hkv; h++, at += v->cam_rows[l])
+            memcpy(d->cam_attn[l] + (size_t)h * d->cam_cap[l], v->cam_attn + at, sizeof(float) * (size_t)v->cam_rows[l]);
+        d->cam_rows[l] = v->cam_rows[l];
+        d->cam_events[l] = v->cam_events[l];
+        d->cam_krows[l] = 0; /* the keys come again from the store at the next step */
+    }
+    return KVC_OK;
+}
+
+static kvc_status load_self(void *self, kvc_session *s, kvc_state_io *io) {
+    kvc_decoding *d = self;
+    saved_decoding v;
+    memset(&v, 0, sizeof v);
+    kvc_status st = read_saved(d, s, io, &v);
+    if (st == KVC_OK && d->dms) {
+        const size_t mark = kvc_state_scope(io, "dms");
+        st = kvc_dms_load(d->dms, s, io);
+        kvc_state_unscope(io, mark);
+    }
+    if (st == KVC_OK) st = commit_saved(d, &v, kvc_door_model(s)->cfg.head_dim);
+    saved_free(&v);
+    return st;
+}
+
 /* ---- the decoding press's slot and its kvc_session_* functions ---- */
 
 static kvc_status on_decode_layer(void *self, kvc_session *s, const kvc_layer_ctx *ctx) {
@@ -626,8 +902,9 @@ static kvc_status on_decode_layer(void *self, kvc_session *s, const kvc_layer_ct
 static void reset_self(void *self) { kvc_decoding_reset(self); }
 static void free_self(void *self) { kvc_decoding_free(self); }
 
-const kvc_press_vt kvc_decoding_slot_vt = {"decoding", KVC_PRESS_EAGER_DECODE, NULL, on_decode_layer, reset_self,
-                                           free_self};
+const kvc_press_vt kvc_decoding_slot_vt = {.name = "decoding", .traits = KVC_PRESS_EAGER_DECODE,
+                                           .on_decode_layer = on_decode_layer, .reset = reset_self, .free = free_self,
+                                           .save_state = save_self, .load_state = load_self};
 
 kvc_status kvc_session_set_decoding_press(kvc_session *s, const kvc_decoding_config *cfg) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");

@@ -93,11 +93,92 @@ static kvc_status dms_prefill(kvc_press *p, void *state, kvc_session *s, const k
 
 static int wanted(const kvc_press_config *cfg) { return cfg->dms != 0; }
 
+/* Scores of a queue per layer: n[l] (< 0: none) of each head at q + (l Hkv + h) stride, saved head after head. */
+static kvc_status queue_save(kvc_state_io *io, const int64_t *n, const float *const *q, const int64_t *stride, int32_t L,
+                             int32_t Hkv) {
+    int64_t total = 0, at = 0;
+    for (int32_t l = 0; l < L; l++) total += n[l] > 0 ? n[l] * Hkv : 0;
+    float *x = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1));
+    if (!x) return kvc_fail(KVC_ERR_NOMEM, "out of memory: saving DMSPress's scores");
+    for (int32_t l = 0; l < L; l++)
+        for (int32_t h = 0; h < Hkv && n[l] > 0; h++, at += n[l]) memcpy(x + at, q[l] + (size_t)h * stride[l], sizeof(float) * (size_t)n[l]);
+    kvc_status st = kvc_state_put(io, "count", KVC_I64, n, L);
+    if (st == KVC_OK) st = kvc_state_put(io, "scores", KVC_F32, x, total);
+    free(x);
+    return st;
+}
+
+/* A saved queue read back: counts in [-1, W] and no more than any head of the layer holds (its rows are the layer's
+ * last ones), scores not NaN; *x holds them head after head. */
+static kvc_status queue_load(kvc_state_io *io, kvc_session *s, int32_t L, int32_t Hkv, int32_t W, int64_t *n, float **x) {
+    *x = NULL;
+    KVC_TRY(kvc_state_get(io, "count", KVC_I64, n, L));
+    int64_t total = 0;
+    for (int32_t l = 0; l < L; l++) {
+        int ok = n[l] >= -1 && n[l] <= (W > 0 ? W : 0);
+        for (int32_t h = 0; ok && h < Hkv; h++) ok = n[l] <= kvc_door_cache(s)->layers[l].len[h];
+        if (!ok)
+            return kvc_state_bad(io, "DMSPress's layer %d keeps %lld unjudged scores: its window is %d rows, the cache "
+                                 "holds %lld", l, (long long)n[l], W, (long long)kvc_door_cache(s)->layers[l].len[0]);
+        total += n[l] > 0 ? n[l] * Hkv : 0;
+    }
+    if (!(*x = malloc(sizeof(float) * (size_t)(total > 0 ? total : 1)))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+    kvc_status st = kvc_state_get(io, "scores", KVC_F32, *x, total);
+    for (int64_t i = 0; st == KVC_OK && i < total; i++)
+        if (isnan((*x)[i])) st = kvc_state_bad(io, "DMSPress's unjudged scores hold a NaN");
+    if (st != KVC_OK) {
+        free(*x);
+        *x = NULL;
+    }
+    return st;
+}
+
+/* the window a prefill left unjudged, for the decoding part's first call */
+static kvc_status save_part(const void *state, const kvc_press *p, kvc_state_io *io) {
+    const dms_state *t = state;
+    if (!t->tail) return KVC_OK; /* no prefill yet */
+    const int32_t Hkv = p->n_kv, W = p->cfg.dms_window > 0 ? p->cfg.dms_window : 1;
+    const float **q = malloc(sizeof *q * (size_t)t->L);
+    int64_t *stride = malloc(sizeof(int64_t) * (size_t)t->L);
+    kvc_status st = q && stride ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving DMSPress's scores");
+    for (int32_t l = 0; st == KVC_OK && l < t->L; l++) {
+        q[l] = t->tail + (size_t)l * Hkv * W;
+        stride[l] = W;
+    }
+    if (st == KVC_OK) st = queue_save(io, t->tail_n, q, stride, t->L, Hkv);
+    free(q);
+    free(stride);
+    return st;
+}
+
+static kvc_status load_part(void *state, kvc_press *p, kvc_session *s, kvc_state_io *io) {
+    dms_state *t = state;
+    const int32_t L = p->n_layers, Hkv = p->n_kv, W = p->cfg.dms_window > 0 ? p->cfg.dms_window : 1;
+    int64_t *n = malloc(sizeof(int64_t) * (size_t)L);
+    float *tail = malloc(sizeof(float) * (size_t)L * Hkv * W), *x = NULL;
+    kvc_status st = n && tail ? queue_load(io, s, L, Hkv, p->cfg.dms_window, n, &x) : kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+    int64_t at = 0;
+    for (int32_t l = 0; st == KVC_OK && l < L; l++)
+        for (int32_t h = 0; h < Hkv && n[l] > 0; h++, at += n[l])
+            memcpy(tail + ((size_t)l * Hkv + h) * W, x + at, sizeof(float) * (size_t)n[l]);
+    if (st == KVC_OK) {
+        release(t);
+        t->tail = tail;
+        t->tail_n = n;
+        t->L = L;
+    } else {
+        free(tail);
+        free(n);
+    }
+    free(x);
+    return st;
+}
+
 /* the press's setting dms turns it on: threshold eviction in place of the schedule's */
 static const kvc_press_part_i dms_part = {
     .name = "dms", .title = "DMSPress", .traits = KVC_PART_SELECTS, .order = 10, .state_size = sizeof(dms_state),
-    .wanted = wanted, .release = release, .reset = reset, .take_layer = dms_prefill,
-    .doc = "rows leaving a sliding window evicted when they score below a threshold"};
+    .wanted = wanted, .release = release, .reset = reset, .take_layer = dms_prefill, .save_state = save_part,
+    .load_state = load_part, .doc = "rows leaving a sliding window evicted when they score below a threshold"};
 KVC_REGISTER_PART(dms_part);
 
 struct kvc_dms {
@@ -222,5 +303,42 @@ kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx) 
     /* room for the window's worth of calls before the arena grows again */
     if (st == KVC_OK && evict) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, W > 0 ? W : 1);
     free_rows(Hkv, scores, keep);
+    return st;
+}
+
+kvc_status kvc_dms_save(const kvc_dms *d, kvc_state_io *io) {
+    return queue_save(io, d->nq, (const float *const *)d->queue, d->cap, d->n_layers, d->n_kv);
+}
+
+kvc_status kvc_dms_load(kvc_dms *d, kvc_session *s, kvc_state_io *io) {
+    const int32_t L = d->n_layers, Hkv = d->n_kv, W = d->cfg.dms_window;
+    int64_t *n = malloc(sizeof(int64_t) * (size_t)L);
+    float *x = NULL;
+    kvc_status st = n ? queue_load(io, s, L, Hkv, W, n, &x) : kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+    float **queue = st == KVC_OK ? calloc((size_t)L, sizeof(float *)) : NULL;
+    if (st == KVC_OK && !queue) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+    int64_t at = 0;
+    for (int32_t l = 0; st == KVC_OK && l < L; l++) {
+        const int64_t cap = (n[l] > 0 ? n[l] : 0) + (W > 0 ? W : 1); /* room for a call's scores, as kvc_dms_decode grows it */
+        if (!(queue[l] = malloc(sizeof(float) * (size_t)Hkv * (size_t)cap))) {
+            st = kvc_fail(KVC_ERR_NOMEM, "out of memory: DMSPress");
+            break;
+        }
+        for (int32_t h = 0; h < Hkv && n[l] > 0; h++, at += n[l])
+            memcpy(queue[l] + (size_t)h * cap, x + at, sizeof(float) * (size_t)n[l]);
+    }
+    if (st == KVC_OK) {
+        for (int32_t l = 0; l < L; l++) {
+            free(d->queue[l]);
+            d->queue[l] = queue[l];
+            d->cap[l] = (n[l] > 0 ? n[l] : 0) + (W > 0 ? W : 1);
+            d->nq[l] = n[l];
+        }
+    } else {
+        for (int32_t l = 0; queue && l < L; l++) free(queue[l]);
+    }
+    free(queue);
+    free(n);
+    free(x);
     return st;
 }

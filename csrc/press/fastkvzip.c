@@ -216,7 +216,7 @@ static kvc_status fastkvzip_layer(kvc_press *p, void *state, kvc_session *s, con
     if (p->cfg.record_scores) KVC_TRY(record(p, l, out, n));
     z->scored = l + 1;
     if (l < z->L - 1 || p->cfg.compression_ratio <= 0) return KVC_OK;
-    return kvc_evict_lowest(s, z->scores, n, p->cfg.compression_ratio, z->layerwise, 0); /* sinks already score 1 */
+    return kvc_evict_lowest(s, z->scores, 0, n, p->cfg.compression_ratio, z->layerwise, 0); /* sinks already score 1 */
 }
 
 static void release(void *state) { kvc_fastkvzip_free(((fastkvzip_state *)state)->z); }

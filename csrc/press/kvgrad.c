@@ -1,8 +1,8 @@
 /* KVgrad (https://openreview.net/forum?id=cg1wTCJjjk; docs/METHODS.md "KVgrad"): KVzip's reconstruction
  * (kvzip.c) with input x gradient attribution.
  *
- * The reconstruction prompt of a chunk runs on the host (train/rows_grad.c) over the session's full cache,
- * read-only: Phi = sum over its rows of ||h^L||^2 (the last layer's output, before the final norm), and the
+ * The reconstruction prompt of a chunk runs on the host (train/rows_grad.c) over the session's cache, full or
+ * compressed (each head's rows at their positions, as KVzip's chunks), read-only: Phi = sum over its rows of ||h^L||^2 (the last layer's output, before the final norm), and the
  * backward gives, at every layer l, the gradient of Phi with respect to the residual right after the
  * attention, a^l (the attention output's gradient). Score of chunk row c at (l, KV head h):
  *   max over the rows p and the query heads hq of h's group of A[p, c] ||v_c W_o[:, hq]||_2 ||dPhi/da_p^l||_2,
@@ -14,6 +14,7 @@
 #include "press.h"
 
 typedef struct kvgrad_state {
+    kvc_session *s;    /* its cache's positions give each head's chunk rows */
     const kvc_config *c;
     const kvc_host_weights *M;
     int64_t start, end;
@@ -51,9 +52,15 @@ static kvc_status kvgrad_layer(void *user, const kvc_rows_layer *view, const flo
     const float *wo = t->M->layers[l].wo; /* [D, H d] */
     for (int64_t i = 0; i < qd; i++)
         for (int64_t j = 0; j < D; j++) t->wt[i * D + j] = wo[j * qd + i];
-    KVC_TRY(kvc_kvzip_wov_norms(c, t->wt, view->v, t->start, t->end, t->wov));
-    return kvc_kvzip_chunk_max(c, view->q, m, view->k, view->P, t->start, t->end, t->n_sink, t->gnorm, t->wov,
-                               t->scores + (size_t)l * Hkv * n);
+    const kvc_layer_cache *L = &kvc_door_cache(t->s)->layers[l];
+    kvc_kvzip_cols cols[KVC_MAX_KV_HEADS] = {{0}};
+    kvc_status st = KVC_OK;
+    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+        st = kvc_kvzip_cols_of(L->pos[h], view->held[h], t->start, t->end, t->n_sink, &cols[h]);
+    if (st == KVC_OK) st = kvc_kvzip_wov_norms(c, t->wt, view->v, cols, n, t->wov);
+    if (st == KVC_OK) st = kvc_kvzip_chunk_max(c, view->q, m, view->k, cols, n, t->gnorm, t->wov, t->scores + (size_t)l * Hkv * n);
+    kvc_kvzip_cols_free(cols, Hkv);
+    return st;
 }
 
 static kvc_status check_args(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
@@ -62,14 +69,12 @@ static kvc_status check_args(kvc_session *s, const int32_t *ids, int64_t q_len, 
     const int64_t n_ctx = kvc_door_position(s);
     if (!ids || !scores) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: null argument");
     if (kvc_door_needs_reset(s)) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session failed a call: reset() it first");
-    if (n_ctx < 1 || !kvc_door_holds_full_cache(s))
-        return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session must hold the full cache of the context (prefill it "
-                        "without a press first)");
+    if (n_ctx < 1) return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the session must hold the cache of the context (prefill it first)");
     if (q_len < 1 || q_len > (1LL << 24))
         return kvc_fail(KVC_ERR_ARG, "kvgrad_score: the reconstruction prompt needs 1 to %lld tokens, got %lld", 1LL << 24,
                         (long long)q_len);
     if (start < 0 || end <= start || end > n_ctx)
-        return kvc_fail(KVC_ERR_ARG, "kvgrad_score: chunk [%lld, %lld) outside the %lld context rows", (long long)start,
+        return kvc_fail(KVC_ERR_ARG, "kvgrad_score: chunk [%lld, %lld) outside the %lld context positions", (long long)start,
                         (long long)end, (long long)n_ctx);
     if (n_sink < 0) return kvc_fail(KVC_ERR_ARG, "n_sink must be >= 0, got %d", n_sink);
     for (int64_t i = 0; i < q_len; i++)
@@ -84,7 +89,10 @@ kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, i
     const int64_t n_ctx = kvc_door_position(s), D = c->hidden, qd = (int64_t)c->n_heads * c->head_dim, n = end - start;
     const kvc_host_weights *hw = NULL;
     KVC_TRY(kvc_door_host_weights(s, &hw));
-    kvgrad_state t = {c, hw, start, end, n_sink, scores, grad_norms, kvc_malloc(sizeof(float) * (size_t)(qd * D), "KVgrad W_o"),
+    int64_t P = 0; /* the most rows a head holds: the prefix's room */
+    for (int32_t l = 0; l < c->n_layers; l++)
+        for (int32_t h = 0; h < c->n_kv_heads; h++) P = kvc_door_cache(s)->layers[l].len[h] > P ? kvc_door_cache(s)->layers[l].len[h] : P;
+    kvgrad_state t = {s, c, hw, start, end, n_sink, scores, grad_norms, kvc_malloc(sizeof(float) * (size_t)(qd * D), "KVgrad W_o"),
                       kvc_malloc(sizeof(double) * (size_t)q_len, "KVgrad gradient norms"),
                       kvc_malloc(sizeof(double) * (size_t)(c->n_heads * n), "KVgrad |v W_o|")};
     float *x0 = kvc_malloc(sizeof(float) * (size_t)(q_len * D), "KVgrad embeddings");
@@ -96,8 +104,8 @@ kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, i
         memcpy(x0 + i * D, hw->tok_embd + (int64_t)ids[i] * D, sizeof(float) * (size_t)D);
         pos[i] = n_ctx + i;
     }
-    if (st == KVC_OK) st = kvc_session_prefix_init(&sp, s, n_ctx, q_len);
-    if (st == KVC_OK) st = kvc_rows_new(c, hw, n_ctx, q_len, 1, &r);
+    if (st == KVC_OK) st = kvc_session_prefix_init(&sp, s, P, q_len);
+    if (st == KVC_OK) st = kvc_rows_new(c, hw, P, q_len, 1, &r);
     const kvc_rows_objective obj = {&t, 1, NULL, phi_output, NULL, kvgrad_layer};
     if (st == KVC_OK) st = kvc_rows_forward(r, &sp.pre, &obj, NULL, x0, pos, NULL);
     if (st == KVC_OK) st = kvc_rows_backward(r, &sp.pre, &obj, NULL);

@@ -15,6 +15,7 @@
 
 typedef struct kvc_press kvc_press;         /* press.h */
 typedef struct kvc_layer_ctx kvc_layer_ctx; /* core/press_i.h */
+typedef struct kvc_state_io kvc_state_io;   /* core/press_i.h */
 
 enum {
     KVC_PART_SELECTS = 1u << 0,       /* chooses the layer's kept rows itself, in place of the allocation: one per press */
@@ -65,6 +66,10 @@ typedef struct kvc_press_part_i {
     kvc_part_select_fn select; /* with KVC_PART_SELECTS; else NULL */
     /* after the layer's compaction (key rerotation, ThinK's channels), or NULL */
     kvc_status (*after_compact)(kvc_press *p, void *state, kvc_session *s, const kvc_layer_ctx *ctx);
+    /* its state between calls into a saved cache (core/press_i.h: kvc_state_io), and read back checked against the
+     * press and the cache s holds; NULL: it keeps none (its arrays are settings: the press given on load has them) */
+    kvc_status (*save_state)(const void *state, const kvc_press *p, kvc_state_io *io);
+    kvc_status (*load_state)(void *state, kvc_press *p, kvc_session *s, kvc_state_io *io);
     const char *doc;
 } kvc_press_part_i;
 

@@ -220,6 +220,10 @@ void kvc_dms_free(kvc_dms *d);
 void kvc_dms_reset(kvc_dms *d);
 /* After the attention of a layer in a call after the session's first. */
 kvc_status kvc_dms_decode(kvc_dms *d, kvc_session *s, const kvc_layer_ctx *ctx);
+/* Its queue of unjudged scores in a saved cache (the decoding press's state), read back checked against the
+ * window and the cache s holds. */
+kvc_status kvc_dms_save(const kvc_dms *d, kvc_state_io *io);
+kvc_status kvc_dms_load(kvc_dms *d, kvc_session *s, kvc_state_io *io);
 
 /* ---- decoding.c: compression while decoding (kvc_decoding_config; kvc_session_set_decoding_press) ---- */
 typedef struct kvc_decoding kvc_decoding;
@@ -240,27 +244,40 @@ kvc_status kvc_decoding_hook(kvc_decoding *d, kvc_session *s, const kvc_layer_ct
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg, float *logits);
 
 /* ---- kvzip.c ---- */
+/* KVzip's scores of the chunk of positions [start, end) on the session's cache, compressed or not: the rows each
+ * head holds there (scores [L, Hkv, end - start] by position - start; 0 where a head holds no row). */
 kvc_status kvc_kvzip_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,
                            int32_t n_sink, int32_t plus, float *scores);
-/* The int(L Hkv n ratio) lowest of scores [L, Hkv, n] over every layer and head (layerwise: int(Hkv n ratio) of
- * each layer) evicted, ties the lower index first, the first n_sink rows of each head ranked above everything;
- * every head of every layer holds the same rows, the first n scored, the rest (RestoreKV's restore rows) kept;
- * ratio in [0, 1]. */
-kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t n, double ratio, int32_t layerwise, int32_t n_sink);
-/* The same after KVzip's scoring: the session must hold the full cache of its n_ctx context rows (and any rows after). */
-kvc_status kvc_kvzip_evict(kvc_session *s, const float *scores, int64_t n_ctx, double ratio, int32_t layerwise,
-                           int32_t n_sink);
-/* KVzip's score of the chunk rows [start, end) from q reconstruction queries qh [q, H d] on one layer's rows k[h]
- * (the context's n_ctx rows, then the reconstruction rows): out[h, r - start] = the most, over the queries i and
- * the query heads hq of h's group, of softmax_j(qh_i k_j / sqrt(d))[r] x row_w[i] x col_w[hq, r - start] (softmax
- * over the min(n_sink, start) sinks, the chunk and the reconstruction rows <= i; NULL weights: 1). KVgrad's too. */
-kvc_status kvc_kvzip_chunk_max(const kvc_config *c, const float *qh, int64_t q, float *const *k, int64_t n_ctx,
-                               int64_t start, int64_t end, int32_t n_sink, const double *row_w, const double *col_w,
-                               float *out);
-/* ||v_r W_o[:, hq]||_2 of the rows [start, end) of v[h] for every query head hq: wov[hq (end - start) + r - start];
+/* Evict the rows held at positions [first, first + n) scored by scores [L, Hkv, n] (by position - first): of the
+ * C such rows, the int(C ratio) lowest over every layer and head (layerwise: of each layer's, int(C_l ratio)),
+ * ties the lower (layer, head, position) first, rows at positions < n_sink ranked above everything; rows outside
+ * the range are kept (the earlier turns', RestoreKV's restore rows). Heads may hold different rows; ratio in
+ * [0, 1]. */
+kvc_status kvc_evict_lowest(kvc_session *s, const float *scores, int64_t first, int64_t n, double ratio, int32_t layerwise,
+                            int32_t n_sink);
+/* A KVzip chunk as one KV head holds it: the sinks held (rows[0 .. ns), the rows at positions < min(n_sink, start)),
+ * the chunk's rows held (rows[ns .. ns + nc), at chunk offsets at[0 .. nc) = position - start), and the
+ * reconstruction rows, which follow at rows rep0, rep0 + 1, ... */
+typedef struct kvc_kvzip_cols {
+    int64_t ns, nc, rep0;
+    int64_t *rows; /* [ns + nc] */
+    int64_t *at;   /* [nc] */
+} kvc_kvzip_cols;
+/* Head's columns from the positions pos[0 .. held) of its rows (NULL: 0 .. held - 1, the full cache); free with
+ * kvc_kvzip_cols_free. */
+kvc_status kvc_kvzip_cols_of(const int64_t *pos, int64_t held, int64_t start, int64_t end, int32_t n_sink,
+                             kvc_kvzip_cols *out);
+void kvc_kvzip_cols_free(kvc_kvzip_cols *c, int32_t n);
+/* KVzip's score of a chunk of m = end - start positions from q reconstruction queries qh [q, H d] on one layer's
+ * rows k[h]: out[h, at] = the most, over the queries i and the query heads hq of h's group, of
+ * softmax_j(qh_i k_j / sqrt(d))[row] x row_w[i] x col_w[hq, at] (softmax over the head's sinks, chunk rows and
+ * reconstruction rows <= i, cols[h]; NULL weights: 1); 0 at offsets no row of the head holds. KVgrad's too. */
+kvc_status kvc_kvzip_chunk_max(const kvc_config *c, const float *qh, int64_t q, float *const *k,
+                               const kvc_kvzip_cols *cols, int64_t m, const double *row_w, const double *col_w, float *out);
+/* ||v_r W_o[:, hq]||_2 of the chunk rows of v[h] (cols[h]) for every query head hq: wov[hq m + at];
  * wt = W_o^T [H d, D] on the host. */
-kvc_status kvc_kvzip_wov_norms(const kvc_config *c, const float *wt, float *const *v, int64_t start, int64_t end,
-                               double *wov);
+kvc_status kvc_kvzip_wov_norms(const kvc_config *c, const float *wt, float *const *v, const kvc_kvzip_cols *cols,
+                               int64_t m, double *wov);
 
 /* ---- kvgrad.c ---- */
 kvc_status kvc_kvgrad_score(kvc_session *s, const int32_t *ids, int64_t q_len, int64_t start, int64_t end,

@@ -1,5 +1,7 @@
 /* The attached press of a session (kvc_session_set_press): its slot's vtable, the chain (ComposedPress) and its
  * diagnostics. What a wrapper or a method adds to it is a part (part.h), in the method's own file. */
+#include <stdio.h>
+
 #include "press.h"
 
 static void press_free_self(void *self) { kvc_press_free(self); }
@@ -12,7 +14,40 @@ static void press_reset_self(void *self) {
     }
 }
 
-const kvc_press_vt kvc_press_slot_vt = {"press", 0, kvc_press_hook, NULL, press_reset_self, press_free_self};
+/* The parts' state, press after press of the chain: state.press.p<i>.<part>.* */
+static kvc_status press_save_state(const void *self, kvc_state_io *io) {
+    int32_t i = 0;
+    for (const kvc_press *p = self; p; p = p->next, i++)
+        KVC_FOR_PARTS(p, row, state) {
+            if (!row->save_state) continue;
+            char scope[64];
+            snprintf(scope, sizeof scope, "p%d.%s", i, row->name);
+            const size_t mark = kvc_state_scope(io, scope);
+            const kvc_status st = row->save_state(state, p, io);
+            kvc_state_unscope(io, mark);
+            KVC_TRY(st);
+        }
+    return KVC_OK;
+}
+
+static kvc_status press_load_state(void *self, kvc_session *s, kvc_state_io *io) {
+    int32_t i = 0;
+    for (kvc_press *p = self; p; p = p->next, i++)
+        KVC_FOR_PARTS(p, row, state) {
+            if (!row->load_state) continue;
+            char scope[64];
+            snprintf(scope, sizeof scope, "p%d.%s", i, row->name);
+            const size_t mark = kvc_state_scope(io, scope);
+            const kvc_status st = kvc_state_present(io) ? row->load_state(state, p, s, io) : KVC_OK;
+            kvc_state_unscope(io, mark);
+            KVC_TRY(st);
+        }
+    return KVC_OK;
+}
+
+const kvc_press_vt kvc_press_slot_vt = {.name = "press", .on_layer = kvc_press_hook, .reset = press_reset_self,
+                                        .free = press_free_self, .save_state = press_save_state,
+                                        .load_state = press_load_state};
 
 kvc_status kvc_attached_press(const kvc_session *s, kvc_press **out) {
     if (!s) return kvc_fail(KVC_ERR_ARG, "session is NULL");

@@ -5,7 +5,10 @@
  * After a layer's attention, the probes' queries (accumulated over chunks with an EMA) score the
  * layer's cache, the top-k rows per KV head are kept and the probe rows are dropped, so a later
  * chunk attends only to the pruned past and the cache per layer never exceeds Z + p + k rows.
- * Delayed eviction: layers 0..W-2 are not scored; the rows layer W-1 keeps prune all of 0..W-1. */
+ * Delayed eviction: layers 0..W-2 are not scored; the rows layer W-1 keeps prune all of 0..W-1.
+ * On a session that holds rows, the hook scores every row of the layer (the session's press scope 'cache': the
+ * conversation's cache goes on as one long prompt), or, with the press scope 'call', only the rows this call
+ * appends: the rows held before its first chunk are set aside for the hook (kvc_door_aside) and stay. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +27,7 @@ typedef struct take_state {
     kvc_buf *qbuf;      /* f32 [p, H*d] on the backend: a layer's accumulated probes, scored there */
     kvc_buf *scores;    /* the backend's score buffer, f32 [Hkv, ld] */
     int64_t ld;
+    int64_t *mark;      /* [L, Hkv] rows held before the call, kept out of its scope (press scope 'call'), or NULL */
 } take_state;
 
 void kvc_take_config_defaults(kvc_take_config *c) {
@@ -64,7 +68,40 @@ static kvc_status probe_select(take_state *t, kvc_session *s, int32_t l, const f
     return be->topk(a.scores, t->Hkv, real, kk, keep);
 }
 
-static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
+/* Delayed eviction: the warm-up layers m < l hold this call's rows as layer l held them before its choice (its
+ * rows after the marks, in the same order): they keep the same ones; the rows held before the call stay. */
+static kvc_status delayed_prune(take_state *t, kvc_session *s, int32_t l, const int64_t *real, int64_t *const *keep,
+                                const int64_t *n_keep) {
+    kvc_cache *c = kvc_door_cache(s);
+    const int32_t Hkv = t->Hkv;
+    int64_t *km[KVC_MAX_KV_HEADS] = {0}, nm[KVC_MAX_KV_HEADS];
+    kvc_status st = KVC_OK;
+    for (int32_t m = 0; m < l && st == KVC_OK; m++) {
+        const kvc_layer_cache *M = &c->layers[m];
+        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+            const int64_t base = t->mark ? t->mark[(size_t)m * Hkv + h] : 0;
+            int same = M->len[h] - base == real[h];
+            for (int64_t r = 0; same && r < real[h]; r++) same = M->pos[h][base + r] == c->layers[l].pos[h][r];
+            if (!same)
+                st = kvc_fail(KVC_ERR_UNSUPPORTED, "TAKE's delayed eviction prunes layers 0..%d with layer %d's choice, but "
+                              "layer %d head %d holds other rows than layer %d (a cache another press compressed): use "
+                              "delayed=False", l, l, m, h, l);
+            else if (!(km[h] = malloc(sizeof(int64_t) * (size_t)(base + n_keep[h] > 0 ? base + n_keep[h] : 1))))
+                st = kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
+            for (int64_t r = 0; st == KVC_OK && r < base; r++) km[h][r] = r;
+            for (int64_t i = 0; st == KVC_OK && i < n_keep[h]; i++) km[h][base + i] = base + keep[h][i];
+            nm[h] = base + n_keep[h];
+        }
+        if (st == KVC_OK) st = kvc_cache_compact(c, m, (const int64_t *const *)km, nm, 0);
+        for (int32_t h = 0; h < Hkv; h++) {
+            free(km[h]);
+            km[h] = NULL;
+        }
+    }
+    return st;
+}
+
+static kvc_status take_layer(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
     take_state *t = user;
     const kvc_take_config *cfg = t->cfg;
     const int32_t l = ctx->layer, Hkv = t->Hkv, W = cfg->warmup_layers;
@@ -117,17 +154,30 @@ static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx
             n_keep[h] = real[h];
         }
     }
+    /* delayed eviction: the earlier warm-up layers hold the same rows as this one did (checked before it evicts) */
+    if (st == KVC_OK && cfg->delayed && l == W - 1) st = delayed_prune(t, s, l, real, keep, n_keep);
     if (st == KVC_OK) st = kvc_cache_compact(kvc_door_cache(s), l, (const int64_t *const *)keep, n_keep, 0);
-    if (st == KVC_OK && cfg->delayed && l == W - 1) {
-        /* delayed eviction: the earlier warm-up layers hold the same rows as this one did */
-        for (int32_t m = 0; m < W - 1 && st == KVC_OK; m++)
-            st = kvc_cache_compact(kvc_door_cache(s), m, (const int64_t *const *)keep, n_keep, 0);
-    }
     for (int32_t h = 0; h < Hkv; h++) {
         free(keep[h]);
         free(sc[h]);
     }
     return st;
+}
+
+static kvc_status take_hook(void *user, kvc_session *s, const kvc_layer_ctx *ctx) {
+    take_state *t = user;
+    if (!t->mark) return take_layer(user, s, ctx);
+    return kvc_door_aside(s, ctx, t->mark + (size_t)ctx->layer * t->Hkv, take_layer, t); /* press scope 'call' */
+}
+
+/* The rows each head holds before the call, set aside for its hooks (the press scope 'call'), or NULL. */
+static kvc_status call_mark(kvc_session *s, int32_t L, int32_t Hkv, int64_t **out) {
+    *out = NULL;
+    const kvc_cache *c = kvc_door_cache(s);
+    if (kvc_door_press_scope(s) != KVC_PRESS_SCOPE_CALL || kvc_cache_is_empty(c)) return KVC_OK;
+    if (!(*out = malloc(sizeof(int64_t) * (size_t)L * (size_t)Hkv))) return kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE");
+    for (int32_t l = 0; l < L; l++) memcpy(*out + (size_t)l * Hkv, c->layers[l].len, sizeof(int64_t) * (size_t)Hkv);
+    return KVC_OK;
 }
 
 kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const kvc_take_config *cfg_in, float *logits) {
@@ -186,6 +236,7 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
     int32_t *buf = cfg.prompt_cached ? NULL : malloc(sizeof(int32_t) * (size_t)(cfg.chunk_size + cfg.n_probe));
     kvc_status st = (!t.qa || !t.qp || !t.has_qa || (!buf && !cfg.prompt_cached)) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: TAKE")
                                                                                   : KVC_OK;
+    if (st == KVC_OK && !cfg.prompt_cached) st = call_mark(s, t.L, t.Hkv, &t.mark);
 
     /* TAKE's hook replaces the attached presses for the duration (the door's probes) */
     if (st == KVC_OK && cfg.prompt_cached) {
@@ -209,6 +260,7 @@ kvc_status kvc_take_prefill(kvc_session *s, const int32_t *ids, int64_t n, const
     kvc_free(t.qa);
     kvc_free(t.qp);
     free(t.has_qa);
+    free(t.mark);
     free(buf);
     return st;
 }

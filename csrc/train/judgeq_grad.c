@@ -93,8 +93,9 @@ static float *pk(const pair_kv *c, int32_t l, int32_t h, int v) {
 }
 
 /* the rows pass's prefix: the pair's prompt K/V, the soft rows written after them */
-static kvc_status pair_layer(void *user, int32_t l, float **k, float **v) {
+static kvc_status pair_layer(void *user, int32_t l, float **k, float **v, int64_t *held) {
     const pair_kv *c = user;
+    (void)held; /* the whole prompt: held stays P */
     for (int32_t h = 0; h < c->Hkv; h++) {
         k[h] = pk(c, l, h, 0);
         v[h] = pk(c, l, h, 1);

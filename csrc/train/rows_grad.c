@@ -96,6 +96,7 @@ struct kvc_rows {
     const kvc_config *c;
     const kvc_host_weights *M;
     int64_t P, m;
+    int64_t held[KVC_MAX_KV_HEADS]; /* the loaded layer's prefix rows per head (load_layer) */
     int with_grad, nthreads, lora_used;
     int64_t *pos, *negpos;
     /* per layer (X has n_layers + 1 entries: the last is the model's output when the last MLP runs) */
@@ -186,17 +187,22 @@ void kvc_rows_own_kv(const kvc_rows *r, int32_t l, const float **k, const float 
     *v = r->VO + (size_t)l * r->m * kd;
 }
 
-/* Layer l's prefix with the rows' own K/V copied after it. */
-static kvc_status load_layer(const kvc_rows *r, const kvc_rows_prefix *pre, int32_t l, float **k, float **v) {
+/* Layer l's prefix with the rows' own K/V copied after each head's rows (r->held). */
+static kvc_status load_layer(kvc_rows *r, const kvc_rows_prefix *pre, int32_t l, float **k, float **v) {
     const int32_t Hkv = r->c->n_kv_heads, d = r->c->head_dim;
-    const int64_t P = r->P, m = r->m, kd = (int64_t)Hkv * d;
-    KVC_TRY(pre->layer(pre->user, l, k, v));
+    const int64_t m = r->m, kd = (int64_t)Hkv * d;
+    for (int32_t h = 0; h < Hkv; h++) r->held[h] = r->P;
+    KVC_TRY(pre->layer(pre->user, l, k, v, r->held));
     const float *ko = r->KO + (size_t)l * m * kd, *vo = r->VO + (size_t)l * m * kd;
-    for (int32_t h = 0; h < Hkv; h++)
+    for (int32_t h = 0; h < Hkv; h++) {
+        if (r->held[h] < 0 || r->held[h] > r->P)
+            return kvc_fail(KVC_ERR_INTERNAL, "rows pass: layer %d head %d holds %lld prefix rows, room for %lld", l, h,
+                            (long long)r->held[h], (long long)r->P);
         for (int64_t i = 0; i < m; i++) {
-            memcpy(k[h] + (P + i) * d, ko + i * kd + (int64_t)h * d, sizeof(float) * d);
-            memcpy(v[h] + (P + i) * d, vo + i * kd + (int64_t)h * d, sizeof(float) * d);
+            memcpy(k[h] + (r->held[h] + i) * d, ko + i * kd + (int64_t)h * d, sizeof(float) * d);
+            memcpy(v[h] + (r->held[h] + i) * d, vo + i * kd + (int64_t)h * d, sizeof(float) * d);
         }
+    }
     return KVC_OK;
 }
 
@@ -254,13 +260,14 @@ static void attention_forward(kvc_rows *r, int32_t l, float *const *K, float *co
                               double *total) {
     const kvc_config *c = r->c;
     const int32_t H = c->n_heads, g = H / c->n_kv_heads, d = c->head_dim;
-    const int64_t m = r->m, P = r->P, len = P + m, qd = (int64_t)H * d;
+    const int64_t m = r->m, qd = (int64_t)H * d;
     const float scale = 1.0f / sqrtf((float)d), *q = r->Q + (size_t)l * m * qd;
     double head_term[ROWS_MAX_HEADS];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(r->nthreads)
     for (int32_t hq = 0; hq < H; hq++) {
         const int t = omp_get_thread_num();
-        float *qh = r->qh + (size_t)t * m * d, *pr = r->pr + (size_t)t * m * len;
+        const int64_t P = r->held[hq / g], len = P + m; /* this head's prefix */
+        float *qh = r->qh + (size_t)t * m * d, *pr = r->pr + (size_t)t * m * (r->P + m);
         kvc_rows_gather_head(q, H, d, hq, m, qh);
         kvc_rows_causal_probs(qh, m, K[hq / g], len, d, scale, P, pr);
         kvc_host_gemm_nn(pr, len, V[hq / g], d, r->attn + (size_t)hq * d, qd, m, d, len, 0);
@@ -348,14 +355,15 @@ static void attention_backward(kvc_rows *r, int32_t l, float *const *K, float *c
                                int zero) {
     const kvc_config *c = r->c;
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, g = H / Hkv, d = c->head_dim;
-    const int64_t m = r->m, P = r->P, len = P + m, qd = (int64_t)H * d, kd = (int64_t)Hkv * d;
+    const int64_t m = r->m, qd = (int64_t)H * d, kd = (int64_t)Hkv * d;
     const float scale = 1.0f / sqrtf((float)d), *q = r->Q + (size_t)l * m * qd;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(r->nthreads)
     for (int32_t hq = 0; hq < H; hq++) {
         const int t = omp_get_thread_num();
         const int32_t h = hq / g;
-        float *qh = r->qh + (size_t)t * m * d, *pr = r->pr + (size_t)t * m * len;
-        float *dp = r->dp + (size_t)t * m * len, *dah = r->dah + (size_t)t * m * d;
+        const int64_t P = r->held[h], len = P + m; /* this head's prefix */
+        float *qh = r->qh + (size_t)t * m * d, *pr = r->pr + (size_t)t * m * (r->P + m);
+        float *dp = r->dp + (size_t)t * m * (r->P + m), *dah = r->dah + (size_t)t * m * d;
         float *dkp = r->dkp + (size_t)hq * m * d, *dvp = r->dvp + (size_t)hq * m * d;
         kvc_rows_gather_head(q, H, d, hq, m, qh);
         kvc_rows_causal_probs(qh, m, K[h], len, d, scale, P, pr);
@@ -460,7 +468,7 @@ kvc_status kvc_rows_backward(kvc_rows *r, const kvc_rows_prefix *pre, const kvc_
         else
             kvc_host_gemm_nn(r->dxm, D, W->wo, qd, r->dattn, qd, m, qd, D, 0);
         if (obj && obj->resid_grad) {
-            const kvc_rows_layer view = {l, r->P, m, r->Q + (size_t)l * m * qd, K, V};
+            const kvc_rows_layer view = {l, r->held, m, r->Q + (size_t)l * m * qd, K, V};
             KVC_TRY(obj->resid_grad(obj->user, &view, r->dxm));
         }
         if (l == 0 && !grad) break; /* nobody reads the input's gradient */
@@ -474,7 +482,7 @@ kvc_status kvc_rows_backward(kvc_rows *r, const kvc_rows_prefix *pre, const kvc_
 /* ---------------------------------------------------------------------------------------------- */
 /* A prefix read from a session's cache                                                              */
 
-static kvc_status session_layer(void *user, int32_t l, float **k, float **v) {
+static kvc_status session_layer(void *user, int32_t l, float **k, float **v, int64_t *held) {
     kvc_session_prefix *p = user;
     kvc_session *s = p->s;
     const kvc_config *c = &kvc_door_model(s)->cfg;
@@ -487,11 +495,12 @@ static kvc_status session_layer(void *user, int32_t l, float **k, float **v) {
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         k[h] = p->block + ((size_t)h * 2) * (size_t)rows * d;
         v[h] = p->block + ((size_t)h * 2 + 1) * (size_t)rows * d;
-        if (L->len[h] < P)
-            st = kvc_fail(KVC_ERR_INTERNAL, "rows pass: layer %d head %d holds %lld rows, not %lld", l, h,
+        held[h] = L->len[h];
+        if (L->len[h] > P)
+            st = kvc_fail(KVC_ERR_INTERNAL, "rows pass: layer %d head %d holds %lld rows, room for %lld", l, h,
                           (long long)L->len[h], (long long)P);
-        else if (P > 0)
-            st = be->kv_read(L->kv, h, 0, P, k[h], v[h]);
+        else if (held[h] > 0)
+            st = be->kv_read(L->kv, h, 0, held[h], k[h], v[h]);
     }
     kvc_backend_unlock(be);
     return st;

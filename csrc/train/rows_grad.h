@@ -41,21 +41,23 @@ struct kvc_lora {
     kvc_lora_mat *mats;                       /* [n_layers * KVC_LORA_N] */
 };
 
-/* The prefix, one layer at a time. layer(user, l, k, v) points k[h], v[h] (h < Hkv) at [P + m, d] rows: rows
- * [0, P) hold layer l's prefix K (after RoPE) and V, rows [P, P + m) are the pass's to write its own rows into.
- * The pointers stay valid until the next call. */
+/* The prefix, one layer at a time. layer(user, l, k, v, held) points k[h], v[h] (h < Hkv) at [P + m, d] rows: rows
+ * [0, held[h]) hold layer l's prefix K (after RoPE) and V of head h, the next m rows are the pass's to write its own
+ * rows into. held[h] comes in as P (a full prefix leaves it); a ragged prefix (a compressed cache: heads holding
+ * different rows) lowers it. The pointers stay valid until the next call. */
 typedef struct kvc_rows_prefix {
-    int64_t P;
-    kvc_status (*layer)(void *user, int32_t l, float **k, float **v);
+    int64_t P; /* the rows a head holds at most */
+    kvc_status (*layer)(void *user, int32_t l, float **k, float **v, int64_t *held);
     void *user;
 } kvc_rows_prefix;
 
 /* What an objective's backward hook sees of layer l. */
 typedef struct kvc_rows_layer {
     int32_t layer;
-    int64_t P, m;
+    const int64_t *held; /* [Hkv] the prefix rows of each head (kvc_rows_prefix) */
+    int64_t m;
     const float *q;    /* [m, H d] the rows' queries after q-norm and RoPE */
-    float *const *k;   /* [Hkv] -> [P + m, d]: the prefix's keys, then the rows' own */
+    float *const *k;   /* [Hkv] -> [held[h] + m, d]: the prefix's keys, then the rows' own */
     float *const *v;
 } kvc_rows_layer;
 
@@ -95,8 +97,8 @@ kvc_status kvc_rows_backward(kvc_rows *r, const kvc_rows_prefix *pre, const kvc_
 /* After a forward: layer l's own K (after q/k-norm and RoPE) and V of the rows, [m, Hkv d] each. */
 void kvc_rows_own_kv(const kvc_rows *r, int32_t l, const float **k, const float **v);
 
-/* A prefix read from a session's cache through its backend (layer by layer, kv_read): its first P rows of
- * every head. Host memory: 2 Hkv (P + m) d floats. */
+/* A prefix read from a session's cache through its backend (layer by layer, kv_read): every row each head holds
+ * (at most P: the cache full or compressed). Host memory: 2 Hkv (P + m) d floats. */
 typedef struct kvc_session_prefix {
     kvc_rows_prefix pre;
     struct kvc_session *s;

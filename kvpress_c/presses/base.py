@@ -89,6 +89,34 @@ class BasePress:
         """Compress a session that holds the full cache of the prompt `ids`, as prefill() would have."""
         raise NotImplementedError
 
+    def turn_refusal(self) -> Optional[str]:
+        """Why this press cannot compress a conversation's turns (prefill_turn), or None."""
+        if type(self).prefill_turn is not BasePress.prefill_turn or (self.attach_to_session and
+                                                                     type(self).prefill is BasePress.prefill):
+            return None
+        return (f"{type(self).__name__} runs its own prefill and has no conversation turn (prefill_turn); a Conversation "
+                "compresses each turn with presses that act after each layer (scorer presses, Ada-KV, ChunkKV, ThinK, "
+                "merging ...), TAKE, KVzip and decoding presses")
+
+    def prefill_turn(self, session, ids, first: int, config: dict):
+        """A conversation's turn (kvpress_c.Conversation): the turn's tokens ids[first:] prefilled after the ids[:first]
+        the session holds (at positions 0 .. first - 1) and compressed, the session's press scope saying which rows:
+        'call' the turn's only, 'cache' every row held; returns the turn's last logits. A press that acts after each
+        layer does it in the forward (this default); a press that runs its own prefill overrides it (TAKE, KVzip)."""
+        import numpy as np
+        why = self.turn_refusal()
+        if why is not None:
+            raise NotImplementedError(why)
+        new = np.asarray(ids[first:], dtype=np.int32)
+        session.set_press(**self.c_config())
+        try:
+            self.before_prefill(session, len(new), config)
+            logits = session.forward(new, logits="last")
+            self.after_prefill(session, len(new), config)
+        finally:
+            session.set_press(None)
+        return logits
+
     @property
     def prefill_part(self) -> Optional["BasePress"]:
         """The press that acts on the prefill: itself (None for a DecodingPress, a PrefillDecodingPress's

@@ -32,12 +32,6 @@ class KVgradPress(KVzipPress):
     chunk_size: int = 512
     kvzip_plus_normalization: bool = field(init=False, default=False, repr=False)
 
-    def scores(self, session, ids) -> np.ndarray:
-        """float32 [L, Hkv, n]: KVgrad's score of every row of the session's full cache of `ids` (0 for the template's
-        prefix, as in kvpress)."""
-        from ..model import tokenizer_of
-        c = session.model.config
-        out = np.zeros((c["n_layers"], c["n_kv_heads"], len(ids)), dtype=np.float32)
-        for start, end, rep in self.chunks(tokenizer_of(session.model), ids):
-            out[:, :, start:end] = session.kvgrad_score(rep, start, end, n_sink=self.n_sink)
-        return out
+    def _chunk_scores(self, session, rep, start: int, end: int) -> np.ndarray:
+        """KVgrad's scores of a chunk (KVzipPress.scores gathers them: the session's cache full or compressed)."""
+        return session.kvgrad_score(rep, start, end, n_sink=self.n_sink)

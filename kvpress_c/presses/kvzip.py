@@ -67,31 +67,36 @@ class KVzipPress(BasePress):
         head, suffix = text.split(sep)
         return tokenizer.encode(head.split(dummy)[0]), tokenizer.encode(suffix)
 
-    def chunks(self, tokenizer, ids) -> list[tuple[int, int, np.ndarray]]:
-        """(start, end, reconstruction ids) per chunk of the context rows after the template's prefix."""
+    def chunks(self, tokenizer, ids, first: int = 0) -> list[tuple[int, int, np.ndarray]]:
+        """(start, end, reconstruction ids) per chunk of the context's positions after the template's prefix, from
+        position `first` on (a conversation's turn: its own text). The context's first chunk asks to repeat the
+        context; a later one (a later turn's first included) to repeat the part starting with the 8 tokens before."""
         prefix, suffix = self.template_parts(tokenizer)
         ids = [int(i) for i in ids]
         out = []
-        for start in range(len(prefix), len(ids), self.chunk_size):
+        for start in range(max(first, len(prefix)), len(ids), self.chunk_size):
             end = min(start + self.chunk_size, len(ids))
-            if not out:
+            if start <= len(prefix):
                 q = tokenizer.encode(FIRST_PROMPT)
             else:
-                q = tokenizer.encode(NEXT_PROMPT) + ids[start - min(PREV_POSTFIX, self.chunk_size):start]
+                q = tokenizer.encode(NEXT_PROMPT) + ids[max(0, start - min(PREV_POSTFIX, self.chunk_size)):start]
             out.append((start, end, np.asarray(q + suffix + ids[start:end], dtype=np.int32)))
         return out
 
     # -- scoring and eviction on a full cache ---------------------------------------------------------
-    def scores(self, session, ids) -> np.ndarray:
-        """float32 [L, Hkv, n]: KVzip's score of every row of the session's full cache of `ids` (0 for the
-        template's prefix, as in kvpress)."""
+    def scores(self, session, ids, first: int = 0) -> np.ndarray:
+        """float32 [L, Hkv, n - first]: KVzip's score of the rows the session holds at positions [first, n) of the
+        context `ids` (its cache full or compressed), by position - first (0 for the template's prefix, as in
+        kvpress, and where a head holds no row)."""
         from ..model import tokenizer_of
         c = session.model.config
-        out = np.zeros((c["n_layers"], c["n_kv_heads"], len(ids)), dtype=np.float32)
-        for start, end, rep in self.chunks(tokenizer_of(session.model), ids):
-            out[:, :, start:end] = session.kvzip_score(rep, start, end, n_sink=self.n_sink,
-                                                       plus=self.kvzip_plus_normalization)
+        out = np.zeros((c["n_layers"], c["n_kv_heads"], len(ids) - first), dtype=np.float32)
+        for start, end, rep in self.chunks(tokenizer_of(session.model), ids, first):
+            out[:, :, start - first:end - first] = self._chunk_scores(session, rep, start, end)
         return out
+
+    def _chunk_scores(self, session, rep, start: int, end: int) -> np.ndarray:
+        return session.kvzip_score(rep, start, end, n_sink=self.n_sink, plus=self.kvzip_plus_normalization)
 
     def compresses_full_cache(self, ids, question_ids=None) -> bool:
         return True  # KVzip always scores the full cache after the prefill
@@ -100,6 +105,22 @@ class KVzipPress(BasePress):
         if self.compression_ratio > 0:
             session.kvzip_evict(self.scores(session, ids), float(self.compression_ratio), layerwise=self.layerwise,
                                 n_sink=self.n_sink)
+
+    def prefill_turn(self, session, ids, first: int, config: dict):
+        """A conversation's turn: the turn's tokens prefilled, then KVzip on the session's cache: the session's press
+        scope 'call' reconstructs the turn's text and evicts among its rows (the earlier turns' stay), 'cache' the
+        whole conversation's text over every row held (a ratio compounds over the turns)."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if session.position != first:
+            raise NotImplementedError(f"{type(self).__name__}: the session holds {session.position} positions, the conversation's "
+                             f"text {first} tokens (rows without text, RestoreKV's restore rows?): KVzip reconstructs the text at its "
+                                      "positions")
+        logits = session.forward(ids[first:], logits="last")
+        lo = first if session.press_scope() == "call" else 0
+        if self.compression_ratio > 0:
+            session.kvzip_evict(self.scores(session, ids, lo), float(self.compression_ratio), layerwise=self.layerwise,
+                                n_sink=self.n_sink, first=lo)
+        return logits
 
     def prefill(self, session, ids, config: dict, question_ids=None):
         ids = np.asarray(ids, dtype=np.int32)

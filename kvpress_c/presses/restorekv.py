@@ -80,6 +80,12 @@ class RestoreKVPress(KVzipPress):
             entries.append((layer, TARGETS.index(name), a, np.ascontiguousarray(b), scale))
         return emb, entries
 
+    def turn_refusal(self) -> Optional[str]:
+        return ("RestoreKVPress places its learned restore rows between a compressed context and the question that "
+                "follows; a conversation's turn ends with its question, and restore rows would take positions no text "
+                "of the conversation has (a later turn's reconstruction could not read them): compress the context "
+                "(Pipeline.compress) and converse from the file (Conversation.load), or converse with KVzipPress")
+
     def compress_full_cache(self, session, ids, config: dict, question_ids=None) -> None:
         if self.compression_ratio > 0:
             scores = self.scores(session, ids)  # KVzip's, on the context alone

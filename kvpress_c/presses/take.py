@@ -85,6 +85,14 @@ class TAKEPress(BasePress):
         ids = np.asarray(ids, dtype=np.int32)
         return session.prefill_take(ids, self.probe_ids(ids, question_ids), self.budget, **self._c_kwargs(len(ids)))
 
+    def prefill_turn(self, session, ids, first: int, config: dict):
+        """A conversation's turn: the turn's tokens in chunks, each followed by the probes (the turn's last
+        n_probe_default tokens, or `probe`), on the session's cache: the session's press scope 'cache' scores every
+        row held (the conversation goes on as one long prompt: the cache stays at the budget), 'call' only the turn's
+        rows (each turn kept at the budget, the earlier turns as they were)."""
+        new = np.asarray(ids[first:], dtype=np.int32)
+        return session.prefill_take(new, self.probe_ids(new), self.budget, **self._c_kwargs(len(new)))
+
     def compresses_full_cache(self, ids, question_ids=None) -> bool:
         # a prompt of one chunk: its K/V do not depend on the probes that follow it, so the probes can
         # run after a shared prefill on a copy of its full cache (2 or more: one row is a decode step),

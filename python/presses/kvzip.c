@@ -28,26 +28,29 @@ done:
 }
 
 static PyObject *kvzip_evict(SessionObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"scores", "compression_ratio", "layerwise", "n_sink", NULL};
+    static char *kwlist[] = {"scores", "compression_ratio", "layerwise", "n_sink", "first", NULL};
     PyArrayObject *sc = NULL;
     double ratio;
+    long long first = 0;
     int layerwise = 0, n_sink = 4, rc = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&d|pi", kwlist, kvc_py_f32_array, &sc, &ratio, &layerwise, &n_sink))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&d|piL", kwlist, kvc_py_f32_array, &sc, &ratio, &layerwise, &n_sink,
+                                     &first))
         return NULL;
     if (kvc_py_check_session(self) < 0) goto done;
     const kvc_config cfg = kvc_py_config(self);
-    const int64_t n = kvc_session_position(self->session), n_ctx = PyArray_NDIM(sc) == 3 ? PyArray_DIM(sc, 2) : 0;
-    if (PyArray_NDIM(sc) != 3 || PyArray_DIM(sc, 0) != cfg.n_layers || PyArray_DIM(sc, 1) != cfg.n_kv_heads || n_ctx < 1 ||
-        n_ctx > n) {
-        PyErr_Format(PyExc_ValueError, "kvzip_evict: scores must have shape (%d, %d, n_ctx <= %lld)", cfg.n_layers,
-                     cfg.n_kv_heads, (long long)n);
+    const int64_t n = kvc_session_position(self->session), n_pos = PyArray_NDIM(sc) == 3 ? PyArray_DIM(sc, 2) : 0;
+    if (PyArray_NDIM(sc) != 3 || PyArray_DIM(sc, 0) != cfg.n_layers || PyArray_DIM(sc, 1) != cfg.n_kv_heads || n_pos < 1 ||
+        first < 0 || n_pos > n - first) {
+        PyErr_Format(PyExc_ValueError, "kvzip_evict: scores must have shape (%d, %d, n) with first (%lld) + n <= %lld, the "
+                     "session's position", cfg.n_layers, cfg.n_kv_heads, first, (long long)n);
         goto done;
     }
     const float *s = (const float *)PyArray_DATA(sc);
     const int64_t n_scores = (int64_t)PyArray_SIZE(sc);
-    /* the rows after the scored n_ctx ones (RestoreKV's restore rows) stay */
-    KVC_PY_CALL(self, rc, n_ctx == n ? kvc_session_kvzip_evict(self->session, s, n_scores, ratio, layerwise, n_sink)
-                                     : kvc_session_kvzip_evict_prefix(self->session, s, n_scores, n_ctx, ratio, layerwise, n_sink));
+    /* every position scored: KVzip's eviction of the cache; else those positions' rows only (the rest stay) */
+    KVC_PY_CALL(self, rc, first == 0 && n_pos == n
+                              ? kvc_session_kvzip_evict(self->session, s, n_scores, ratio, layerwise, n_sink)
+                              : kvc_session_kvzip_evict_range(self->session, s, n_scores, first, n_pos, ratio, layerwise, n_sink));
 done:
     Py_DECREF(sc);
     if (rc < 0) return NULL;
@@ -57,9 +60,10 @@ done:
 PyMethodDef kvc_py_kvzip_methods[] = {
     {"kvzip_score", (PyCFunction)(void (*)(void))kvzip_score, METH_VARARGS | METH_KEYWORDS,
      "kvzip_score(ids, start, end, n_sink=4, plus=False) -> float32 [L, Hkv, end - start]: KVzip's scores of the\n"
-     "context rows [start, end) from the reconstruction tokens ids, run on the session's full context cache\n"
-     "(their rows are dropped again)."},
+     "rows held at positions [start, end) (by position - start; 0 where a head holds none) from the reconstruction\n"
+     "tokens ids, run on the session's cache, full or compressed (their rows are dropped again)."},
     {"kvzip_evict", (PyCFunction)(void (*)(void))kvzip_evict, METH_VARARGS | METH_KEYWORDS,
-     "kvzip_evict(scores[L, Hkv, n], compression_ratio, layerwise=False, n_sink=4): KVzip's eviction of the full cache;\n"
-     "n < position: only the first n rows are scored and may go (the rest stay), compression_ratio in [0, 1]."},
+     "kvzip_evict(scores[L, Hkv, n], compression_ratio, layerwise=False, n_sink=4, first=0): KVzip's eviction of\n"
+     "the rows held at positions [first, first + n) (scores by position - first; the other rows stay): of the C rows\n"
+     "held there, the int(C ratio) lowest go; compression_ratio in [0, 1) for every position, [0, 1] for a range."},
     {NULL, NULL, 0, NULL}};

@@ -176,9 +176,9 @@ def test_refusals_say_which(tmp_path, rng):
         _tiny(str(tmp_path / "b"), seed, layers=3).new_session(0).load(str(path))
     with pytest.raises(ValueError, match="different model: its weights' digest"):
         _tiny(str(tmp_path / "c"), seed + 1).new_session(0).load(str(path))
-    _rewrite_meta(path, tmp_path / "v2.kvc", **{"kvc.version": "2"})
-    with pytest.raises(ValueError, match="format version 2, newer than this kvpress_c reads"):
-        a.new_session(0).load(str(tmp_path / "v2.kvc"))
+    _rewrite_meta(path, tmp_path / "v3.kvc", **{"kvc.version": "3"})
+    with pytest.raises(ValueError, match="format version 3, newer than this kvpress_c reads"):
+        a.new_session(0).load(str(tmp_path / "v3.kvc"))
     raw = open(path, "rb").read()
     (tmp_path / "cut.kvc").write_bytes(raw[:-100])
     with pytest.raises(ValueError, match="truncated or corrupt|outside the"):

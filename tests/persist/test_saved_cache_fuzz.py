@@ -1,6 +1,8 @@
 """The saved-cache reader against damaged files (in a subprocess: a crash must fail the test, not kill pytest):
 every truncation of a file and thousands of random byte flips are refused with a ValueError, and the session
-they were loaded into stays empty."""
+they were loaded into stays empty. The file holds every kind of tensor: ragged evicted heads, ThinK's freed
+channels and a decoding press's state mid-answer (its counters, buffered calls and queries), loaded into a
+session with that press attached so the state's reader runs too."""
 import os
 import subprocess
 import sys
@@ -28,6 +30,11 @@ FUZZ = textwrap.dedent(r'''
     think.before_prefill(s, 8, m.config)
     s.forward(np.asarray([rng.randrange(3, 64) for _ in range(8)], dtype=np.int32), logits="last")
     s.set_press(None)
+    dec = kvpress_c.DecodingPress(kvpress_c.SnapKVPress(window_size=4), compression_interval=6, target_size=24,
+                                  hidden_states_buffer_size=6).decoding_config()
+    s.set_decoding_press(**dec)  # mid-answer: one compression behind, two steps buffered
+    for _ in range(8):
+        s.forward(np.asarray([rng.randrange(3, 64)], dtype=np.int32), logits="last")
     src = os.path.join(work, "src.kvc")
     s.save(src, {"prompt_ids": "[1, 2, 3]"})
     data = open(src, "rb").read()
@@ -35,12 +42,14 @@ FUZZ = textwrap.dedent(r'''
     import json, struct
     hdr = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
     assert any(k.endswith("key_channels") for k in hdr), "the cache has no freed channels to fuzz"
+    assert "state.decoding.queries" in hdr and "state.decoding.entries" in hdr, "the file holds no decoding state"
 
     def attempt(blob, i):
         p = os.path.join(work, f"c{i % 3}.kvc")
         with open(p, "wb") as f:
             f.write(blob)
         t = m.new_session(0)
+        t.set_decoding_press(**dec)
         try:
             t.load(p)
         except ValueError as e:
@@ -66,8 +75,12 @@ FUZZ = textwrap.dedent(r'''
         why = attempt(bytes(b), len(data) + i)
         kinds[why] = kinds.get(why, 0) + 1
     t = m.new_session(0)
-    t.load(src)  # and the undamaged file still loads, equal
+    t.set_decoding_press(**dec)
+    t.load(src)  # and the undamaged file still loads, equal, and goes on as the session that saved it
     assert np.array_equal(t.cache_lengths(), s.cache_lengths()) and t.cache_bytes <= s.cache_bytes
+    for tok in (5, 9, 13):
+        a = s.forward(np.asarray([tok], dtype=np.int32), logits="last")
+        assert np.array_equal(a, t.forward(np.asarray([tok], dtype=np.int32), logits="last"))
     print(f"{len(data)} truncations and {n_flips} flips (seed {seed}) refused; reasons: {len(kinds)}")
 ''')
 

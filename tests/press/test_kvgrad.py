@@ -142,7 +142,7 @@ def test_bad_arguments_and_models(tiny, tmp_path):
         kvpress_c.KVgradPress(kvzip_plus_normalization=True)  # not an argument of KVgrad (kvpress: init=False)
     s = model.new_session()
     arr = np.asarray(ids, np.int32)
-    with pytest.raises(ValueError, match="full cache"):
+    with pytest.raises(ValueError, match="must hold the cache of the context"):
         s.kvgrad_score(arr[:10], 0, 5)
     s.forward(arr, logits="none")
     with pytest.raises(ValueError, match="outside"):
@@ -151,9 +151,11 @@ def test_bad_arguments_and_models(tiny, tmp_path):
         s.kvgrad_score(np.array([1, 10 ** 6]), 0, 5)
     t = model.new_session()
     t.set_press(**kvpress_c.SnapKVPress(0.5, window_size=4).c_config())
-    t.forward(arr, logits="none")
-    with pytest.raises(ValueError, match="full cache"):
-        t.kvgrad_score(arr[:10], 0, 5)
+    t.forward(arr, logits="none")  # a compressed cache is scored by position (tests/press/test_press_turns.py)
+    sc = t.kvgrad_score(arr[:10], 0, 5)
+    held = np.array([[np.isin(np.arange(5), t.cache_positions(l, h)) for h in range(model.config["n_kv_heads"])]
+                     for l in range(model.config["n_layers"])])
+    assert np.array_equal(sc > 0, held)
     # a sliding window shorter than the positions spanned: refused, naming what is missing
     from hf_models import write_tiny_model
     win = kvpress_c.load_model(write_tiny_model(str(tmp_path / "mistral"), arch="mistral", window=16, seed=3))

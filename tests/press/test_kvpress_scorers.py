@@ -286,7 +286,7 @@ def test_kvzip_press_settings_and_errors(default_model):
             kvpress_c.KVzipPress(**bad)
     s = default_model.new_session()
     ids = np.asarray(default_model.encode("Some context to compress. " * 4), dtype=np.int32)
-    with pytest.raises(ValueError, match="full cache"):  # nothing prefilled
+    with pytest.raises(ValueError, match="must hold the cache of the context"):  # nothing prefilled
         s.kvzip_score(ids, 0, 4)
     s.forward(ids, logits="last")
     with pytest.raises(ValueError, match="outside"):

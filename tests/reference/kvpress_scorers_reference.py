@@ -145,6 +145,52 @@ def kvzip_scores(q, K, V, n_ctx, start, end, n_sink=4, h=None, Wo=None):
     return out
 
 
+def kvzip_scores_held(q, heads, start, end, n_sink=4, h=None, Wo=None):
+    """KVzip's scores on a cache that holds any rows (compressed: heads ragged), by position: heads[kh] = (K, V,
+    pos) of one layer's KV head after the m reconstruction rows were appended (its last m rows). A head's columns
+    are the rows it holds at positions < min(n_sink, start), then at positions in [start, end), then the
+    reconstruction rows; [Hkv, end - start] by position - start, 0 where a head holds no row."""
+    m, H, d = q.shape
+    Hkv, g = len(heads), H // len(heads)
+    sink = min(n_sink, start)
+    out = np.zeros((Hkv, end - start))
+    for hq in range(H):
+        kh = hq // g
+        K, V, pos = heads[kh]
+        held = pos[:len(pos) - m]
+        sinks, chunk = np.flatnonzero(held < sink), np.flatnonzero((held >= start) & (held < end))
+        cols = np.r_[sinks, chunk, len(held) + np.arange(m)]
+        s = q[:, hq] @ K[cols].T / np.sqrt(d)
+        causal = np.arange(len(cols))[None, :] < (len(sinks) + len(chunk) + np.arange(m) + 1)[:, None]
+        s = np.where(causal, s, -np.inf)
+        a = np.exp(s - s.max(axis=1, keepdims=True))
+        a = (a / a.sum(axis=1, keepdims=True))[:, len(sinks):len(sinks) + len(chunk)]
+        if h is not None:
+            wov = np.linalg.norm(V[chunk] @ Wo[:, hq * d:(hq + 1) * d].T, axis=-1)
+            a = a / np.linalg.norm(h, axis=-1)[:, None] * wov[None, :]
+        at = held[chunk] - start
+        out[kh, at] = np.maximum(out[kh, at], a.max(axis=0))
+    return out
+
+
+def kvzip_kept_held(positions, scores, first, ratio, n_sink=4, layerwise=False):
+    """KVzip's eviction of the rows a cache holds at positions [first, first + n) (scores [L, Hkv, n] by position -
+    first), positions[l][h] the rows each head holds: of the C such rows, the int(C ratio) lowest over everything
+    (layerwise: of each layer's) go, ties the lower (layer, head, position) first, positions < n_sink ranked above
+    all; the other rows stay. Returns the kept positions [l][h]."""
+    L, Hkv, n = scores.shape
+    top = scores.max() + 1
+    cand = [(l, h, p) for l in range(L) for h in range(Hkv) for p in positions[l][h] if first <= p < first + n]
+    gone = set()
+    for part in (range(L) if layerwise else [None]):
+        rows = [c for c in cand if part is None or c[0] == part]
+        key = [(top if p < n_sink else scores[l, h, p - first], (l, h, p)) for l, h, p in rows]
+        key.sort()
+        gone |= {c for _, c in key[:int(len(rows) * ratio)]}
+    return [[np.array([p for p in positions[l][h] if (l, h, p) not in gone], dtype=np.int64) for h in range(Hkv)]
+            for l in range(L)]
+
+
 def kvzip_kept(scores, ratio, n_sink=4, layerwise=False):
     """KVzip's eviction of scores [L, Hkv, n]: the int(numel ratio) lowest over everything (layerwise: of
     each layer) go, the first n_sink rows of every head ranked above all; kept[l][h] sorted rows."""

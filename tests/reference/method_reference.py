@@ -32,14 +32,17 @@ def take_probe_scores(qa, K, group, kernel, d):
 
 
 def take_prefill(model, ids, probe, budget, chunk_size, warmup_budget, warmup_layers, kernel=7, alpha=0.2,
-                 delayed=True):
-    """TAKE on the NumPy model: returns (cache, logits of the last prompt token)."""
+                 delayed=True, cache=None, pos0=0, scope="cache"):
+    """TAKE on the NumPy model: returns (cache, logits of the last prompt token). `cache` (at position pos0): a
+    cache the prompt follows (a conversation's earlier turns); scope "cache" scores every row it holds with the
+    chunks, "call" only the rows this prompt appends (the rows held before stay, in front)."""
     ids, probe = list(ids), list(probe)
     p, n, W = len(probe), len(ids), warmup_layers
     g = model.H // model.Hkv
-    cache = model.empty_cache()
+    cache = model.empty_cache() if cache is None else cache
+    mark = [[cache[l][h]["k"].shape[0] if scope == "call" else 0 for h in range(model.Hkv)] for l in range(model.L)]
     qa = [None] * model.L
-    pos, logits = 0, None
+    pos, logits = pos0, None
     for start in range(0, n, chunk_size):
         chunk = ids[start:start + chunk_size]
         last = start + len(chunk) >= n
@@ -51,19 +54,20 @@ def take_prefill(model, ids, probe, budget, chunk_size, warmup_budget, warmup_la
             defer = delayed and l < W - 1
             keeps = []
             for h in range(model.Hkv):
-                ch = cache[l][h]
-                real = ch["k"].shape[0] - p
+                ch, a = cache[l][h], mark[l][h]
+                real = ch["k"].shape[0] - p - a  # the rows in scope: after the mark, before the probes
                 if defer or real <= k:
                     keep = np.arange(real)
                 else:
-                    sc = take_probe_scores(qa[l], ch["k"][:real], range(h * g, (h + 1) * g), kernel, model.d)
+                    sc = take_probe_scores(qa[l], ch["k"][a:a + real], range(h * g, (h + 1) * g), kernel, model.d)
                     keep = topk_rows(sc, k)
                 keeps.append(keep)
-                cache[l][h] = {key: val[keep] for key, val in ch.items()}
+                cache[l][h] = {key: val[np.r_[np.arange(a), a + keep]] for key, val in ch.items()}
             if delayed and l == W - 1:
                 for m in range(W - 1):
                     for h in range(model.Hkv):
-                        cache[m][h] = {key: val[keeps[h]] for key, val in cache[m][h].items()}
+                        a = mark[m][h]
+                        cache[m][h] = {key: val[np.r_[np.arange(a), a + keeps[h]]] for key, val in cache[m][h].items()}
 
         x = model.embed(chunk + probe)
         hidden = model.forward(x, np.arange(pos, pos + len(chunk) + p), cache, hook)
