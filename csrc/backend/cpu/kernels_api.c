@@ -6,7 +6,9 @@
 
 #include "../../core/common.h"
 #include "../../model/dequant.h"
+#include "../../core/kv_type.h"
 #include "cpu.h"
+#include "kv_decode.h"
 #include "quant.h"
 
 #define CHECK(cond, ...)                                   \
@@ -109,7 +111,37 @@ kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hk
         CHECK(past_len[h] >= 0, "attention: past_len[%d] is negative (%lld)", h, (long long)past_len[h]);
     }
     const arrays_src a = {k, v, d};
-    const kvc_cpu_kvsrc src = {&a, array_keys, array_values, NULL, 0, NULL};
+    const kvc_cpu_kvsrc src = {&a, array_keys, array_values, NULL, 0, NULL, NULL};
     kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, &src, past_len, NULL, scale, out, (int64_t)H * d);
+    return KVC_OK;
+}
+
+kvc_status kvc_kernel_kv_decode(const kvc_kv_format *fmt, int32_t key_block, const void *src, size_t src_bytes,
+                                int64_t r0, int64_t rows, int32_t w, int32_t path, float *out, int32_t *vectorised) {
+    CHECK(fmt && src && out, "kv_decode: fmt, src and out must not be NULL");
+    CHECK(w >= 1 && w <= 1024, "kv_decode: w must be in [1, 1024], got %d", w);
+    CHECK(fmt->type >= 0 && fmt->type < KVC_KV_N_TYPES, "kv_decode: type %d is not a storage type", fmt->type);
+    KVC_TRY(kvc_kv_format_check(fmt, w));
+    CHECK(r0 >= 0 && rows >= 0, "kv_decode: r0 (%lld) and rows (%lld) must be >= 0", (long long)r0, (long long)rows);
+    CHECK(path == 0 || path == 1, "kv_decode: path must be 0 (the attention's decoder) or 1 (plain C), got %d", path);
+    CHECK(key_block == 0 || kvc_kv_type_key_blocks(fmt->type), "kv_decode: key_block 1 needs a KIVI type, got %s",
+          kvc_kv_type_name(fmt->type));
+    if (vectorised) *vectorised = path == 0 && kvc_cpu_kv_decode_simd();
+    if (key_block) {
+        CHECK(r0 + rows <= fmt->group, "kv_decode: rows [%lld, %lld) are outside a key block of %d rows", (long long)r0,
+              (long long)(r0 + rows), fmt->group);
+        CHECK(src_bytes >= kvc_kivi_block_bytes(fmt, w), "kv_decode: a key block of %d x %d needs %zu bytes, src has %zu",
+              fmt->group, w, kvc_kivi_block_bytes(fmt, w), src_bytes);
+        if (path == 0) kvc_cpu_kivi_decode_block(fmt, src, w, (int32_t)r0, (int32_t)rows, out);
+        else kvc_kivi_decode_block(fmt, src, w, (int32_t)r0, (int32_t)rows, out);
+        return KVC_OK;
+    }
+    const size_t rb = kvc_kv_row_bytes(fmt, w);
+    CHECK(src_bytes / rb >= (size_t)(r0 + rows), "kv_decode: rows [%lld, %lld) of %zu bytes need %zu bytes, src has %zu",
+          (long long)r0, (long long)(r0 + rows), rb, (size_t)(r0 + rows) * rb, src_bytes);
+    const char *p = (const char *)src + (size_t)r0 * rb;
+    if (path == 0) kvc_cpu_kv_decode_rows(fmt, p, rb, rows, w, out);
+    else
+        for (int64_t i = 0; i < rows; i++) kvc_kv_decode_row(fmt, p + (size_t)i * rb, w, out + i * w);
     return KVC_OK;
 }
