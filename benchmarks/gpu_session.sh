@@ -34,7 +34,8 @@
 # name build/temp...-312 without having it here: a carried path missing here is removed there, the warm
 # machine's objects with it. (docs/results/gpu/README.md says the same, and what to commit afterwards.)
 #
-# Other steps (not part of the three calls): bench-opt (the opt-in switches), bench128k (every press at 128k).
+# Other steps (not part of the three calls): bench-opt (the opt-in switches), bench-kv (decode by K/V cache type,
+# issue 27), bench128k (every press at 128k).
 # KVC_SESSION_BUDGET=<seconds> overrides a step's budget. Logs and results go to $OUT (the device tool
 # brings back at most 8 files: each step writes at most 7), else ./gpu_out.
 set -uo pipefail
@@ -301,6 +302,17 @@ bench-opt)
     cp benchmarks/results/gpu_decode.json "$OUT/gpu_decode_graphs.json" 2>/dev/null
     finish
     ;;
+bench-kv)
+    # issue 27: decode by K/V cache type at 2k, 8k and 32k (full cache and SnapKV), graphs on, kvpress_c only
+    BUDGET=${KVC_SESSION_BUDGET:-510}
+    need_gpu bench-kv
+    build
+    KVC_DECODE_GRAPHS=1 step decode-kv-types 470 bench.log "$PY" benchmarks/gpu_decode.py --systems kvpress_c \
+        --contexts 2048 8192 32768 --presses full snapkv --steps 32 --kv-caches native f16 q8_0 kivi4 kivi2
+    cp benchmarks/results/gpu_decode_kv.json "$OUT/gpu_decode_kv.json" 2>/dev/null
+    cp benchmarks/results/gpu_decode_kv.md "$OUT/tables.md" 2>/dev/null
+    finish
+    ;;
 bench128k)
     BUDGET=${KVC_SESSION_BUDGET:-540}
     need_gpu bench128k
@@ -312,7 +324,7 @@ bench128k)
     finish
     ;;
 *)
-    echo "usage: $0 fetch-wheels | prebuild | test | test8b | bench | bench-opt | bench128k"
+    echo "usage: $0 fetch-wheels | prebuild | test | test8b | bench | bench-opt | bench-kv | bench128k"
     exit 2
     ;;
 esac

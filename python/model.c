@@ -89,10 +89,10 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     if (kvc_py_check_model(self) < 0) return NULL;
     kvc_config c;
     kvc_model_get_config(self->model, &c);
-    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"};
+    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"};
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_GEMMA3 ? arch_names[c.arch] : "?"));
+    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_GEMMA2 ? arch_names[c.arch] : "?"));
     SET_ITEM(d, "n_layers", PyLong_FromLong(c.n_layers));
     SET_ITEM(d, "hidden", PyLong_FromLong(c.hidden));
     SET_ITEM(d, "n_heads", PyLong_FromLong(c.n_heads));
@@ -119,6 +119,8 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "embed_scale", PyFloat_FromDouble(c.embed_scale));
     SET_ITEM(d, "mlp_act", PyUnicode_FromString(c.mlp_act == KVC_MLP_GELU_TANH ? "gelu_tanh" : "silu"));
     SET_ITEM(d, "post_norms", PyBool_FromLong(c.post_norms));
+    SET_ITEM(d, "attn_softcap", PyFloat_FromDouble(c.attn_softcap));
+    SET_ITEM(d, "logit_softcap", PyFloat_FromDouble(c.logit_softcap));
     SET_ITEM(d, "bos_id", PyLong_FromLong(c.bos_id));
     SET_ITEM(d, "eos_id", PyLong_FromLong(c.eos_id));
     SET_ITEM(d, "format", PyUnicode_FromString(kvc_model_format(self->model)));

@@ -17,6 +17,7 @@
 #ifndef KVC_BACKEND_H
 #define KVC_BACKEND_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -26,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 7 /* 7: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+#define KVC_BACKEND_VERSION 8 /* 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
                                  scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
                                  kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
@@ -156,6 +157,13 @@ typedef struct kvc_score_args {
 /* Attention flags. */
 #define KVC_ATTN_FORCE_PREFILL 1 /* one query through the prefill kernel (tests) */
 
+/* Logit soft-capping (Gemma 2's attention scores and final logits): cap tanh(s / cap); cap 0: s. The one
+ * formula every backend's attention applies to its scaled scores before the softmax. */
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+static inline float kvc_softcap(float s, float cap) { return cap > 0 ? cap * tanhf(s / cap) : s; }
+
 typedef struct kvc_backend {
     int32_t version;   /* KVC_BACKEND_VERSION */
     const char *name;  /* "cpu", "emulated", "cuda" */
@@ -266,9 +274,10 @@ typedef struct kvc_backend {
     kvc_status (*head_rmsnorm)(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps);
     /* causal GQA attention of this call's n queries (q rows, head hq at column hq d) over kv, whose
      * lengths already include their n rows: query i of head h sees rows < len[h] - n + i + 1, and with
-     * a sliding window (start.buf not NULL: i64 [n, Hkv], ld Hkv) only the rows >= start[i, h] */
-    kvc_status (*attention)(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
-                            int32_t flags);
+     * a sliding window (start.buf not NULL: i64 [n, Hkv], ld Hkv) only the rows >= start[i, h]; the scores
+     * scale q.k soft-capped (kvc_softcap: softcap 0 for none) */
+    kvc_status (*attention)(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
+                            kvc_view out, int32_t flags);
     /* gu[r, :F] = silu(gu[r, :F]) * gu[r, F:2F] */
     kvc_status (*swiglu)(kvc_view gu, int64_t rows, int64_t F);
     /* gu[r, :F] = gelu_tanh(gu[r, :F]) * gu[r, F:2F] (Gemma's GeGLU; gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi)

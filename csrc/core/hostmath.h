@@ -20,11 +20,16 @@ void kvc_host_gemm_nn(const float *a, int64_t lda, const float *b, int64_t ldb, 
  * [0, visible[i]); probs [m, len] (zeros past visible). One GEMM, then the softmax rows. */
 void kvc_host_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
                          const int64_t *visible, float *probs);
+/* The same with the scaled scores soft-capped (kvc_softcap; cap 0: none): the model's own attention (Gemma 2). */
+void kvc_host_probs_rows_capped(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
+                                float cap, const int64_t *visible, float *probs);
 void kvc_host_rmsnorm(const float *x, const float *w, float *y, int64_t rows, int64_t dim, float eps);
 /* In place: each of the `heads` heads of d values of each of n rows [n, heads d] normalised on its own (qwen3's q/k norm). */
 void kvc_host_head_rmsnorm(float *x, int64_t n, int32_t heads, int32_t d, const float *w, float eps);
+/* RoPE on host rows [n, heads d] at pos[n] (a negative position turns back); mscale multiplies the turned pairs
+ * (LongRoPE's attention factor, kvc_model_rope; 1 for a plain rotation). */
 void kvc_host_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
-                   int32_t pairing);
+                   int32_t pairing, float mscale);
 void kvc_host_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim);
 void kvc_host_add_bias(float *y, const float *b, int64_t rows, int64_t dim);
 /* The top k of n scores: higher score first, then lower row (NaN lowest); out receives the k rows in

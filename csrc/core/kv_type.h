@@ -25,63 +25,13 @@
 #include <string.h>
 
 #include "../include/kvpress_c.h"
+#include "half.h"
 
 #if defined(__CUDACC__)
 #define KVC_KVT_FN __host__ __device__ static inline
 #else
 #define KVC_KVT_FN static inline
 #endif
-
-/* ---- 16-bit floats: round to nearest even, NaN kept quiet ---- */
-KVC_KVT_FN uint16_t kvc_f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000u;
-    x &= 0x7fffffffu;
-    if (x > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);            /* NaN */
-    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);           /* rounds past 65504: inf */
-    if (x < 0x38800000u) {                                              /* below 2^-14: subnormal or 0 */
-        if (x < 0x33000000u) return (uint16_t)sign;                     /* below half the least subnormal */
-        const uint32_t m = (x & 0x7fffffu) | 0x800000u, sh = 126u - (x >> 23); /* 14..24 */
-        uint32_t h = m >> sh;
-        const uint32_t rem = m & ((1u << sh) - 1u), half = 1u << (sh - 1u);
-        if (rem > half || (rem == half && (h & 1u))) h++;
-        return (uint16_t)(sign | h);
-    }
-    uint32_t h = ((x >> 13) - (112u << 10));
-    const uint32_t rem = x & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-    return (uint16_t)(sign | h);
-}
-
-/* branch-free, so that element loops vectorise; exact for every input (tests check all 65536) */
-KVC_KVT_FN float kvc_f16_to_f32v(uint16_t h) {
-    const uint32_t em = h & 0x7fffu;
-    const float sub = (float)em * 0x1p-24f;
-    uint32_t sub_bits;
-    memcpy(&sub_bits, &sub, 4);
-    const uint32_t norm = (em << 13) + (112u << 23);
-    const uint32_t is_norm = 0u - (uint32_t)(em >= 0x0400u), is_inf = 0u - (uint32_t)(em >= 0x7c00u);
-    const uint32_t bits = (((norm + (is_inf & (112u << 23))) & is_norm) | (sub_bits & ~is_norm)) |
-                          ((uint32_t)(h & 0x8000u) << 16);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-KVC_KVT_FN uint16_t kvc_f32_to_bf16r(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-KVC_KVT_FN float kvc_bf16_to_f32r(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ---- the formats' sizes ---- */
 #define KVC_Q8_0_BLOCK 32
@@ -182,66 +132,88 @@ KVC_KVT_FN void kvc_kv_encode_row(const kvc_kv_format *f, const float *x, int32_
     }
 }
 
-KVC_KVT_FN void kvc_kv_decode_row(const kvc_kv_format *f, const void *src, int32_t w, float *out) {
+/* Values [e0, e0 + n) of a row of w stored alone into out[0 .. n) (a device kernel reads a lane's channels;
+ * kvc_kv_decode_row is the whole row). */
+KVC_KVT_FN void kvc_kv_decode_span(const kvc_kv_format *f, const void *src, int32_t w, int32_t e0, int32_t n, float *out) {
     const uint8_t *p = (const uint8_t *)src;
+    const int32_t e1 = e0 + n;
     switch (f->type) {
-    case KVC_KV_F32: memcpy(out, p, 4 * (size_t)w); return;
+    case KVC_KV_F32: memcpy(out, p + 4 * (size_t)e0, 4 * (size_t)n); return;
     case KVC_KV_F16:
-        for (int32_t e = 0; e < w; e++) out[e] = kvc_f16_to_f32v(((const uint16_t *)p)[e]);
+        for (int32_t e = e0; e < e1; e++) out[e - e0] = kvc_f16_to_f32v(((const uint16_t *)p)[e]);
         return;
     case KVC_KV_BF16:
-        for (int32_t e = 0; e < w; e++) out[e] = kvc_bf16_to_f32r(((const uint16_t *)p)[e]);
+        for (int32_t e = e0; e < e1; e++) out[e - e0] = kvc_bf16_to_f32r(((const uint16_t *)p)[e]);
         return;
     case KVC_KV_Q8_0:
-        for (int32_t b0 = 0; b0 < w; b0 += KVC_Q8_0_BLOCK, p += KVC_Q8_0_BYTES) {
+        for (int32_t b0 = e0 / KVC_Q8_0_BLOCK * KVC_Q8_0_BLOCK; b0 < e1; b0 += KVC_Q8_0_BLOCK) {
+            const uint8_t *blk = p + (size_t)(b0 / KVC_Q8_0_BLOCK) * KVC_Q8_0_BYTES;
             uint16_t dh;
-            memcpy(&dh, p, 2);
+            memcpy(&dh, blk, 2);
             const float d = kvc_f16_to_f32v(dh);
-            const int32_t nb = w - b0 < KVC_Q8_0_BLOCK ? w - b0 : KVC_Q8_0_BLOCK;
-            for (int32_t e = 0; e < nb; e++) out[b0 + e] = d * (float)((const int8_t *)p)[2 + e];
+            const int32_t lo = b0 > e0 ? b0 : e0, hi = b0 + KVC_Q8_0_BLOCK < e1 ? b0 + KVC_Q8_0_BLOCK : e1;
+            for (int32_t e = lo; e < hi; e++) out[e - e0] = d * (float)((const int8_t *)blk)[2 + e - b0];
         }
         return;
     default: {
         const int32_t g = kvc_kivi_vgroup(f->group, w), bits = kvc_kv_type_bits(f->type);
-        for (int32_t g0 = 0; g0 < w; g0 += g, p += 4 + (size_t)g * bits / 8) {
+        for (int32_t g0 = e0 / g * g; g0 < e1; g0 += g) {
+            const uint8_t *grp = p + (size_t)(g0 / g) * (4 + (size_t)g * bits / 8);
             uint16_t sh, mh;
-            memcpy(&sh, p, 2);
-            memcpy(&mh, p + 2, 2);
+            memcpy(&sh, grp, 2);
+            memcpy(&mh, grp + 2, 2);
             const float s = kvc_f16_to_f32v(sh), m = kvc_f16_to_f32v(mh);
-            for (int32_t e = 0; e < g; e++) out[g0 + e] = m + s * (float)kvc_kivi_get(p + 4, e, bits);
+            const int32_t lo = g0 > e0 ? g0 : e0, hi = g0 + g < e1 ? g0 + g : e1;
+            for (int32_t e = lo; e < hi; e++) out[e - e0] = m + s * (float)kvc_kivi_get(grp + 4, e - g0, bits);
         }
         return;
     }
     }
 }
 
+KVC_KVT_FN void kvc_kv_decode_row(const kvc_kv_format *f, const void *src, int32_t w, float *out) {
+    kvc_kv_decode_span(f, src, w, 0, w, out);
+}
+
 /* ---- KIVI key blocks: `group` rows x w channels, each channel quantised over the block's rows ---- */
-KVC_KVT_FN void kvc_kivi_encode_block(const kvc_kv_format *f, const float *x /* [group, w] */, int32_t w, void *dst) {
+/* Channels [c0, c0 + nc) of a block from its rows x (row r at x + r ldx). c0 and nc are multiples of the codes a
+ * byte holds (8 / bits), so the code bytes written are this call's alone: disjoint channel ranges may be encoded
+ * at once (the CUDA store's commit kernel) and every bit of those bytes is written. */
+KVC_KVT_FN void kvc_kivi_encode_cols(const kvc_kv_format *f, const float *x, size_t ldx, int32_t w, int32_t c0, int32_t nc,
+                                     void *dst) {
     uint8_t *p = (uint8_t *)dst;
     const int32_t G = f->group, bits = kvc_kv_type_bits(f->type);
     uint8_t *codes = p + 4 * (size_t)w;
-    memset(codes, 0, (size_t)G * w * bits / 8);
-    for (int32_t c = 0; c < w; c++) {
+    for (int32_t c = c0; c < c0 + nc; c++) {
         uint16_t sh, mh;
-        kvc_kivi_params(x + c, G, w, bits, &sh, &mh);
+        kvc_kivi_params(x + c, G, (int64_t)ldx, bits, &sh, &mh);
         memcpy(p + 2 * (size_t)c, &sh, 2);
         memcpy(p + 2 * (size_t)w + 2 * (size_t)c, &mh, 2);
         const float s = kvc_f16_to_f32v(sh), m = kvc_f16_to_f32v(mh);
-        for (int32_t r = 0; r < G; r++) kvc_kivi_put(codes, (int64_t)r * w + c, kvc_kivi_code(x[(size_t)r * w + c], s, m, bits), bits);
+        for (int32_t r = 0; r < G; r++) kvc_kivi_put(codes, (int64_t)r * w + c, kvc_kivi_code(x[(size_t)r * ldx + c], s, m, bits), bits);
     }
 }
-/* rows [r0, r0 + n) of a block into out [n, w] */
-KVC_KVT_FN void kvc_kivi_decode_block(const kvc_kv_format *f, const void *src, int32_t w, int32_t r0, int32_t n, float *out) {
+KVC_KVT_FN void kvc_kivi_encode_block(const kvc_kv_format *f, const float *x /* [group, w] */, int32_t w, void *dst) {
+    memset((uint8_t *)dst + 4 * (size_t)w, 0, (size_t)f->group * w * kvc_kv_type_bits(f->type) / 8);
+    kvc_kivi_encode_cols(f, x, (size_t)w, w, 0, w, dst);
+}
+/* Rows [r0, r0 + n), channels [c0, c0 + nc) of a block into out (row stride ldo). */
+KVC_KVT_FN void kvc_kivi_decode_cols(const kvc_kv_format *f, const void *src, int32_t w, int32_t r0, int32_t n, int32_t c0,
+                                     int32_t nc, float *out, size_t ldo) {
     const uint8_t *p = (const uint8_t *)src;
     const int32_t bits = kvc_kv_type_bits(f->type);
     const uint8_t *codes = p + 4 * (size_t)w;
-    for (int32_t c = 0; c < w; c++) {
+    for (int32_t c = c0; c < c0 + nc; c++) {
         uint16_t sh, mh;
         memcpy(&sh, p + 2 * (size_t)c, 2);
         memcpy(&mh, p + 2 * (size_t)w + 2 * (size_t)c, 2);
         const float s = kvc_f16_to_f32v(sh), m = kvc_f16_to_f32v(mh);
-        for (int32_t r = 0; r < n; r++) out[(size_t)r * w + c] = m + s * (float)kvc_kivi_get(codes, (int64_t)(r0 + r) * w + c, bits);
+        for (int32_t r = 0; r < n; r++) out[(size_t)r * ldo + (c - c0)] = m + s * (float)kvc_kivi_get(codes, (int64_t)(r0 + r) * w + c, bits);
     }
+}
+/* rows [r0, r0 + n) of a block into out [n, w] */
+KVC_KVT_FN void kvc_kivi_decode_block(const kvc_kv_format *f, const void *src, int32_t w, int32_t r0, int32_t n, float *out) {
+    kvc_kivi_decode_cols(f, src, w, r0, n, 0, w, out, (size_t)w);
 }
 
 /* ---- the table's checks and names (kv_type.c) ---- */

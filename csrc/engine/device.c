@@ -212,7 +212,7 @@ kvc_status kvc_device_kernel_head_rmsnorm(int32_t device, float *x, int64_t n, i
 static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                                    const float *const *k, const float *const *v, const int64_t *past_len,
                                    const int64_t *start, const int64_t *pr_rows, int32_t dk, const int32_t *kidx,
-                                   float scale, float *out, int32_t force_prefill) {
+                                   float scale, float softcap, float *out, int32_t force_prefill) {
     CHECK(q && k && v && past_len && out, "attention: q, k, v, past_len and out must not be NULL");
     CHECK(n > 0 && H > 0 && Hkv > 0 && d > 0, "attention: sizes must be positive (n=%lld H=%d Hkv=%d d=%d)", (long long)n,
           H, Hkv, d);
@@ -220,6 +220,7 @@ static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, in
     CHECK(Hkv <= KVC_MAX_KV_HEADS, "attention: at most %d KV heads, got %d", KVC_MAX_KV_HEADS, Hkv);
     CHECK(d <= 256, "attention: head_dim %d > 256 is not supported", d);
     CHECK(isfinite(scale), "attention: scale must be finite");
+    CHECK(isfinite(softcap) && softcap >= 0, "attention: softcap must be finite and >= 0 (0: none), got %g", softcap);
     int64_t len[KVC_MAX_KV_HEADS];
     for (int32_t h = 0; h < Hkv; h++) {
         CHECK(k[h] && v[h], "attention: k[%d] or v[%d] is NULL", h, h);
@@ -259,7 +260,7 @@ static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, in
     }
     if (st == KVC_OK) st = sc.be->kv_set_lens(sc.kv, len);
     if (st == KVC_OK)
-        st = sc.be->attention(kvc_view_of(Q, 0, qd), n, H, sc.kv, scale, kvc_view_of(S, 0, Hkv), kvc_view_of(O, 0, qd),
+        st = sc.be->attention(kvc_view_of(Q, 0, qd), n, H, sc.kv, scale, softcap, kvc_view_of(S, 0, Hkv), kvc_view_of(O, 0, qd),
                               force_prefill ? KVC_ATTN_FORCE_PREFILL : 0);
     if (st == KVC_OK) st = sc.be->download(kvc_view_of(O, 0, qd), n, qd, out, KVC_F32);
     scope_end(&sc);
@@ -269,7 +270,15 @@ static kvc_status kernel_attention(int32_t device, const float *q, int64_t n, in
 kvc_status kvc_device_kernel_attention(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                                        const float *const *k, const float *const *v, const int64_t *past_len,
                                        const int64_t *start, float scale, float *out, int32_t force_prefill) {
-    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, start, NULL, 0, NULL, scale, out, force_prefill);
+    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, start, NULL, 0, NULL, scale, 0.0f, out, force_prefill);
+}
+
+kvc_status kvc_device_kernel_attention_softcap(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
+                                               const float *const *k, const float *const *v, const int64_t *past_len,
+                                               const int64_t *start, float scale, float softcap, float *out,
+                                               int32_t force_prefill) {
+    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, start, NULL, 0, NULL, scale, softcap, out,
+                            force_prefill);
 }
 
 kvc_status kvc_device_kernel_attention_pruned(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv, int32_t d,
@@ -286,7 +295,7 @@ kvc_status kvc_device_kernel_attention_pruned(int32_t device, const float *q, in
             CHECK(kidx[h * dk + j] >= 0 && kidx[h * dk + j] < d && (j == 0 || kidx[h * dk + j] > kidx[h * dk + j - 1]),
                   "attention_pruned: head %d channels must increase inside [0, %d)", h, d);
     }
-    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, NULL, pruned_rows, dk, kidx, scale, out,
+    return kernel_attention(device, q, n, H, Hkv, d, k, v, past_len, NULL, pruned_rows, dk, kidx, scale, 0.0f, out,
                             force_prefill);
 }
 

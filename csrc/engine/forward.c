@@ -10,7 +10,9 @@
  *   x += o and xn = rmsnorm(x) (one kernel);
  *   per row block: gu = xn Wgu^T; gu = silu(gate) * up (Gemma: gelu_tanh(gate) * up); x += gu Wdown^T.
  * Gemma 3 also: embeddings times sqrt(D); the attention output and the MLP output each RMS-normed before
- * their residual add; the sliding layers (every one but each window_period-th) on their own RoPE base.
+ * their residual add; the sliding layers (every one but each window_period-th) on their own RoPE base. Gemma 2
+ * the same on one RoPE base, its attention scores soft-capped inside the backend's attention and its logits
+ * soft-capped where they land on the host (kvc_softcap).
  * The same layer serves the prefill and the decode step of one session, a shared prefill (followers
  * receive each layer's K/V rows), a batched decode (one token of each of B sessions: the weight GEMMs run
  * once on B rows, attention per session over its own cache) and the decode step replayed as a graph. */
@@ -174,16 +176,6 @@ static kvc_status run_prefill_hooks(kvc_session *s, const kvc_layer_ctx *ctx) { 
 
 /* ---- the layer --------------------------------------------------------------------------------------- */
 
-/* LongRoPE (transformers' longrope update): a call whose last position + 1 (`end`) exceeds the original
- * context runs on the long factors' frequencies, every other on the short ones'. */
-static int rope_long(const kvc_config *c, int64_t end) { return c->rope_long_context > 0 && end > c->rope_long_context; }
-
-/* A layer's frequencies: the sliding layers' own (Gemma 3's local base) where the model has them. */
-static kvc_view rope_freqs(const kvc_model *m, int32_t l, int64_t end) {
-    if (m->inv_freq_local.buf && windowed(&m->cfg, l)) return m->inv_freq_local;
-    return rope_long(&m->cfg, end) ? m->inv_freq_long : m->inv_freq;
-}
-
 /* The attention block up to the hook point for B sessions of n rows each (consecutive rows of the lead
  * session's activations): norm, q|k|v, RoPE, each session's K/V append and attention over its own
  * cache, o projection. body: the replayable decode body of a graph (no host bookkeeping; the caller
@@ -209,10 +201,9 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
     int64_t end = 0; /* the last position + 1 of the call (of the batch's sessions) */
     for (int32_t i = 0; i < B; i++)
         if (ss[i]->pos + n > end) end = ss[i]->pos + n;
-    const kvc_view freq = rope_freqs(m, l, end);
-    const float mscale = c->rope_attn_factor > 0 ? c->rope_attn_factor : 1.0f;
-    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, freq, c->rope_pairing, mscale));
-    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, freq, c->rope_pairing, mscale));
+    const kvc_rope_rule rope = kvc_model_rope(m, l, end); /* LongRoPE's factors, Gemma 3's local base */
+    KVC_TRY(be->rope(qkv, 0, rows, (int32_t)H, (int32_t)d, pos, rope.freq, c->rope_pairing, rope.mscale));
+    KVC_TRY(be->rope(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, pos, rope.freq, c->rope_pairing, rope.mscale));
     for (int32_t i = 0; i < B; i++) {
         kvc_session *si = ss[i];
         kvc_layer_cache *L = &si->cache.layers[l];
@@ -231,7 +222,8 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
             if (past) memcpy(past, L->len, sizeof(int64_t) * (size_t)Hkv);
             KVC_TRY(kvc_cache_append(&si->cache, l, mine, qd, qd + kd, lead->positions + i * n, n));
         }
-        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), start, kvc_view_at(att, i * n, 0), 0));
+        KVC_TRY(be->attention(mine, n, (int32_t)H, L->kv, kvc_attn_scale(c), c->attn_softcap, start, kvc_view_at(att, i * n, 0),
+                              0));
         /* the call's rows, read exact by its own queries, go into the cache's type */
         KVC_TRY(body ? be->kv_commit(L->kv) : kvc_cache_commit(&si->cache, l));
     }
@@ -320,13 +312,24 @@ static kvc_status logits_kernels(kvc_session *s, int64_t first, int64_t rows) {
                          m->cfg.vocab, D, 0);
 }
 
+/* The first `rows` rows of the logits buffer into dst, soft-capped where the model caps them (Gemma 2's
+ * final_logit_softcapping: on the host, where every logit lands). */
+static kvc_status logits_download(kvc_session *s, int64_t rows, float *dst) {
+    const int64_t V = s->model->cfg.vocab;
+    const float cap = s->model->cfg.logit_softcap;
+    KVC_TRY(s->be->download(kvc_view_of(s->act.logits, 0, V), rows, V, dst, KVC_F32));
+    if (cap > 0)
+        for (int64_t i = 0; i < rows * V; i++) dst[i] = kvc_softcap(dst[i], cap);
+    return KVC_OK;
+}
+
 /* Logits of rows [first, first + rows) of the residual stream into dst [rows, vocab], a chunk at a time. */
 static kvc_status logits_out(kvc_session *s, int64_t first, int64_t rows, float *dst) {
     const int64_t V = s->model->cfg.vocab;
     for (int64_t r0 = 0; r0 < rows; r0 += LOGIT_ROWS) {
         const int64_t nr = rows - r0 < LOGIT_ROWS ? rows - r0 : LOGIT_ROWS;
         KVC_TRY(logits_kernels(s, first + r0, nr));
-        KVC_TRY(s->be->download(kvc_view_of(s->act.logits, 0, V), nr, V, dst + r0 * V, KVC_F32));
+        KVC_TRY(logits_download(s, nr, dst + r0 * V));
     }
     return KVC_OK;
 }
@@ -375,7 +378,7 @@ static void graph_failed(kvc_session *s, const char *what) {
 static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, float *logits, kvc_status *st) {
     const kvc_backend *be = s->be;
     const kvc_config *c = &s->model->cfg;
-    const int stale = !s->graph || s->graph_generation != s->act.generation || s->graph_rope_long != rope_long(c, s->pos + 1);
+    const int stale = !s->graph || s->graph_generation != s->act.generation || s->graph_rope_long != kvc_rope_long(c, s->pos + 1);
     if (stale && s->decodes_since_capture == 0) {
         s->decodes_since_capture = 1; /* the warm-up step */
         return 0;
@@ -390,7 +393,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
             return 0;
         }
         s->graph_generation = s->act.generation;
-        s->graph_rope_long = rope_long(c, s->pos + 1);
+        s->graph_rope_long = kvc_rope_long(c, s->pos + 1);
         s->decodes_since_capture = 0; /* the next capture (activations replaced) gets its eager step too */
     }
     kvc_status g = be->graph_launch(s->graph);
@@ -407,8 +410,7 @@ static int decode_graph(kvc_session *s, const int32_t *id, int64_t logits_row, f
         *st = g;
         return 1;
     }
-    *st = logits_row == KVC_ROW_NONE ? end_of_call(be)
-                                     : be->download(kvc_view_of(s->act.logits, 0, c->vocab), 1, c->vocab, logits, KVC_F32);
+    *st = logits_row == KVC_ROW_NONE ? end_of_call(be) : logits_download(s, 1, logits);
     if (*st != KVC_OK) {
         for (int32_t l = 0; l < c->n_layers; l++) be->kv_set_lens(s->cache.layers[l].kv, s->cache.layers[l].len);
         return 1;

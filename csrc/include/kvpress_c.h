@@ -58,7 +58,7 @@ KVC_API int kvc_get_num_threads(void);
  * GEMMA3: Gemma 3 text (norms after attention and after the MLP too, GeGLU, interleaved sliding layers). */
 typedef enum kvc_arch {
     KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3, KVC_ARCH_PHI3 = 4,
-    KVC_ARCH_GEMMA3 = 5
+    KVC_ARCH_GEMMA3 = 5, KVC_ARCH_GEMMA2 = 6
 } kvc_arch;
 
 /* The MLP's gate activation. */
@@ -122,6 +122,10 @@ typedef struct kvc_config {
     int32_t mlp_act;         /* kvc_mlp_act */
     /* Gemma's extra norms: RMSNorm of the attention output and of the MLP output before each residual add. */
     int32_t post_norms;
+    /* Logit soft-capping (Gemma 2): the scaled attention scores become attn_softcap tanh(s / attn_softcap)
+     * before the softmax, the final logits logit_softcap tanh(z / logit_softcap); 0: none. */
+    float attn_softcap;
+    float logit_softcap;
 } kvc_config;
 
 typedef struct kvc_model kvc_model;
@@ -324,6 +328,8 @@ typedef struct kvc_scorer_view {
     const double *rope_freq;       /* [head_dim / 2] RoPE's frequency of each pair (scaling applied) */
     int64_t future_from;           /* the first position after the rows the queries came from (a decoding press's
                                     * buffer: kvpress's q_len, as ExpectedAttention's future positions start) */
+    double rope_attn_factor;       /* what RoPE multiplied the turned pairs by (LongRoPE's attention factor; else 1):
+                                    * rope_freq and this are the call's RoPE, as the forward turned its rows */
 } kvc_scorer_view;
 typedef int32_t (*kvc_scorer_callback)(void *user, const kvc_scorer_view *view);
 
@@ -722,6 +728,12 @@ KVC_API kvc_status kvc_device_kernel_attention(int32_t device, const float *q, i
                                                int32_t d, const float *const *k, const float *const *v,
                                                const int64_t *past_len, const int64_t *start, float scale, float *out,
                                                int32_t force_prefill);
+/* The same with the scaled scores soft-capped, softcap tanh(s / softcap) before the softmax (Gemma 2's
+ * attn_logit_softcapping; 0: none). */
+KVC_API kvc_status kvc_device_kernel_attention_softcap(int32_t device, const float *q, int64_t n, int32_t H, int32_t Hkv,
+                                                       int32_t d, const float *const *k, const float *const *v,
+                                                       const int64_t *past_len, const int64_t *start, float scale,
+                                                       float softcap, float *out, int32_t force_prefill);
 /* The same (no window) over a store whose rows [0, pruned_rows[h]) of KV head h keep only the dk key
  * channels kidx[h * dk + j] (increasing; ThinK's freed layout, core/backend.h): the other channels of
  * those rows of k are dropped, as if zero. */

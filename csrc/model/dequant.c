@@ -87,26 +87,10 @@ kvc_status ggml_nbytes(int32_t type, int64_t n, size_t *out) {
     return KVC_OK;
 }
 
-/* fp16 -> fp32 without branches, so that element loops vectorise (5x the loop in convert.h):
- * normals re-bias the exponent (by 112, by 224 for infinities and NaNs, keeping the payload);
- * zeros and subnormals are m * 2^-24, exact in fp32. Checked on all 65536 inputs by the tests. */
-static inline float f16(uint16_t h) {
-    const uint32_t em = h & 0x7fffu;
-    const float sub = (float)em * 0x1p-24f;
-    uint32_t sub_bits;
-    memcpy(&sub_bits, &sub, 4);
-    const uint32_t norm = (em << 13) + (112u << 23);
-    const uint32_t is_norm = 0u - (uint32_t)(em >= 0x0400u), is_inf = 0u - (uint32_t)(em >= 0x7c00u);
-    const uint32_t bits = (((norm + (is_inf & (112u << 23))) & is_norm) | (sub_bits & ~is_norm)) | ((uint32_t)(h & 0x8000u) << 16);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    return f16(h);
+    return kvc_f16_to_f32v(h);
 }
 
 /* ---- 32-value blocks. Q4/Q5: byte j holds element j (low nibble) and j + 16 (high nibble). ---- */

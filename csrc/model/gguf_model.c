@@ -18,8 +18,8 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     KVC_TRY(gguf_get_string_opt(f, "general.architecture", &s, &len));
     if (!s) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata general.architecture is missing" HINT);
     if (len >= cap || memchr(s, 0, len))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)",
-                        (int)(len < 64 ? len : 64), s);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3 "
+                        "are)", (int)(len < 64 ? len : 64), s);
     memcpy(arch, s, len);
     arch[len] = '\0';
     if (!strcmp(arch, "llama")) *code = KVC_ARCH_LLAMA; /* also Mistral and SmolLM conversions */
@@ -28,7 +28,9 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     else if (!strcmp(arch, "qwen3")) *code = KVC_ARCH_QWEN3;
     else if (!strcmp(arch, "phi3")) *code = KVC_ARCH_PHI3;
     else if (!strcmp(arch, "gemma3")) *code = KVC_ARCH_GEMMA3;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2, qwen3, phi3 and gemma3 are)", arch);
+    else if (!strcmp(arch, "gemma2")) *code = KVC_ARCH_GEMMA2;
+    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2 and "
+                         "gemma3 are)", arch);
     return KVC_OK;
 }
 
@@ -107,24 +109,29 @@ static kvc_status longrope(const gguf_file *f, const char *arch, kvc_config *c) 
     return KVC_OK;
 }
 
-/* Gemma 3 as llama.cpp runs its 'gemma3' files: with a sliding window, every layer but each 6th slides, on
- * RoPE base rope.freq_base_swa (10000 when absent, unscaled); norms stored as 1 + w (its converter adds the
- * 1); attention scale 1/sqrt(key_length), or 1/sqrt(hidden / heads) for the 62-layer (27B) model (Gemma's
- * query_pre_attn_scalar); embeddings times sqrt(hidden); final logit soft-capping refused. */
-static kvc_status read_gemma3(const gguf_file *f, const char *arch, kvc_config *c) {
-    float cap = 0;
-    KVC_TRY(arch_float(f, arch, "final_logit_softcapping", &cap));
-    if (cap > 0)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: %s.final_logit_softcapping = %g; kvpress_c does not implement logit soft-capping yet",
-                        arch, cap);
+/* Gemma 2 and 3 as llama.cpp runs its 'gemma2' and 'gemma3' files: with a sliding window, every other layer
+ * (gemma2) or every layer but each 6th (gemma3) slides, gemma3's on RoPE base rope.freq_base_swa (10000 when
+ * absent, unscaled); norms stored as 1 + w (its converter adds the 1); attention scale 1/sqrt(key_length), or
+ * 1/sqrt(hidden / heads) for the 27B models (46 layers gemma2, 62 gemma3: Gemma's query_pre_attn_scalar);
+ * embeddings times sqrt(hidden); soft-capping (attn_logit_softcapping, final_logit_softcapping) where the file
+ * sets it; gemma3's q/k norms. */
+static kvc_status read_gemma(const gguf_file *f, const char *arch, kvc_config *c) {
+    const int g2 = c->arch == KVC_ARCH_GEMMA2;
+    KVC_TRY(arch_float(f, arch, "final_logit_softcapping", &c->logit_softcap));
+    if (g2) KVC_TRY(arch_float(f, arch, "attn_logit_softcapping", &c->attn_softcap));
+    if (c->logit_softcap < 0 || c->attn_softcap < 0)
+        return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s soft-capping is negative (%g, %g)" HINT, arch, c->attn_softcap, c->logit_softcap);
     if (c->sliding_window > 0) {
-        c->window_period = 6;
-        c->rope_local_theta = 10000.0f;
-        KVC_TRY(arch_float(f, arch, "rope.freq_base_swa", &c->rope_local_theta));
+        c->window_period = g2 ? 2 : 6;
+        if (!g2) {
+            c->rope_local_theta = 10000.0f;
+            KVC_TRY(arch_float(f, arch, "rope.freq_base_swa", &c->rope_local_theta));
+        }
     }
-    c->attn_scale = 1.0f / sqrtf(c->n_layers == 62 ? (float)(c->hidden / c->n_heads) : (float)c->head_dim);
+    const int big = c->n_layers == (g2 ? 46 : 62);
+    c->attn_scale = 1.0f / sqrtf(big ? (float)(c->hidden / c->n_heads) : (float)c->head_dim);
     c->embed_scale = sqrtf((float)c->hidden);
-    c->qk_norm = 1;
+    c->qk_norm = !g2;
     c->post_norms = 1;
     c->mlp_act = KVC_MLP_GELU_TANH;
     return KVC_OK;
@@ -182,9 +189,9 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
     c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
     c->qk_norm = c->arch == KVC_ARCH_QWEN3;
     /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral;
-     * gemma3: read_gemma3 interleaves) */
+     * gemma2 and gemma3: read_gemma interleaves) */
     KVC_TRY(arch_int(f, arch, "attention.sliding_window", 0, 0, &c->sliding_window));
-    if (c->arch == KVC_ARCH_GEMMA3) KVC_TRY(read_gemma3(f, arch, c));
+    if (c->arch == KVC_ARCH_GEMMA2 || c->arch == KVC_ARCH_GEMMA3) KVC_TRY(read_gemma(f, arch, c));
     int64_t v = -1;
     KVC_TRY(gguf_get_int_opt(f, "tokenizer.ggml.bos_token_id", &v));
     c->bos_id = (v >= -1 && v <= INT32_MAX) ? (int32_t)v : -1;

@@ -319,15 +319,17 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
     return KVC_OK;
 }
 
-/* Gemma 3's sliding layers, as transformers reads them: "layer_types", else every layer but each
- * "sliding_window_pattern"-th (default 6) slides; a pattern the engine cannot express (every P-th layer
- * full, the others sliding) is refused. Their RoPE base: rope_parameters.sliding_attention.rope_theta, else
- * "rope_local_base_freq" (default 10000), unscaled. */
-static kvc_status read_gemma3_layers(const cfg_reader *r, kvc_config *c) {
+/* Gemma's sliding layers, as transformers reads them: "layer_types", else every layer but each
+ * "sliding_window_pattern"-th (default 6; Gemma 2: every other layer) slides; a pattern the engine cannot
+ * express (every P-th layer full, the others sliding) is refused. Gemma 3's sliding layers turn on their own
+ * RoPE base: rope_parameters.sliding_attention.rope_theta, else "rope_local_base_freq" (default 10000),
+ * unscaled; Gemma 2's on the one rope_theta. */
+static kvc_status read_gemma_layers(const cfg_reader *r, kvc_config *c) {
     const json_value *j = r->j;
-    int32_t window = 0, period = 6;
+    const int g2 = c->arch == KVC_ARCH_GEMMA2;
+    int32_t window = 0, period = g2 ? 2 : 6;
     KVC_TRY(get_int(r, j, "sliding_window", 0, 4096, 1, INT32_MAX, &window));
-    KVC_TRY(get_int(r, j, "sliding_window_pattern", 0, 6, 1, INT32_MAX, &period));
+    if (!g2) KVC_TRY(get_int(r, j, "sliding_window_pattern", 0, 6, 1, INT32_MAX, &period));
     const json_value *types = json_get(j, "layer_types");
     if (types && types->kind != JSON_NULL) {
         if (types->kind != JSON_ARRAY || types->n != (size_t)c->n_layers)
@@ -344,12 +346,13 @@ static kvc_status read_gemma3_layers(const cfg_reader *r, kvc_config *c) {
             const int full = !strcmp(types->items[i].string, "full_attention");
             if (full != (period > 0 && (int32_t)(i + 1) % period == 0))
                 return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: layer_types is not 'every P-th layer full, the others sliding' "
-                                "(layer %zu); kvpress_c runs Gemma 3's windows in that pattern only", r->path, i);
+                                "(layer %zu); kvpress_c runs Gemma's windows in that pattern only", r->path, i);
         }
     }
     c->sliding_window = window;
     c->window_first_layer = 0;
     c->window_period = period;
+    if (g2) return KVC_OK;
     /* the sliding layers' RoPE */
     double local = 10000.0;
     KVC_TRY(get_num(r, j, "rope_local_base_freq", 0, 10000.0, 1.0, 1, 1e30, "a number > 1", &local));
@@ -364,23 +367,33 @@ static kvc_status read_gemma3_layers(const cfg_reader *r, kvc_config *c) {
     return KVC_OK;
 }
 
-/* Gemma 3's own settings: q/k norms, norms after attention and MLP, GeGLU, the embedding and attention
- * scales; what it would need and the engine has not (soft-capping, bidirectional attention) is refused. */
-static kvc_status read_gemma3(const cfg_reader *r, kvc_config *c) {
+/* A soft-capping value: `def` when absent, none (0) when null, else a number > 0. */
+static kvc_status get_softcap(const cfg_reader *r, const char *key, double def, float *out) {
+    const json_value *v = json_get(r->j, key);
+    double x = def;
+    if (v && v->kind == JSON_NULL) x = 0;
+    else KVC_TRY(get_num(r, r->j, key, 0, def, 0.0, 1, 1e30, "a number > 0 or null", &x));
+    *out = (float)x;
+    return KVC_OK;
+}
+
+/* Gemma 2 and 3's own settings: norms after attention and MLP, GeGLU, the embedding and attention scales,
+ * soft-capping (Gemma 2's defaults 50 and 30 when absent), Gemma 3's q/k norms; bidirectional attention is
+ * refused. transformers' Gemma 3 reads attn_logit_softcapping and does not apply it (its attention call passes
+ * no softcap): nor does kvpress_c there; its final_logit_softcapping it applies, as we do. */
+static kvc_status read_gemma(const cfg_reader *r, kvc_config *c) {
     const json_value *j = r->j;
+    const int g2 = c->arch == KVC_ARCH_GEMMA2;
     const json_value *act = json_get(j, "hidden_activation");
     if (!act || act->kind == JSON_NULL) act = json_get(j, "hidden_act");
     if (act && act->kind != JSON_NULL && !(act->kind == JSON_STRING && !strcmp(act->string, "gelu_pytorch_tanh")))
         return act->kind == JSON_STRING ? kvc_fail(KVC_ERR_UNSUPPORTED, "%s: hidden_activation '%.40s' is not supported for "
-                                                   "gemma3_text (gelu_pytorch_tanh is)", r->path, act->string)
+                                                   "%s (gelu_pytorch_tanh is)", r->path, act->string, g2 ? "gemma2" : "gemma3_text")
                                         : bad(r, "hidden_activation", act, "a string");
-    static const char *const refused[] = {"attn_logit_softcapping", "final_logit_softcapping"};
-    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
-        const json_value *v = json_get(j, refused[i]);
-        if (v && v->kind != JSON_NULL)
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: %s is set; kvpress_c does not implement logit soft-capping (Gemma 2 style) yet",
-                            r->path, refused[i]);
-    }
+    float attn_cap = 0;
+    KVC_TRY(get_softcap(r, "attn_logit_softcapping", g2 ? 50.0 : 0.0, &attn_cap));
+    KVC_TRY(get_softcap(r, "final_logit_softcapping", g2 ? 30.0 : 0.0, &c->logit_softcap));
+    if (g2) c->attn_softcap = attn_cap;
     int bidir = 0;
     KVC_TRY(get_bool(r, j, "use_bidirectional_attention", 0, &bidir));
     if (bidir) return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: use_bidirectional_attention = true is not supported", r->path);
@@ -388,10 +401,10 @@ static kvc_status read_gemma3(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_num(r, j, "query_pre_attn_scalar", 0, 256.0, 0.0, 1, 1e12, "a number > 0", &qpas));
     c->attn_scale = (float)pow(qpas, -0.5);
     c->embed_scale = (float)sqrt((double)c->hidden); /* transformers: a float32 tensor of hidden_size ** 0.5 */
-    c->qk_norm = 1;
+    c->qk_norm = !g2;
     c->post_norms = 1;
     c->mlp_act = KVC_MLP_GELU_TANH;
-    return read_gemma3_layers(r, c);
+    return read_gemma_layers(r, c);
 }
 
 /* `tied` is set to -1 when config.json does not say (decided from the weights later). */
@@ -411,16 +424,18 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     else if (!strcmp(mt->string, "qwen3")) c->arch = KVC_ARCH_QWEN3;
     else if (!strcmp(mt->string, "phi3")) c->arch = KVC_ARCH_PHI3; /* Phi-3, Phi-3.5, Phi-4-mini */
     else if (!strcmp(mt->string, "gemma3_text")) c->arch = KVC_ARCH_GEMMA3; /* Gemma3ForCausalLM */
+    else if (!strcmp(mt->string, "gemma2")) c->arch = KVC_ARCH_GEMMA2;      /* Gemma2ForCausalLM */
     else
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma3_text "
-                        "and gemma3's text model are)", r->path, mt->string);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2, "
+                        "gemma3_text and gemma3's text model are)", r->path, mt->string);
+    const int gemma = c->arch == KVC_ARCH_GEMMA2 || c->arch == KVC_ARCH_GEMMA3;
     c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
     c->qk_norm = c->arch == KVC_ARCH_QWEN3;
 
     /* features that would change the computation and that the engine does not have */
     const json_value *act = json_get(j, "hidden_act");
-    if (act && act->kind != JSON_NULL && c->arch != KVC_ARCH_GEMMA3) { /* gemma3: read_gemma3 */
+    if (act && act->kind != JSON_NULL && !gemma) { /* gemma: read_gemma */
         if (act->kind != JSON_STRING) return bad(r, "hidden_act", act, "a string");
         if (strcmp(act->string, "silu") != 0 && strcmp(act->string, "swish") != 0)
             return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: hidden_act '%.40s' is not supported (silu is)", r->path, act->string);
@@ -441,7 +456,7 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
         return kvc_fail(KVC_ERR_FORMAT, "%s: num_attention_heads (%d) is not a multiple of num_key_value_heads (%d)", r->path,
                         c->n_heads, c->n_kv_heads);
     /* transformers: head_dim = hidden_size // num_attention_heads unless given */
-    const int32_t def_hd = c->arch == KVC_ARCH_GEMMA3 ? 256 : c->hidden / c->n_heads; /* Gemma3TextConfig: 256 */
+    const int32_t def_hd = gemma ? 256 : c->hidden / c->n_heads; /* Gemma2Config, Gemma3TextConfig: 256 */
     KVC_TRY(get_int(r, j, "head_dim", 0, def_hd, 1, 256, &c->head_dim));
     if (c->head_dim < 2 || c->head_dim % 2)
         return kvc_fail(KVC_ERR_FORMAT, "%s: head_dim (%d%s) must be even (RoPE rotates pairs)", r->path, c->head_dim,
@@ -450,6 +465,7 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     KVC_TRY(get_int(r, j, "vocab_size", !g3, 262208, 1, 1 << 24, &c->vocab));
     /* informational (and llama3's default original context); transformers' per-model defaults */
     const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_PHI3 ? 4096 : c->arch == KVC_ARCH_GEMMA3 ? 131072
+                          : c->arch == KVC_ARCH_GEMMA2 ? 8192
                           : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
     KVC_TRY(get_int(r, j, "max_position_embeddings", 0, def_ctx, 1, INT32_MAX, &c->max_context));
     double eps;
@@ -458,14 +474,14 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     if (!(c->rms_eps > 0)) return bad(r, "rms_norm_eps", json_get(j, "rms_norm_eps"), "representable as a positive float32");
     KVC_TRY(read_rope(r, c, lr));
 
-    KVC_TRY(c->arch == KVC_ARCH_GEMMA3 ? read_gemma3(r, c) : read_sliding_window(r, c));
+    KVC_TRY(gemma ? read_gemma(r, c) : read_sliding_window(r, c));
 
     /* Tied output: transformers' llama/mistral/qwen2 configs default to untied. We follow an explicit
      * true/false; when the key is absent, the weights decide (no lm_head.weight -> tied) instead of
      * leaving lm_head uninitialised as transformers would. */
     const json_value *tie = json_get(j, "tie_word_embeddings");
     if (tie && tie->kind != JSON_NULL && tie->kind != JSON_BOOL) return bad(r, "tie_word_embeddings", tie, "true or false");
-    c->tied_embeddings = (tie && tie->kind == JSON_BOOL) ? tie->boolean : c->arch == KVC_ARCH_GEMMA3 ? 1 : -1;
+    c->tied_embeddings = (tie && tie->kind == JSON_BOOL) ? tie->boolean : gemma ? 1 : -1;
 
     KVC_TRY(get_token_id(r, "bos_token_id", c->vocab, &c->bos_id));
     KVC_TRY(get_token_id(r, "eos_token_id", c->vocab, &c->eos_id));
@@ -766,8 +782,9 @@ kvc_status kvc_load_hf(const char *dir, const kvc_backend *be, int32_t wmode, kv
         weights_free(w);
         return st;
     }
-    m->norm_plus_one = cfg.arch == KVC_ARCH_GEMMA3; /* transformers' Gemma RMSNorm: x / rms(x) * (1 + w) */
-    m->embed_scale_rounded = cfg.arch == KVC_ARCH_GEMMA3; /* and its scale in the embedding's dtype */
+    const int gemma = cfg.arch == KVC_ARCH_GEMMA2 || cfg.arch == KVC_ARCH_GEMMA3;
+    m->norm_plus_one = gemma; /* transformers' Gemma RMSNorm (Gemma 2 and 3): x / rms(x) * (1 + w) */
+    m->embed_scale_rounded = gemma; /* and its scale in the embedding's dtype */
     st = load_weights(w, m);
     if (st == KVC_OK && lr.linear > 0) { /* "linear" scaling as per-frequency divisors, for kvc_model_finish */
         float *f = kvc_model_rope_factors(m);

@@ -26,7 +26,7 @@ void kvc_config_defaults(kvc_config *c) {
 static kvc_status check_config(const kvc_config *c) {
 #define REQUIRE(cond, ...) \
     if (!(cond)) return kvc_fail(KVC_ERR_FORMAT, "invalid model config: " __VA_ARGS__)
-    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_GEMMA3, "unknown architecture %d", c->arch);
+    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_GEMMA2, "unknown architecture %d", c->arch);
     REQUIRE(c->n_layers > 0 && c->n_layers <= 4096, "n_layers = %d", c->n_layers);
     REQUIRE(c->hidden > 0 && c->hidden <= 65536, "hidden size = %d", c->hidden);
     REQUIRE(c->n_heads > 0 && c->n_heads <= 1024, "n_heads = %d", c->n_heads);
@@ -64,6 +64,8 @@ static kvc_status check_config(const kvc_config *c) {
     REQUIRE(isfinite(c->embed_scale) && c->embed_scale >= 0, "embedding scale = %g", c->embed_scale);
     REQUIRE(c->mlp_act == KVC_MLP_SILU || c->mlp_act == KVC_MLP_GELU_TANH, "MLP activation %d", c->mlp_act);
     REQUIRE(c->post_norms == 0 || c->post_norms == 1, "post_norms = %d", c->post_norms);
+    REQUIRE(isfinite(c->attn_softcap) && c->attn_softcap >= 0, "attention soft-capping = %g", c->attn_softcap);
+    REQUIRE(isfinite(c->logit_softcap) && c->logit_softcap >= 0, "final logit soft-capping = %g", c->logit_softcap);
 #undef REQUIRE
     /* the one limit the kernels' parameter blocks set (KV heads per layer), checked here for every device */
     if (c->n_kv_heads > KVC_MAX_KV_HEADS)
@@ -113,8 +115,8 @@ int kvc_layer_pressed(const kvc_config *c, int32_t l) { return !(c->window_perio
 kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what) {
     for (int32_t l = 0; l < c->n_layers; l++)
         if (!kvc_layer_pressed(c, l))
-            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s selects over every layer's cache at once; on Gemma 3 presses act on the "
-                            "full-attention layers only (as kvpress) and %s is not defined there yet", what, what);
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s selects over every layer's cache at once; on Gemma 2 and 3 presses act on "
+                            "the full-attention layers only (as kvpress on Gemma 3) and %s is not defined there yet", what, what);
     return KVC_OK;
 }
 
@@ -270,7 +272,9 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
     const plan p = {m, m->weights, !(weights & KVC_WEIGHTS_NO_MMAP), !(weights & KVC_WEIGHTS_NO_REPACK), hf, describe, file};
     if (st == KVC_OK && !(m->layers = calloc((size_t)cfg->n_layers, sizeof *m->layers)))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: layer table");
-    if (st == KVC_OK && !(m->rope_inv_freq = calloc((size_t)half, sizeof(float))))
+    if (st == KVC_OK && (!(m->rope_inv_freq = calloc((size_t)half, sizeof(float))) ||
+                         (cfg->rope_long_context > 0 && !(m->rope_inv_freq_long = calloc((size_t)half, sizeof(float)))) ||
+                         (cfg->rope_local_theta > 0 && !(m->rope_inv_freq_local = calloc((size_t)half, sizeof(float))))))
         st = kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
     if (st == KVC_OK) st = place1(&p, KVC_W_TOK, -1, V, D, "token embedding", &m->tok_embd);
     if (st == KVC_OK) st = own(m, KVC_F32, D, D, NULL, "output norm", &m->out_norm);
@@ -569,28 +573,36 @@ kvc_status kvc_model_finish(kvc_model *m) {
     if (c->rope_long_context > 0) { /* LongRoPE: inv_freq = 1 / (factor * theta^(2i/rot)), short and long */
         if (!m->rope_factors || !m->rope_long_factors)
             return kvc_fail(KVC_ERR_INTERNAL, "LongRoPE model without its short and long factors");
-        float *lf = malloc(sizeof(float) * (size_t)half);
-        if (!lf) return kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
+        float *lf = m->rope_inv_freq_long;
         memcpy(lf, m->rope_inv_freq, sizeof(float) * (size_t)half);
-        kvc_status st = divide(c, lf, m->rope_long_factors, "LongRoPE's long_factor");
-        if (st == KVC_OK) st = m->be->upload(m->inv_freq_long, 1, half, lf, KVC_F32);
-        free(lf);
-        KVC_TRY(st);
+        KVC_TRY(divide(c, lf, m->rope_long_factors, "LongRoPE's long_factor"));
+        KVC_TRY(m->be->upload(m->inv_freq_long, 1, half, lf, KVC_F32));
     }
     if (c->rope_local_theta > 0) { /* the sliding layers' own base, unscaled (Gemma 3's rope_local_base_freq) */
         kvc_config local = *c;
         local.rope_theta = c->rope_local_theta;
         local.rope_scaling_factor = 0;
-        float *lf = malloc(sizeof(float) * (size_t)half);
-        if (!lf) return kvc_fail(KVC_ERR_NOMEM, "out of memory: RoPE frequencies");
-        kvc_status st = kvc_kernel_rope_freqs(&local, lf);
-        if (st == KVC_OK) st = m->be->upload(m->inv_freq_local, 1, half, lf, KVC_F32);
-        free(lf);
-        KVC_TRY(st);
+        KVC_TRY(kvc_kernel_rope_freqs(&local, m->rope_inv_freq_local));
+        KVC_TRY(m->be->upload(m->inv_freq_local, 1, half, m->rope_inv_freq_local, KVC_F32));
     }
     /* GGUF stores Llama-3.1 scaling as per-frequency divisors; LongRoPE's short factors are the same */
     if (m->rope_factors) KVC_TRY(divide(c, m->rope_inv_freq, m->rope_factors, c->rope_long_context ? "LongRoPE's short_factor" : "rope_freqs.weight"));
     return m->be->upload(m->inv_freq, 1, half, m->rope_inv_freq, KVC_F32);
+}
+
+int kvc_rope_long(const kvc_config *c, int64_t end) { return c->rope_long_context > 0 && end > c->rope_long_context; }
+
+kvc_rope_rule kvc_model_rope(const kvc_model *m, int32_t l, int64_t end) {
+    const kvc_config *c = &m->cfg;
+    kvc_rope_rule r = {m->inv_freq, m->rope_inv_freq, c->rope_attn_factor > 0 ? c->rope_attn_factor : 1.0f};
+    if (m->inv_freq_local.buf && kvc_layer_slides(c, l)) {
+        r.freq = m->inv_freq_local;
+        r.host = m->rope_inv_freq_local;
+    } else if (kvc_rope_long(c, end)) {
+        r.freq = m->inv_freq_long;
+        r.host = m->rope_inv_freq_long;
+    }
+    return r;
 }
 
 static void host_weights_free(kvc_host_weights *h) {
@@ -609,6 +621,8 @@ void kvc_model_free(kvc_model *m) {
     kvc_free(m->rope_factors);
     kvc_free(m->rope_long_factors);
     free(m->rope_inv_freq);
+    free(m->rope_inv_freq_long);
+    free(m->rope_inv_freq_local);
     free(m->path);
     host_weights_free(m->host);
     kvc_model_free(m->host_twin);
@@ -640,7 +654,7 @@ static kvc_host_weights *host_view(const kvc_model *m) {
     h->tok_embd = HOST(m->tok_embd);
     h->out_norm = HOST(m->out_norm);
     h->lm_head = HOST(m->lm_head);
-    h->rope_inv_freq = m->rope_inv_freq;
+    h->rope = m;
     for (int32_t l = 0; l < c->n_layers; l++) {
         const kvc_layer_weights *W = &m->layers[l];
         kvc_host_layer *H = &h->layers[l];
@@ -669,13 +683,15 @@ static kvc_host_weights *host_view(const kvc_model *m) {
 
 kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
     *out = NULL;
-    /* the host algorithms' RoPE is the plain one: no long factors switched in, no attention factor */
+    /* the host pass turns its rows by the forward's rule (kvc_model_rope), but is tested on plain RoPE only */
     if (m->cfg.rope_long_context > 0)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward) do not support LongRoPE models yet");
-    /* nor Gemma's layer (norms after attention and MLP, GeGLU, a RoPE base per layer kind, scaled embeddings) */
+    /* nor Gemma's layer (norms after attention and MLP, GeGLU, a RoPE base per layer kind, scaled embeddings,
+     * soft-capping) */
     if (m->cfg.post_norms || m->cfg.mlp_act != KVC_MLP_SILU || m->cfg.rope_local_theta > 0 || m->cfg.embed_scale > 0 ||
-        m->cfg.attn_scale > 0)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support Gemma 3 models yet");
+        m->cfg.attn_scale > 0 || m->cfg.attn_softcap > 0 || m->cfg.logit_softcap > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support Gemma 2 and "
+                        "Gemma 3 models yet");
     pthread_mutex_lock(&m->host_lock);
     kvc_status st = KVC_OK;
     if (!m->host && !(m->host = host_view(m))) {

@@ -57,7 +57,8 @@ typedef struct kvc_host_layer {
     const float *attn_norm, *wq, *wk, *wv, *wo, *bq, *bk, *bv, *ffn_norm, *w_gate, *w_up, *w_down, *q_norm, *k_norm;
 } kvc_host_layer;
 typedef struct kvc_host_weights {
-    const float *tok_embd, *out_norm, *lm_head, *rope_inv_freq;
+    const float *tok_embd, *out_norm, *lm_head;
+    const struct kvc_model *rope; /* the model whose RoPE rule (kvc_model_rope) turns the rows */
     kvc_host_layer *layers;
 } kvc_host_weights;
 
@@ -79,7 +80,9 @@ struct kvc_model {
     float *rope_factors;      /* host [d/2]: GGUF rope_freqs.weight (Llama-3.1) times linear scaling, LongRoPE's short
                                  factors, or NULL */
     float *rope_long_factors; /* host [d/2]: LongRoPE's long factors, or NULL */
-    float *rope_inv_freq;     /* host [d/2] */
+    float *rope_inv_freq;     /* host [d/2]: inv_freq's values */
+    float *rope_inv_freq_long;  /* host [d/2]: inv_freq_long's, or NULL */
+    float *rope_inv_freq_local; /* host [d/2]: inv_freq_local's, or NULL */
     size_t weight_bytes;      /* every weight, mapped ones included */
     size_t mapped_bytes;      /* of which used in place in the mapped file (page cache, shared) */
     int32_t weights;          /* KVC_WEIGHTS_NATIVE or KVC_WEIGHTS_FP32, as asked at load */
@@ -140,6 +143,20 @@ kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what
  * 1/sqrt(head_dim). What reproduces the model's own attention (ObservedAttention, Ada-KV's eviction loss)
  * uses it; scorers that define their own attention (SnapKV's window, ...) keep 1/sqrt(d) as kvpress does. */
 float kvc_attn_scale(const kvc_config *c);
+/* RoPE as the forward turns layer l's rows in a call whose last position + 1 is `end`: the one rule, read by
+ * the forward (the device frequencies) and by everything that turns rows on the host (presses, the host pass).
+ * LongRoPE: the long factors' frequencies once end passes the original context (transformers' longrope
+ * update), the short ones' before; Gemma 3's sliding layers: their own base. mscale: the attention factor
+ * that multiplies the turned pairs (LongRoPE's; 1 otherwise); pairs of frequency 0 pass unscaled. */
+typedef struct kvc_rope_rule {
+    kvc_view freq;      /* [d/2] on the model's backend */
+    const float *host;  /* the same values on the host */
+    float mscale;
+} kvc_rope_rule;
+kvc_rope_rule kvc_model_rope(const kvc_model *m, int32_t l, int64_t end);
+/* Whether a call ending at `end` turns with LongRoPE's long factors (a decode graph is captured again when
+ * this changes). */
+int kvc_rope_long(const kvc_config *c, int64_t end);
 /* The model's files fuse q|k|v and gate|up (Phi-3). */
 int kvc_fused_proj(const kvc_config *c);
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];

@@ -27,11 +27,10 @@ static kvc_status chunk_queries(const kvc_layer_rows *lr, const kvc_layer_ctx *c
         const int64_t a = ctx->n - w + j, b = r0 + j;
         delta[j] = ctx->pos ? ctx->pos[a] - ctx->pos[b] : a - b;
     }
-    float freq[128];
-    if (lr->inv_freq) memcpy(freq, lr->inv_freq, sizeof(float) * (size_t)(c->head_dim / 2));
-    else KVC_TRY(kvc_kernel_rope_freqs(c, freq));
+    float freq[128], ms; /* a turn by the distance: the call's frequencies, no attention factor (already in q) */
+    KVC_TRY(kvc_layer_rope(lr, ctx->layer, kvc_call_end(ctx), freq, &ms));
     KVC_TRY(lr->be->download(kvc_view_at(ctx->q, r0, 0), w, qd, q, KVC_F32));
-    kvc_host_rope(q, delta, w, c->n_heads, c->head_dim, freq, c->rope_pairing);
+    kvc_host_rope(q, delta, w, c->n_heads, c->head_dim, freq, c->rope_pairing, 1.0f);
     if (!*buf) KVC_TRY(lr->be->alloc(lr->be->act_dtype, w * qd, KVC_MEM_ACT, "ChunkPress window queries", buf));
     *out = kvc_view_of(*buf, 0, qd);
     return lr->be->upload(*out, w, qd, q, KVC_F32);
@@ -78,7 +77,7 @@ kvc_status kvc_chunk_press_select(const kvc_layer_rows *lr, const kvc_layer_ctx 
     kvc_status st = w && (!q || !delta) ? kvc_fail(KVC_ERR_NOMEM, "out of memory: ChunkPress") : be->kv_new(Hkv, d, NULL, &tmp);
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
         if (!(rows[h] = malloc(sizeof(int64_t) * (size_t)(C < n ? C : n)))) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: ChunkPress");
-    const kvc_layer_rows chunk_rows = {be, lr->mc, tmp, lr->inv_freq, lr->wo, lr->q_mean, lr->q_cov, lr->future_from};
+    const kvc_layer_rows chunk_rows = {be, lr->mc, tmp, lr->model, lr->wo, lr->q_mean, lr->q_cov, lr->future_from};
     kvc_layer_ctx chunk_ctx = *ctx;
     for (int64_t i = 0; i < n && st == KVC_OK; i += C) {
         const int64_t end = i + C < n ? i + C : n;

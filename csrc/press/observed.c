@@ -59,7 +59,7 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
             for (int32_t j = 0; j < g; j++) {
                 const int32_t hq = h * g + j;
                 for (int64_t i = 0; i < m; i++) memcpy(qh + i * d, qt + i * qd + (int64_t)hq * d, sizeof(float) * d);
-                kvc_host_probs_rows(qh, m, k[h], len[h], d, scale, vis, probs);
+                kvc_host_probs_rows_capped(qh, m, k[h], len[h], d, scale, c->attn_softcap, vis, probs);
                 double *a = acc + (size_t)h * maxlen;
 #pragma omp parallel for schedule(static)
                 for (int64_t r = 0; r < len[h]; r++) {
@@ -84,6 +84,9 @@ kvc_status kvc_observed_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ct
     free(acc);
     return st;
 }
+
+/* A scaled score of the model's own attention: soft-capped where the model caps them (Gemma 2). */
+static double model_score(double s, float cap) { return cap > 0 ? kvc_softcap((float)s, cap) : s; }
 
 kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const int64_t *len, int32_t w,
                               const int64_t *const *keep, const int64_t *n_keep, double *out) {
@@ -116,7 +119,7 @@ kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
                     for (int64_t r = 0; r < visible; r++) {
                         double dot = 0;
                         for (int32_t t = 0; t < d; t++) dot += qi[t] * k[h][r * d + t];
-                        mx = fmax(mx, dot * scale);
+                        mx = fmax(mx, model_score(dot * scale, c->attn_softcap));
                     }
                     double zf = 0, zp = 0;
                     memset(full, 0, sizeof(double) * d);
@@ -124,7 +127,7 @@ kvc_status kvc_eviction_error(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
                     for (int64_t r = 0; r < visible; r++) {
                         double dot = 0;
                         for (int32_t t = 0; t < d; t++) dot += qi[t] * k[h][r * d + t];
-                        const double e = exp(dot * scale - mx);
+                        const double e = exp(model_score(dot * scale, c->attn_softcap) - mx);
                         zf += e;
                         for (int32_t t = 0; t < d; t++) full[t] += e * v[h][r * d + t];
                         if (kept[r]) {

@@ -98,19 +98,29 @@ typedef struct kvc_layer_rows {
     const kvc_backend *be;
     const kvc_config *mc;
     kvc_kv *kv;
-    const float *inv_freq; /* host [d/2] RoPE frequencies of the model; NULL: from mc (kvc_kernel_rope_freqs) */
+    const kvc_model *model; /* whose RoPE rule turns the rows (kvc_model_rope); NULL: mc's plain frequencies */
     kvc_view wo;           /* the layer's o_proj weight [D, H d] (CriticalKV); buf NULL without a model */
     const float *q_mean;   /* [H, d] given pre-RoPE query mean of this layer (ExpectedAttentionStats), or NULL */
     const float *q_cov;    /* [H, d, d] its covariance (with q_mean) */
     int64_t future_from;   /* ExpectedAttention's first future position; 0: the one after the call's last row */
 } kvc_layer_rows;
 
+/* The end of a call (its last row's position + 1): what the forward chose the call's RoPE by. */
+static inline int64_t kvc_call_end(const kvc_layer_ctx *ctx) {
+    return (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
+}
+
+/* The RoPE of layer `layer`'s rows as the forward turns them in a call ending at `end` (kvc_model_rope: LongRoPE's
+ * factors and attention factor, Gemma 3's local base): the frequencies into freq[d/2] and the factor of the turned
+ * pairs into *mscale. Without a model (press_compute on arrays): the config's plain frequencies and 1. */
+kvc_status kvc_layer_rope(const kvc_layer_rows *lr, int32_t layer, int64_t end, float *freq, float *mscale);
+
 /* The rows of a session's layer `l` with what the scorers need of its model; kv: the session's own K/V
  * store of that layer, or another store of the same layer (BlockPress's scratch). */
 static inline kvc_layer_rows kvc_session_layer_rows(kvc_session *s, int32_t l, kvc_kv *kv) {
     const kvc_model *m = kvc_door_model(s);
     const kvc_layer_rows lr = {kvc_door_backend(s), &m->cfg, kv ? kv : kvc_door_cache(s)->layers[l].kv,
-                               m->rope_inv_freq, m->layers[l].wo, NULL, NULL, 0};
+                               m, m->layers[l].wo, NULL, NULL, 0};
     return lr;
 }
 

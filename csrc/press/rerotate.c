@@ -10,11 +10,13 @@
 #include "../model/model.h"
 #include "press.h"
 
-static kvc_status rerotate(kvc_session *s, int32_t layer) {
+static kvc_status rerotate(kvc_session *s, int32_t layer, int64_t end) {
     const kvc_backend *be = kvc_door_backend(s);
     const kvc_layer_cache *L = &kvc_door_cache(s)->layers[layer];
     const kvc_config *c = &kvc_door_model(s)->cfg;
     const int32_t d = c->head_dim;
+    /* a turn by the distance with the frequencies the call turned the keys with; the attention factor stays */
+    const float *freq = kvc_model_rope(kvc_door_model(s), layer, end).host;
     kvc_status st = KVC_OK;
     for (int32_t h = 0; h < kvc_door_cache(s)->n_kv && st == KVC_OK; h++) {
         const int64_t n = L->len[h];
@@ -24,7 +26,7 @@ static kvc_status rerotate(kvc_session *s, int32_t layer) {
         if (!k || !delta) st = kvc_fail(KVC_ERR_NOMEM, "out of memory: key re-rotation");
         for (int64_t i = 0; i < n && st == KVC_OK; i++) delta[i] = i - L->pos[h][i];
         if (st == KVC_OK) st = be->kv_read(L->kv, h, 0, n, k, NULL);
-        if (st == KVC_OK) kvc_host_rope(k, delta, n, 1, d, kvc_door_model(s)->rope_inv_freq, c->rope_pairing);
+        if (st == KVC_OK) kvc_host_rope(k, delta, n, 1, d, freq, c->rope_pairing, 1.0f);
         if (st == KVC_OK) st = be->kv_write(L->kv, h, 0, n, k, NULL);
         free(k);
         free(delta);
@@ -44,7 +46,7 @@ static kvc_status set_on(void *state, const kvc_press *p, const void *data, int6
 
 static kvc_status after_compact(kvc_press *p, void *state, kvc_session *s, const kvc_layer_ctx *ctx) {
     (void)p;
-    return ((const rerotate_state *)state)->on ? rerotate(s, ctx->layer) : KVC_OK;
+    return ((const rerotate_state *)state)->on ? rerotate(s, ctx->layer, kvc_call_end(ctx)) : KVC_OK;
 }
 
 static const kvc_part_array_i arrays[] = {

@@ -7,6 +7,18 @@
 
 #include "press.h"
 
+kvc_status kvc_layer_rope(const kvc_layer_rows *lr, int32_t layer, int64_t end, float *freq, float *mscale) {
+    const int32_t half = lr->mc->head_dim / 2;
+    if (!lr->model) {
+        *mscale = 1.0f;
+        return kvc_kernel_rope_freqs(lr->mc, freq);
+    }
+    const kvc_rope_rule r = kvc_model_rope(lr->model, layer, end);
+    memcpy(freq, r.host, sizeof(float) * (size_t)half);
+    *mscale = r.mscale;
+    return KVC_OK;
+}
+
 kvc_status kvc_score_buffer(const kvc_backend *be, int32_t Hkv, kvc_buf **buf, int64_t *ld, int64_t maxlen) {
     if (*buf && *ld >= maxlen) return KVC_OK;
     if (*buf) be->free(*buf);

@@ -243,8 +243,9 @@ static void qkv_forward(kvc_rows *r, int32_t l, const struct kvc_lora *lora, flo
         kvc_host_head_rmsnorm(q, m, H, d, W->q_norm, c->rms_eps);
         kvc_host_head_rmsnorm(kb, m, Hkv, d, W->k_norm, c->rms_eps);
     }
-    kvc_host_rope(q, r->pos, m, H, d, r->M->rope_inv_freq, c->rope_pairing);
-    kvc_host_rope(kb, r->pos, m, Hkv, d, r->M->rope_inv_freq, c->rope_pairing);
+    const kvc_rope_rule rope = kvc_model_rope(r->M->rope, l, r->pos[m - 1] + 1); /* as the forward turns them */
+    kvc_host_rope(q, r->pos, m, H, d, rope.host, c->rope_pairing, rope.mscale);
+    kvc_host_rope(kb, r->pos, m, Hkv, d, rope.host, c->rope_pairing, rope.mscale);
 }
 
 /* attn = softmax(q K^T) V per query head; the objective's head terms added to *total in head order (the value is
@@ -417,9 +418,10 @@ static void qkv_backward(kvc_rows *r, int32_t l) {
     const kvc_host_layer *W = &r->M->layers[l];
     const int32_t H = c->n_heads, Hkv = c->n_kv_heads, d = c->head_dim;
     const int64_t m = r->m, D = c->hidden, qd = (int64_t)H * d, kd = (int64_t)Hkv * d;
-    /* RoPE is a rotation: its transpose rotates by the opposite angle */
-    kvc_host_rope(r->dq, r->negpos, m, H, d, r->M->rope_inv_freq, c->rope_pairing);
-    kvc_host_rope(r->dk, r->negpos, m, Hkv, d, r->M->rope_inv_freq, c->rope_pairing);
+    /* RoPE is a rotation (times LongRoPE's factor): its transpose rotates by the opposite angle */
+    const kvc_rope_rule rope = kvc_model_rope(r->M->rope, l, r->pos[m - 1] + 1);
+    kvc_host_rope(r->dq, r->negpos, m, H, d, rope.host, c->rope_pairing, rope.mscale);
+    kvc_host_rope(r->dk, r->negpos, m, Hkv, d, rope.host, c->rope_pairing, rope.mscale);
     const float *dq = r->dq, *dk = r->dk;
     if (W->q_norm) {
         kvc_rmsnorm_backward(r->QR + (size_t)l * m * qd, W->q_norm, r->dq, r->dqn, m * H, d, c->rms_eps, 0);

@@ -6,8 +6,10 @@ engine's arrays, with a `module` stand-in that carries what kvpress's presses re
 - `q_proj` and `hidden_states`: the engine gives the call's queries after RoPE, not the layer's input, so the
   stand-in's hidden states are the queries with RoPE undone ([1, n, H d]) and its q_proj is the identity:
   kvpress's get_prerope_query_states then gives the pre-RoPE queries it would have computed (q-norm included);
-- `rotary_emb(x, position_ids)` and kwargs["position_embeddings"]: RoPE's cos, sin of the model's frequencies in
-  Hugging Face's half-split layout. Keys and queries of a GGUF llama (adjacent pairs) are handed over with their
+- `rotary_emb(x, position_ids)` and kwargs["position_embeddings"]: RoPE's cos, sin of the call's frequencies (as the
+  forward turned its rows: LongRoPE's long factors past the original context) times the attention factor, in
+  Hugging Face's half-split layout. (kvpress's ExpectedAttention asks for positions after the call: a call before
+  the original context whose n_future positions pass it gets the call's short factors here, the long ones there.) Keys and queries of a GGUF llama (adjacent pairs) are handed over with their
   channels permuted into that layout: dot products, and so every score, are unchanged.
 
 Anything else a press reads of the module, its config or kwargs is refused with an AttributeError naming it.
@@ -83,14 +85,16 @@ class KvpressScorerPress(ScorerPress):
             values = torch.from_numpy(layer.values[:, :n])[None]
             q = torch.from_numpy(np.ascontiguousarray(layer.queries[..., perm]))      # [H, n_call, d] after RoPE
         inv_freq = torch.from_numpy(layer.rope_freqs.astype(np.float32))
+        # transformers' attention_scaling (LongRoPE's factor) on the turned pairs, in its cos and sin
+        scale = torch.where(inv_freq != 0, float(layer.rope_attn_factor), 1.0).repeat(2)
 
         def rotary_emb(x, position_ids):
             f = position_ids[..., None].to(torch.float32) * inv_freq                 # [1, len, d/2]
             emb = torch.cat((f, f), dim=-1)
-            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            return (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
 
         cos, sin = rotary_emb(q, torch.from_numpy(layer.positions)[None])
-        pre = q * cos - _rotate_half(q) * sin                                       # RoPE undone
+        pre = (q * cos - _rotate_half(q) * sin) / scale**2                          # RoPE undone
         hidden = pre.transpose(0, 1).reshape(1, q.shape[1], H * d)
         config = _Strict("module.config", name, num_attention_heads=H, num_key_value_heads=layer.n_kv_heads,
                          head_dim=d)

@@ -75,6 +75,7 @@ static PyObject *layer_dict(const kvc_scorer_view *v) {
     SET_ITEM(d, "attentions", view_array(v->attentions, NPY_FLOAT32, 3, a_dims, a_str));
     const npy_intp f_dims[1] = {v->head_dim / 2};
     SET_ITEM(d, "rope_freqs", view_array(v->rope_freq, NPY_FLOAT64, 1, f_dims, one));
+    SET_ITEM(d, "rope_attn_factor", PyFloat_FromDouble(v->rope_attn_factor));
     SET_ITEM(d, "rope_pairing", PyUnicode_FromString(v->rope_pairing == KVC_ROPE_ADJACENT ? "adjacent" : "half"));
     return d;
 }

@@ -145,8 +145,9 @@ def test_swiglu(rng, device, rows, dim):
     assert rel(ours, ref) < 2 * BF16_EPS
 
 
-def run_attention(fn, q, ks, vs, past, scale, *extra, device=None, start=None):
-    """fn: kvc_kernel_attention (no device), or kvc_device_kernel_attention on `device` (window `start`)."""
+def run_attention(fn, q, ks, vs, past, scale, *extra, device=None, start=None, cap=None):
+    """fn: kvc_kernel_attention (no device), or kvc_device_kernel_attention on `device` (window `start`; with cap,
+    kvc_device_kernel_attention_softcap)."""
     n, H, d = q.shape
     Hkv = len(ks)
     kp = (C.c_void_p * Hkv)(*[k.ctypes.data for k in ks])
@@ -154,7 +155,7 @@ def run_attention(fn, q, ks, vs, past, scale, *extra, device=None, start=None):
     out = np.zeros((n, H, d), np.float32)
     window = [None if start is None else start.ctypes.data] if device else []
     args = ([dev(device)] if device else []) + [q, n, H, Hkv, d, C.cast(kp, C.c_void_p), C.cast(vp, C.c_void_p), past,
-                                                  *window, scale, out, *extra]
+                                                  *window, scale, *([] if cap is None else [cap]), out, *extra]
     check(fn(*args))
     return out
 
@@ -908,6 +909,26 @@ def test_attention_window_starts(rng, device, attention_kernel, n, H, d, force_p
     ref = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device="cpu", start=start)
     full = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, 0.125, 0, device="cpu")
     assert rel(full, ref) > 0.05  # the starts change the output: a kernel ignoring them would fail below
+    assert rel(ours, ref) < 1.5e-2  # as test_attention_ragged: bf16 probabilities and output of the same sums
+
+
+@pytest.mark.parametrize("n,H,d,force_prefill", [(70, 8, 64, 0), (130, 4, 128, 0), (1, 8, 64, 0), (1, 4, 128, 1),
+                                                  (9, 6, 40, 0)])
+def test_attention_softcap(rng, device, attention_kernel, n, H, d, force_prefill):
+    """Soft-capped scores (Gemma 2) on the device against the CPU: the prefill kernels (WMMA and mma at d 64 / 128,
+    the generic one at d 40; cuDNN is skipped for a cap) and split-K decode (n = 1), with a sliding window."""
+    past = np.array([90, 3], np.int64)  # 2 KV heads
+    start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
+    q = bf16(rng.standard_normal((n, H, d)) * 4)  # scaled scores well past the cap
+    ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
+    vs = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
+    scale, cap = np.float32(1 / np.sqrt(d)), np.float32(5.0)
+    ours = run_attention(lib.kvc_device_kernel_attention_softcap, q, ks, vs, past, scale, force_prefill, device=device,
+                         start=start, cap=cap)
+    ref = run_attention(lib.kvc_device_kernel_attention_softcap, q, ks, vs, past, scale, 0, device="cpu", start=start,
+                        cap=cap)
+    plain = run_attention(lib.kvc_device_kernel_attention, q, ks, vs, past, scale, 0, device="cpu", start=start)
+    assert rel(plain, ref) > 0.05  # the cap changes the output: a kernel ignoring it would fail below
     assert rel(ours, ref) < 1.5e-2  # as test_attention_ragged: bf16 probabilities and output of the same sums
 
 

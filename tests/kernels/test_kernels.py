@@ -252,9 +252,10 @@ def test_rope_pairings_are_a_permutation(rng):
 # Attention
 
 
-def attention_ref(q, ks, vs, past, scale, start=None):
+def attention_ref(q, ks, vs, past, scale, start=None, cap=0.0):
     """Dense masked softmax in float64: query i of head hq sees the first past[h] + i + 1 rows of
-    KV head h = hq // (H // Hkv), from row start[i, h] on when start is given (a sliding window)."""
+    KV head h = hq // (H // Hkv), from row start[i, h] on when start is given (a sliding window); with cap,
+    the scaled scores s become cap tanh(s / cap) first (Gemma 2's soft-capping)."""
     n, H, d = q.shape
     g = H // len(ks)
     out = np.zeros((n, H, d))
@@ -262,6 +263,8 @@ def attention_ref(q, ks, vs, past, scale, start=None):
         h = hq // g
         K, V = ks[h].astype(np.float64), vs[h].astype(np.float64)
         s = q[:, hq].astype(np.float64) @ K.T * scale
+        if cap:
+            s = cap * np.tanh(s / cap)
         visible = np.arange(K.shape[0])[None, :] < (past[h] + np.arange(n) + 1)[:, None]
         if start is not None:
             visible &= np.arange(K.shape[0])[None, :] >= start[:, h][:, None]
@@ -391,6 +394,34 @@ def test_attention_window_starts(rng, n, H, Hkv, d):
     assert st == KVC_OK, lib.kvc_last_error()
     err = rel(out, attention_ref(q, ks, vs, past, np.float32(scale), start))
     assert err < TOL, f"n={n} H={H} Hkv={Hkv} d={d}: rel err {err:.2e} (seed {seed_of(rng)})"
+
+
+@pytest.mark.parametrize("n,H,Hkv,d,window", [(1, 8, 2, 64, False), (3, 12, 3, 128, True), (37, 4, 4, 64, False),
+                                                (130, 9, 3, 64, True), (65, 6, 3, 80, False)])
+def test_attention_softcap(rng, n, H, Hkv, d, window):
+    """Soft-capped scores (cap tanh(s / cap) before the softmax) on the decode (n <= 4) and prefill paths, with and
+    without a sliding window, against the float64 reference; queries scaled so the scores reach well past the cap."""
+    past = rng.integers(0, 300, size=Hkv).astype(np.int64)
+    start = None
+    if window:
+        start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
+    ks = [f32(rng.standard_normal((past[h] + n, d))) for h in range(Hkv)]
+    vs = [f32(rng.standard_normal((past[h] + n, d))) for h in range(Hkv)]
+    q = f32(rng.standard_normal((n, H, d)) * 4)  # scaled scores ~ N(0, 16): many beyond the cap
+    kp = (C.c_void_p * Hkv)(*[k.ctypes.data for k in ks])
+    vp = (C.c_void_p * Hkv)(*[v.ctypes.data for v in vs])
+    scale, cap = np.float32(1 / np.sqrt(d)), np.float32(5.0)
+    out = np.full((n, H, d), np.nan, dtype=np.float32)
+    st = lib.kvc_device_kernel_attention_softcap(0, q, n, H, Hkv, d, C.cast(kp, C.c_void_p), C.cast(vp, C.c_void_p), past,
+                                                 None if start is None else start.ctypes.data, scale, cap, out, 0)
+    assert st == KVC_OK, lib.kvc_last_error()
+    ref = attention_ref(q, ks, vs, past, scale, start, cap=float(cap))
+    err, moved = rel(out, ref), rel(attention_ref(q, ks, vs, past, scale, start), ref)
+    assert moved > 0.1, f"the cap should change the output (moved {moved:.3f})"
+    assert err < TOL, f"n={n} H={H} Hkv={Hkv} d={d}: rel err {err:.2e}, the cap moves it {moved:.3f} (seed {seed_of(rng)})"
+    bad = lib.kvc_device_kernel_attention_softcap(0, q, n, H, Hkv, d, C.cast(kp, C.c_void_p), C.cast(vp, C.c_void_p), past,
+                                                  None, scale, np.float32(-1), out, 0)
+    assert bad != KVC_OK and "softcap" in lib.kvc_last_error().decode()
 
 
 def test_attention_window_start_out_of_order_is_refused(rng):

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvpress_c  # noqa: E402
-from gemma3_models import GGUF_SHAPE, LAYERS, PERIOD, WINDOW, write_gemma3_gguf, write_tiny_gemma3  # noqa: E402
+from gemma3_models import GGUF_SHAPE, LAYERS, PERIOD, WINDOW, write_gemma_gguf, write_tiny_gemma3  # noqa: E402
 from hf_models import hf_logits, hf_model, rel_err  # noqa: E402
 
 TOL = 1e-5  # the issue's bound; measured figures printed by each test
@@ -117,7 +117,7 @@ def test_gguf_matches_hf(tmp_path, rng, linear):
     pytest.importorskip("gguf")
     seed = int(rng.integers(1 << 31))
     path = write_tiny_gemma3(str(tmp_path / "hf"), seed=seed, linear=linear, **GGUF_SHAPE)
-    g = kvpress_c.load_model(write_gemma3_gguf(path, str(tmp_path / "model.gguf")), weights="fp32")
+    g = kvpress_c.load_model(write_gemma_gguf(path, str(tmp_path / "model.gguf")), weights="fp32")
     c = g.config
     assert c["arch"] == "gemma3" and c["window_period"] == 6 and c["sliding_window"] == WINDOW
     ids = rng.integers(3, 256, size=70).tolist()
@@ -159,9 +159,28 @@ def test_older_config_form_reads_the_same(tmp_path, rng):
     assert err < TOL
 
 
+def test_soft_capping_as_transformers_runs_it(tmp_path, rng):
+    """Gemma3TextConfig carries Gemma 2's two caps; transformers' Gemma 3 applies final_logit_softcapping and reads
+    attn_logit_softcapping without applying it (its attention call passes no softcap): so do we, HF folder and GGUF
+    (llama.cpp's gemma3 reads only the final cap). The final cap moves the logits far beyond the tolerance."""
+    pytest.importorskip("gguf")
+    seed = int(rng.integers(1 << 31))
+    path = write_tiny_gemma3(str(tmp_path / "hf"), seed=seed, **GGUF_SHAPE)
+    ids = rng.integers(3, 256, size=70).tolist()
+    plain = hf_logits(hf_model(path), ids)
+    edit_config(path, attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+    ref = hf_logits(hf_model(path), ids)
+    model = kvpress_c.load_model(path, weights="fp32")
+    assert (model.config["attn_softcap"], model.config["logit_softcap"]) == (0.0, 2.0)
+    g = kvpress_c.load_model(write_gemma_gguf(path, str(tmp_path / "model.gguf")), weights="fp32")
+    assert (g.config["attn_softcap"], g.config["logit_softcap"]) == (0.0, 2.0)
+    moved, err, err_g = rel_err(ref, plain), rel_err(model.logits(ids), ref), rel_err(g.logits(ids), ref)
+    print(f"(seed {seed}): the caps move HF's logits by {moved:.3f}; ours {err:.2e}, GGUF {err_g:.2e}")
+    assert moved > 1e-2 and err < TOL and err_g < TOL
+
+
 @pytest.mark.parametrize("edit,exc,match", [
-    (dict(attn_logit_softcapping=50.0), NotImplementedError, "attn_logit_softcapping is set"),
-    (dict(final_logit_softcapping=30.0), NotImplementedError, "final_logit_softcapping is set"),
+    (dict(final_logit_softcapping=-1.0), ValueError, "final_logit_softcapping"),
     (dict(hidden_activation="gelu"), NotImplementedError, "hidden_activation 'gelu'"),
     (dict(use_bidirectional_attention=True), NotImplementedError, "use_bidirectional_attention"),
     (dict(layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention", "sliding_attention"]),
@@ -271,7 +290,7 @@ def test_native_f16_gguf(tmp_path, rng):
     each other and with HF to F16's rounding."""
     pytest.importorskip("gguf")
     path = write_tiny_gemma3(str(tmp_path / "hf"), seed=int(rng.integers(1 << 31)), **GGUF_SHAPE)
-    g = write_gemma3_gguf(path, str(tmp_path / "f16.gguf"), weight_type="F16")
+    g = write_gemma_gguf(path, str(tmp_path / "f16.gguf"), weight_type="F16")
     native, fp32 = kvpress_c.load_model(g), kvpress_c.load_model(g, weights="fp32")
     assert native.config["native_matrices"] > 0
     ids = rng.integers(3, 256, size=60).tolist()

@@ -436,9 +436,9 @@ def test_sliding_window_layer_pattern_the_engine_cannot_run(tiny, tmp_path):
 
 
 def test_unknown_architecture_names_what_is_supported(tiny, tmp_path):
-    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), model_type="gemma2")
+    d = edit_cfg(clone(tiny("llama"), tmp_path / "m"), model_type="gpt_neox")
     st, msg = c_load(d)[:2]
-    assert st == ST_UNSUPPORTED and "gemma2" in msg and "qwen3" in msg and "gemma3_text" in msg, msg
+    assert st == ST_UNSUPPORTED and "gpt_neox" in msg and "qwen3" in msg and "gemma2" in msg and "gemma3_text" in msg, msg
     # a multimodal Gemma 3 config runs its text_config's model: without one, a clear error
     d = edit_cfg(clone(tiny("llama"), tmp_path / "m2"), model_type="gemma3")
     st, msg = c_load(d)[:2]

@@ -351,14 +351,19 @@ def test_chunkkv_matches_kvpress(ratio, hf_default, default_model, prompt_ids, d
 
 # -- (b) tiny random Hugging Face llama and qwen3 (per-head q/k norms) models ----------------------------
 
-# Open on Phi-3 with LongRoPE past its original context (issue 30): our scorers that turn keys or queries on the
-# host (ExpectedAttention's and CAP's future positions, LeverageScore's and Compactor's pre-RoPE keys) use the
-# short factors' frequencies and no attention factor; kvpress 0.5.5's CriticalKV reads config.head_dim, which
-# Phi3Config lacks. Strict: a fix turns them into failures to remove from this list.
-_HOST_ROPE = "host-side RoPE of a LongRoPE model uses the short factors (issue 30, open)"
-PHI3_OPEN = {"ExpectedAttention": _HOST_ROPE, "AdaKV-ExpectedAttention": _HOST_ROPE, "Cap": _HOST_ROPE,
-             "LeverageScore": _HOST_ROPE, "Compactor": _HOST_ROPE,
-             "CriticalKV": "kvpress 0.5.5 reads Phi3Config.head_dim", "CriticalAdaKV": "kvpress 0.5.5 reads Phi3Config.head_dim"}
+# kvpress 0.5.5's CriticalKVPress reads module.config.head_dim, which Phi3Config lacks: on Phi-3 kvpress raises that
+# AttributeError (asserted), and the comparison runs with the attribute set on the config (hidden / heads, the value
+# Phi-3's attention uses). The scorers that turn keys or queries on the host (ExpectedAttention's and CAP's future
+# positions, LeverageScore's and Compactor's pre-RoPE keys) follow LongRoPE's rule as the forward does: on the
+# 200-token prompt, past the original context (64), the long factors and the attention factor.
+PHI3_KVPRESS_READS_HEAD_DIM = ("CriticalKV", "CriticalAdaKV")
+
+
+def phi3_head_dim_for_kvpress(hf, name, ids):
+    """kvpress fails on Phi-3 for PHI3_KVPRESS_READS_HEAD_DIM (checked); then the config gets head_dim for it."""
+    with pytest.raises(AttributeError, match="head_dim"):
+        run_kvpress(hf, make_press(kvpress, name, 16, 0.5), ids, None, n_new=1)
+    hf.config.head_dim = hf.config.hidden_size // hf.config.num_attention_heads
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
@@ -378,10 +383,10 @@ def tiny(tmp_path_factory, request):
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("name", NAMES)
-def test_tiny_model_matches_kvpress(name, ratio, tiny, request):
+def test_tiny_model_matches_kvpress(name, ratio, tiny):
     hf, model, ids, keys = tiny
-    if model.config["arch"] == "phi3" and name in PHI3_OPEN:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=PHI3_OPEN[name]))
+    if model.config["arch"] == "phi3" and name in PHI3_KVPRESS_READS_HEAD_DIM and not hasattr(hf.config, "head_dim"):
+        phi3_head_dim_for_kvpress(hf, name, ids)
     # Qwen3's k_norm gives every key head the same RMS (times the norm weights): Knorm's -||k|| scores are
     # near-equal by construction, and at 0.9 the cut falls among near-ties (measured: 7/8 heads exact,
     # mean Jaccard 0.9875, every differing row within TIE_TOL of kvpress's cut)

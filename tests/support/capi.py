@@ -41,7 +41,8 @@ class Config(C.Structure):  # kvc_config
                 ("qk_norm", C.c_int32), ("sliding_window", C.c_int32), ("window_first_layer", C.c_int32),
                 ("rope_dim", C.c_int32), ("rope_long_context", C.c_int32), ("rope_attn_factor", C.c_float),
                 ("window_period", C.c_int32), ("rope_local_theta", C.c_float), ("attn_scale", C.c_float),
-                ("embed_scale", C.c_float), ("mlp_act", C.c_int32), ("post_norms", C.c_int32)]
+                ("embed_scale", C.c_float), ("mlp_act", C.c_int32), ("post_norms", C.c_int32),
+                ("attn_softcap", C.c_float), ("logit_softcap", C.c_float)]
 
 
 class KVFormat(C.Structure):  # kvc_kv_format
@@ -104,6 +105,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_rope": (_I, [_I32, F32P, I64P, _I64, _I32, _I32, F32P, _I32]),
     "kvc_device_kernel_swiglu": (_I, [_I32, F32P, F32P, F32P, _I64, _I64]),
     "kvc_device_kernel_attention": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _V, _F, F32P, _I32]),
+    "kvc_device_kernel_attention_softcap": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, _V, _F, _F, F32P, _I32]),
     "kvc_device_kernel_attention_pruned": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, _V, _V, I64P, I64P, _I32, I32P, _F,
                                                F32P, _I32]),
     "kvc_device_kernel_head_rmsnorm": (_I, [_I32, F32P, _I64, _I32, _I32, F32P, _F]),
@@ -126,7 +128,8 @@ class ScorerView(C.Structure):  # kvc_scorer_view: what a callback scorer receiv
         ("window", C.c_int32), ("queries", C.POINTER(C.c_float)), ("hidden", C.POINTER(C.c_float)),
         ("attentions", C.POINTER(C.c_float)), ("scores", C.POINTER(C.c_float)), ("keep", C.POINTER(C.c_int64)),
         ("n_keep", C.POINTER(C.c_int64)), ("message", C.POINTER(C.c_char)), ("message_size", C.c_int32),
-        ("rope_pairing", C.c_int32), ("rope_freq", C.POINTER(C.c_double)), ("future_from", C.c_int64)]
+        ("rope_pairing", C.c_int32), ("rope_freq", C.POINTER(C.c_double)), ("future_from", C.c_int64),
+        ("rope_attn_factor", C.c_double)]
 
 
 # kvc_scorer_callback

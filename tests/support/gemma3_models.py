@@ -54,11 +54,12 @@ def write_tiny_gemma3(path: str, seed: int = 0, dtype=None, **kw) -> str:
 GGUF_SHAPE = dict(layers=7, period=6, scalar=16)
 
 
-def write_gemma3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
-    """The folder's model (made with GGUF_SHAPE) as a GGUF file the way llama.cpp's converter writes Gemma 3:
-    arch 'gemma3', norms stored as 1 + w, q/k norms attn_q_norm / attn_k_norm, the four layer norms
-    attn_norm, post_attention_norm, ffn_norm (pre-MLP), post_ffw_norm; linear RoPE scaling in the metadata.
-    weight_type: F32 or F16 for the matrices (norms stay F32)."""
+def write_gemma_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
+    """The folder's Gemma 3 (made with GGUF_SHAPE) or Gemma 2 model as a GGUF file the way llama.cpp's converters
+    write them: arch 'gemma3' or 'gemma2', norms stored as 1 + w, the four layer norms attn_norm,
+    post_attention_norm, ffn_norm (pre-MLP), post_ffw_norm; Gemma 3's q/k norms attn_q_norm / attn_k_norm and
+    linear RoPE scaling, the soft-capping values the config sets. weight_type: F32 or F16 for the matrices
+    (norms stay F32)."""
     import gguf
     import numpy as np
     import torch
@@ -66,17 +67,22 @@ def write_gemma3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
 
     from hf_models import gguf_writer_from_hf
 
-    model = transformers.Gemma3ForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
-    full = c.rope_parameters["full_attention"]
-    w = gguf_writer_from_hf(out, "gemma3", c)
+    g2 = c.model_type == "gemma2"
+    w = gguf_writer_from_hf(out, "gemma2" if g2 else "gemma3", c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(full["rope_theta"])
+    rope = c.rope_parameters if g2 else c.rope_parameters["full_attention"]
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(c.sliding_window)
-    if full.get("rope_type") == "linear":
+    if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_factor(rope["factor"])
+    if g2 and c.attn_logit_softcapping:  # llama.cpp's gemma3 reads no attention soft-capping, as transformers' runs none
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if c.final_logit_softcapping:
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     w.add_token_list([f"<t{i}>".encode() for i in range(c.vocab_size)])
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
@@ -94,11 +100,12 @@ def write_gemma3_gguf(hf_dir: str, out: str, weight_type: str = "F32") -> str:
     put("output_norm.weight", sd["model.norm.weight"])
     names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-             "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-             "self_attn.k_norm.weight": "attn_k_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
              "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
              "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
              "mlp.down_proj.weight": "ffn_down.weight"}
+    if not g2:
+        names.update({"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"})
     for l in range(c.num_hidden_layers):
         for hf, gg in names.items():
             put(f"blk.{l}.{gg}", sd[f"model.layers.{l}.{hf}"])

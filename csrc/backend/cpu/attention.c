@@ -4,7 +4,8 @@
  * reads KV head h = hq / (H / Hkv), whose keys
  * k[h] and values v[h] are [past_len[h] + n, d]; it sees the first past_len[h] + i + 1 rows, from row
  * start[i, h] on when a sliding window gives start (i64 [n, Hkv], nondecreasing in i):
- *   out[i, hq] = softmax_j(scale * q[i, hq] . k[h][j]) v[h][j]   over the visible j.
+ *   out[i, hq] = softmax_j(cap(scale * q[i, hq] . k[h][j])) v[h][j]   over the visible j
+ * (cap: kvc_softcap, Gemma 2's soft-capping; the identity without one).
  * Keys are visited in tiles with an online softmax (running max m and sum l per query row; when the
  * max grows, the earlier sum and output are rescaled by exp(m_old - m_new)), so memory is O(tile)
  * per thread and no n x n score matrix ever exists.
@@ -224,6 +225,13 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, 
 /* ---------------------------------------------------------------------------------------------- */
 /* Masks, pruned keys and query gathering, for both layouts of a task's scores.                   */
 
+/* Soft-capping of a tile's scaled scores, entry (r, j) at S[r rs + j js] (before the mask). */
+static void cap_tile(float *S, int64_t rs, int64_t js, int rows, int tk, float cap) {
+    if (cap > 0)
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < tk; j++) S[r * rs + j * js] = kvc_softcap(S[r * rs + j * js], cap);
+}
+
 /* Scores of `rows` rows (row r: query i0 + r / gc) on the tile of keys [k0, k0 + tk), entry (r, j) at
  * S[r rs + j js]: -inf where key k0 + j is past the row's query (causal) or below its window start
  * (lo: the head's column of start [n, Hkv], else NULL). */
@@ -288,7 +296,7 @@ static void gather_q(const float *q, int64_t ldq, int32_t d, int32_t hq0, int32_
 /* head's column of start, else NULL). Accumulates into O[rows][d], m[rows], l[rows].             */
 static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, const kvc_cpu_kvsrc *kv, int32_t h,
                        const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke,
-                       float *O, float *m, float *l) {
+                       float cap, float *O, float *m, float *l) {
     float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
     const int64_t np = pk ? pk->np : 0;
     if (lo && kb < lo[i0 * Hkv]) kb = lo[i0 * Hkv]; /* nothing below the first query's window start */
@@ -299,19 +307,22 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
         kvc_kv_tile tile;
         const int64_t typed = kv->tile && !pruned ? kv->tile(kv->src, h, k0, tk, &tile) : 0;
+        const float *V = NULL;
         if (typed > 0) { /* rows in the stored type, read where they lie */
             tk = (int)typed;
             kvc_cpu_kv_scores(&tile, Q, rows, tk, S, TK);
-            mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
-            softmax_step(S, rows, tk, m, l, O, d);
-            kvc_cpu_kv_pv(&tile, S, TK, rows, tk, O);
         } else {
-            const float *K = kv->keys(kv->src, h, k0, tk, Kb), *V = kv->values(kv->src, h, k0, tk, Vb);
+            const float *K = kv->keys(kv->src, h, k0, tk, Kb);
+            V = kv->values(kv->src, h, k0, tk, Vb);
             scores_dot(pruned ? pk->Qp : Q, rows, ds, K, tk, V, K != Kb, S);
-            mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
-            softmax_step(S, rows, tk, m, l, O, d);
-            update_pv_rows(S, rows, tk, V, d, O);
         }
+        cap_tile(S, TK, 1, rows, tk, cap);
+        mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
+        softmax_step(S, rows, tk, m, l, O, d);
+        if (typed > 0)
+            kvc_cpu_kv_pv(&tile, S, TK, rows, tk, O);
+        else
+            update_pv_rows(S, rows, tk, V, d, O);
         k0 += tk;
     }
 }
@@ -357,8 +368,8 @@ static void softmax_cols(float *S, int rp, int tk, float *m, float *l, float *co
 
 /* QT [d][rp]: the task's scaled queries transposed (rows..rp-1 zero; rp a multiple of KVC_NR).   */
 static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, int d, const kvc_cpu_kvsrc *kv, int32_t h,
-                         const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t ke, float *O,
-                         float *m, float *l) {
+                         const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t ke, float cap,
+                         float *O, float *m, float *l) {
     float S[PTK * LS(ROWS_MAX)], corr[ROWS_MAX], Kb[PTK * d], Vb[PTK * d];
     const int64_t np = pk ? pk->np : 0;
     for (int64_t k0 = lo ? lo[i0 * Hkv] : 0; k0 < ke;) {
@@ -371,6 +382,7 @@ static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, 
             for (int r0 = 0; r0 < rp; r0 += KVC_NR)
                 kvc_cpu_ukr(mr, KVC_NR, ds, Ks + (int64_t)j0 * ds, ds, Qs + r0, LS(rp), S + j0 * LS(rp) + r0, LS(rp), 0);
         }
+        cap_tile(S, 1, LS(rp), rows, tk, cap);
         mask_tile(S, 1, LS(rp), rows, gc, i0, past, lo, Hkv, k0, tk);
         softmax_cols(S, rp, tk, m, l, corr);
         for (int r = 0; r < rows; r++)
@@ -390,7 +402,7 @@ static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, 
 /* Task = (KV head h, query heads [h*g + g0, +gc), queries [i0, i0 + mq)).                         */
 static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                               const kvc_cpu_kvsrc *kv, const int64_t *past_len, const int64_t *start, float scale,
-                              float *out, int64_t ldo) {
+                              float cap, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     /* rows per task: QT [d][rp] must fit QBUF with rp a whole number of lane groups */
     const int rmax = QBUF / d / KVC_NR * KVC_NR < ROWS_MAX ? QBUF / d / KVC_NR * KVC_NR : ROWS_MAX;
@@ -415,7 +427,7 @@ static void attention_prefill(const float *q, int64_t ldq, int64_t n, int32_t H,
         memset(O, 0, sizeof(float) * rows * d);
         for (int r = 0; r < rp; r++) m[r] = -FLT_MAX, l[r] = 0.f;
         attend_tiles(QT, rows, rp, gn, i0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv,
-                     past_len[h] + i0 + mq, O, m, l);
+                     past_len[h] + i0 + mq, cap, O, m, l);
         for (int r = 0; r < rows; r++) {
             float *dst = out + (i0 + r / gn) * ldo + ((int64_t)h * g + g0 + r % gn) * d;
             const float inv = 1.f / l[r]; /* l >= 1: the row's own max contributes exp(0) */
@@ -444,7 +456,7 @@ static float *partials(size_t floats) {
 
 static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                             const kvc_cpu_kvsrc *kv, const int64_t *past_len, const int64_t *start, float scale,
-                            float *out, int64_t ldo) {
+                            float cap, float *out, int64_t ldo) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
     if (rows > ROWS_MAX || rows * d > QBUF || Hkv > KVC_MAX_KV_HEADS) return 0;
@@ -476,7 +488,7 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
             const pruned_keys *pkh = prune_view(kv, h, Q, rows, d, 0, Qp, &pk);
             memset(O, 0, sizeof(float) * rows * d);
             for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-            attend_dot(Q, rows, g, 0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, O, m, l);
+            attend_dot(Q, rows, g, 0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, cap, O, m, l);
         }
         /* merge: rescale each chunk to the largest max of its row */
 #pragma omp for schedule(static)
@@ -506,7 +518,7 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
 }
 
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,
-                       const int64_t *past_len, const int64_t *start, float scale, float *out, int64_t ldo) {
-    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, out, ldo)) return;
-    attention_prefill(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, out, ldo);
+                       const int64_t *past_len, const int64_t *start, float scale, float cap, float *out, int64_t ldo) {
+    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, cap, out, ldo)) return;
+    attention_prefill(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, cap, out, ldo);
 }

@@ -42,8 +42,9 @@ typedef struct kvc_cpu_kvsrc {
      * (kv_decode.h); returns m, 0 where those rows are read through keys and values */
     int64_t (*tile)(const void *src, int32_t h, int64_t r0, int64_t n, struct kvc_kv_tile *t);
 } kvc_cpu_kvsrc;
+/* cap > 0: scores capped to cap tanh(s / cap) before the softmax (Gemma 2's attention soft-capping) */
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,
-                       const int64_t *past_len, const int64_t *start, float scale, float *out, int64_t ldo);
+                       const int64_t *past_len, const int64_t *start, float scale, float cap, float *out, int64_t ldo);
 
 /* ---- GEMM pieces (gemm.c, ukernel.c, blas.c) ---- */
 /* C[m,n] (+)= A[m,k] B[n,k]^T with row strides lda, ldc (B contiguous): the external BLAS when one is

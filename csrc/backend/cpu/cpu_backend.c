@@ -118,8 +118,8 @@ static int64_t store_tile(const void *kv, int32_t h, int64_t r0, int64_t n, stru
     return kvc_hkv_tile(kv, h, r0, n, t);
 }
 
-kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
-                                int32_t flags) {
+kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
+                                kvc_view out, int32_t flags) {
     (void)flags; /* one CPU kernel picks its own decode / prefill path */
     if (start.buf && (start.buf->dtype != KVC_I64 || start.ld != kv->Hkv))
         return kvc_fail(KVC_ERR_INTERNAL, "attention: window starts must be i64 [n, Hkv]");
@@ -133,7 +133,7 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
     kvc_status st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);
     if (st == KVC_OK) {
-        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, &src, past, lo, scale, O.p, O.ld);
+        kvc_cpu_attention(Q.p, Q.ld, n, H, Hkv, d, &src, past, lo, scale, softcap, O.p, O.ld);
         kvc_frows_put(out, n, (int64_t)H * d, &O);
     }
     kvc_frows_drop(&Q);

@@ -132,8 +132,8 @@ kvc_status kvc_host_add_bias_v(kvc_view y, kvc_view b, int64_t rows, int64_t dim
 kvc_status kvc_host_rope_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view pos, kvc_view inv_freq,
                            int32_t pairing, float mscale);
 kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t heads, int32_t d, kvc_view w, float eps);
-kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
-                                int32_t flags);
+kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
+                                kvc_view out, int32_t flags);
 kvc_status kvc_host_swiglu_v(kvc_view gu, int64_t rows, int64_t F);
 kvc_status kvc_host_geglu_v(kvc_view gu, int64_t rows, int64_t F);
 kvc_status kvc_host_scale_v(kvc_view x, int64_t rows, int64_t cols, float alpha);

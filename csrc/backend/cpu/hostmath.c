@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../../core/backend.h" /* kvc_softcap */
 #include "../../core/hostmath.h"
 #include "cpu.h"
 
@@ -45,6 +46,11 @@ void kvc_host_gemm_nn(const float *a, int64_t lda, const float *b, int64_t ldb, 
 
 void kvc_host_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
                          const int64_t *visible, float *probs) {
+    kvc_host_probs_rows_capped(q_rows, m, k, len, d, scale, 0.0f, visible, probs);
+}
+
+void kvc_host_probs_rows_capped(const float *q_rows, int64_t m, const float *k, int64_t len, int32_t d, float scale,
+                                float cap, const int64_t *visible, float *probs) {
     kvc_cpu_matmul(q_rows, k, probs, m, len, d);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; i++) {
@@ -55,6 +61,10 @@ void kvc_host_probs_rows(const float *q_rows, int64_t m, const float *k, int64_t
         for (int64_t r = 0; r < vis; r++) {
             row[r] *= scale;
             mx = row[r] > mx ? row[r] : mx;
+        }
+        if (cap > 0) { /* tanh is monotone: the capped max is the max capped */
+            for (int64_t r = 0; r < vis; r++) row[r] = kvc_softcap(row[r], cap);
+            mx = kvc_softcap(mx, cap);
         }
 #pragma omp simd
         for (int64_t r = 0; r < vis; r++) row[r] -= mx;
@@ -78,8 +88,8 @@ void kvc_host_head_rmsnorm(float *x, int64_t n, int32_t heads, int32_t d, const 
 }
 
 void kvc_host_rope(float *x, const int64_t *pos, int64_t n, int32_t heads, int32_t d, const float *inv_freq,
-                   int32_t pairing) {
-    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing, 1.0f);
+                   int32_t pairing, float mscale) {
+    kvc_cpu_rope(x, (int64_t)heads * d, pos, n, heads, d, inv_freq, pairing, mscale);
 }
 
 void kvc_host_swiglu(const float *gate, const float *up, float *out, int64_t rows, int64_t dim) {

@@ -112,7 +112,7 @@ kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hk
     }
     const arrays_src a = {k, v, d};
     const kvc_cpu_kvsrc src = {&a, array_keys, array_values, NULL, 0, NULL, NULL};
-    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, &src, past_len, NULL, scale, out, (int64_t)H * d);
+    kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, &src, past_len, NULL, scale, 0.0f, out, (int64_t)H * d);
     return KVC_OK;
 }
 

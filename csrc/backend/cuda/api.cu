@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "common.cuh"
+#include "kv_rows.cuh"
 
 namespace kvc {
 
@@ -89,8 +89,8 @@ static kvc_status k_bench(int32_t what, const int64_t *dims, int32_t reps, doubl
                                  1.0f / sqrtf((float)a3), Cm, a1 * a3);
             if (st == KVC_ERR_UNSUPPORTED) st = fail(KVC_ERR_UNSUPPORTED, "bench: cuDNN has no attention plan for this shape");
         } else
-            st = attention_prefill(A, a1 * a3, a0, (int32_t)a1, (int32_t)a2, (int32_t)a3, kd, vd, past, nullptr,
-                                   1.0f / sqrtf((float)a3), Cm, a1 * a3);
+            st = attention_prefill(A, a1 * a3, a0, (int32_t)a1, (int32_t)a2, (int32_t)a3, Bf16Rows{kd, vd}, past,
+                                   nullptr, 1.0f / sqrtf((float)a3), 0.0f, Cm, a1 * a3);
         cudaEventRecord(e1, g.stream);
         if (st == KVC_OK && cudaEventSynchronize(e1) != cudaSuccess) st = cuda_fail(cudaGetLastError(), "bench");
         float ms = 0;
@@ -141,12 +141,12 @@ static kvc_status t_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t he
     return head_rmsnorm(at<bf16>(x), x.ld, col0, n, heads, d, at<float>(w), eps);
 }
 
-static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
-                              int32_t flags) {
+static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
+                              kvc_view out, int32_t flags) {
     KVC_TRY(need(q.buf->dtype == KVC_BF16 && out.buf->dtype == KVC_BF16, "attention"));
     const int32_t Hkv = kv->Hkv, d = kv->d;
     bf16 **kd = kv->kd;
-    if (kv->dk) { /* ThinK-pruned rows: the kernels read them expanded to d channels (kv_pruned.cu) */
+    if (kv->dk && !kv->typed) { /* ThinK-pruned rows: the kernels read them expanded to d channels (kv_pruned.cu) */
         const bf16 *heads[KVC_MAX_KV];
         KVC_TRY(kv_keys_full(kv, heads, &kd));
     }
@@ -167,10 +167,15 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
             KVC_TRY(scratch(g_partial, bytes, "decode scratch"));
             g_generation++;
         }
-        return attention_decode(at<bf16>(q), H, Hkv, d, kd, kv->vd, kv->lend, lo, scale, at<bf16>(out),
+        if (kv->typed) /* the rows in their type: decoded in the kernel's loads */
+            return with_typed_rows(kv, [&](const auto &src) {
+                return attention_decode(at<bf16>(q), H, Hkv, d, src, kv->lend, lo, scale, softcap, at<bf16>(out), g_partial.as<float>(),
+                                        DECODE_SPLITS);
+            });
+        return attention_decode(at<bf16>(q), H, Hkv, d, Bf16Rows{kd, kv->vd}, kv->lend, lo, scale, softcap, at<bf16>(out),
                                 g_partial.as<float>(), DECODE_SPLITS);
     }
-    if (!lo && !kv->dk && attention_cudnn_enabled()) { /* cuDNN where the heads lie at one stride */
+    if (!lo && !kv->dk && !kv->typed && !(softcap > 0) && attention_cudnn_enabled()) { /* cuDNN where the heads lie at one stride */
         const int64_t stride = Hkv > 1 ? kv->kh[1] - kv->kh[0] : kv->cap[0] * d;
         int64_t most = 1;
         int uniform = stride > 0 && kv->vh[0] && kv->kh[0];
@@ -189,7 +194,12 @@ static kvc_status t_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, floa
     KVC_TRY(add_lens(kv->pastd, Hkv, -(int32_t)n));
     /* attention_prefill picks the kernel: the mma one when it is preferred (attention_kernel 1) and takes the
      * shape (head_dim 64 or 128, aligned rows), else WMMA or the generic one (head_dim 80, 96, 256, ...) */
-    return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, kd, kv->vd, kv->pastd, lo, scale, at<bf16>(out), out.ld);
+    if (kv->typed) /* the rows in their type: decoded a tile at a time into shared memory */
+        return with_typed_rows(kv, [&](const auto &src) {
+            return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, src, kv->pastd, lo, scale, softcap, at<bf16>(out), out.ld);
+        });
+    return attention_prefill(at<bf16>(q), q.ld, n, H, Hkv, d, Bf16Rows{kd, kv->vd}, kv->pastd, lo, scale, softcap, at<bf16>(out),
+                             out.ld);
 }
 
 static kvc_status t_swiglu(kvc_view gu, int64_t rows, int64_t F) {

@@ -1,7 +1,8 @@
 /* Decode attention: one query per head over the ragged cache, split-K across the sequence.
  *
  * Block (KV head h, up to 4 of its query heads, split s) reads rows [s*chunk, (s+1)*chunk) of head
- * h once for those query heads (GQA: the group shares every K/V load), chunk = ceil(len[h] / splits)
+ * h once for those query heads (GQA: the group shares every K/V load; the rows come through a row source,
+ * kv_rows.cuh: bf16 rows, or a typed store's rows decoded in the loads), chunk = ceil(len[h] / splits)
  * computed on the device from len (with a sliding window the rows [start[h], len[h]) are split
  * instead, start read from the device too; so a CUDA graph captured once serves every step, whatever the
  * lengths: heads of different lengths are just different chunk sizes, no padding). Each of the 4
@@ -9,7 +10,7 @@
  * contiguous dimensions lane * EPL + t, so when d == 32 EPL a key row is one vector load per lane
  * (8 bytes at d = 128: a warp reads 256 contiguous bytes per instruction). Partial results (unnormalised output, max, sum) per (query head, split) are merged by
  * a second kernel. head_dim <= 256. */
-#include "common.cuh"
+#include "kv_rows.cuh"
 
 namespace kvc {
 
@@ -19,33 +20,12 @@ namespace kvc {
 
 size_t decode_partial_floats(int32_t H, int32_t d, int32_t splits) { return (size_t)H * splits * (d + 2); }
 
-/* EPL contiguous bf16 of row r at dimension e0 = lane * EPL: one load when the row is exactly 32 EPL */
-template <int EPL> __device__ __forceinline__ void load_row(const bf16 *src, int d, int e0, float *out) {
-    if (d == 32 * EPL) {
-        if (EPL == 2) {
-            const __nv_bfloat162 v = *(const __nv_bfloat162 *)(src + e0);
-            out[0] = __low2float(v);
-            out[1] = __high2float(v);
-        } else if (EPL == 4) {
-            const uint2 raw = *(const uint2 *)(src + e0);
-            const bf16 *b = (const bf16 *)&raw;
-            for (int t = 0; t < 4; t++) out[t] = __bfloat162float(b[t]);
-        } else {
-            const uint4 raw = *(const uint4 *)(src + e0);
-            const bf16 *b = (const bf16 *)&raw;
-            for (int t = 0; t < EPL; t++) out[t] = __bfloat162float(b[t]);
-        }
-    } else {
-        for (int t = 0; t < EPL; t++) out[t] = e0 + t < d ? __bfloat162float(src[e0 + t]) : 0.f;
-    }
-}
-
-template <int EPL> /* dims per lane: ceil(d / 32) rounded up to 2, 4 or 8 */
+template <int EPL, class Src> /* dims per lane: ceil(d / 32) rounded up to 2, 4 or 8 */
 __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__restrict__ q, int32_t H, int32_t g,
-                                                                int32_t d, const bf16 *const *kp, const bf16 *const *vp,
+                                                                int32_t d, const Src src,
                                                                 const int32_t *__restrict__ len_arr,
                                                                 const int64_t *__restrict__ start_arr, float scale,
-                                                                float *__restrict__ partial, int32_t splits) {
+                                                                float cap, float *__restrict__ partial, int32_t splits) {
     __shared__ float sm_m[DW][DG], sm_l[DW][DG];
     __shared__ float sm_o[DW][DG][256];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -58,7 +38,7 @@ __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__res
     const int64_t lo = start_arr ? start_arr[h] : 0; /* the sliding window's first row */
     const int64_t chunk = (len - lo + splits - 1) / splits;
     const int64_t kb = lo + (int64_t)s * chunk, ke = kb + chunk < len ? kb + chunk : len;
-    const bf16 *K = kp[h], *V = vp[h];
+    const typename Src::Head rows = src.head(h, d);
 
     float qv[DG][EPL], o[DG][EPL], m[DG], l[DG];
     for (int j = 0; j < DG; j++) {
@@ -75,8 +55,8 @@ __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__res
         for (int u = 0; u < DU; u++) {
             const int64_t r = k0 + u;
             if (r < ke) {
-                load_row<EPL>(K + r * d, d, lane * EPL, kv[u]);
-                load_row<EPL>(V + r * d, d, lane * EPL, vv[u]);
+                rows.template key<EPL>(r, lane * EPL, kv[u]);
+                rows.template value<EPL>(r, lane * EPL, vv[u]);
             } else {
                 for (int t = 0; t < EPL; t++) kv[u][t] = vv[u][t] = 0.f;
             }
@@ -88,6 +68,7 @@ __global__ void __launch_bounds__(DW * 32) decode_split_kernel(const bf16 *__res
                 float part = 0.f;
                 for (int t = 0; t < EPL; t++) part += qv[j][t] * kv[u][t];
                 for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+                part = kvc_softcap(part, cap); /* q was scaled: part is the scaled score */
                 const float mn = fmaxf(m[j], part);
                 const float corr = m[j] == -INFINITY ? 0.f : __expf(m[j] - mn), p = __expf(part - mn);
                 l[j] = l[j] * corr + p;
@@ -145,22 +126,27 @@ __global__ void decode_merge_kernel(const float *__restrict__ partial, int32_t d
     }
 }
 
-kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
-                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, bf16 *out,
-                            float *partial, int32_t splits) {
+template <class Src>
+kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const Src &src, const int32_t *len,
+                            const int64_t *start, float scale, float cap, bf16 *out, float *partial, int32_t splits) {
     if (d > 256) return fail(KVC_ERR_UNSUPPORTED, "CUDA decode attention: head_dim %d > 256", d);
     const int32_t grp = H / Hkv, gchunks = (grp + DG - 1) / DG;
     dim3 grid((unsigned)(Hkv * gchunks), (unsigned)splits);
     if (d <= 64)
-        decode_split_kernel<2><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
+        decode_split_kernel<2, Src><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, src, len, start, scale, cap, partial, splits);
     else if (d <= 128)
-        decode_split_kernel<4><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
+        decode_split_kernel<4, Src><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, src, len, start, scale, cap, partial, splits);
     else
-        decode_split_kernel<8><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, kp, vp, len, start, scale, partial, splits);
+        decode_split_kernel<8, Src><<<grid, DW * 32, 0, g.stream>>>(q, H, grp, d, src, len, start, scale, cap, partial, splits);
     LAUNCH_TRY("attention (decode split)");
     decode_merge_kernel<<<(unsigned)H, d < 128 ? d : 128, 0, g.stream>>>(partial, d, splits, out);
     LAUNCH_TRY("attention (decode merge)");
     return KVC_OK;
 }
+
+#define INSTANTIATE(S)                                                                                               \
+    template kvc_status attention_decode<S>(const bf16 *, int32_t, int32_t, int32_t, const S &, const int32_t *,            \
+                                            const int64_t *, float, float, bf16 *, float *, int32_t);
+KVC_ROW_SOURCES(INSTANTIATE)
 
 } // namespace kvc

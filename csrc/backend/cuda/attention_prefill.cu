@@ -26,11 +26,11 @@ template <int D> struct FlashSmem {
                                     (size_t)BR * LDP * 2 + (size_t)BR * LDO * 4 + 2 * BR * 4;
 };
 
-template <int D>
+template <int D, class Src>
 __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n,
-                                                            int32_t g, const bf16 *const *kp, const bf16 *const *vp,
+                                                            int32_t g, const Src src,
                                                             const int32_t *__restrict__ past_arr,
-                                                            const int64_t *__restrict__ start, float scale,
+                                                            const int64_t *__restrict__ start, float scale, float cap,
                                                             bf16 *__restrict__ out, int64_t ldo) {
     using S = FlashSmem<D>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
     float *Ls = Ms + BR;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const PrefillBlock blk = prefill_block<BR, BC>(n, g, kp, vp, past_arr, start);
+    const PrefillBlock blk = prefill_block<BR, BC>(n, g, past_arr, start);
+    const typename Src::Head rows = src.head(blk.h, D);
     const int hq = blk.hq;
     const int64_t q0 = blk.q0, past = blk.past, kend = blk.kend;
     constexpr int VEC = D / 8; /* 16-byte vectors per row */
@@ -72,7 +73,7 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
 
     for (int64_t k0 = blk.kbeg; k0 < kend; k0 += BC) {
         __syncthreads(); /* every warp is done with the previous K/V tile */
-        load_kv_tile<D, BC>(Ks, Vs, S::LDH, blk.K, blk.V, k0, kend);
+        load_kv_tile<D, BC>(Ks, Vs, S::LDH, rows, k0, kend);
         __syncthreads();
         /* S = Q K^T for this warp's 16 rows */
         for (int j = 0; j < BC / 16; j++) {
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
             bf16 *prow = Ps + r_own * S::LDP;
             float mx = -INFINITY;
             for (int c = c_half; c < c_half + BC / 2; c++) {
-                const float s = c < vis && c >= lo ? srow[c] * scale : -INFINITY;
+                const float s = c < vis && c >= lo ? kvc_softcap(srow[c] * scale, cap) : -INFINITY;
                 srow[c] = s;
                 mx = fmaxf(mx, s);
             }
@@ -146,10 +147,11 @@ __global__ void __launch_bounds__(128) flash_prefill_kernel(const bf16 *__restri
 
 /* Any head_dim <= 256: one warp per (query, query head), a key at a time with an online softmax;
  * lane owns dimensions lane + 32 t. */
+template <class Src>
 __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n, int32_t H, int32_t g,
-                                    int32_t d, const bf16 *const *kp, const bf16 *const *vp,
+                                    int32_t d, const Src src,
                                     const int32_t *__restrict__ past_arr, const int64_t *__restrict__ start,
-                                    float scale, bf16 *__restrict__ out, int64_t ldo) {
+                                    float scale, float cap, bf16 *__restrict__ out, int64_t ldo) {
     const int lane = threadIdx.x % 32;
     const int64_t wid = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (wid >= n * H) return;
@@ -162,7 +164,7 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
         qv[t] = e < d ? __bfloat162float(qr[e]) : 0.f;
         o[t] = 0.f;
     }
-    const bf16 *K = kp[h], *V = vp[h];
+    const typename Src::Head rows = src.head(h, d);
     const int64_t vis = (int64_t)past_arr[h] + i + 1;
     const int64_t lo = start ? start[i * (H / g) + h] : 0; /* the sliding window's first row */
     float m = -INFINITY, l = 0.f;
@@ -170,15 +172,19 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
         float part = 0.f;
         for (int t = 0; t < 8; t++) {
             const int e = lane + 32 * t;
-            if (e < d) part += qv[t] * __bfloat162float(K[j * d + e]);
+            float kx;
+            rows.template key<1>(j, e, &kx);
+            part += qv[t] * kx; /* 0 past d */
         }
         for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-        const float s = part * scale, mn = fmaxf(m, s);
+        const float s = kvc_softcap(part * scale, cap), mn = fmaxf(m, s);
         const float corr = m == -INFINITY ? 0.f : __expf(m - mn), p = __expf(s - mn);
         l = l * corr + p;
         for (int t = 0; t < 8; t++) {
             const int e = lane + 32 * t;
-            if (e < d) o[t] = o[t] * corr + p * __bfloat162float(V[j * d + e]);
+            float vx;
+            rows.template value<1>(j, e, &vx);
+            o[t] = o[t] * corr + p * vx; /* 0 past d */
         }
         m = mn;
     }
@@ -188,41 +194,45 @@ __global__ void attn_generic_kernel(const bf16 *__restrict__ q, int64_t ldq, int
     }
 }
 
-template <int D>
-static kvc_status launch_flash(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const bf16 *const *kp,
-                               const bf16 *const *vp, const int32_t *past, const int64_t *start, float scale, bf16 *out,
-                               int64_t ldo) {
+template <int D, class Src>
+static kvc_status launch_flash(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const Src &src,
+                               const int32_t *past, const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo) {
     static int configured = 0;
     const size_t smem = FlashSmem<D>::bytes;
     if (!configured) {
-        CU_TRY(cudaFuncSetAttribute(flash_prefill_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+        CU_TRY(cudaFuncSetAttribute(flash_prefill_kernel<D, Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                "attention: shared memory opt-in");
         configured = 1;
     }
     const int64_t tiles = (n + BR - 1) / BR;
     if (tiles > 2147483647) return fail(KVC_ERR_ARG, "attention: too many queries");
     dim3 grid((unsigned)tiles, (unsigned)H);
-    flash_prefill_kernel<D><<<grid, 128, smem, g.stream>>>(q, ldq, n, grp, kp, vp, past, start, scale, out, ldo);
+    flash_prefill_kernel<D, Src><<<grid, 128, smem, g.stream>>>(q, ldq, n, grp, src, past, start, scale, cap, out, ldo);
     LAUNCH_TRY("attention (flash prefill)");
     return KVC_OK;
 }
 
-kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
-                             float scale, bf16 *out, int64_t ldo) {
+template <class Src>
+kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const Src &src,
+                             const int32_t *past, const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo) {
     if (n <= 0) return KVC_OK;
     const int32_t grp = H / Hkv;
     const int aligned = ldq % 8 == 0;
     if (aligned && (d == 64 || d == 128) && attention_mma_enabled())
-        return attention_prefill_mma(q, ldq, n, H, Hkv, d, kp, vp, past, start, scale, out, ldo);
-    if (d == 128 && aligned) return launch_flash<128>(q, ldq, n, H, grp, kp, vp, past, start, scale, out, ldo);
-    if (d == 64 && aligned) return launch_flash<64>(q, ldq, n, H, grp, kp, vp, past, start, scale, out, ldo);
+        return attention_prefill_mma(q, ldq, n, H, Hkv, d, src, past, start, scale, cap, out, ldo);
+    if (d == 128 && aligned) return launch_flash<128>(q, ldq, n, H, grp, src, past, start, scale, cap, out, ldo);
+    if (d == 64 && aligned) return launch_flash<64>(q, ldq, n, H, grp, src, past, start, scale, cap, out, ldo);
     if (d > 256) return fail(KVC_ERR_UNSUPPORTED, "CUDA attention: head_dim %d > 256", d);
     const int64_t warps = n * H;
-    attn_generic_kernel<<<(unsigned)((warps + 3) / 4), 128, 0, g.stream>>>(q, ldq, n, H, grp, d, kp, vp, past, start,
-                                                                          scale, out, ldo);
+    attn_generic_kernel<Src><<<(unsigned)((warps + 3) / 4), 128, 0, g.stream>>>(q, ldq, n, H, grp, d, src, past, start,
+                                                                               scale, cap, out, ldo);
     LAUNCH_TRY("attention (generic)");
     return KVC_OK;
 }
+
+#define INSTANTIATE(S)                                                                                               \
+    template kvc_status attention_prefill<S>(const bf16 *, int64_t, int64_t, int32_t, int32_t, int32_t, const S &,          \
+                                             const int32_t *, const int64_t *, float, float, bf16 *, int64_t);
+KVC_ROW_SOURCES(INSTANTIATE)
 
 } // namespace kvc

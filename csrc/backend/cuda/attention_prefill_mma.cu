@@ -46,21 +46,22 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *(uint32_t *)&v;
 }
 
-template <int D>
+template <int D, class Src>
 __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__ q, int64_t ldq, int64_t n, int32_t grp,
-                                                        const bf16 *const *kp, const bf16 *const *vp,
+                                                        const Src src,
                                                         const int32_t *__restrict__ past_arr,
-                                                        const int64_t *__restrict__ start, float scale,
+                                                        const int64_t *__restrict__ start, float scale, float cap,
                                                         bf16 *__restrict__ out, int64_t ldo) {
     constexpr int LD = D + 8; /* row stride in shared memory (halves): 16-byte aligned rows, no conflicts */
     __shared__ __align__(16) bf16 Ks[MBC * LD];
     __shared__ __align__(16) bf16 Vs[MBC * LD];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gq = lane >> 2, tq = lane & 3; /* mma fragment coordinates: row group, thread in group */
-    const PrefillBlock blk = prefill_block<MBR, MBC>(n, grp, kp, vp, past_arr, start);
+    const PrefillBlock blk = prefill_block<MBR, MBC>(n, grp, past_arr, start);
+    const typename Src::Head rows = src.head(blk.h, D);
     const int hq = blk.hq;
     const int64_t q0 = blk.q0, past = blk.past, kend = blk.kend;
-    const float sl2 = scale * 1.4426950408889634f; /* scores in log2 units: exp2 */
+    const float L2E = 1.4426950408889634f, sl2 = scale * L2E; /* scores in log2 units: exp2 */
 
     /* this thread's two rows, and what the warp's last row sees (mma and shuffles need the whole warp:
      * a tile is skipped only when no row of the warp sees any of it) */
@@ -88,7 +89,7 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
 
     for (int64_t k0 = blk.kbeg; k0 < kend; k0 += MBC) {
         __syncthreads(); /* every warp is done with the previous tile */
-        load_kv_tile<D, MBC>(Ks, Vs, LD, blk.K, blk.V, k0, kend);
+        load_kv_tile<D, MBC>(Ks, Vs, LD, rows, k0, kend);
         __syncthreads();
         if (k0 >= vis_w || k0 + MBC <= lo_w) continue; /* warp-uniform */
         /* S = Q K^T: 8 fragments of 8 keys */
@@ -106,8 +107,10 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
         for (int nt = 0; nt < MBC / 8; nt++)
             for (int e = 0; e < 2; e++) {
                 const int64_t key = k0 + nt * 8 + 2 * tq + e;
-                s[nt][e] = key < vis0 && key >= lo0 ? s[nt][e] * sl2 : -INFINITY;
-                s[nt][2 + e] = key < vis1 && key >= lo1 ? s[nt][2 + e] * sl2 : -INFINITY;
+                const float a = cap > 0 ? kvc_softcap(s[nt][e] * scale, cap) * L2E : s[nt][e] * sl2;
+                const float b = cap > 0 ? kvc_softcap(s[nt][2 + e] * scale, cap) * L2E : s[nt][2 + e] * sl2;
+                s[nt][e] = key < vis0 && key >= lo0 ? a : -INFINITY;
+                s[nt][2 + e] = key < vis1 && key >= lo1 ? b : -INFINITY;
                 mx0 = fmaxf(mx0, s[nt][e]);
                 mx1 = fmaxf(mx1, s[nt][2 + e]);
             }
@@ -168,25 +171,29 @@ __global__ void __launch_bounds__(128) flash_mma_kernel(const bf16 *__restrict__
     }
 }
 
-template <int D>
-static kvc_status launch(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const bf16 *const *kp,
-                         const bf16 *const *vp, const int32_t *past, const int64_t *start, float scale, bf16 *out,
-                         int64_t ldo) {
+template <int D, class Src>
+static kvc_status launch(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t grp, const Src &src, const int32_t *past,
+                         const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo) {
     const int64_t tiles = (n + MBR - 1) / MBR;
     if (tiles > 2147483647) return fail(KVC_ERR_ARG, "attention: too many queries");
     dim3 grid((unsigned)tiles, (unsigned)H);
-    flash_mma_kernel<D><<<grid, 128, 0, g.stream>>>(q, ldq, n, grp, kp, vp, past, start, scale, out, ldo);
+    flash_mma_kernel<D, Src><<<grid, 128, 0, g.stream>>>(q, ldq, n, grp, src, past, start, scale, cap, out, ldo);
     LAUNCH_TRY("attention (mma prefill)");
     return KVC_OK;
 }
 
-kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past,
-                                 const int64_t *start, float scale, bf16 *out, int64_t ldo) {
+template <class Src>
+kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const Src &src,
+                                 const int32_t *past, const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo) {
     if (n <= 0) return KVC_OK;
-    if (d == 128) return launch<128>(q, ldq, n, H, H / Hkv, kp, vp, past, start, scale, out, ldo);
-    if (d == 64) return launch<64>(q, ldq, n, H, H / Hkv, kp, vp, past, start, scale, out, ldo);
+    if (d == 128) return launch<128>(q, ldq, n, H, H / Hkv, src, past, start, scale, cap, out, ldo);
+    if (d == 64) return launch<64>(q, ldq, n, H, H / Hkv, src, past, start, scale, cap, out, ldo);
     return fail(KVC_ERR_UNSUPPORTED, "mma attention: head_dim %d (64 or 128 only)", d);
 }
+
+#define INSTANTIATE(S)                                                                                               \
+    template kvc_status attention_prefill_mma<S>(const bf16 *, int64_t, int64_t, int32_t, int32_t, int32_t, const S &,      \
+                                                 const int32_t *, const int64_t *, float, float, bf16 *, int64_t);
+KVC_ROW_SOURCES(INSTANTIATE)
 
 } // namespace kvc

@@ -11,6 +11,7 @@
 
 #include "../../core/backend.h"
 #include "../../core/kv_layout.h"
+#include "../../core/kv_type.h"
 
 typedef __nv_bfloat16 bf16;
 
@@ -120,9 +121,25 @@ struct kvc_buf {
     size_t bytes;
 };
 
+/* The device table of a typed store (kv_typed.cu: f32, f16, q8_0, KIVI; core/kv_type.h has the formats), at a
+ * fixed address for the store's life (graphs read it; the arena and the staging rows move under it). nq last:
+ * the device moves it (kv_commit), so the host uploads the fields before it without touching it. */
+struct KvTab {
+    uint8_t *k[KVC_MAX_KV];  /* KIVI: key blocks of `group` rows; else full key rows from np on, row r at (r - np) */
+    uint8_t *v[KVC_MAX_KV];  /* value rows */
+    uint8_t *kp[KVC_MAX_KV]; /* rows stored alone: the ThinK-pruned rows [np] of dk channels */
+    float *st[KVC_MAX_KV];   /* staging rows (f32): row r >= nq at (r - nq) 2d, its K then its V */
+    int32_t *inv;            /* [Hkv d] (fixed): channel -> its slot among the dk kept, or -1 */
+    uint64_t kprow;          /* bytes of a pruned row */
+    int32_t np[KVC_MAX_KV];  /* pruned rows (KIVI: rows whose dropped channels read as zeros) */
+    int32_t dk;
+    int32_t nq[KVC_MAX_KV];  /* rows in the type; rows [nq, len) wait in the staging rows */
+};
+
 /* One layer's K/V: one arena, per head K [cap, d] then V [cap, d]; the device tables the kernels read
  * (head pointers, lengths) stay at fixed addresses for the object's life, so a captured graph stays valid
- * when the arena is replaced. */
+ * when the arena is replaced. A store of another type than bf16 is a typed store (typed; kv_typed.cu): its
+ * arena holds the type's rows as core/kv_type.h lays them out, its device table is tabd. */
 struct kvc_kv {
     int32_t Hkv, d;
     void *arena;
@@ -147,6 +164,17 @@ struct kvc_kv {
     bf16 *kxh[KVC_MAX_KV]; /* its host copy: uploaded when it changes, never during a capture */
     kvc_kv *pruned_next;   /* the list of pruned stores (kv_pruned.cu): their tables follow the scratch */
     int pruned_listed;
+    /* typed stores (kv_typed.cu) */
+    int typed;
+    kvc_kv_format fmt;
+    KvTab *tabd;        /* the device table (and the channel map after it) */
+    KvTab tabh;         /* its host copy (nq there is stale: the device commits) */
+    size_t tab_bytes;
+    float *stage;       /* staging rows: head h at stage + h scap 2d */
+    int64_t scap;       /* staging rows per head */
+    size_t sbytes;
+    int64_t wait_max;   /* bound on the rows waiting in any head (the staging room appends need) */
+    size_t krow, vrow, kblock; /* bytes of a full key row, a value row, a KIVI key block */
 };
 
 namespace kvc {
@@ -203,6 +231,23 @@ kvc_status kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *r
 kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
 
+/* kv_typed.cu: the typed store behind the entries of kv.cu (which check the row rules first) */
+int kvt_is_typed(const kvc_kv_format *fmt);
+kvc_status kvt_init(kvc_kv *kv, const kvc_kv_format *fmt);
+void kvt_free(kvc_kv *kv);
+size_t kvt_bytes(const kvc_kv *kv);
+kvc_status kvt_commit(kvc_kv *kv);
+kvc_status kvt_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+kvc_status kvt_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const kvc_kv *src);
+kvc_status kvt_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_keep, const int64_t *cap);
+kvc_status kvt_set_lens(kvc_kv *kv, const int64_t *len);
+kvc_status kvt_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);
+kvc_status kvt_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v, int commit);
+kvc_status kvt_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
+/* every row < the device lengths of every head as bf16 [len, d] in scratch (the scorers' rows; pruned channels
+ * zero): host pointers to each head's keys and values */
+kvc_status kvt_rows_bf16(const kvc_kv *kv, const bf16 **k, const bf16 **v);
+
 /* ---- gemm.cu ---- */
 /* C[m,n] (= or +=, beta 0 or 1) A[m,k] B[n,k]^T: A and B bf16 row-major with leading dimensions
  * lda, ldb; C fp32 (c_f32) or bf16 with ldc. fp32 accumulation. */
@@ -245,21 +290,26 @@ kvc_status append_kv(const bf16 *src, int64_t ld, int64_t kcol, int64_t vcol, in
                      bf16 *const *kp, bf16 *const *vp, const int32_t *base);
 kvc_status add_lens(int32_t *len, int32_t count, int32_t add);
 
+/* ---- the attention kernels read a layer's rows through a row source (kv_rows.cuh): Bf16Rows, the native store's
+ * bf16 rows; TypedRows, a typed store's rows in its type and its staging rows ---- */
+struct Bf16Rows;
+struct TypedRows;
+
 /* ---- attention_prefill.cu ---- */
-/* Causal GQA attention of n queries (q rows, stride ldq, head hq at column hq*d) over the cache of
- * each KV head (kp/vp: device arrays [Hkv]); query i of KV head h sees rows < past[h] + i + 1
+/* Causal GQA attention of n queries (q rows, stride ldq, head hq at column hq*d) over the rows of each
+ * KV head (src); query i of KV head h sees rows < past[h] + i + 1
  * (past: device int32 [Hkv]) and, with a sliding window (start: device i64 [n, Hkv], nondecreasing
  * in i; NULL without one), only the rows >= start[i * Hkv + h]. out rows stride ldo. Flash-style
  * (never n x n), WMMA tensor cores. */
-kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                             const bf16 *const *kp, const bf16 *const *vp, const int32_t *past, const int64_t *start,
-                             float scale, bf16 *out, int64_t ldo);
+template <class Src>
+kvc_status attention_prefill(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const Src &src,
+                             const int32_t *past, const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo);
 
 /* ---- attention_prefill_mma.cu: the register-tile kernel (opt-in: KVC_ATTN_MMA=1 or attention_use_mma; a
  * preference attention_prefill honours for head_dim 64 and 128, the other kernels doing the rest) ---- */
-kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
-                                 const bf16 *const *kp, const bf16 *const *vp, const int32_t *past,
-                                 const int64_t *start, float scale, bf16 *out, int64_t ldo);
+template <class Src>
+kvc_status attention_prefill_mma(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const Src &src,
+                                 const int32_t *past, const int64_t *start, float scale, float cap, bf16 *out, int64_t ldo);
 void attention_use_mma(int on);
 int attention_mma_enabled(void);
 
@@ -279,9 +329,9 @@ kvc_status attention_cudnn(const bf16 *q, int64_t ldq, int64_t n, int32_t H, int
  * start[h] on with a sliding window (device i64 [Hkv]; NULL: from row 0), split-K over the rows;
  * partial: scratch of decode_partial_floats() floats. */
 size_t decode_partial_floats(int32_t H, int32_t d, int32_t splits);
-kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const bf16 *const *kp,
-                            const bf16 *const *vp, const int32_t *len, const int64_t *start, float scale, bf16 *out,
-                            float *partial, int32_t splits);
+template <class Src>
+kvc_status attention_decode(const bf16 *q, int32_t H, int32_t Hkv, int32_t d, const Src &src, const int32_t *len,
+                            const int64_t *start, float scale, float cap, bf16 *out, float *partial, int32_t splits);
 
 /* ---- score.cu, press.cu ---- */
 struct HeadInfo {

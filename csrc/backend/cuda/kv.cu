@@ -1,6 +1,7 @@
 /* K/V stores of the CUDA backend (struct kvc_kv in common.cuh): one arena per layer, bf16 heads
  * [cap, d], device tables of head pointers and lengths at fixed addresses. The core (cache/kv_cache.c)
- * decides sizes and keeps positions; this file moves rows. */
+ * decides sizes and keeps positions; this file moves rows. A store of another type (f32, f16, q8_0, KIVI) is
+ * kv_typed.cu's: the entries here check the row rules, then hand it over. */
 #include <string.h>
 
 #include "common.cuh"
@@ -12,9 +13,6 @@ static Pinned g_pinned;       /* the batched reads' and writes' host side */
 
 kvc_status kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out) {
     *out = nullptr;
-    if (fmt && fmt->type != KVC_KV_NATIVE && fmt->type != KVC_KV_BF16)
-        return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend stores K/V in bf16 only (asked: type %d): use kv_cache='bf16' "
-                    "on CUDA, or the CPU or emulated device for f32, f16, q8_0 and QuantizedCache", fmt->type);
     if (Hkv < 1 || Hkv > KVC_MAX_KV) return fail(KVC_ERR_UNSUPPORTED, "the CUDA backend holds 1 to %d KV heads, not %d", KVC_MAX_KV, Hkv);
     KVC_TRY(ensure_init());
     kvc_kv *kv = (kvc_kv *)calloc(1, sizeof *kv);
@@ -38,20 +36,22 @@ kvc_status kv_new(int32_t Hkv, int32_t d, const kvc_kv_format *fmt, kvc_kv **out
         kv_free(kv);
         return st;
     }
+    if (fmt && kvt_is_typed(fmt) && (st = kvt_init(kv, fmt)) != KVC_OK) {
+        kv_free(kv);
+        return st;
+    }
     *out = kv;
     return KVC_OK;
 }
 
-/* bf16 rows are stored as they are appended: nothing waits */
-kvc_status kv_commit(kvc_kv *kv) {
-    (void)kv;
-    return KVC_OK;
-}
+/* bf16 rows are stored as they are appended: nothing waits (a typed store's rows wait in f32: kv_typed.cu) */
+kvc_status kv_commit(kvc_kv *kv) { return kv->typed ? kvt_commit(kv) : KVC_OK; }
 
 void kv_free(kvc_kv *kv) {
     if (!kv) return;
     stream_wait();
     kv_pruned_forget(kv);
+    kvt_free(kv);
     if (kv->arena) dfree(kv->arena, kv->bytes, MEM_CACHE);
     if (kv->tables) dfree(kv->tables, kv->tables_bytes, MEM_CACHE);
     free(kv->kidx);
@@ -83,7 +83,7 @@ kvc_status kv_rows_check(kvc_kv_op op, const kvc_kv *kv, int32_t h, int64_t row0
     return KVC_OK;
 }
 
-size_t kv_bytes(const kvc_kv *kv) { return kv->bytes; }
+size_t kv_bytes(const kvc_kv *kv) { return kv->typed ? kvt_bytes(kv) : kv->bytes; }
 
 kvc_status kv_upload_tables(kvc_kv *kv, bf16 *const *kh, bf16 *const *vh, const int64_t *np, const int64_t *len) {
     int32_t len32[KVC_MAX_KV];
@@ -158,6 +158,11 @@ kvc_status kv_resize(kvc_kv *kv, const int64_t *cap, const int64_t *rows, const 
     int64_t held[KVC_MAX_KV];
     KVC_TRY(kv_host_lens(from, held));
     for (int32_t h = 0; h < kv->Hkv; h++) KVC_TRY(kv_rows_check(KVC_KV_RESIZE, kv, h, 0, rows[h], nullptr, held[h], cap[h]));
+    if (kv->typed || from->typed) {
+        if (!kv->typed || !from->typed || kv->fmt.type != from->fmt.type || kv->fmt.group != from->fmt.group || kv->d != from->d)
+            return fail(KVC_ERR_INTERNAL, "K/V resize: the source store has another type");
+        return kvt_resize(kv, cap, rows, src);
+    }
     if (from->dk) { /* the pruned prefix goes along */
         int64_t np[KVC_MAX_KV];
         for (int32_t h = 0; h < kv->Hkv; h++) np[h] = kvc_kv_resized_pruned(rows[h], from->np[h]);
@@ -188,6 +193,7 @@ kvc_status kv_gather(kvc_kv *kv, const int64_t *const *keep, const int64_t *n_ke
         KVC_TRY(kv_rows_check(KVC_KV_GATHER, kv, h, 0, n_keep[h], keep[h], held[h], cap[h]));
         total += n_keep[h];
     }
+    if (kv->typed) return kvt_gather(kv, keep, n_keep, cap);
     if (kv->dk) { /* kept rows of the pruned prefix stay pruned */
         int64_t np[KVC_MAX_KV];
         for (int32_t h = 0; h < kv->Hkv; h++) np[h] = kvc_kv_gathered_pruned(keep[h], n_keep[h], kv->np[h]);
@@ -238,6 +244,7 @@ kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
                         (long long)kv->cap[h]);
         into_pruned |= len[h] < kv->np[h];
     }
+    if (kv->typed) return kvt_set_lens(kv, len);
     if (into_pruned) { /* the pruned prefix shrinks (later rows are full again): a new arena */
         int64_t np[KVC_MAX_KV], cap[KVC_MAX_KV];
         for (int32_t h = 0; h < kv->Hkv; h++) {
@@ -253,6 +260,18 @@ kvc_status kv_set_lens(kvc_kv *kv, const int64_t *len) {
 kvc_status kv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, const float *k, const float *v) {
     KVC_TRY(kv_rows_check(KVC_KV_WRITE, kv, h, row0, rows, nullptr, 0, h >= 0 && h < kv->Hkv ? kv->cap[h] : 0));
     if (rows == 0) return KVC_OK;
+    if (kv->typed) {
+        int64_t idx_h[1] = {0}, *idx[KVC_MAX_KV] = {nullptr}, n[KVC_MAX_KV] = {0};
+        int64_t *ix = (int64_t *)malloc(sizeof(int64_t) * (size_t)rows);
+        if (!ix) return fail(KVC_ERR_NOMEM, "out of memory: K/V write");
+        for (int64_t i = 0; i < rows; i++) ix[i] = row0 + i;
+        for (int32_t j = 0; j < kv->Hkv; j++) idx[j] = idx_h;
+        idx[h] = ix;
+        n[h] = rows;
+        const kvc_status st = kvt_write_rows(kv, idx, n, k, v, 0);
+        free(ix);
+        return st;
+    }
     if (kv->dk) return kv_write_pruned(kv, h, row0, rows, k, v);
     const int64_t n = rows * kv->d;
     KVC_TRY(scratch(g_stage, sizeof(float) * n, "K/V write staging"));
@@ -271,6 +290,12 @@ kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, floa
     KVC_TRY(kv_host_lens(kv, held));
     KVC_TRY(kv_rows_check(KVC_KV_READ, kv, h, row0, rows, nullptr, h >= 0 && h < kv->Hkv ? held[h] : 0, 0));
     if (rows == 0) return KVC_OK;
+    if (kv->typed) { /* one head of the batched read */
+        int64_t r0[KVC_MAX_KV] = {0}, n[KVC_MAX_KV] = {0};
+        r0[h] = row0;
+        n[h] = rows;
+        return kvt_read_heads(kv, r0, n, k, v);
+    }
     if (kv->dk) return kv_read_pruned(kv, h, row0, rows, k, v);
     const int64_t n = rows * kv->d;
     KVC_TRY(scratch(g_stage, sizeof(float) * n, "K/V read staging"));
@@ -295,6 +320,7 @@ kvc_status kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *r
         total += rows[h];
     }
     if (total == 0 || (!k && !v)) return KVC_OK;
+    if (kv->typed) return kvt_read_heads(kv, row0, rows, k, v);
     if (kv->dk) {
         int64_t off = 0;
         for (int32_t h = 0; h < Hkv; off += rows[h] * d, h++)
@@ -346,6 +372,7 @@ kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n
         total += n[h];
     }
     if (total == 0 || (!k && !v)) return KVC_OK;
+    if (kv->typed) return kvt_write_rows(kv, idx, n, k, v, 1);
     if (kv->dk && k) {
         int64_t off = 0;
         for (int32_t h = 0; h < Hkv; h++)
@@ -387,6 +414,7 @@ kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n
 /* rows at the device lengths, then lengths += n on the device (graph-safe) */
 kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
     if (src.buf->dtype != KVC_BF16) return fail(KVC_ERR_INTERNAL, "K/V append: the rows must be bf16");
+    if (kv->typed) return kvt_append(kv, src, kcol, vcol, n);
     KVC_TRY(append_kv(at<bf16>(src), src.ld, kcol, vcol, n, kv->Hkv, kv->d, kv->kd, kv->vd, kv->lend));
     return add_lens(kv->lend, kv->Hkv, (int32_t)n);
 }

@@ -269,6 +269,7 @@ kvc_status kv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
             if (c < 0 || c >= kv->d || (j > 0 && c <= kidx[(size_t)h * dk + j - 1]))
                 return fail(KVC_ERR_INTERNAL, "K/V prune: head %d channels are not increasing inside [0, %d)", h, kv->d);
         }
+    if (kv->typed) return kvt_prune_keys(kv, dk, kidx);
     int64_t len[KVC_MAX_KV], cap[KVC_MAX_KV];
     KVC_TRY(kv_host_lens(kv, len));
     for (int32_t h = 0; h < kv->Hkv; h++) cap[h] = kv->cap[h];

@@ -32,12 +32,13 @@ kvc_status score(const kvc_score_args *a) {
     HeadInfo hi;
     memset(&hi, 0, sizeof hi);
     int64_t maxlen = 1;
-    const bf16 *kfull[KVC_MAX_KV];
+    const bf16 *kfull[KVC_MAX_KV], *vfull[KVC_MAX_KV];
     bf16 **ktab = nullptr;
-    if (kv->dk) KVC_TRY(kv_keys_full(kv, kfull, &ktab)); /* ThinK-pruned rows, expanded as kv_read gives them */
+    if (kv->typed) KVC_TRY(kvt_rows_bf16(kv, kfull, vfull)); /* rows of a typed store decoded, as kv_read gives them */
+    else if (kv->dk) KVC_TRY(kv_keys_full(kv, kfull, &ktab)); /* ThinK-pruned rows, expanded as kv_read gives them */
     for (int32_t h = 0; h < Hkv; h++) {
-        hi.k[h] = kv->dk ? kfull[h] : kv->kh[h];
-        hi.v[h] = kv->vh[h];
+        hi.k[h] = kv->typed || kv->dk ? kfull[h] : kv->kh[h];
+        hi.v[h] = kv->typed ? vfull[h] : kv->vh[h];
         hi.len[h] = hi.n_acc[h] = hi.vlimit[h] = a->len[h];
         maxlen = a->len[h] > maxlen ? a->len[h] : maxlen;
     }

@@ -67,7 +67,7 @@ typedef struct op {
     kvc_kv *kv;
     int64_t i[4];
     int32_t j[3];
-    float f;
+    float f, f2;
 } op;
 
 struct kvc_graph {
@@ -108,7 +108,7 @@ static kvc_status run_op(const op *o) {
     case OP_BIAS: return kvc_host_add_bias_v(o->v[0], o->v[1], o->i[0], o->i[1]);
     case OP_ROPE: return kvc_host_rope_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->v[2], o->j[2], o->f);
     case OP_APPEND: return kvc_hkv_append(o->kv, o->v[0], o->i[0], o->i[1], o->i[2]);
-    case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->v[2], o->v[1], o->j[1]);
+    case OP_ATTENTION: return kvc_host_attention_v(o->v[0], o->i[0], o->j[0], o->kv, o->f, o->f2, o->v[2], o->v[1], o->j[1]);
     case OP_SWIGLU: return kvc_host_swiglu_v(o->v[0], o->i[0], o->i[1]);
     case OP_HEAD_NORM: return kvc_host_head_rmsnorm_v(o->v[0], o->i[0], o->i[1], o->j[0], o->j[1], o->v[1], o->f);
     case OP_GEGLU: return kvc_host_geglu_v(o->v[0], o->i[0], o->i[1]);
@@ -196,9 +196,9 @@ static kvc_status emu_head_rmsnorm(kvc_view x, int64_t col0, int64_t n, int32_t 
     op o = {.kind = OP_HEAD_NORM, .v = {x, w}, .i = {col0, n}, .j = {heads, d}, .f = eps};
     return record(o) ? KVC_OK : run_op(&o);
 }
-static kvc_status emu_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, kvc_view start, kvc_view out,
-                                int32_t flags) {
-    op o = {.kind = OP_ATTENTION, .v = {q, out, start}, .kv = kv, .i = {n}, .j = {H, flags}, .f = scale};
+static kvc_status emu_attention(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
+                                kvc_view out, int32_t flags) {
+    op o = {.kind = OP_ATTENTION, .v = {q, out, start}, .kv = kv, .i = {n}, .j = {H, flags}, .f = scale, .f2 = softcap};
     return record(o) ? KVC_OK : run_op(&o);
 }
 static kvc_status emu_swiglu(kvc_view gu, int64_t rows, int64_t F) {

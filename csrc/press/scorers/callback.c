@@ -103,15 +103,15 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     if (st == KVC_OK && na) window_attention(c, len, maxlen, w, q, k, att);
     for (int64_t i = 0; i < ctx->n; i++) pos[i] = ctx->pos ? ctx->pos[i] : ctx->past_len[0] + i;
 
-    double freq[128];
-    if (st == KVC_OK) st = kvc_layer_freqs(lr, freq);
+    double freq[128], ms = 1;
+    if (st == KVC_OK) st = kvc_layer_freqs(lr, ctx->layer, ctx->n > 0 ? kvc_call_end(ctx) : ctx->past_len[0], freq, &ms);
     char message[512] = "";
     const kvc_scorer_view view = {
         .layer = ctx->layer, .n_layers = c->n_layers, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d, .hidden_dim = D,
         .device = be->device, .len = len, .max_len = maxlen, .keys = k, .values = nv ? v : NULL, .n_call = ctx->n,
         .positions = pos, .window = w, .queries = needs & needs_q ? q : NULL, .hidden = nh ? hid : NULL,
         .attentions = na ? att : NULL, .scores = select ? NULL : sc, .keep = keep, .n_keep = keep ? keep + rows : NULL,
-        .message = message, .message_size = (int32_t)sizeof message, .rope_pairing = c->rope_pairing, .rope_freq = freq,
+        .message = message, .message_size = (int32_t)sizeof message, .rope_pairing = c->rope_pairing, .rope_freq = freq, .rope_attn_factor = ms,
         .future_from = lr->future_from > 0 ? lr->future_from : (ctx->n > 0 ? pos[ctx->n - 1] + 1 : 0)};
     const kvc_scorer_callback fn = (kvc_scorer_callback)(uintptr_t)cfg->callback;
     if (st == KVC_OK && fn((void *)(uintptr_t)cfg->callback_user, &view) != 0) {

@@ -21,8 +21,8 @@ static kvc_status cap_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
     for (int32_t h = 0; h < Hkv; h++)
         if (len[h] <= ns)
             return kvc_fail(KVC_ERR_ARG, "Input cache length (%lld) must be larger than n_sink=%d", (long long)len[h], ns);
-    double freq[128], cb[128], sb[128];
-    KVC_TRY(kvc_future_rope(lr, ctx, cfg->n_future, freq, cb, sb));
+    double cb[128], sb[128];
+    KVC_TRY(kvc_future_rope(lr, ctx, cfg->n_future, cb, sb));
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
     double *mu = malloc(sizeof(double) * (size_t)H * d), *A = malloc(sizeof(double) * (size_t)d * d);
@@ -30,7 +30,7 @@ static kvc_status cap_scores(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
     double *x = malloc(sizeof(double) * (size_t)d);
     float *k[KVC_MAX_KV_HEADS], *v[KVC_MAX_KV_HEADS], *block = NULL;
     kvc_status st = mu && A && w && acc && x ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: CapPress");
-    if (st == KVC_OK) st = kvc_query_stats(lr, ctx, freq, ns, mu, NULL);
+    if (st == KVC_OK) st = kvc_query_stats(lr, ctx, ns, mu, NULL);
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     double top = -INFINITY;
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {

@@ -10,26 +10,32 @@
 
 #define Q_TILE 128
 
-/* The frequencies of RoPE's pairs for this layer's rows: the model's, or from the config (no model). */
-kvc_status kvc_layer_freqs(const kvc_layer_rows *lr, double *freq) {
-    const int32_t half = lr->mc->head_dim / 2;
-    if (lr->inv_freq) {
-        for (int32_t j = 0; j < half; j++) freq[j] = lr->inv_freq[j];
-        return KVC_OK;
-    }
-    float f[128];
-    KVC_TRY(kvc_kernel_rope_freqs(lr->mc, f));
-    for (int32_t j = 0; j < half; j++) freq[j] = f[j];
+kvc_status kvc_layer_freqs(const kvc_layer_rows *lr, int32_t layer, int64_t end, double *freq, double *mscale) {
+    float f[128], ms;
+    KVC_TRY(kvc_layer_rope(lr, layer, end, f, &ms));
+    for (int32_t j = 0; j < lr->mc->head_dim / 2; j++) freq[j] = f[j];
+    *mscale = ms;
     return KVC_OK;
+}
+
+void kvc_unrope(int32_t pairing, int32_t d, const double *freq, double mscale, double pos, const float *x, double *out) {
+    for (int32_t j = 0; j < d / 2; j++) {
+        int32_t a, b;
+        kvc_rope_pair(pairing, d, j, &a, &b);
+        const double cs = cos(pos * freq[j]), sn = sin(pos * freq[j]), inv = freq[j] != 0 ? 1.0 / mscale : 1.0;
+        out[a] = (x[a] * cs + x[b] * sn) * inv; /* the inverse rotation */
+        out[b] = (-x[a] * sn + x[b] * cs) * inv;
+    }
 }
 
 /* sum [H, d] += x and outer [H, d, d] (lower triangle; NULL: none) += x x^T over this call's queries i >= n_sink
  * with RoPE undone (x: pre-RoPE). ExpectedAttention's statistics of a call and kvc_query_moments' over a corpus. */
-static kvc_status query_sums(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
-                             double *mu, double *cov) {
+static kvc_status query_sums(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *mu, double *cov) {
     const kvc_config *c = lr->mc;
-    const int32_t H = c->n_heads, d = c->head_dim, half = d / 2;
+    const int32_t H = c->n_heads, d = c->head_dim;
     const int64_t qd = (int64_t)H * d;
+    double freq[128], ms;
+    KVC_TRY(kvc_layer_freqs(lr, ctx->layer, kvc_call_end(ctx), freq, &ms));
     float *qt = malloc(sizeof(float) * Q_TILE * (size_t)qd);
     double *u = malloc(sizeof(double) * Q_TILE * (size_t)qd);
     kvc_status st = qt && u ? KVC_OK : kvc_fail(KVC_ERR_NOMEM, "out of memory: query statistics");
@@ -39,17 +45,8 @@ static kvc_status query_sums(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
         if (st != KVC_OK) break;
         for (int64_t i = 0; i < t; i++) {
             const double pos = (double)(ctx->pos ? ctx->pos[i0 + i] : ctx->past_len[0] + i0 + i);
-            for (int32_t h = 0; h < H; h++) {
-                const float *q = qt + i * qd + (int64_t)h * d;
-                double *x = u + i * qd + (int64_t)h * d;
-                for (int32_t j = 0; j < half; j++) {
-                    int32_t a, b;
-                    kvc_rope_pair(c->rope_pairing, d, j, &a, &b);
-                    const double cs = cos(pos * freq[j]), sn = sin(pos * freq[j]);
-                    x[a] = q[a] * cs + q[b] * sn; /* the inverse rotation */
-                    x[b] = -q[a] * sn + q[b] * cs;
-                }
-            }
+            for (int32_t h = 0; h < H; h++)
+                kvc_unrope(c->rope_pairing, d, freq, ms, pos, qt + i * qd + (int64_t)h * d, u + i * qd + (int64_t)h * d);
         }
 #pragma omp parallel for schedule(static)
         for (int32_t h = 0; h < H; h++)
@@ -69,20 +66,17 @@ static kvc_status query_sums(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx,
 }
 
 kvc_status kvc_query_moments(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *sum, double *outer) {
-    double freq[128];
-    KVC_TRY(kvc_layer_freqs(lr, freq));
-    return query_sums(lr, ctx, freq, n_sink, sum, outer);
+    return query_sums(lr, ctx, n_sink, sum, outer);
 }
 
 /* mu [H, d] and the biased cov [H, d, d] (NULL: no covariance) of this call's queries i >= n_sink, RoPE undone. */
-kvc_status kvc_query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
-                           double *mu, double *cov) {
+kvc_status kvc_query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *mu, double *cov) {
     const kvc_config *c = lr->mc;
     const int32_t H = c->n_heads, d = c->head_dim;
     const int64_t qd = (int64_t)H * d, m = ctx->n - n_sink;
     memset(mu, 0, sizeof(double) * (size_t)qd);
     if (cov) memset(cov, 0, sizeof(double) * (size_t)qd * d);
-    KVC_TRY(query_sums(lr, ctx, freq, n_sink, mu, cov));
+    KVC_TRY(query_sums(lr, ctx, n_sink, mu, cov));
     for (int64_t i = 0; i < qd; i++) mu[i] /= (double)m;
     for (int32_t h = 0; cov && h < H; h++) {
         const double *mh = mu + (int64_t)h * d;
@@ -105,25 +99,25 @@ void kvc_avg_rotate(int32_t pairing, int32_t d, const double *cb, const double *
 }
 
 /* RoPE averaged over the n_future positions that follow this call's last query, as kvpress averages it
- * (ExpectedAttention, CapPress): cb[j], sb[j] = the mean cos, sin of pair j's angle; freq[j] its frequency. */
-kvc_status kvc_future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *freq, double *cb,
-                           double *sb) {
+ * (ExpectedAttention, CapPress: transformers' cos, sin of those positions, so LongRoPE's rule at their end and its
+ * attention factor): cb[j], sb[j] = the mean cos, sin of pair j's angle, times the factor where the pair turns. */
+kvc_status kvc_future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *cb, double *sb) {
     const int32_t half = lr->mc->head_dim / 2;
-    KVC_TRY(kvc_layer_freqs(lr, freq));
-    const int64_t next = lr->future_from > 0 ? lr->future_from
-                                              : (ctx->pos ? ctx->pos[ctx->n - 1] : ctx->past_len[0] + ctx->n - 1) + 1;
+    const int64_t next = lr->future_from > 0 ? lr->future_from : kvc_call_end(ctx);
+    double freq[128], ms;
+    KVC_TRY(kvc_layer_freqs(lr, ctx->layer, next + n_future, freq, &ms));
     for (int32_t j = 0; j < half; j++) {
         double cs = 0, sn = 0;
         for (int32_t t = 0; t < n_future; t++) {
             cs += cos((double)(next + t) * freq[j]);
             sn += sin((double)(next + t) * freq[j]);
         }
-        cb[j] = cs / n_future;
-        sb[j] = sn / n_future;
+        const double f = freq[j] != 0 ? ms : 1.0;
+        cb[j] = f * cs / n_future;
+        sb[j] = f * sn / n_future;
     }
     return KVC_OK;
 }
-
 
 /* Whether the layer holds exactly this call's rows (a prefill with no past): what the prefill-only scorers need. */
 int kvc_plain_prefill(const kvc_layer_ctx *ctx, const int64_t *len, int32_t Hkv) {

@@ -16,16 +16,18 @@ static inline void kvc_rope_pair(int32_t pairing, int32_t d, int32_t j, int32_t 
     }
 }
 
-/* The frequencies of RoPE's pairs for this layer's rows: the model's, or from the config (no model). */
-kvc_status kvc_layer_freqs(const kvc_layer_rows *lr, double *freq);
+/* kvc_layer_rope in double: the frequencies of RoPE's pairs and the attention factor of the turned ones, as the
+ * forward turned layer `layer`'s rows in a call ending at `end`. */
+kvc_status kvc_layer_freqs(const kvc_layer_rows *lr, int32_t layer, int64_t end, double *freq, double *mscale);
+/* x [d] (one head's row at position pos, turned with freq and mscale) back to before RoPE. */
+void kvc_unrope(int32_t pairing, int32_t d, const double *freq, double mscale, double pos, const float *x, double *out);
 /* mu [H, d] and the biased cov [H, d, d] (NULL: no covariance) of this call's queries i >= n_sink, RoPE undone. */
-kvc_status kvc_query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, const double *freq, int32_t n_sink,
-                           double *mu, double *cov);
+kvc_status kvc_query_stats(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_sink, double *mu, double *cov);
 /* x <- R x for the average rotation R of pairs (cbar_j, sbar_j), on one vector of d with stride. */
 void kvc_avg_rotate(int32_t pairing, int32_t d, const double *cb, const double *sb, double *x, int64_t stride);
-/* RoPE averaged over the n_future positions that follow this call's last query (ExpectedAttention, CapPress). */
-kvc_status kvc_future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *freq, double *cb,
-                           double *sb);
+/* RoPE averaged over the n_future positions that follow this call's last query, the attention factor included
+ * (ExpectedAttention, CapPress). */
+kvc_status kvc_future_rope(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx, int32_t n_future, double *cb, double *sb);
 /* Whether the layer holds exactly this call's rows (a prefill with no past): what the prefill-only scorers need. */
 int kvc_plain_prefill(const kvc_layer_ctx *ctx, const int64_t *len, int32_t Hkv);
 /* scores[h][r0 + r] = the z-score of acc[h n + r] over every head and row (NonCausalAttn, LeverageScore). */

@@ -28,8 +28,8 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     for (int32_t h = 0; h < Hkv; h++)
         if (len[h] <= ns)
             return kvc_fail(KVC_ERR_ARG, "ExpectedAttention needs more tokens (%lld) than n_sink (%d)", (long long)len[h], ns);
-    double freq[128], cb[128], sb[128];
-    KVC_TRY(kvc_future_rope(lr, ctx, cfg->n_future, freq, cb, sb));
+    double cb[128], sb[128];
+    KVC_TRY(kvc_future_rope(lr, ctx, cfg->n_future, cb, sb));
     const int64_t qd = (int64_t)H * d;
     int64_t maxlen = 1;
     for (int32_t h = 0; h < Hkv; h++) maxlen = len[h] > maxlen ? len[h] : maxlen;
@@ -41,7 +41,7 @@ static kvc_status expected_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     kvc_status st = mu && (cov || !cov_on) && B && T && acc && lg ? KVC_OK
                                                                  : kvc_fail(KVC_ERR_NOMEM, "out of memory: ExpectedAttention");
     if (st == KVC_OK && lr->q_mean) given_stats(lr, mu, cov);
-    else if (st == KVC_OK) st = kvc_query_stats(lr, ctx, freq, ns, mu, cov);
+    else if (st == KVC_OK) st = kvc_query_stats(lr, ctx, ns, mu, cov);
     if (st == KVC_OK) st = kvc_press_layer_rows(lr, len, 1, k, v, &block);
     double top = -INFINITY;
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {

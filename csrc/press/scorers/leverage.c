@@ -64,8 +64,8 @@ kvc_status kvc_leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
                               const int64_t *len, int64_t r0, int64_t n, float *const *scores) {
     const kvc_config *c = lr->mc;
     const int32_t Hkv = c->n_kv_heads, d = c->head_dim, half = d / 2, kk = cfg->sketch_dim;
-    double freq[128];
-    KVC_TRY(kvc_layer_freqs(lr, freq));
+    double freq[128], ms; /* the keys of this prefill, turned as its forward turned them */
+    KVC_TRY(kvc_layer_freqs(lr, ctx->layer, kvc_call_end(ctx), freq, &ms));
     float *hf = malloc(sizeof(float) * (size_t)Hkv * d * kk), *phi = malloc(sizeof(float) * (size_t)d * kk);
     double *x = malloc(sizeof(double) * (size_t)n * d), *acc = malloc(sizeof(double) * (size_t)Hkv * n);
     float *k[KVC_MAX_KV_HEADS], *block = NULL;
@@ -83,17 +83,9 @@ kvc_status kvc_leverage_range(const kvc_layer_rows *lr, const kvc_layer_ctx *ctx
                 phi[b * kk + t] = hf[((int64_t)h * d + j + half) * kk + t] * scale;
             }
         }
-        for (int64_t r = 0; r < n; r++) { /* RoPE undone at the row's position */
-            const double pos = (double)(ctx->pos ? ctx->pos[r0 + r] : r0 + r);
-            const float *kr = k[h] + (r0 + r) * d;
-            for (int32_t j = 0; j < half; j++) {
-                int32_t a, b;
-                kvc_rope_pair(c->rope_pairing, d, j, &a, &b);
-                const double cs = cos(pos * freq[j]), sn = sin(pos * freq[j]);
-                x[r * d + a] = kr[a] * cs + kr[b] * sn;
-                x[r * d + b] = -kr[a] * sn + kr[b] * cs;
-            }
-        }
+        for (int64_t r = 0; r < n; r++) /* RoPE undone at the row's position */
+            kvc_unrope(c->rope_pairing, d, freq, ms, (double)(ctx->pos ? ctx->pos[r0 + r] : r0 + r), k[h] + (r0 + r) * d,
+                       x + r * d);
         st = leverage_head(x, n, d, phi, kk, acc + (size_t)h * n);
     }
     if (st == KVC_OK) kvc_zscore(acc, Hkv, n, r0, scores);
