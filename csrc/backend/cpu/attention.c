@@ -42,6 +42,7 @@
 #include "kv_decode.h"
 
 #define TK 128       /* keys per decode tile */
+#define DTK 64       /* the same for rows decoded from a store's type: their K and V tiles stay in L1 */
 #define PTK (KVC_MR * (128 / KVC_MR)) /* keys per prefill tile: whole microkernel panels (126 on AVX2) */
 #define ROWS_MAX 128 /* query rows per prefill task */
 /* Row stride of a prefill task's transposed arrays (QT, S) for rp rows: padded, because 128 floats
@@ -299,12 +300,12 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
                        float cap, float *O, float *m, float *l) {
     float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
     const int64_t np = pk ? pk->np : 0;
+    const int dtk = kv->decoded ? DTK : TK;
     if (lo && kb < lo[i0 * Hkv]) kb = lo[i0 * Hkv]; /* nothing below the first query's window start */
     for (int64_t k0 = kb; k0 < ke;) {
         const int64_t end = k0 < np && np < ke ? np : ke; /* a tile never straddles the pruned prefix's end */
-        static int TTK; if (!TTK) { const char *e = getenv("KVC_TTK"); TTK = e ? atoi(e) : TK; } /* TEMP */
-        int tk = (int)(end - k0 < TTK ? end - k0 : TTK);
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
+        int tk = (int)(end - k0 < dtk ? end - k0 : dtk);
         kvc_kv_tile tile;
         const int64_t typed = kv->tile && !pruned ? kv->tile(kv->src, h, k0, tk, &tile) : 0;
         const float *V = NULL;

@@ -128,7 +128,8 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
     int64_t past[KVC_MAX_KV_HEADS];
     if (Hkv > KVC_MAX_KV_HEADS) return kvc_fail(KVC_ERR_INTERNAL, "attention: %d KV heads", Hkv);
     for (int32_t h = 0; h < Hkv; h++) past[h] = kv->len[h] - n;
-    const kvc_cpu_kvsrc src = {kv, store_keys, store_values, store_narrow, kv->dk, kv->kidx, store_tile};
+    const kvc_cpu_kvsrc src = {kv, store_keys, store_values, store_narrow, kv->dk, kv->kidx, store_tile,
+                               kv->fmt.type != KVC_KV_F32};
     kvc_frows Q = {0}, O = {0};
     kvc_status st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);

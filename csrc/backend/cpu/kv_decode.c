@@ -1,9 +1,14 @@
-/* The K/V storage types decoded a tile at a time (kv_decode.h): what the attention reads from a store that
- * is not f32. The formats and the plain-C decoders are core/kv_type.h's; these do the same arithmetic on
- * 16 values at a time and so give the same bits: f16 and bf16 widen exactly, q8_0's d q and KIVI's
- * m + s q round once (d q and s q are exact in f32: 11 significant bits times 8 or 4), an FMA or a
- * multiply and an add alike. A decode streams the cache from memory: the bytes PF_BYTES ahead of the
- * row being decoded are prefetched (the next tile's rows follow this tile's in a store). */
+/* Reading the K/V storage types for the attention (kv_decode.h), vectorised (AVX-512, or AVX2 + FMA + F16C;
+ * other builds run core/kv_type.h's plain-C decoders).
+ *
+ * Tile decoders: rows into f32, the same arithmetic as core/kv_type.h's decoders on 16 values at a time,
+ * so the same bits: f16 and bf16 widen exactly, q8_0's d q and KIVI's m + s q round once (d q and s q are
+ * exact in f32: 11 significant bits times 8 or 4), an FMA or a multiply and an add alike. They stream the
+ * cache from memory: the bytes PF_DECODE ahead of the row being decoded are prefetched (a store's next
+ * tile follows this one).
+ *
+ * KIVI's decode step (kvc_cpu_kv_scores, kvc_cpu_kv_pv): the dequantisation folded into the products,
+ * below. */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -17,10 +22,9 @@
 #if defined(KVD)
 #include <immintrin.h>
 
-static int PF_BYTES = 1024;
+#define PF_DECODE 2048
 #define WMAX 1024 /* widest row a host store takes (kv_store.c) */
-static int PF_HINT = 0;
-#define PREFETCH(p) do { if (PF_HINT) _mm_prefetch((const char *)(p) + PF_BYTES, _MM_HINT_T1); else _mm_prefetch((const char *)(p) + PF_BYTES, _MM_HINT_T0); } while (0)
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PF_DECODE, _MM_HINT_T0)
 
 /* ---- 16 values at a time ---- */
 static inline void f16x16(const void *p, float *out) {
@@ -147,11 +151,9 @@ static void kivi_row(const kvc_kv_format *f, const uint8_t *p, int32_t w, float 
 }
 #endif
 
-#include <stdlib.h> /* TEMP */
 void kvc_cpu_kv_decode_rows(const kvc_kv_format *f, const void *src, size_t stride, int64_t n, int32_t w, float *out) {
     const uint8_t *p = src;
 #if defined(KVD)
-    { static int init; if (!init) { const char *e = getenv("KVC_PF"); if (e) PF_BYTES = atoi(e); e = getenv("KVC_PFH"); if (e) PF_HINT = atoi(e); init = 1; } } /* TEMP */
     switch (f->type) {
     case KVC_KV_F16:
     case KVC_KV_BF16:
@@ -211,19 +213,21 @@ int kvc_cpu_kv_decode_simd(void) {
 }
 
 
-/* ---- the decode step on the stored bytes (kvc_cpu_kv_scores, kvc_cpu_kv_pv) ----
- * A row is read as vectors of VL values ("chunks"), a load at a time: one chunk for f16, bf16 and q8_0
- * (whose chunks are scaled by their block's d), per = 8 / bits chunks from VL bytes of KIVI codes, whose
- * lanes then hold every per-th channel (chunk t of a load: channels per i + t), so that the codes need no
- * shuffle: the query and the output take that order instead, a tile at a time (to_lanes, from_lanes).
- * KIVI keys (per channel: k_c = m_c + s_c q_c): q . k = sum_c (q_c s_c) q_c' + sum_c q_c m_c, the first
- * over the codes as they come, the second once per tile; KIVI values (per row: v_c = m + s q_c):
- * O += (P s) q + (P m), the second summed over the tile's rows first. The rounding differs from decoding
- * then multiplying (fp32 sums in another order). The rows of the tile PF_ROWS ahead are prefetched. */
+
+/* ---- KIVI's decode step on the stored bytes ----
+ * Keys per channel (k_c = m_c + s_c q_c over a key block): q . k = sum_c (q_c s_c) q_c' + sum_c q_c m_c, the
+ * first over the codes as they come, the second once per tile (a tile lies in one block). Values per row
+ * (v_c = m + s q_c in each value group): O += (P s) q + (P m), the second summed over the tile's rows first.
+ * Codes are read VL bytes at a time, widened to 32-bit lanes and split by shifts into per = 8 / bits
+ * vectors ("chunks"): lane i of chunk t holds channel per i + t, so the codes need no shuffle; the query
+ * side and the output take that order instead, once per tile (to_lanes, from_lanes). Rounding differs from
+ * decoding then multiplying (fp32 sums in another order); the tests bound it. The rows PF_FUSED bytes
+ * ahead are prefetched as each row is read. f16, bf16 and q8_0 tiles are decoded instead: folding their
+ * scales into the products measured no faster (the decode is a few instructions a value). */
 #if defined(KVD)
 #include "cpu.h"
 
-static int PF_ROWS = 4096; /* TEMP: bytes */
+#define PF_FUSED 4096
 #define NR_MAX 4 /* query rows a kernel keeps in registers */
 
 #if KVD == 512
@@ -231,7 +235,7 @@ static int PF_ROWS = 4096; /* TEMP: bytes */
 #define I_AND(x, m) _mm512_and_si512(x, _mm512_set1_epi32(m))
 #define I_SHR(x, k) _mm512_srli_epi32(x, k)
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
-/* even and odd lanes of the 2 VL lanes [a, b]; and the inverse: a, b interleaved, low and high halves */
+/* even and odd lanes of the 2 VL lanes [a, b]; and the inverse: a and b interleaved, low and high halves */
 static inline vf ev(vf a, vf b) {
     return _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
 }
@@ -244,6 +248,9 @@ static inline vf il_lo(vf a, vf b) {
 static inline vf il_hi(vf a, vf b) {
     return _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), b);
 }
+/* VL bytes widened to 32-bit lanes */
+typedef __m512i vi;
+static inline vi widen(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 #else
 #define I_CVT(x) _mm256_cvtepi32_ps(x)
 #define I_AND(x, m) _mm256_and_si256(x, _mm256_set1_epi32(m))
@@ -257,15 +264,13 @@ static inline vf od(vf a, vf b) {
     const __m256i ix = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     return _mm256_permute2f128_ps(_mm256_permutevar8x32_ps(a, ix), _mm256_permutevar8x32_ps(b, ix), 0x31);
 }
-static inline vf il_lo(vf a, vf b) {
-    return _mm256_permute2f128_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), 0x20);
-}
-static inline vf il_hi(vf a, vf b) {
-    return _mm256_permute2f128_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), 0x31);
-}
+static inline vf il_lo(vf a, vf b) { return _mm256_permute2f128_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), 0x20); }
+static inline vf il_hi(vf a, vf b) { return _mm256_permute2f128_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), 0x31); }
+typedef __m256i vi;
+static inline vi widen(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 #endif
 
-/* per chunks of channels in order (n) into the order of a load of KIVI codes (x), and back */
+/* per chunks of channels in order (n) into the order of a load of codes (x), and back */
 static inline void to_lanes(const int per, const vf *n, vf *x) {
     if (per == 2) {
         x[0] = ev(n[0], n[1]);
@@ -291,34 +296,9 @@ static inline void from_lanes(const int per, const vf *x, vf *n) {
     }
 }
 
-static inline vf ld_f16(const uint8_t *p) {
-#if KVD == 512
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-#else
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-#endif
-}
-static inline vf ld_bf16(const uint8_t *p) {
-#if KVD == 512
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-#else
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#endif
-}
-static inline vf ld_i8(const uint8_t *p) {
-#if KVD == 512
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#else
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#endif
-}
-/* VL bytes of KIVI codes as per = 8 / bits chunks: lane i of x[t] is code per i + t */
+/* the per chunks of VL bytes of codes at p */
 static inline void ld_codes(const uint8_t *p, const int bits, vf *x) {
-#if KVD == 512
-    const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#else
-    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#endif
+    const vi u = widen(p);
     if (bits == 4) {
         x[0] = I_CVT(I_AND(u, 15));
         x[1] = I_CVT(I_SHR(u, 4));
@@ -330,17 +310,17 @@ static inline void ld_codes(const uint8_t *p, const int bits, vf *x) {
     }
 }
 
-/* sums of a0..a3 into out[0..3] */
-static inline void sum4(vf a0, vf a1, vf a2, vf a3, float *out) {
+/* the sums of a0..a3 */
+static inline __m128 sum4(vf a0, vf a1, vf a2, vf a3) {
 #if KVD == 512
     const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
     const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
     const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
     const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
 #else
     const __m256 z = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 #endif
 }
 
@@ -350,61 +330,26 @@ static inline float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-static inline int is_kivi(const int T) { return T == KVC_KV_KIVI4 || T == KVC_KV_KIVI2; }
-static inline int bits_of(const int T) { return T == KVC_KV_KIVI4 ? 4 : 2; }
-/* chunks one load gives */
-static inline int per_load(const int T) { return is_kivi(T) ? 8 / bits_of(T) : 1; }
-
-/* key (kv 0) or value row j of the tile: its bytes, and how many of them a row takes in memory */
-static inline const uint8_t *row_of(const int T, const kvc_kv_tile *t, int kv, int j) {
-    if (kv) return t->v + (size_t)j * t->vstride;
-    if (is_kivi(T)) return t->k + 4 * (size_t)t->d + (size_t)(t->kr0 + j) * t->d * bits_of(T) / 8;
-    return t->k + (size_t)j * t->kstride;
-}
-static inline size_t row_step(const int T, const kvc_kv_tile *t, int kv) {
-    return kv ? t->vstride : is_kivi(T) ? (size_t)t->d * bits_of(T) / 8 : t->kstride;
-}
-/* the rows PF_ROWS ahead, a cache line at a time */
-static inline void prefetch_ahead(const int T, const uint8_t *row, size_t step) {
-    const size_t ahead = T == KVC_KV_F16 || T == KVC_KV_BF16 ? PF_ROWS / 2 : PF_ROWS;
-    for (size_t o = 0; o < step; o += 64) _mm_prefetch((const char *)row + ahead + o, _MM_HINT_T0);
+/* the rows PF_FUSED bytes on, a cache line at a time */
+static inline void prefetch_row(const uint8_t *row, size_t bytes) {
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + PF_FUSED + o, _MM_HINT_T0);
 }
 
-/* The chunks of load l (chunks [l per, l per + per)) of a row; q8_0's unscaled. */
-static inline __attribute__((always_inline)) void load_chunks(const int T, const kvc_kv_tile *t, int kv, const uint8_t *row,
-                                                              int l, vf *x) {
-    const int c0 = l * per_load(T) * VL; /* its first channel */
-    switch (T) {
-    case KVC_KV_F16: x[0] = ld_f16(row + 2 * c0); return;
-    case KVC_KV_BF16: x[0] = ld_bf16(row + 2 * c0); return;
-    case KVC_KV_Q8_0: x[0] = ld_i8(row + KVC_Q8_0_BYTES * (c0 / KVC_Q8_0_BLOCK) + 2 + c0 % KVC_Q8_0_BLOCK); return;
-    default: {
-        const int bits = bits_of(T);
-        if (!kv) { /* a key row's codes */
-            ld_codes(row + (size_t)c0 * bits / 8, bits, x);
-        } else { /* a value row: groups of g channels, [scale, min, codes] */
-            const int g = kvc_kivi_vgroup(t->f->group, t->d);
-            ld_codes(row + (size_t)(c0 / g) * (4 + (size_t)g * bits / 8) + 4 + (size_t)(c0 % g) * bits / 8, bits, x);
-        }
-        return;
-    }
-    }
-}
-
-/* S[r ls + j] = Qv[r] . k_j (+ bias[r], KIVI) for NR rows (Qv [NR, d] in T's lane order) and the tile's
- * keys j < n, 4 keys at a time (their sums reduced together); q8_0: dk [n, d / 32] the keys' block scales */
-static inline __attribute__((always_inline)) void scores_nr(const int T, const int NR, const kvc_kv_tile *t, const float *Qv,
-                                                            const float *dk, const float *bias, int n, float *S, int ls) {
-    const int d = t->d, per = per_load(T), nb = d / KVC_Q8_0_BLOCK;
-    const size_t step = row_step(T, t, 0);
+/* S[r ls + j] = Qv[r] . codes_j + bias[r] for NR rows (Qv [NR, d]: q s in the codes' order) and the tile's
+ * keys j < n, 4 keys at a time (their sums reduced together) */
+static inline __attribute__((always_inline)) void scores_nr(const int BITS, const int NR, const kvc_kv_tile *t, const float *Qv,
+                                                            const float *bias, int n, float *S, int ls) {
+    const int d = t->d, per = 8 / BITS;
+    const size_t rb = (size_t)d * BITS / 8; /* a key row's codes */
+    const uint8_t *codes = t->k + 4 * (size_t)d + (size_t)t->kr0 * rb;
     for (int j = 0; j < n; j += 4) {
         const int nk = n - j < 4 ? n - j : 4;
         const uint8_t *row[4];
         vf acc[NR_MAX][4];
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
-            row[k] = row_of(T, t, 0, j + (k < nk ? k : 0)); /* past n: a row again, its sum unused */
-            prefetch_ahead(T, row[k], step);
+            row[k] = codes + (size_t)(j + (k < nk ? k : 0)) * rb; /* past n: a row again, its sum unused */
+            prefetch_row(row[k], rb);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) acc[r][k] = V_ZERO();
         }
@@ -412,9 +357,7 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
                 vf x[4];
-                load_chunks(T, t, 0, row[k], l, x);
-                if (T == KVC_KV_Q8_0)
-                    x[0] = V_MUL(x[0], V_BCAST(dk + (size_t)(j + (k < nk ? k : 0)) * nb + l * VL / KVC_Q8_0_BLOCK));
+                ld_codes(row[k] + (size_t)l * VL, BITS, x);
 #pragma GCC unroll 4
                 for (int c = 0; c < per; c++)
 #pragma GCC unroll 4
@@ -422,55 +365,59 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
             }
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
-            float s4[4];
-            sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s4);
-            for (int k = 0; k < nk; k++) S[r * ls + j + k] = is_kivi(T) ? s4[k] + bias[r] : s4[k];
+            const __m128 s = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(bias[r]));
+            if (nk == 4) {
+                _mm_storeu_ps(S + r * ls + j, s);
+            } else {
+                float s4[4];
+                _mm_storeu_ps(s4, s);
+                for (int k = 0; k < nk; k++) S[r * ls + j + k] = s4[k];
+            }
         }
     }
 }
 
-/* O[NR, d] += the tile's values j < n weighted by cf: row r's weight of value j in coefficient group e at
- * cf[(r ne + e) cs + j] (f16, bf16: P itself, ne 1; q8_0: P d, a group per block; KIVI: P s, a group per
- * value group, and bias [NR, ne] = sum_j P m added to the group's channels) */
-static inline __attribute__((always_inline)) void pv_nr(const int T, const int NR, const kvc_kv_tile *t, const float *cf,
-                                                        int ne, int cs, const float *bias, int n, float *O) {
-    const int d = t->d, per = per_load(T), g = is_kivi(T) ? kvc_kivi_vgroup(t->f->group, d) : 0;
-    for (int v0 = 0; v0 < d / VL; v0 += 4) { /* 4 chunks of O in registers */
+/* O[NR, d] += the tile's value codes j < n weighted by cf (row r's weight of value j in value group e at
+ * cf[(r ne + e) KVC_KV_TILE + j]: P s), then bias [NR, ne] (sum_j P m) on the group's channels; 4 chunks of
+ * O in registers at a time */
+static inline __attribute__((always_inline)) void pv_nr(const int BITS, const int NR, const kvc_kv_tile *t, const float *cf,
+                                                        int ne, const float *bias, int n, float *O) {
+    const int d = t->d, per = 8 / BITS, g = kvc_kivi_vgroup(t->f->group, d);
+    const size_t gb = 4 + (size_t)g * BITS / 8; /* a value group's bytes: scale, min, codes */
+    for (int v0 = 0; v0 < d / VL; v0 += 4) {
+        const int c0 = v0 * VL; /* first channel (4 VL channels: whole loads, inside one group) */
+        const int e = c0 / g;
+        const size_t at = (size_t)e * gb + 4 + (size_t)(c0 % g) * BITS / 8;
+        const float *w = cf + (size_t)e * KVC_KV_TILE;
         vf o[NR_MAX][4];
-        int e[4]; /* each chunk's coefficient group */
-        for (int c = 0; c < 4; c++)
-            e[c] = T == KVC_KV_Q8_0 ? (v0 + c) * VL / KVC_Q8_0_BLOCK : is_kivi(T) ? (v0 + c) / per * per * VL / g : 0;
 #pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) {
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) o[r][c] = V_LOAD(O + r * d + (v0 + c) * VL);
-            if (is_kivi(T)) /* into the codes' lane order */
-                for (int c = 0; c < 4; c += per) {
-                    vf x[4];
-                    to_lanes(per, o[r] + c, x);
-                    for (int i = 0; i < per; i++) o[r][c + i] = x[i];
-                }
-        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < 4; c += per) {
+                vf x[4];
+                for (int i = 0; i < per; i++) x[i] = V_LOAD(O + r * d + c0 + (c + i) * VL);
+                to_lanes(per, x, o[r] + c);
+            }
         for (int j = 0; j < n; j++) {
+            const uint8_t *row = t->v + (size_t)j * t->vstride;
             vf x[4];
-            const uint8_t *row = row_of(T, t, 1, j);
-            if (v0 == 0) prefetch_ahead(T, row, t->vstride);
+            if (v0 == 0) prefetch_row(row, t->vstride);
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c += per) load_chunks(T, t, 1, row, (v0 + c) / per, x + c);
+            for (int c = 0; c < 4; c += per) ld_codes(row + at + (size_t)c * VL * BITS / 8, BITS, x + c);
 #pragma GCC unroll 4
-            for (int r = 0; r < NR; r++)
+            for (int r = 0; r < NR; r++) {
+                const vf p = V_BCAST(w + (size_t)r * ne * KVC_KV_TILE + j);
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) o[r][c] = V_FMA(V_BCAST(cf + (size_t)(r * ne + e[c]) * cs + j), x[c], o[r][c]);
+                for (int c = 0; c < 4; c++) o[r][c] = V_FMA(p, x[c], o[r][c]);
+            }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
-            if (is_kivi(T))
-                for (int c = 0; c < 4; c += per) {
-                    vf x[4];
-                    from_lanes(per, o[r] + c, x);
-                    for (int i = 0; i < per; i++) o[r][c + i] = V_ADD(x[i], V_BCAST(bias + r * ne + e[c]));
-                }
-            for (int c = 0; c < 4; c++) V_STORE(O + r * d + (v0 + c) * VL, o[r][c]);
+            const vf b = V_BCAST(bias + r * ne + e);
+            for (int c = 0; c < 4; c += per) {
+                vf x[4];
+                from_lanes(per, o[r] + c, x);
+                for (int i = 0; i < per; i++) V_STORE(O + r * d + c0 + (c + i) * VL, V_ADD(x[i], b));
+            }
         }
     }
 }
@@ -483,69 +430,59 @@ static inline __attribute__((always_inline)) void pv_nr(const int T, const int N
     default: CALL(4); break; \
     }
 
-static inline __attribute__((always_inline)) void scores_of(const int T, const kvc_kv_tile *t, const float *Q, int rows, int n,
-                                                            float *S, int ls) {
-    const int d = t->d, nb = d / KVC_Q8_0_BLOCK, per = per_load(T);
-    float dk[KVC_KV_TILE * 8], qv[NR_MAX * 256], bias[NR_MAX], s[256], m[256];
-    if (T == KVC_KV_Q8_0)
-        for (int j = 0; j < n; j++)
-            for (int b = 0; b < nb; b++) dk[j * nb + b] = half(t->k + (size_t)j * t->kstride + (size_t)b * KVC_Q8_0_BYTES);
-    if (is_kivi(T)) /* the block's channel scales and mins */
-        for (int c = 0; c < d; c += VL) {
-            V_STORE(s + c, ld_f16(t->k + 2 * (size_t)c));
-            V_STORE(m + c, ld_f16(t->k + 2 * (size_t)(d + c)));
-        }
+static inline __attribute__((always_inline)) void scores_of(const int BITS, const kvc_kv_tile *t, const float *Q, int rows,
+                                                            int n, float *S, int ls) {
+    const int d = t->d, per = 8 / BITS;
+    float qv[NR_MAX * 256], bias[NR_MAX], s[256], m[256];
+    halves(KVC_KV_F16, (const uint16_t *)t->k, d, s); /* the block's channel scales and mins */
+    halves(KVC_KV_F16, (const uint16_t *)t->k + d, d, m);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
         const float *Qr = Q + (size_t)r0 * d;
-        if (is_kivi(T)) /* q s in the codes' lane order, q . m */
-            for (int r = 0; r < nr; r++) {
-                vf b = V_ZERO();
-                for (int c = 0; c < d; c += VL) b = V_FMA(V_LOAD(Qr + r * d + c), V_LOAD(m + c), b);
-                bias[r] = V_HSUM(b);
-                for (int c = 0; c < d; c += per * VL) {
-                    vf nat[4], x[4];
-                    for (int i = 0; i < per; i++) nat[i] = V_MUL(V_LOAD(Qr + r * d + c + i * VL), V_LOAD(s + c + i * VL));
-                    to_lanes(per, nat, x);
-                    for (int i = 0; i < per; i++) V_STORE(qv + r * d + c + i * VL, x[i]);
-                }
+        for (int r = 0; r < nr; r++) { /* q s in the codes' order, and q . m */
+            vf b = V_ZERO();
+            for (int c = 0; c < d; c += VL) b = V_FMA(V_LOAD(Qr + r * d + c), V_LOAD(m + c), b);
+            bias[r] = V_HSUM(b);
+            for (int c = 0; c < d; c += per * VL) {
+                vf nat[4], x[4];
+                for (int i = 0; i < per; i++) nat[i] = V_MUL(V_LOAD(Qr + r * d + c + i * VL), V_LOAD(s + c + i * VL));
+                to_lanes(per, nat, x);
+                for (int i = 0; i < per; i++) V_STORE(qv + r * d + c + i * VL, x[i]);
             }
-#define SCORES(NR) scores_nr(T, NR, t, is_kivi(T) ? qv : Qr, dk, bias, n, S + (size_t)r0 * ls, ls)
+        }
+#define SCORES(NR) scores_nr(BITS, NR, t, qv, bias, n, S + (size_t)r0 * ls, ls)
         NR_CASES(SCORES)
 #undef SCORES
     }
 }
 
-static inline __attribute__((always_inline)) void pv_of(const int T, const kvc_kv_tile *t, const float *P, int ls, int rows,
+static inline __attribute__((always_inline)) void pv_of(const int BITS, const kvc_kv_tile *t, const float *P, int ls, int rows,
                                                         int n, float *O) {
-    const int d = t->d, plain = T == KVC_KV_F16 || T == KVC_KV_BF16;
-    const int g = is_kivi(T) ? kvc_kivi_vgroup(t->f->group, d) : KVC_Q8_0_BLOCK, ne = plain ? 1 : d / g;
-    const size_t eb = is_kivi(T) ? 4 + (size_t)g * bits_of(T) / 8 : KVC_Q8_0_BYTES; /* a group's bytes in a row */
+    const int d = t->d, g = kvc_kivi_vgroup(t->f->group, d), ne = d / g;
+    const size_t gb = 4 + (size_t)g * BITS / 8;
     float sc[8 * KVC_KV_TILE], mn[8 * KVC_KV_TILE], cf[NR_MAX * 8 * KVC_KV_TILE], bias[NR_MAX * 8];
-    for (int e = 0; !plain && e < ne; e++) /* each value's scales (and KIVI's mins) per group */
+    for (int e = 0; e < ne; e++) /* each value row's scale and min per group */
         for (int j = 0; j < n; j++) {
-            const uint8_t *h = t->v + (size_t)j * t->vstride + (size_t)e * eb;
+            const uint8_t *h = t->v + (size_t)j * t->vstride + (size_t)e * gb;
             sc[e * KVC_KV_TILE + j] = half(h);
-            if (is_kivi(T)) mn[e * KVC_KV_TILE + j] = half(h + 2);
+            mn[e * KVC_KV_TILE + j] = half(h + 2);
         }
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
         const float *Pr = P + (size_t)r0 * ls;
-        for (int r = 0; !plain && r < nr; r++)
+        for (int r = 0; r < nr; r++) /* P s, and P . m */
             for (int e = 0; e < ne; e++) {
                 vf b = V_ZERO();
                 for (int j = 0; j < n; j += VL) {
                     const vmask mk = V_MASK(n - j);
                     const vf p = V_LOADM(Pr + r * ls + j, mk);
                     V_STORE(cf + (r * ne + e) * KVC_KV_TILE + j, V_MUL(p, V_LOADM(sc + e * KVC_KV_TILE + j, mk)));
-                    if (is_kivi(T)) b = V_FMA(p, V_LOADM(mn + e * KVC_KV_TILE + j, mk), b);
+                    b = V_FMA(p, V_LOADM(mn + e * KVC_KV_TILE + j, mk), b);
                 }
                 bias[r * ne + e] = V_HSUM(b);
             }
         float *Or = O + (size_t)r0 * d;
-#define PV(NR)                                             \
-    if (plain) pv_nr(T, NR, t, Pr, 1, ls, NULL, n, Or);    \
-    else pv_nr(T, NR, t, cf, ne, KVC_KV_TILE, bias, n, Or)
+#define PV(NR) pv_nr(BITS, NR, t, cf, ne, bias, n, Or)
         NR_CASES(PV)
 #undef PV
     }
@@ -554,9 +491,9 @@ static inline __attribute__((always_inline)) void pv_of(const int T, const kvc_k
 
 int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d) {
 #if defined(KVD)
-    if (f->type == KVC_KV_F32 || d % (4 * VL) != 0 || d > 256) return 0;
-    if (kvc_kv_type_key_blocks(f->type)) return kvc_kivi_vgroup(f->group, d) % (8 / kvc_kv_type_bits(f->type) * VL) == 0;
-    return 1;
+    /* whole column blocks of 4 chunks, each inside one value group */
+    if (!kvc_kv_type_key_blocks(f->type) || d % (4 * VL) != 0 || d > 256) return 0;
+    return kvc_kivi_vgroup(f->group, d) % (4 * VL) == 0;
 #else
     (void)f, (void)d;
     return 0;
@@ -565,14 +502,10 @@ int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d) {
 
 void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls) {
 #if defined(KVD)
-    { static int init; if (!init) { const char *e = getenv("KVC_PFR"); if (e) PF_ROWS = atoi(e); init = 1; } } /* TEMP */
-    switch (t->f->type) {
-    case KVC_KV_F16: scores_of(KVC_KV_F16, t, Q, rows, n, S, ls); break;
-    case KVC_KV_BF16: scores_of(KVC_KV_BF16, t, Q, rows, n, S, ls); break;
-    case KVC_KV_Q8_0: scores_of(KVC_KV_Q8_0, t, Q, rows, n, S, ls); break;
-    case KVC_KV_KIVI4: scores_of(KVC_KV_KIVI4, t, Q, rows, n, S, ls); break;
-    default: scores_of(KVC_KV_KIVI2, t, Q, rows, n, S, ls); break;
-    }
+    if (t->f->type == KVC_KV_KIVI4)
+        scores_of(4, t, Q, rows, n, S, ls);
+    else
+        scores_of(2, t, Q, rows, n, S, ls);
 #else
     (void)t, (void)Q, (void)rows, (void)n, (void)S, (void)ls;
 #endif
@@ -580,13 +513,10 @@ void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, fl
 
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O) {
 #if defined(KVD)
-    switch (t->f->type) {
-    case KVC_KV_F16: pv_of(KVC_KV_F16, t, P, ls, rows, n, O); break;
-    case KVC_KV_BF16: pv_of(KVC_KV_BF16, t, P, ls, rows, n, O); break;
-    case KVC_KV_Q8_0: pv_of(KVC_KV_Q8_0, t, P, ls, rows, n, O); break;
-    case KVC_KV_KIVI4: pv_of(KVC_KV_KIVI4, t, P, ls, rows, n, O); break;
-    default: pv_of(KVC_KV_KIVI2, t, P, ls, rows, n, O); break;
-    }
+    if (t->f->type == KVC_KV_KIVI4)
+        pv_of(4, t, P, ls, rows, n, O);
+    else
+        pv_of(2, t, P, ls, rows, n, O);
 #else
     (void)t, (void)P, (void)ls, (void)rows, (void)n, (void)O;
 #endif
