@@ -138,6 +138,13 @@ extern PyMethodDef kvc_py_pyscorer_methods[];
 int kvc_py_raise_pending(void);
 /* Whether this thread's last raised failure was a Python press's exception. */
 int kvc_py_press_raised(void);
+/* presses/dlview.c: the memory of a Python press's view (ViewMemory: held by its arrays; keep: the retained view's
+ * handle, released with the last holder) and DLView, a read-only tensor over it exported through DLPack */
+int kvc_py_dlview_init(PyObject *module);
+PyObject *kvc_py_view_memory_new(void);
+void kvc_py_view_memory_keep(PyObject *memory, void *handle);
+PyObject *kvc_py_dlview_new(PyObject *memory, const void *data, int32_t dtype, int32_t host, int32_t ndim,
+                            const int64_t *shape, const int64_t *strides);
 
 /* judgeq.c, device.c */
 extern PyMethodDef kvc_py_judgeq_methods[];

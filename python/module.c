@@ -160,6 +160,7 @@ static int module_exec(PyObject *m) {
         add_methods(m, kvc_py_persist_module_methods) < 0)
         return -1;
     if (kvc_py_press_constants(m) < 0) return -1;
+    if (kvc_py_dlview_init(m) < 0) return -1;
     if (PyModule_AddStringConstant(m, "__version__", kvc_version()) < 0) return -1;
     return 0;
 }

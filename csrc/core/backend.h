@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 8 /* 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+#define KVC_BACKEND_VERSION 9 /* 9: kv_rows, kv_keep_rows, kv_kept_free, host_memory (rows lent in place); 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
                                  scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
                                  kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
@@ -175,6 +175,8 @@ typedef struct kvc_backend {
     int (*weight_type_ok)(int32_t ggml_type);
     int64_t mlp_rows;  /* rows per MLP block: gate|up scratch stays O(block x ffn) */
     int32_t serialize; /* calls from several threads take turns (one stream, shared scratch) */
+    int32_t host_memory; /* its buffers and stores are in this process's memory (the CPU, the emulated device): rows it
+                          * lends in place (kv_rows) are host addresses; 0: the device's (CUDA) */
 
     /* ---- the device ---- */
     const char *(*device_name)(void);
@@ -250,6 +252,17 @@ typedef struct kvc_backend {
     /* Batched: rows idx[h][0 .. n[h]) of every head (any order, no repeats) from host f32 k and v (either may
      * be NULL), head after head (n[h] x d values each): one transfer for the layer (merged values). */
     kvc_status (*kv_write_rows)(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
+    /* Rows lent in place (table version 7): views handed out without a copy (a Python press's keys and values, DLPack).
+     * kv_rows: *k and *v at row 0 of head h's K and V where the store keeps them (rows of d elements, row-major, the
+     * rows held first), and their dtype (KVC_F32 or KVC_BF16), in the backend's memory (this process's for the CPU and
+     * the emulated device, the GPU's for CUDA); -1 when the store does not keep them plainly (ThinK-pruned rows, another
+     * type): the caller copies (kv_read_heads). Valid until the store changes. NULL: never lends.
+     * kv_keep_rows: for a holder of those rows that outlives that (an array a press kept past its call): the store
+     * moves to a copy of its rows and hands the old memory over as *kept, released by kv_kept_free on any thread
+     * (it takes no lock). */
+    int32_t (*kv_rows)(const kvc_kv *kv, int32_t h, const void **k, const void **v);
+    kvc_status (*kv_keep_rows)(kvc_kv *kv, void **kept);
+    void (*kv_kept_free)(void *kept);
 
     /* ---- the decoder layer's kernels ---- */
     /* x[i, :] = table[ids[i], :] (x f32, ids i32) */

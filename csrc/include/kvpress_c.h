@@ -293,8 +293,9 @@ KVC_API kvc_status kvc_model_digest(kvc_model *model, char *out, size_t cap);
  * `window` rows of every head protected, as SnapKV's), "callback_stats" (the same, a decoding press buffering every
  * row's query for it: statistics of all queries, as ExpectedAttention's) or "callback_select" (it chooses the kept
  * rows itself: keep, n_keep), the engine calls `callback` once per layer, at every compression (prefill, TAKE's chunks, a decoding
- * press's intervals), on the calling thread. Everything in the view is valid during the call only; arrays are
- * host fp32, row-major, with the sizes beside them. The callback returns 0, or nonzero to fail the forward (the
+ * press's intervals), on the calling thread. Everything in the view is valid during the call only (longer for what
+ * kvc_scorer_view_retain keeps); arrays are host fp32, row-major, with the sizes beside them, except the rows lent in
+ * place (KVC_VIEW_IN_PLACE). The callback returns 0, or nonzero to fail the forward (the
  * call is rolled back; message, if it wrote one, is the error's text). */
 enum {
     KVC_VIEW_VALUES = 1 << 0,     /* values */
@@ -303,7 +304,10 @@ enum {
     KVC_VIEW_ATTENTIONS = 1 << 3, /* the window queries' attention over every row (softmax, causal) */
     KVC_VIEW_ALL_QUERIES = 1 << 4, /* the window is every query of the call (ExpectedAttention's statistics), not
                                     * the config's window (which TAKE sets to its probes) */
+    KVC_VIEW_IN_PLACE = 1 << 5,   /* each head's rows where the K/V store keeps them (key_rows, value_rows), no copy */
 };
+/* The element type of rows lent in place (kvc_scorer_view.rows_dtype). */
+enum { KVC_ROWS_F32 = 0, KVC_ROWS_BF16 = 1 };
 typedef struct kvc_scorer_view {
     int32_t layer, n_layers;       /* the layer scored, of how many */
     int32_t n_heads, n_kv_heads, head_dim, hidden_dim;
@@ -330,8 +334,25 @@ typedef struct kvc_scorer_view {
                                     * buffer: kvpress's q_len, as ExpectedAttention's future positions start) */
     double rope_attn_factor;       /* what RoPE multiplied the turned pairs by (LongRoPE's attention factor; else 1):
                                     * rope_freq and this are the call's RoPE, as the forward turned its rows */
+    /* KVC_VIEW_IN_PLACE, where the store keeps its rows plainly (no ThinK-pruned rows; f32 or bf16), else NULL:
+     * key_rows[h] and value_rows[h] (KVC_VIEW_VALUES) at row 0 of head h, len[h] rows of head_dim elements, row-major,
+     * of rows_dtype, in host memory when rows_host, else in the device's (CUDA; the device's work on them is
+     * complete). f32 rows in host memory (the CPU) are the view: keys and values are then NULL; otherwise keys and
+     * values are the host copies as without the flag. */
+    const void *const *key_rows;
+    const void *const *value_rows;
+    int32_t rows_dtype;            /* KVC_ROWS_F32 or KVC_ROWS_BF16 */
+    int32_t rows_host;
+    void *engine;                  /* the engine's (kvc_scorer_view_retain) */
 } kvc_scorer_view;
 typedef int32_t (*kvc_scorer_callback)(void *user, const kvc_scorer_view *view);
+/* For a callback whose arrays must outlive its call (a Python press that kept one): called during the call, it keeps
+ * the memory of keys, values, the rows lent in place, queries, hidden, attentions and positions valid until
+ * kvc_scorer_view_release(handle), on any thread; the store then continues in a copy of the rows it lent. NULL on
+ * failure (kvc_last_error). The pointer tables (len, key_rows, value_rows), rope_freq, scores, keep and message stay
+ * the call's. */
+KVC_API void *kvc_scorer_view_retain(const kvc_scorer_view *view);
+KVC_API void kvc_scorer_view_release(void *handle);
 
 /* ---- Presses by name: the interface for bindings and C clients (no struct to mirror, no codes) ---- */
 /* A press's settings, opaque: made from a scorer's name ("snapkv", "knorm", ...: kvc_press_param_info of

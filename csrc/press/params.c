@@ -82,7 +82,7 @@ static const param_row rows[] = {
     {"dms_window", T_I32, F(dms_window), NULL, 0, INF, "DMSPress sliding_window_size"},
     {"callback", T_U64, F(callback), NULL, 0, 18446744073709551615.0, "a callback scorer's kvc_scorer_callback (address)"},
     {"callback_user", T_U64, F(callback_user), NULL, 0, 18446744073709551615.0, "a callback scorer's user pointer"},
-    {"callback_needs", T_I32, F(callback_needs), NULL, 0, 31, "KVC_VIEW_* bits: what a callback scorer's view carries"},
+    {"callback_needs", T_I32, F(callback_needs), NULL, 0, 63, "KVC_VIEW_* bits: what a callback scorer's view carries"},
 };
 #undef F
 #define N_ROWS ((int32_t)(sizeof rows / sizeof *rows))

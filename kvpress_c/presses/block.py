@@ -19,7 +19,8 @@ class BlockPress(WrapperPress):
         if not isinstance(self.press, ScorerPress):
             raise ValueError("BlockPress wraps a scorer press, e.g. BlockPress(KnormPress(compression_ratio=0.5))")
         inner = self.press.c_config()  # a Python press reading keys (and values) alone may be wrapped too
-        if inner["scorer"] not in ("knorm", "streaming", "random", "callback") or inner.get("callback_needs", 0) & ~1:
+        rows_only = ~(1 | 32)  # KVC_VIEW_VALUES, KVC_VIEW_IN_PLACE: the block's rows and nothing of the call
+        if inner["scorer"] not in ("knorm", "streaming", "random", "callback") or inner.get("callback_needs", 0) & rows_only:
             raise ValueError("BlockPress scores each block from its keys alone: wrap KnormPress, StreamingLLMPress, "
                              f"RandomPress or a Python press reading keys and values, not {type(self.press).__name__}")
         check_int("block_size", self.block_size, minimum=1)

@@ -22,6 +22,7 @@ import numpy as np
 from .. import _core
 
 _NEEDS = {"values": 1, "queries": 2, "hidden_states": 4, "attentions": 8, "all_queries": 16}  # KVC_VIEW_* (kvpress_c.h)
+_IN_PLACE = 32  # KVC_VIEW_IN_PLACE: the store's own rows where it lends them (no copy of f32 host rows)
 _registry: dict = {}
 _tokens = itertools.count(1)
 _lock = threading.Lock()
@@ -70,32 +71,61 @@ def c_config(press) -> dict:
     scorer = "callback_select" if select else ("callback_window" if protect else "callback_stats" if stats else "callback")
     cfg = {"scorer": scorer, "allocation": "uniform", "window": window, "kernel": 1,
            "callback": _core.scorer_callback_address(), "callback_user": _token(press),
-           "callback_needs": sum(_NEEDS[r] for r in set(reads))}
+           "callback_needs": sum(_NEEDS[r] for r in set(reads)) | _IN_PLACE}
     if not select:
         cfg.update(compression_ratio=float(press.compression_ratio), budget=int(press.budget or 0))
     return cfg
 
 
 class Layer:
-    """What a Python press sees of a layer, valid during the call only (the arrays are read-only views of
-    the engine's memory: copy what you keep). Heads may hold different row counts (Ada-KV, a decoding
-    press): `keys` and `values` are padded to n = max(lengths) rows with zeros, and the scores are
-    [n_kv_heads, n] with the rows past a head's length ignored."""
+    """What a Python press sees of a layer. Its arrays are read-only views of the engine's memory, no copy where the
+    memory allows: on the CPU `keys` and `values` are the K/V store's own rows. They stay valid after the call (an
+    array still held when the call ends makes the engine keep its memory: the store moves to a copy), so keeping
+    one is safe, and costs that copy.
+
+    Heads may hold different row counts (Ada-KV, a decoding press): `keys` and `values` are [n_kv_heads, n, head_dim]
+    with n = max(lengths), the rows past a head's length zeros (a padded copy, made when the press first reads the
+    array, only where the heads differ or do not lie at one stride in the store); `key_rows[h]` and `value_rows[h]` are
+    each head's own rows [lengths[h], head_dim] as the store keeps them (DLPack: float32 on the CPU, bfloat16 on a
+    device, on the device's memory), never padded. The scores are [n_kv_heads, n], the rows past a head's length
+    ignored."""
 
     def __init__(self, d: dict, press):
+        d["_keys"], d["_values"] = d.pop("keys"), d.pop("values")
         self.__dict__.update(d)
         self._press = press
 
     def __getattribute__(self, name):
         value = object.__getattribute__(self, name)
-        if value is None and name in ("values", "queries", "hidden_states", "attentions"):
+        if value is None and name in ("value_rows", "queries", "hidden_states", "attentions"):
+            name = "values" if name == "value_rows" else name
             raise AttributeError(f"{type(object.__getattribute__(self, '_press')).__name__} reads layer.{name}: "
                                  f"add {name!r} to its `reads` (and a window_size for queries and attentions)")
         return value
 
     @property
+    def keys(self):
+        if self._keys is None:
+            self._keys = self._stacked(self.key_rows)
+        return self._keys
+
+    @property
+    def values(self):
+        if self._values is None:
+            self._values = self._stacked(self.value_rows)
+        return self._values
+
+    def _stacked(self, rows):
+        """[n_kv_heads, n, head_dim] float32 from the heads' host views, zeros past each head's rows."""
+        out = np.zeros((self.n_kv_heads, self.max_len, self.head_dim), np.float32)
+        for h, r in enumerate(rows):
+            out[h, :self.lengths[h]] = np.from_dlpack(r)
+        out.flags.writeable = False
+        return out
+
+    @property
     def n(self) -> int:
-        return int(self.keys.shape[1])
+        return int(self.max_len)
 
     @property
     def group_size(self) -> int:
@@ -113,12 +143,23 @@ class Layer:
 
 
 def _as_numpy(x):
-    if hasattr(x, "detach"):  # a torch tensor (from_kvpress, or a press written with torch)
-        x = x.detach().cpu()
-        if not x.is_floating_point() or x.element_size() < 4:
-            x = x.float()
-        return x.numpy()
-    return x if isinstance(x, np.ndarray) else np.asarray(x)
+    """A press's result as a NumPy array: NumPy as it is; a torch tensor or any DLPack object through DLPack (one on
+    a GPU copied down by torch first), 16-bit floats widened to float32."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach"):  # torch: out of autograd
+        x = x.detach()
+    if not hasattr(x, "__dlpack__"):
+        return np.asarray(x)
+    if x.__dlpack_device__()[0] != 1:  # not host memory (kDLCPU)
+        import torch
+        x = torch.from_dlpack(x).cpu()
+    try:
+        a = np.from_dlpack(x)
+    except RuntimeError:  # a type NumPy lacks (bfloat16)
+        import torch
+        return torch.from_dlpack(x).float().numpy()
+    return a.astype(np.float32) if a.dtype == np.float16 else a
 
 
 def _dispatch(token: int, select: bool, d: dict):

@@ -120,6 +120,78 @@ def test_ctypes_callback_scorer(default_gguf):
     lib.kvc_model_free(m)
 
 
+def test_ctypes_callback_rows_in_place(default_gguf):
+    """KVC_VIEW_IN_PLACE on the CPU: no host copy (keys, values NULL), each head's f32 rows lent where the store keeps
+    them, equal to the copies a callback without the flag reads; a retained view's rows stay readable after the
+    forward compacted the store (kvc_scorer_view_retain), until released; the kept rows are Knorm's either way."""
+    from capi import ROWS_F32, SCORER_CALLBACK, VIEW_IN_PLACE, VIEW_VALUES, check
+    m = C.c_void_p()
+    check(lib.kvc_model_load(default_gguf.encode(), C.byref(m)))
+    ids = np.random.default_rng(5).integers(3, 49152, size=48).astype(np.int32)
+    logits = np.zeros(49152, dtype=np.float32)
+    seen, handles = {}, []
+
+    def score(view, keys, values):
+        v = view.contents
+        scores = np.ctypeslib.as_array(v.scores, shape=(v.n_kv_heads, v.max_len))
+        scores[:] = -np.linalg.norm(keys.astype(np.float64), axis=-1)
+
+    def copied(user, view):
+        v = view.contents
+        shape = (v.n_kv_heads, v.max_len, v.head_dim)
+        keys, values = (np.ctypeslib.as_array(p, shape=shape).copy() for p in (v.keys, v.values))
+        assert not v.key_rows and not v.value_rows
+        seen[("copied", v.layer)] = (keys, values)
+        score(view, keys, values)
+        return 0
+
+    def lent(user, view):
+        v = view.contents
+        assert not v.keys and not v.values and v.rows_dtype == ROWS_F32 and v.rows_host == 1
+        rows = [[np.ctypeslib.as_array(C.cast(t[h], C.POINTER(C.c_float)), shape=(v.len[h], v.head_dim))
+                 for h in range(v.n_kv_heads)] for t in (v.key_rows, v.value_rows)]
+        keys, values = (np.stack(r) for r in rows)
+        if v.layer % 2 == 0:  # keep these past the call
+            handle = lib.kvc_scorer_view_retain(view)
+            assert handle, lib.kvc_last_error()
+            handles.append((handle, rows, keys.copy(), values.copy()))
+        seen[("lent", v.layer)] = (keys.copy(), values.copy())
+        score(view, keys, values)
+        return 0
+
+    def run(fn, needs):
+        spec = PressSpec(scorer="callback", compression_ratio=0.5, callback_needs=needs)
+        spec.callback = C.cast(fn, C.c_void_p).value
+        s = C.c_void_p()
+        check(lib.kvc_session_new(m, 0, C.byref(s)))
+        check(lib.kvc_session_attach_press(s, spec._p))
+        check(lib.kvc_forward(s, ids, len(ids), 1, logits))
+        out = []
+        for l in range(30):
+            for h in range(3):
+                pos = np.zeros(48, np.int64)
+                check(lib.kvc_session_cache_positions(s, l, h, pos))
+                out.append(pos[:lib.kvc_session_cache_len(s, l, h)].copy())
+        lib.kvc_session_free(s)
+        return out
+
+    cb_copied, cb_lent = SCORER_CALLBACK(copied), SCORER_CALLBACK(lent)
+    want = run(cb_copied, VIEW_VALUES)
+    got = run(cb_lent, VIEW_VALUES | VIEW_IN_PLACE)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    for l in range(30):
+        for a, b in zip(seen[("lent", l)], seen[("copied", l)]):
+            np.testing.assert_array_equal(a, b)
+    junk = [np.full(1 << 16, 7.0, np.float32) for _ in range(64)]  # noqa: F841 (memory handed out again)
+    assert len(handles) == 15
+    for handle, rows, keys, values in handles:
+        for h in range(3):
+            np.testing.assert_array_equal(rows[0][h], keys[h])
+            np.testing.assert_array_equal(rows[1][h], values[h])
+        lib.kvc_scorer_view_release(handle)
+    lib.kvc_model_free(m)
+
+
 def test_ctypes_press_arrays_by_name(default_gguf, rng):
     """A wrapper's arrays through the header alone: BlockPress's block_size and PerLayerCompressionPress's
     layer_ratios set by name with their sizes, checked against the model; introspection lists every array."""

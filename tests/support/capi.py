@@ -119,6 +119,8 @@ SIGNATURES = {  # name: (restype, argtypes)
                              C.POINTER(C.POINTER(C.c_char_p))]),
     "kvc_cam_merge": (_I, [F32P, F32P, F32P, _I32, _I64, _I32, _I64, _I64, _I32, C.c_uint64, _I32, _I64, I64P, F32P]),
     "kvc_session_cache_positions": (_I, [_V, _I32, _I32, I64P]),
+    "kvc_scorer_view_retain": (_V, [_V]),
+    "kvc_scorer_view_release": (None, [_V]),
 }
 
 
@@ -130,10 +132,14 @@ class ScorerView(C.Structure):  # kvc_scorer_view: what a callback scorer receiv
         ("attentions", C.POINTER(C.c_float)), ("scores", C.POINTER(C.c_float)), ("keep", C.POINTER(C.c_int64)),
         ("n_keep", C.POINTER(C.c_int64)), ("message", C.POINTER(C.c_char)), ("message_size", C.c_int32),
         ("rope_pairing", C.c_int32), ("rope_freq", C.POINTER(C.c_double)), ("future_from", C.c_int64),
-        ("rope_attn_factor", C.c_double)]
+        ("rope_attn_factor", C.c_double),
+        ("key_rows", C.POINTER(C.c_void_p)), ("value_rows", C.POINTER(C.c_void_p)), ("rows_dtype", C.c_int32),
+        ("rows_host", C.c_int32), ("engine", C.c_void_p)]
 
 
-# kvc_scorer_callback
+# kvc_scorer_callback, KVC_VIEW_* bits, KVC_ROWS_*
+VIEW_VALUES, VIEW_IN_PLACE = 1, 32
+ROWS_F32, ROWS_BF16 = 0, 1
 SCORER_CALLBACK = C.CFUNCTYPE(C.c_int32, C.c_void_p, C.POINTER(ScorerView))
 
 

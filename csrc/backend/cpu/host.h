@@ -97,6 +97,10 @@ kvc_status kvc_hkv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows,
 kvc_status kvc_hkv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
 kvc_status kvc_hkv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+/* kv_lend.c: the table's kv_rows, kv_keep_rows, kv_kept_free (core/backend.h) */
+int32_t kvc_hkv_rows(const kvc_kv *kv, int32_t h, const void **k, const void **v);
+kvc_status kvc_hkv_keep_rows(kvc_kv *kv, void **kept);
+void kvc_hkv_kept_free(void *kept);
 
 /* bf16 with round to nearest even (NaN stays a quiet NaN), as the device converts */
 static inline uint16_t kvc_f32_to_bf16(float f) { return kvc_f32_to_bf16r(f); }

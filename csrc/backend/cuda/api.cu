@@ -321,6 +321,7 @@ static kvc_backend make_table(void) {
     t.weight_dtype = KVC_BF16;
     t.mlp_rows = MLP_ROWS;
     t.serialize = 1;
+    t.host_memory = 0;
     t.device_name = t_device_name;
     t.gemm_name = gemm_name;
     t.memory_stats = t_memory_stats;
@@ -347,6 +348,9 @@ static kvc_backend make_table(void) {
     t.kv_read = alive<kv_read>::call;
     t.kv_read_heads = alive<kv_read_heads>::call;
     t.kv_write_rows = alive<kv_write_rows>::call;
+    t.kv_rows = kv_rows;
+    t.kv_keep_rows = alive<kv_keep_rows>::call;
+    t.kv_kept_free = kv_kept_free;
     t.embed = alive<t_embed>::call;
     t.rmsnorm = alive<t_rmsnorm>::call;
     t.head_rmsnorm = alive<t_head_rmsnorm>::call;

@@ -230,6 +230,10 @@ kvc_status kv_read(const kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, floa
 kvc_status kv_read_heads(const kvc_kv *kv, const int64_t *row0, const int64_t *rows, float *k, float *v);
 kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n, const float *k, const float *v);
 kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n);
+/* rows lent in place (core/backend.h) */
+int32_t kv_rows(const kvc_kv *kv, int32_t h, const void **k, const void **v);
+kvc_status kv_keep_rows(kvc_kv *kv, void **kept);
+void kv_kept_free(void *kept);
 
 /* kv_typed.cu: the typed store behind the entries of kv.cu (which check the row rules first) */
 int kvt_is_typed(const kvc_kv_format *fmt);

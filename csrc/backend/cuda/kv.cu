@@ -411,6 +411,53 @@ kvc_status kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *n
     return KVC_OK;
 }
 
+/* Rows lent in place (core/backend.h, kv_rows): device pointers into the arena, bf16; a pruned store lends none. */
+int32_t kv_rows(const kvc_kv *kv, int32_t h, const void **k, const void **v) {
+    *k = *v = nullptr;
+    if (h < 0 || h >= kv->Hkv || kv->dk) return -1;
+    *k = kv->kh[h];
+    *v = kv->vh[h];
+    return KVC_BF16;
+}
+
+/* The old arena, handed to a holder of rows lent from it. */
+struct KeptArena {
+    void *arena;
+    size_t bytes;
+};
+
+/* The store continues in a copy of its rows (the device tables, at fixed addresses, point at the copy, so graphs
+ * stay valid); the old arena goes to the holder: with kv->arena cleared, adopt frees nothing. */
+kvc_status kv_keep_rows(kvc_kv *kv, void **kept) {
+    *kept = nullptr;
+    if (kv->dk) return fail(KVC_ERR_INTERNAL, "K/V keep: a store with pruned rows lends none");
+    int64_t len[KVC_MAX_KV], cap[KVC_MAX_KV];
+    KVC_TRY(kv_host_lens(kv, len));
+    memcpy(cap, kv->cap, sizeof(int64_t) * kv->Hkv);
+    KeptArena *o = (KeptArena *)malloc(sizeof *o);
+    if (!o) return fail(KVC_ERR_NOMEM, "out of memory: kept K/V rows");
+    o->arena = kv->arena;
+    o->bytes = kv->bytes;
+    kv->arena = nullptr;
+    const kvc_status st = kv_resize(kv, cap, len, nullptr);
+    if (st != KVC_OK) {
+        kv->arena = o->arena;
+        kv->bytes = o->bytes;
+        free(o);
+        return st;
+    }
+    *kept = o;
+    return KVC_OK;
+}
+
+/* cudaFree and the counters' mutex: any thread (graphs are captured thread-locally) */
+void kv_kept_free(void *kept) {
+    KeptArena *o = (KeptArena *)kept;
+    if (!o) return;
+    dfree(o->arena, o->bytes, MEM_CACHE);
+    free(o);
+}
+
 /* rows at the device lengths, then lengths += n on the device (graph-safe) */
 kvc_status kv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {
     if (src.buf->dtype != KVC_BF16) return fail(KVC_ERR_INTERNAL, "K/V append: the rows must be bf16");

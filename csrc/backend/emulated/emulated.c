@@ -315,6 +315,16 @@ static kvc_status emu_kv_write_rows(kvc_kv *kv, const int64_t *const *idx, const
     return KVC_OK;
 }
 
+/* rows lent in place: host memory here, as the CUDA store lends device pointers (no traffic); keeping them copies the
+ * arena on the device and uploads the store's tables */
+static kvc_status emu_kv_keep_rows(kvc_kv *kv, void **kept) {
+    NOT_IN_GRAPH("keeping lent K/V rows");
+    KVC_TRY(kvc_hkv_keep_rows(kv, kept));
+    traffic(0, 0, 1, 0, 0); /* the copies' end */
+    traffic_tables(kv);
+    return KVC_OK;
+}
+
 /* ---- the rest of the table ---- */
 
 static const char *emu_name(void) { return "emulated device (bf16 storage on the CPU)"; }
@@ -358,6 +368,7 @@ static const kvc_backend g_emulated = {
     .weight_dtype = KVC_BF16,
     .mlp_rows = 8192, /* as the CUDA backend */
     .serialize = 1,
+    .host_memory = 1, /* device memory by contract, lent to DLPack as host memory (kDLCPU) */
     .device_name = emu_name,
     .gemm_name = emu_gemm,
     .memory_stats = emu_memory,
@@ -383,6 +394,9 @@ static const kvc_backend g_emulated = {
     .kv_read = emu_kv_read,
     .kv_read_heads = emu_kv_read_heads,
     .kv_write_rows = emu_kv_write_rows,
+    .kv_rows = kvc_hkv_rows,
+    .kv_keep_rows = emu_kv_keep_rows,
+    .kv_kept_free = kvc_hkv_kept_free,
     .embed = emu_embed,
     .rmsnorm = emu_rmsnorm,
     .matmul = emu_matmul,

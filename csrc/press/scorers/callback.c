@@ -6,8 +6,10 @@
  *                      buffers every row's query for it, as for ExpectedAttention;
  *   "callback_select"  its own kept rows (OWN_BUDGET): the host function marks them 1, the others 0, and the
  *                      row's selection keeps the marked rows.
- * The view (kvc_scorer_view) is built here on the host: every head's rows padded to the longest head, the
- * window's queries, the normed input and the window's attention when the config's callback_needs asks. What a
+ * The view (kvc_scorer_view) is built here: every head's rows padded to the longest head (host f32 copies), or with
+ * KVC_VIEW_IN_PLACE the store's own rows (kv_rows: no copy of f32 host rows), the window's queries, the normed input
+ * and the window's attention when the config's callback_needs asks. A callback whose arrays must outlive its call
+ * retains the view (kvc_scorer_view_retain: the store continues in a copy, the handle keeps the old rows). What a
  * callback returns is checked here, once, for every binding: finite scores, kept rows in range and unique. */
 #include <math.h>
 #include <stdlib.h>
@@ -16,9 +18,10 @@
 #include "../../core/hostmath.h"
 #include "common.h"
 
-/* The window queries' softmax over each head's rows: [H, w, maxlen], query i sees rows < len - w + i + 1. */
+/* The window queries' softmax over each head's rows: [H, w, maxlen], query i sees rows < len - w + i + 1; head h's
+ * row r at k[h] + r d. */
 static void window_attention(const kvc_config *c, const int64_t *len, int64_t maxlen, int32_t w, const float *q,
-                             const float *k, float *out) {
+                             const float *const *k, float *out) {
     const int32_t H = c->n_heads, g = c->n_heads / c->n_kv_heads, d = c->head_dim;
     const double scale = 1.0 / sqrt((double)d);
 #pragma omp parallel for schedule(static)
@@ -31,7 +34,7 @@ static void window_attention(const kvc_config *c, const int64_t *len, int64_t ma
             vis = vis < 1 ? (len[h] < 1 ? len[h] : 1) : vis > len[h] ? len[h] : vis;
             double mx = -INFINITY, sum = 0;
             for (int64_t r = 0; r < vis; r++) {
-                const float *kr = k + ((size_t)h * maxlen + r) * d;
+                const float *kr = k[h] + (size_t)r * d;
                 double dot = 0;
                 for (int32_t j = 0; j < d; j++) dot += (double)qi[j] * kr[j];
                 row[r] = (float)(dot * scale);
@@ -42,6 +45,62 @@ static void window_attention(const kvc_config *c, const int64_t *len, int64_t ma
             for (int64_t r = vis; r < maxlen; r++) row[r] = 0;
         }
     }
+}
+
+/* kvc_scorer_view.rows_dtype gives the store's own dtype codes */
+typedef char kvc_rows_dtype_codes_match[(int)KVC_ROWS_F32 == (int)KVC_F32 && (int)KVC_ROWS_BF16 == (int)KVC_BF16 ? 1 : -1];
+
+/* A running callback's view as the engine keeps it, for kvc_scorer_view_retain. */
+typedef struct view_ctx {
+    const kvc_backend *be;
+    kvc_kv *kv;
+    int lent;       /* key_rows and value_rows are the store's */
+    float *copies;  /* the view's host copies: keys, values, queries, hidden, attentions */
+    int64_t *pos;
+    int retained;   /* copies and pos belong to a handle now */
+} view_ctx;
+
+/* What a retained view keeps: the store's old rows (kv_keep_rows) and the copies. */
+typedef struct view_handle {
+    const kvc_backend *be;
+    void *kept;
+    float *copies;
+    int64_t *pos;
+} view_handle;
+
+void *kvc_scorer_view_retain(const kvc_scorer_view *view) {
+    view_ctx *c = view ? (view_ctx *)view->engine : NULL;
+    if (!c) {
+        kvc_fail(KVC_ERR_ARG, "kvc_scorer_view_retain: not the view of a running callback");
+        return NULL;
+    }
+    if (c->retained) {
+        kvc_fail(KVC_ERR_ARG, "kvc_scorer_view_retain: layer %d's view is retained already", view->layer);
+        return NULL;
+    }
+    view_handle *hd = calloc(1, sizeof *hd);
+    if (!hd) {
+        kvc_fail(KVC_ERR_NOMEM, "out of memory: a retained view");
+        return NULL;
+    }
+    if (c->lent && c->be->kv_keep_rows(c->kv, &hd->kept) != KVC_OK) {
+        free(hd);
+        return NULL;
+    }
+    hd->be = c->be;
+    hd->copies = c->copies;
+    hd->pos = c->pos;
+    c->retained = 1;
+    return hd;
+}
+
+void kvc_scorer_view_release(void *handle) {
+    view_handle *hd = handle;
+    if (!hd) return;
+    if (hd->kept) hd->be->kv_kept_free(hd->kept);
+    free(hd->copies);
+    free(hd->pos);
+    free(hd);
 }
 
 /* The callback's kept rows of a head: in [0, len), unique; sorted in place. */
@@ -82,37 +141,55 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     if ((needs & KVC_VIEW_HIDDEN) && !ctx->xn.buf)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "layer %d: this call gives no hidden states to the callback scorer", ctx->layer);
 
+    /* the rows lent in place when asked and every head keeps them plainly in one type; f32 in host memory is read
+     * as it is (no copy of the keys and values) */
+    const void *kr[KVC_MAX_KV_HEADS] = {0}, *vr[KVC_MAX_KV_HEADS] = {0};
+    int32_t lent = -1;
+    if ((needs & KVC_VIEW_IN_PLACE) && be->kv_rows) {
+        lent = be->kv_rows(lr->kv, 0, &kr[0], &vr[0]);
+        for (int32_t h = 1; h < Hkv && lent >= 0; h++)
+            if (be->kv_rows(lr->kv, h, &kr[h], &vr[h]) != lent) lent = -1;
+    }
+    const int in_place = lent == KVC_F32 && be->host_memory;
+
     const size_t rows = (size_t)Hkv * (size_t)maxlen;
-    const size_t nk = rows * (size_t)d, nv = needs & KVC_VIEW_VALUES ? nk : 0;
+    const size_t nk = in_place ? 0 : rows * (size_t)d, nv = needs & KVC_VIEW_VALUES ? nk : 0;
     const size_t nq = needs & (needs_q | KVC_VIEW_ATTENTIONS) ? (size_t)w * H * d : 0;
     const size_t nh = needs & KVC_VIEW_HIDDEN ? (size_t)ctx->n * D : 0;
     const size_t na = needs & KVC_VIEW_ATTENTIONS ? (size_t)H * w * (size_t)maxlen : 0;
-    float *f = calloc(nk + nv + nq + nh + na + rows, sizeof(float));
+    float *f = calloc(nk + nv + nq + nh + na + 1, sizeof(float));
+    float *sc = select ? NULL : calloc(rows, sizeof(float));
     int64_t *keep = select ? calloc(rows + (size_t)Hkv, sizeof(int64_t)) : NULL;
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(ctx->n > 0 ? ctx->n : 1));
-    if (!f || !pos || (select && !keep)) {
-        free(f), free(keep), free(pos);
+    if (!f || !pos || (select ? !keep : !sc)) {
+        free(f), free(sc), free(keep), free(pos);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: the callback scorer's view of layer %d", ctx->layer);
     }
-    float *k = f, *v = k + nk, *q = v + nv, *hid = q + nq, *att = hid + nh, *sc = att + na;
+    float *k = f, *v = k + nk, *q = v + nv, *hid = q + nq, *att = hid + nh;
+    const float *kh[KVC_MAX_KV_HEADS]; /* each head's keys as the window attention reads them */
+    for (int32_t h = 0; h < Hkv; h++) kh[h] = in_place ? (const float *)kr[h] : k + (size_t)h * maxlen * d;
     kvc_status st = KVC_OK;
-    for (int32_t h = 0; h < Hkv && st == KVC_OK; h++)
+    for (int32_t h = 0; h < Hkv && st == KVC_OK && nk; h++)
         if (len[h] > 0) st = be->kv_read(lr->kv, h, 0, len[h], k + (size_t)h * maxlen * d, nv ? v + (size_t)h * maxlen * d : NULL);
     if (st == KVC_OK && nq) st = be->download(kvc_view_at(ctx->q, ctx->n - w, 0), w, (int64_t)H * d, q, KVC_F32);
     if (st == KVC_OK && nh) st = be->download(kvc_view_at(ctx->xn, 0, 0), ctx->n, D, hid, KVC_F32);
-    if (st == KVC_OK && na) window_attention(c, len, maxlen, w, q, k, att);
+    if (st == KVC_OK && na) window_attention(c, len, maxlen, w, q, kh, att);
+    if (st == KVC_OK && lent >= 0 && !be->host_memory && be->sync) st = be->sync(); /* device rows complete */
     for (int64_t i = 0; i < ctx->n; i++) pos[i] = ctx->pos ? ctx->pos[i] : ctx->past_len[0] + i;
 
     double freq[128], ms = 1;
     if (st == KVC_OK) st = kvc_layer_freqs(lr, ctx->layer, ctx->n > 0 ? kvc_call_end(ctx) : ctx->past_len[0], freq, &ms);
     char message[512] = "";
+    view_ctx engine = {.be = be, .kv = lr->kv, .lent = lent >= 0, .copies = f, .pos = pos};
     const kvc_scorer_view view = {
         .layer = ctx->layer, .n_layers = c->n_layers, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d, .hidden_dim = D,
-        .device = be->device, .len = len, .max_len = maxlen, .keys = k, .values = nv ? v : NULL, .n_call = ctx->n,
-        .positions = pos, .window = w, .queries = needs & needs_q ? q : NULL, .hidden = nh ? hid : NULL,
-        .attentions = na ? att : NULL, .scores = select ? NULL : sc, .keep = keep, .n_keep = keep ? keep + rows : NULL,
+        .device = be->device, .len = len, .max_len = maxlen, .keys = nk ? k : NULL, .values = nv ? v : NULL,
+        .n_call = ctx->n, .positions = pos, .window = w, .queries = needs & needs_q ? q : NULL, .hidden = nh ? hid : NULL,
+        .attentions = na ? att : NULL, .scores = sc, .keep = keep, .n_keep = keep ? keep + rows : NULL,
         .message = message, .message_size = (int32_t)sizeof message, .rope_pairing = c->rope_pairing, .rope_freq = freq, .rope_attn_factor = ms,
-        .future_from = lr->future_from > 0 ? lr->future_from : (ctx->n > 0 ? pos[ctx->n - 1] + 1 : 0)};
+        .future_from = lr->future_from > 0 ? lr->future_from : (ctx->n > 0 ? pos[ctx->n - 1] + 1 : 0),
+        .key_rows = lent >= 0 ? kr : NULL, .value_rows = lent >= 0 && (needs & KVC_VIEW_VALUES) ? vr : NULL,
+        .rows_dtype = lent >= 0 ? lent : 0, .rows_host = be->host_memory, .engine = &engine};
     const kvc_scorer_callback fn = (kvc_scorer_callback)(uintptr_t)cfg->callback;
     if (st == KVC_OK && fn((void *)(uintptr_t)cfg->callback_user, &view) != 0) {
         message[sizeof message - 1] = 0;
@@ -120,10 +197,10 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
     }
     for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
         if (select) { /* the kept rows marked 1: the row's selection keeps them */
-            int64_t *kh = keep + (size_t)h * maxlen;
-            st = check_keep(ctx->layer, h, len[h], kh, keep[rows + h]);
+            int64_t *kp = keep + (size_t)h * maxlen;
+            st = check_keep(ctx->layer, h, len[h], kp, keep[rows + h]);
             for (int64_t r = 0; r < len[h]; r++) scores[h][r] = 0;
-            for (int64_t i = 0; i < keep[rows + h] && st == KVC_OK; i++) scores[h][kh[i]] = 1;
+            for (int64_t i = 0; i < keep[rows + h] && st == KVC_OK; i++) scores[h][kp[i]] = 1;
             continue;
         }
         const float *sh = sc + (size_t)h * maxlen;
@@ -142,7 +219,8 @@ static kvc_status callback_scores(const kvc_layer_rows *lr, const kvc_layer_ctx 
         for (int32_t h = 0; h < Hkv; h++)
             for (int64_t r = len[h] - w > 0 ? len[h] - w : 0; r < len[h]; r++) scores[h][r] = top;
     }
-    free(f), free(keep), free(pos);
+    if (!engine.retained) free(f), free(pos); /* else kvc_scorer_view_release frees them */
+    free(sc), free(keep);
     return st;
 }
 
