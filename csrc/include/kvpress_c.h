@@ -689,6 +689,26 @@ KVC_API kvc_status kvc_kernel_dequantize(int32_t ggml_type, const void *src, siz
 KVC_API kvc_status kvc_kernel_matmul_native(int32_t ggml_type, const float *a, const void *w, float *c, int64_t m,
                                             int64_t n, int64_t k, int32_t path);
 
+/* Rows of a K/V cache storage type (kvc_kv_format) decoded to fp32, as the attention reads a stored tile:
+ * rows stored alone (key_block 0: `rows` rows of w values, kvc_kv_row_bytes each, rows [r0, r0 + rows)
+ * of src), or KIVI keys (key_block 1: rows [r0, r0 + rows) of one key block of fmt->group rows). src holds
+ * src_bytes (checked against what the rows need); out [rows, w]. path 0: the CPU attention's decoder
+ * (vector instructions where the build has AVX-512 or AVX2 + F16C: *vectorised says which, may be NULL),
+ * 1: the plain-C decoder of the format's definition. */
+KVC_API kvc_status kvc_kernel_kv_decode(const kvc_kv_format *fmt, int32_t key_block, const void *src, size_t src_bytes,
+                                        int64_t r0, int64_t rows, int32_t w, int32_t path, float *out,
+                                        int32_t *vectorised);
+
+/* KIVI's decode-step products on stored rows, as the CPU attention runs them on a tile of a kivi4 / kivi2
+ * cache (dequantisation folded into the products): keys are rows [r0, r0 + n) of one key block (fmt->group
+ * rows of d channels; key_bytes at keys), values n rows stored alone (value_bytes at values); s [rows, n] =
+ * q [rows, d] keys^T and o [rows, d] += p [rows, n] values. n in [1, 64]. KVC_ERR_UNSUPPORTED where this
+ * build decodes such tiles to fp32 instead (no AVX-512 or AVX2 + F16C, or d or the value groups not a
+ * multiple of 64 channels (32 with AVX2), or d above 256). */
+KVC_API kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
+                                        const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
+                                        const float *q, float *s, const float *p, float *o);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Devices. Every device runs the same engine through its backend (docs/ARCHITECTURE.md):            */
 /*   cpu       fp32 weights, activations and cache: the reference;                                  */

@@ -45,6 +45,10 @@ class Config(C.Structure):  # kvc_config
                 ("attn_softcap", C.c_float), ("logit_softcap", C.c_float)]
 
 
+class KVFormat(C.Structure):  # kvc_kv_format
+    _fields_ = [("type", C.c_int32), ("group", C.c_int32), ("residual", C.c_int32)]
+
+
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
 SIGNATURES = {  # name: (restype, argtypes)
     "kvc_last_error": (C.c_char_p, []),
@@ -93,6 +97,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_model_load_ex": (_I, [C.c_char_p, _I32, _I32, C.POINTER(_V)]),
     "kvc_model_weights": (_I32, [_V, C.POINTER(_I32)]),
     "kvc_kernel_matmul_native": (_I, [_I32, F32P, _V, F32P, _I64, _I64, _I64, _I32]),
+    "kvc_kernel_kv_decode": (_I, [C.POINTER(KVFormat), _I32, _V, _SZ, _I64, _I64, _I32, _I32, F32P, C.POINTER(_I32)]),
+    "kvc_kernel_kivi_tile": (_I, [C.POINTER(KVFormat), _V, _SZ, _I64, _V, _SZ, _I32, _I32, _I32, F32P, F32P, F32P, F32P]),
     "kvc_device_available": (_I, [_I32]),
     "kvc_device_set_option": (_I, [_I32, C.c_char_p, _I32]),
     "kvc_device_kernel_matmul": (_I, [_I32, F32P, F32P, F32P, _I64, _I64, _I64]),

@@ -39,8 +39,10 @@
 
 #include "../../core/backend.h"
 #include "cpu.h"
+#include "kv_decode.h"
 
 #define TK 128       /* keys per decode tile */
+#define DTK 64       /* the same for rows decoded from a store's type: their K and V tiles stay in L1 */
 #define PTK (KVC_MR * (128 / KVC_MR)) /* keys per prefill tile: whole microkernel panels (126 on AVX2) */
 #define ROWS_MAX 128 /* query rows per prefill task */
 /* Row stride of a prefill task's transposed arrays (QT, S) for rp rows: padded, because 128 floats
@@ -170,15 +172,16 @@ static void update_pv_rows(const float *P, int rows, int tk, const float *V, int
 /* S[r][j] = Q[r] . K[j] for r < rows, j < tk, as dot products over d (for few rows, where
  * transposing the K tile would cost as much as the products). AVX-512: 4 keys at a time, whose 4
  * accumulators are reduced together (one horizontal reduction per 4 scores). */
-static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, const float *V, float *S) {
+static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, const float *V, int stream, float *S) {
     int j = 0;
 #if defined(__AVX512F__)
     const int dfull = d / 16 * 16;
     const __mmask16 tail = (__mmask16)((1u << (d - dfull)) - 1);
     for (; j + 4 <= tk; j += 4) {
         const float *k0 = K + j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
-        /* the cache streams from memory: fetch keys PF_KEYS ahead and this tile's values for the update */
-        for (int e = 0; e < 4 * d; e += 16) {
+        /* K and V in the store (stream): the cache streams from memory: fetch keys PF_KEYS ahead and this
+         * tile's values for the update (decoded tiles are in cache: their decoders fetch the stored rows) */
+        for (int e = 0; stream && e < 4 * d; e += 16) {
             _mm_prefetch((const char *)(K + (j + PF_KEYS) * d + e), _MM_HINT_T0);
             _mm_prefetch((const char *)(V + j * d + e), _MM_HINT_T0);
         }
@@ -297,17 +300,30 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
                        float cap, float *O, float *m, float *l) {
     float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
     const int64_t np = pk ? pk->np : 0;
+    const int dtk = kv->decoded ? DTK : TK;
     if (lo && kb < lo[i0 * Hkv]) kb = lo[i0 * Hkv]; /* nothing below the first query's window start */
     for (int64_t k0 = kb; k0 < ke;) {
         const int64_t end = k0 < np && np < ke ? np : ke; /* a tile never straddles the pruned prefix's end */
-        const int tk = (int)(end - k0 < TK ? end - k0 : TK);
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
-        const float *K = kv->keys(kv->src, h, k0, tk, Kb), *V = kv->values(kv->src, h, k0, tk, Vb);
-        scores_dot(pruned ? pk->Qp : Q, rows, ds, K, tk, V, S);
+        int tk = (int)(end - k0 < dtk ? end - k0 : dtk);
+        kvc_kv_tile tile;
+        const int64_t typed = kv->tile && !pruned ? kv->tile(kv->src, h, k0, tk, &tile) : 0;
+        const float *V = NULL;
+        if (typed > 0) { /* rows in the stored type, read where they lie */
+            tk = (int)typed;
+            kvc_cpu_kv_scores(&tile, Q, rows, tk, S, TK);
+        } else {
+            const float *K = kv->keys(kv->src, h, k0, tk, Kb);
+            V = kv->values(kv->src, h, k0, tk, Vb);
+            scores_dot(pruned ? pk->Qp : Q, rows, ds, K, tk, V, K != Kb, S);
+        }
         cap_tile(S, TK, 1, rows, tk, cap);
         mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
         softmax_step(S, rows, tk, m, l, O, d);
-        update_pv_rows(S, rows, tk, V, d, O);
+        if (typed > 0)
+            kvc_cpu_kv_pv(&tile, S, TK, rows, tk, O);
+        else
+            update_pv_rows(S, rows, tk, V, d, O);
         k0 += tk;
     }
 }

@@ -30,6 +30,7 @@ void kvc_cpu_head_rmsnorm(float *x, int64_t ld, int64_t n, int32_t heads, int32_
 /* Where the attention reads head h's rows: f32 rows [r0, r0 + n), in place or decoded into buf ([n, d]
  * floats): a host store in any type (kv_store.c), or plain arrays. Keys of rows below narrow(src, h)
  * (ThinK's pruned rows stored narrow; NULL: none) hold the dk channels kidx[h dk ..]: [n, dk]. */
+struct kvc_kv_tile;
 typedef struct kvc_cpu_kvsrc {
     const void *src;
     const float *(*keys)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf);
@@ -37,6 +38,10 @@ typedef struct kvc_cpu_kvsrc {
     int64_t (*narrow)(const void *src, int32_t h);
     int32_t dk;
     const int32_t *kidx;
+    /* NULL, or: rows [r0, r0 + m) of head h, m <= n, as a tile the decode reads in the stored type
+     * (kv_decode.h); returns m, 0 where those rows are read through keys and values */
+    int64_t (*tile)(const void *src, int32_t h, int64_t r0, int64_t n, struct kvc_kv_tile *t);
+    int32_t decoded; /* keys and values come decoded into the buffers (a store not in f32) */
 } kvc_cpu_kvsrc;
 /* cap > 0: scores capped to cap tanh(s / cap) before the softmax (Gemma 2's attention soft-capping) */
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,

@@ -114,6 +114,9 @@ static const float *store_values(const void *kv, int32_t h, int64_t r0, int64_t 
     return kvc_hkv_values_f32(kv, h, r0, n, buf);
 }
 static int64_t store_narrow(const void *kv, int32_t h) { return kvc_hkv_narrow_rows(kv, h); }
+static int64_t store_tile(const void *kv, int32_t h, int64_t r0, int64_t n, struct kvc_kv_tile *t) {
+    return kvc_hkv_tile(kv, h, r0, n, t);
+}
 
 kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, float scale, float softcap, kvc_view start,
                                 kvc_view out, int32_t flags) {
@@ -125,7 +128,8 @@ kvc_status kvc_host_attention_v(kvc_view q, int64_t n, int32_t H, kvc_kv *kv, fl
     int64_t past[KVC_MAX_KV_HEADS];
     if (Hkv > KVC_MAX_KV_HEADS) return kvc_fail(KVC_ERR_INTERNAL, "attention: %d KV heads", Hkv);
     for (int32_t h = 0; h < Hkv; h++) past[h] = kv->len[h] - n;
-    const kvc_cpu_kvsrc src = {kv, store_keys, store_values, store_narrow, kv->dk, kv->kidx};
+    const kvc_cpu_kvsrc src = {kv, store_keys, store_values, store_narrow, kv->dk, kv->kidx, store_tile,
+                               kv->fmt.type != KVC_KV_F32};
     kvc_frows Q = {0}, O = {0};
     kvc_status st = kvc_frows_get(q, n, (int64_t)H * d, 1, &Q);
     if (st == KVC_OK) st = kvc_frows_get(out, n, (int64_t)H * d, 0, &O);

@@ -82,6 +82,10 @@ kvc_status kvc_hkv_commit(kvc_kv *kv);
 const float *kvc_hkv_keys_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf);
 const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf);
 int64_t kvc_hkv_narrow_rows(const kvc_kv *kv, int32_t h);
+/* Rows [r0, r0 + m) of head h, m <= n, as a tile the decode reads where it lies (backend/cpu/kv_decode.h);
+ * returns m, 0 where they are not all in the type, are ThinK-pruned, or the type is f32 or not read so. */
+struct kvc_kv_tile;
+int64_t kvc_hkv_tile(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, struct kvc_kv_tile *t);
 void kvc_hkv_free(kvc_kv *kv);
 size_t kvc_hkv_bytes(const kvc_kv *kv);
 kvc_status kvc_hkv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx);

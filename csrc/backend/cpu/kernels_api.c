@@ -6,7 +6,9 @@
 
 #include "../../core/common.h"
 #include "../../model/dequant.h"
+#include "../../core/kv_type.h"
 #include "cpu.h"
+#include "kv_decode.h"
 #include "quant.h"
 
 #define CHECK(cond, ...)                                   \
@@ -109,7 +111,62 @@ kvc_status kvc_kernel_attention(const float *q, int64_t n, int32_t H, int32_t Hk
         CHECK(past_len[h] >= 0, "attention: past_len[%d] is negative (%lld)", h, (long long)past_len[h]);
     }
     const arrays_src a = {k, v, d};
-    const kvc_cpu_kvsrc src = {&a, array_keys, array_values, NULL, 0, NULL};
+    const kvc_cpu_kvsrc src = {&a, array_keys, array_values, NULL, 0, NULL, NULL, 0};
     kvc_cpu_attention(q, (int64_t)H * d, n, H, Hkv, d, &src, past_len, NULL, scale, 0.0f, out, (int64_t)H * d);
+    return KVC_OK;
+}
+
+kvc_status kvc_kernel_kv_decode(const kvc_kv_format *fmt, int32_t key_block, const void *src, size_t src_bytes,
+                                int64_t r0, int64_t rows, int32_t w, int32_t path, float *out, int32_t *vectorised) {
+    CHECK(fmt && src && out, "kv_decode: fmt, src and out must not be NULL");
+    CHECK(w >= 1 && w <= 1024, "kv_decode: w must be in [1, 1024], got %d", w);
+    CHECK(fmt->type >= 0 && fmt->type < KVC_KV_N_TYPES, "kv_decode: type %d is not a storage type", fmt->type);
+    KVC_TRY(kvc_kv_format_check(fmt, w));
+    CHECK(r0 >= 0 && rows >= 0, "kv_decode: r0 (%lld) and rows (%lld) must be >= 0", (long long)r0, (long long)rows);
+    CHECK(path == 0 || path == 1, "kv_decode: path must be 0 (the attention's decoder) or 1 (plain C), got %d", path);
+    CHECK(key_block == 0 || kvc_kv_type_key_blocks(fmt->type), "kv_decode: key_block 1 needs a KIVI type, got %s",
+          kvc_kv_type_name(fmt->type));
+    if (vectorised) *vectorised = path == 0 && kvc_cpu_kv_decode_simd();
+    if (key_block) {
+        CHECK(r0 + rows <= fmt->group, "kv_decode: rows [%lld, %lld) are outside a key block of %d rows", (long long)r0,
+              (long long)(r0 + rows), fmt->group);
+        CHECK(src_bytes >= kvc_kivi_block_bytes(fmt, w), "kv_decode: a key block of %d x %d needs %zu bytes, src has %zu",
+              fmt->group, w, kvc_kivi_block_bytes(fmt, w), src_bytes);
+        if (path == 0) kvc_cpu_kivi_decode_block(fmt, src, w, (int32_t)r0, (int32_t)rows, out);
+        else kvc_kivi_decode_block(fmt, src, w, (int32_t)r0, (int32_t)rows, out);
+        return KVC_OK;
+    }
+    const size_t rb = kvc_kv_row_bytes(fmt, w);
+    CHECK(src_bytes / rb >= (size_t)(r0 + rows), "kv_decode: rows [%lld, %lld) of %zu bytes need %zu bytes, src has %zu",
+          (long long)r0, (long long)(r0 + rows), rb, (size_t)(r0 + rows) * rb, src_bytes);
+    const char *p = (const char *)src + (size_t)r0 * rb;
+    if (path == 0) kvc_cpu_kv_decode_rows(fmt, p, rb, rows, w, out);
+    else
+        for (int64_t i = 0; i < rows; i++) kvc_kv_decode_row(fmt, p + (size_t)i * rb, w, out + i * w);
+    return KVC_OK;
+}
+
+kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
+                                const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
+                                const float *q, float *s, const float *p, float *o) {
+    CHECK(fmt && keys && values && q && s && p && o, "kivi_tile: no argument may be NULL");
+    CHECK(fmt->type == KVC_KV_KIVI4 || fmt->type == KVC_KV_KIVI2, "kivi_tile: the type must be kivi4 or kivi2, got %s",
+          kvc_kv_type_name(fmt->type) ? kvc_kv_type_name(fmt->type) : "an unknown code");
+    CHECK(d >= 1 && d <= 1024, "kivi_tile: d must be in [1, 1024], got %d", d);
+    KVC_TRY(kvc_kv_format_check(fmt, d));
+    CHECK(n >= 1 && n <= KVC_KV_TILE && rows >= 1, "kivi_tile: n must be in [1, %d] and rows >= 1 (n=%d rows=%d)",
+          KVC_KV_TILE, n, rows);
+    CHECK(r0 >= 0 && r0 + n <= fmt->group, "kivi_tile: rows [%lld, %lld) are outside a key block of %d rows",
+          (long long)r0, (long long)(r0 + n), fmt->group);
+    CHECK(key_bytes >= kvc_kivi_block_bytes(fmt, d), "kivi_tile: a key block of %d x %d needs %zu bytes, keys has %zu",
+          fmt->group, d, kvc_kivi_block_bytes(fmt, d), key_bytes);
+    const size_t rb = kvc_kv_row_bytes(fmt, d);
+    CHECK(value_bytes / rb >= (size_t)n, "kivi_tile: %d value rows need %zu bytes, values has %zu", n, rb * n, value_bytes);
+    if (!kvc_cpu_kv_tile_ok(fmt, d))
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "kivi_tile: this build decodes kivi tiles of head_dim %d, group %d to fp32",
+                        d, fmt->group);
+    const kvc_kv_tile t = {fmt, d, keys, 0, (int32_t)r0, values, rb};
+    kvc_cpu_kv_scores(&t, q, rows, n, s, n);
+    kvc_cpu_kv_pv(&t, p, n, rows, n, o);
     return KVC_OK;
 }

@@ -16,6 +16,7 @@
 #include "../../core/kv_layout.h"
 #include "../../core/kv_type.h"
 #include "host.h"
+#include "kv_decode.h"
 
 #define KV_ALIGN 64
 #define WMAX 1024 /* widest row a host store takes (checked at kv_new) */
@@ -238,8 +239,8 @@ static void keys_typed(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float
         const size_t bb = kvc_kivi_block_bytes(f, d);
         for (int64_t r = r0; r < r0 + n;) {
             const int64_t b = r / G, in = r - b * G, m = r0 + n - r < G - in ? r0 + n - r : G - in;
-            kvc_kivi_decode_block(f, (const char *)kv->k[h] + (size_t)b * bb, d, (int32_t)in, (int32_t)m,
-                                  out + (size_t)(r - r0) * d);
+            kvc_cpu_kivi_decode_block(f, (const char *)kv->k[h] + (size_t)b * bb, d, (int32_t)in, (int32_t)m,
+                                      out + (size_t)(r - r0) * d);
             r += m;
         }
         if (kv->dk > 0)
@@ -249,17 +250,16 @@ static void keys_typed(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float
     }
     if (r0 < kv->np[h]) {
         const size_t rb = kvc_kv_row_bytes(f, kv->dk);
-        for (int64_t i = 0; i < n; i++) kvc_kv_decode_row(f, (const char *)kv->kp[h] + (size_t)(r0 + i) * rb, kv->dk, out + i * kv->dk);
+        kvc_cpu_kv_decode_rows(f, (const char *)kv->kp[h] + (size_t)r0 * rb, rb, n, kv->dk, out);
         return;
     }
     const size_t rb = kvc_kv_row_bytes(f, d);
-    const char *base = (const char *)kv->k[h] + (size_t)kvc_kv_full_row(r0, kv->np[h]) * rb;
-    for (int64_t i = 0; i < n; i++) kvc_kv_decode_row(f, base + (size_t)i * rb, d, out + i * d);
+    kvc_cpu_kv_decode_rows(f, (const char *)kv->k[h] + (size_t)kvc_kv_full_row(r0, kv->np[h]) * rb, rb, n, d, out);
 }
 
 static void values_typed(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *out) {
     const size_t rb = vrow_bytes(kv);
-    for (int64_t i = 0; i < n; i++) kvc_kv_decode_row(&kv->fmt, (const char *)kv->v[h] + (size_t)(r0 + i) * rb, kv->d, out + i * kv->d);
+    kvc_cpu_kv_decode_rows(&kv->fmt, (const char *)kv->v[h] + (size_t)r0 * rb, rb, n, kv->d, out);
 }
 
 /* Key row r of head h as d f32 channels (a pruned row: zeros in the dropped channels). */
@@ -712,6 +712,31 @@ const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t
     return rows_f32(kv, h, r0, n, 1, buf);
 }
 int64_t kvc_hkv_narrow_rows(const kvc_kv *kv, int32_t h) { return key_blocks(kv) ? 0 : kv->np[h]; }
+
+int64_t kvc_hkv_tile(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, kvc_kv_tile *t) {
+    const kvc_kv_format *f = &kv->fmt;
+    const int32_t d = kv->d;
+    if (!kvc_cpu_kv_tile_ok(f, d) || r0 < kv->np[h] || r0 >= kv->nq[h]) return 0;
+    int64_t m = kv->nq[h] - r0 < n ? kv->nq[h] - r0 : n;
+    m = m < KVC_KV_TILE ? m : KVC_KV_TILE;
+    const size_t rb = kvc_kv_row_bytes(f, d);
+    t->f = f;
+    t->d = d;
+    if (key_blocks(kv)) { /* inside one key block */
+        const int64_t G = f->group, in = r0 % G;
+        m = m < G - in ? m : G - in;
+        t->k = (const uint8_t *)kv->k[h] + (size_t)(r0 / G) * kvc_kivi_block_bytes(f, d);
+        t->kstride = 0;
+        t->kr0 = (int32_t)in;
+    } else {
+        t->k = (const uint8_t *)kv->k[h] + (size_t)kvc_kv_full_row(r0, kv->np[h]) * rb;
+        t->kstride = rb;
+        t->kr0 = 0;
+    }
+    t->v = (const uint8_t *)kv->v[h] + (size_t)r0 * rb;
+    t->vstride = rb;
+    return m;
+}
 
 kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, int split, kvc_kv_f32 *out) {
     memset(out, 0, sizeof *out);

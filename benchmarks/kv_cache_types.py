@@ -1,0 +1,206 @@
+"""The K/V cache's storage types side by side (issue 27): bytes per token, decode and prefill speed.
+
+    python benchmarks/kv_cache_types.py [--contexts 2048 8192 32768] [--steps 8] [--repeat 5] [--threads 1]
+                                        [--prefill 2048 8192] [--types f32 f16 bf16 q8_0 kivi4 kivi2]
+                                        [--cache-dir DIR] [--out FILE]
+
+Model: the embedded default (SmolLM2-135M Q4_1: 30 layers, 3 KV heads of 64), native weights.
+Decode: for each context n, one f32 prefill of n random tokens (saved in --cache-dir and reused by later
+runs) is loaded into a session of each type (Session.load writes the rows into the type as a prefill's
+commit does), then runs of --steps single-token steps, the types taking turns run by run and the cache cut
+back to its n rows after each run: tokens per CPU-second (process time, as benchmarks/decode_cpu_time.py:
+less sensitive to other jobs on a shared machine) and per wall-second; min and median over --repeat runs,
+and each type's speed over f32's in the same turn (median of those ratios). 32768 tokens exceed
+SmolLM2's trained context (8192): the engine does not refuse positions past it (they are untrained), and a
+step's work does not depend on the values, so the same model is measured there.
+Bytes: Session.cache_bytes over tokens and layers (K/V rows, their int64 positions, and KIVI's rows waiting
+in f32), against the rows' formula (core/kv_type.h).
+Prefill: tokens per CPU-second of one prefill of each --prefill length into an empty session of each type
+(the call's own rows are read exact; the types differ in the commit that stores them), types taking turns.
+Writes JSON (default benchmarks/results/kv_cache_types.json) and prints the tables as markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TYPES = ["f32", "f16", "bf16", "q8_0", "kivi4", "kivi2"]
+
+
+def kv_cache(name):
+    import kvpress_c
+    return kvpress_c.QuantizedCache(int(name[4])) if name.startswith("kivi") else name
+
+
+def row_bytes(name: str, d: int, group: int = 64) -> float:
+    """Bytes of one key row plus one value row of d channels (core/kv_type.h): KIVI keys are blocks of
+    `group` rows (f16 scale and min per channel, then the codes), values groups of min(group, d) channels."""
+    if name in ("f32", "f16", "bf16"):
+        return 2 * d * {"f32": 4, "f16": 2, "bf16": 2}[name]
+    if name == "q8_0":
+        return 2 * -(-d // 32) * 34
+    bits, g = int(name[4]), min(group, d)
+    key = (4 * d + group * d * bits / 8) / group
+    value = d // g * (4 + g * bits / 8)
+    return key + value
+
+
+def ids_for(vocab: int, n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(100, vocab - 100, size=n).astype(np.int32)
+
+
+def prefilled(model, path: str, n: int, cache_dir: str, threads: int) -> str:
+    """A saved f32 cache of n random tokens (made once: a prefill of n tokens, on all cores)."""
+    import kvpress_c
+    tag = hashlib.sha256(f"{os.path.abspath(path)}:{os.path.getsize(path)}:{n}".encode()).hexdigest()[:12]
+    out = os.path.join(cache_dir, f"kv_cache_types_{n}_{tag}.kvc")
+    if os.path.exists(out):
+        return out
+    os.makedirs(cache_dir, exist_ok=True)
+    print(f"prefill of {n} tokens (f32, saved to {out}) ...", file=sys.stderr, flush=True)
+    kvpress_c._core.set_num_threads(os.cpu_count())
+    s = model.new_session(n + 1, kv_cache="f32")
+    s.forward(ids_for(model.config["vocab"], n), logits="last")
+    s.save(out + ".part")
+    os.replace(out + ".part", out)
+    kvpress_c._core.set_num_threads(threads)
+    return out
+
+
+def decode_table(model, path, n, types, args):
+    import kvpress_c
+    saved = prefilled(model, path, n, args.cache_dir, args.threads)
+    layers, vocab = model.config["n_layers"], model.config["vocab"]
+    steps = ids_for(vocab, args.steps + 1, seed=1)
+    sessions, out = {}, {}
+    for t in types:
+        s = model.new_session(0, kv_cache=kv_cache(t))
+        s.load(saved)  # the rows alone: a load reserves no room
+        out[t] = {"cache_bytes": s.cache_bytes, "bytes_per_token_layer": s.cache_bytes / n / layers,
+                  "cpu_tok_s": [], "wall_tok_s": []}
+        s.forward(steps[:1], logits="last")  # warm: the first step after a load grows the arena
+        s.truncate(s.cache_lengths() - 1, n)
+        sessions[t] = s
+    for _ in range(args.repeat):
+        for t in types:
+            s = sessions[t]
+            lens = s.cache_lengths().copy()
+            c0, w0 = time.process_time(), time.perf_counter()
+            for i in range(args.steps):
+                s.forward(steps[1 + i:2 + i], logits="last")
+            c, w = time.process_time() - c0, time.perf_counter() - w0
+            out[t]["cpu_tok_s"].append(args.steps / c)
+            out[t]["wall_tok_s"].append(args.steps / w)
+            s.truncate(lens, n)
+    for t in types:
+        r = out[t]
+        r["cpu_min"], r["cpu_median"] = min(r["cpu_tok_s"]), float(np.median(r["cpu_tok_s"]))
+        r["wall_median"] = float(np.median(r["wall_tok_s"]))
+        if "f32" in out:  # each run against f32's run of the same turn
+            r["x_f32"] = float(np.median(np.array(r["cpu_tok_s"]) / np.array(out["f32"]["cpu_tok_s"])))
+    del sessions
+    return out
+
+
+def prefill_table(model, n, types, args):
+    ids = ids_for(model.config["vocab"], n, seed=2)
+    sessions = {t: model.new_session(n, kv_cache=kv_cache(t)) for t in types}
+    out = {t: {"cpu_tok_s": []} for t in types}
+    for _ in range(args.repeat):
+        for t in types:
+            s = sessions[t]
+            s.reset()
+            c0 = time.process_time()
+            s.forward(ids, logits="last")
+            out[t]["cpu_tok_s"].append(n / (time.process_time() - c0))
+    for t in types:
+        r = out[t]
+        r["cpu_min"], r["cpu_median"] = min(r["cpu_tok_s"]), float(np.median(r["cpu_tok_s"]))
+        if "f32" in out:
+            r["x_f32"] = float(np.median(np.array(r["cpu_tok_s"]) / np.array(out["f32"]["cpu_tok_s"])))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M Q4_1)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per run")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[2048], help="prefill lengths (none: skip)")
+    ap.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
+    ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "kvc_bench_caches"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_cache_types.json"))
+    args = ap.parse_args(argv)
+    import kvpress_c
+    path = args.model or kvpress_c.default_model_path()
+    model = kvpress_c.load_model(path)
+    kvpress_c._core.set_num_threads(args.threads)
+    cfg = model.config
+    d = cfg["head_dim"]
+    load0 = os.getloadavg()
+    res = {"model": os.path.basename(path), "layers": cfg["n_layers"], "kv_heads": cfg["n_kv_heads"], "head_dim": d,
+           "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
+           "steps": args.steps, "repeat": args.repeat, "formula_bytes_per_token_layer":
+           {t: cfg["n_kv_heads"] * row_bytes(t, d) for t in args.types}, "decode": {}, "prefill": {}}
+    for n in args.contexts:
+        print(f"decode at {n} tokens of context ...", file=sys.stderr, flush=True)
+        res["decode"][str(n)] = decode_table(model, path, n, args.types, args)
+    for n in args.prefill:
+        print(f"prefill of {n} tokens ...", file=sys.stderr, flush=True)
+        res["prefill"][str(n)] = prefill_table(model, n, args.types, args)
+    res["load_average"] = [load0, os.getloadavg()]
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print_tables(res)
+    print(f"wrote {args.out}")
+
+
+def print_tables(res):
+    types = list(res["formula_bytes_per_token_layer"])
+    ctx = list(res["decode"])
+    print(f"\n{res['model']}: {res['layers']} layers, {res['kv_heads']} KV heads of {res['head_dim']}; "
+          f"{res['machine']}, {res['cores']} cores, {res['threads']} thread(s); load average "
+          f"{res['load_average'][0][0]:.1f} -> {res['load_average'][1][0]:.1f}\n")
+    print("| type | K/V bytes per token per layer (formula) | measured, store (with positions, KIVI's f32 residual) |"
+          + "".join(f" at {n} |" for n in ctx[1:]))
+    print("|---|---:|---:|" + "---:|" * len(ctx[1:]))
+    for t in types:
+        cells = [f"{res['decode'][n][t]['bytes_per_token_layer']:.1f}" for n in ctx]
+        print(f"| {t} | {res['formula_bytes_per_token_layer'][t]:.1f} | {cells[0]} (at {ctx[0]}) |"
+              + "".join(f" {c} |" for c in cells[1:]))
+    print(f"\nDecode, tokens per CPU-second, median of {res['repeat']} runs of {res['steps']} steps (min; x f32: "
+          "median of the per-turn ratios):\n")
+    print("| type |" + "".join(f" {n} tokens |" for n in ctx))
+    print("|---|" + "---:|" * len(ctx))
+    for t in types:
+        cells = []
+        for n in ctx:
+            r = res["decode"][n][t]
+            cells.append(f"{r['cpu_median']:.1f} ({r['cpu_min']:.1f}; x{r.get('x_f32', 1):.2f})")
+        print(f"| {t} |" + "".join(f" {c} |" for c in cells))
+    if res["prefill"]:
+        print("\nPrefill, tokens per CPU-second, median (min; x f32):\n")
+        pl = list(res["prefill"])
+        print("| type |" + "".join(f" {n} tokens |" for n in pl))
+        print("|---|" + "---:|" * len(pl))
+        for t in types:
+            cells = [f"{res['prefill'][n][t]['cpu_median']:.1f} ({res['prefill'][n][t]['cpu_min']:.1f}; "
+                     f"x{res['prefill'][n][t].get('x_f32', 1):.3f})" for n in pl]
+            print(f"| {t} |" + "".join(f" {c} |" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+/* The K/V storage types decoded a tile at a time for the attention (kv_decode.c): vectorised where the
+ * build has AVX-512 or AVX2 + F16C, equal bit for bit to core/kv_type.h's plain-C decoders (which run
+ * otherwise, and which the tests hold these to). Internal to the host K/V store. */
+#ifndef KVC_CPU_KV_DECODE_H
+#define KVC_CPU_KV_DECODE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../../include/kvpress_c.h"
+
+/* n rows stored alone (f32, f16, bf16, q8_0, and KIVI's values), `stride` bytes apart, of w values each,
+ * into out [n, w]. */
+void kvc_cpu_kv_decode_rows(const kvc_kv_format *f, const void *src, size_t stride, int64_t n, int32_t w, float *out);
+/* Rows [r0, r0 + n) of a KIVI key block (core/kv_type.h: f->group rows of w channels) into out [n, w]. */
+void kvc_cpu_kivi_decode_block(const kvc_kv_format *f, const void *block, int32_t w, int32_t r0, int32_t n, float *out);
+/* 1 when this build decodes with vector instructions (the plain-C decoders run otherwise) */
+int kvc_cpu_kv_decode_simd(void);
+
+/* The decode step on the stored bytes: a tile of key and value rows of one head in the store's type (rows
+ * all in the type, none ThinK-pruned; KIVI keys: inside one key block), read where they lie, the
+ * dequantisation folded into the dot products and the P V update (nothing is written back to f32). */
+#define KVC_KV_TILE 64 /* most rows a tile holds */
+typedef struct kvc_kv_tile {
+    const kvc_kv_format *f;
+    int32_t d;
+    const uint8_t *k; /* rows stored alone: the first key row; KIVI: the key block */
+    size_t kstride;   /* bytes from a key row to the next (rows stored alone) */
+    int32_t kr0;      /* KIVI: the first row's index in its block */
+    const uint8_t *v; /* the first value row */
+    size_t vstride;
+} kvc_kv_tile;
+/* 1 when this build reads tiles of type f on heads of d channels in place (else decode them to f32) */
+int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d);
+/* S[r ls + j] = Q[r] . k_j for rows r < rows (Q [rows, d]) and the tile's rows j < n */
+void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
+/* O[r] += sum_j P[r ls + j] v_j for r < rows (O [rows, d]) */
+void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
+
+#endif

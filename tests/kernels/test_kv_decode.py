@@ -1,0 +1,225 @@
+"""The CPU attention's decoders of the K/V cache storage types (csrc/backend/cpu/kv_decode.c: AVX-512 or
+AVX2 + F16C where the build has them) against the plain-C decoders of the formats' definition
+(core/kv_type.h) and a float64 NumPy reference written from the formats' spec, on fresh random bytes
+(seed printed), through kvc_kernel_kv_decode.
+
+Every comparison is bit for bit: f16 and bf16 widen exactly, q8_0's d q is exact in fp32 (11 significant
+bits times 8), KIVI's m + s q rounds once whichever way it is computed (s q is exact: 11 bits times 4),
+so the NumPy reference in float64 rounded to fp32 gives the same bits (the scales here keep m + s q exact
+in float64: no double rounding). NaNs compare as NaNs (F16C quiets a signalling NaN, the plain-C widening
+keeps its payload; the stores never hold one: their encoder writes quiet NaNs).
+KVC_KERNELS_LIB=<path of another libkvpress_c.so> runs the same tests on another build (an AVX2 one)."""
+import ctypes as C
+import os
+
+import numpy as np
+import pytest
+
+import capi
+
+LIB_PATH = os.environ.get("KVC_KERNELS_LIB")
+lib = capi.bind(C.CDLL(LIB_PATH)) if LIB_PATH else capi.lib
+F32, BF16, F16, Q8_0, KIVI4, KIVI2 = 0, 1, 2, 3, 4, 5
+BITS = {KIVI4: 4, KIVI2: 2}
+SIMD, PLAIN = 0, 1
+
+
+def decode(fmt, src, rows, w, path, r0=0, key_block=0):
+    out = np.full((rows, w), np.nan, np.float32)
+    vec = C.c_int32(-1)
+    src = np.ascontiguousarray(src, np.uint8)
+    st = lib.kvc_kernel_kv_decode(C.byref(fmt), key_block, src.ctypes.data, src.nbytes, r0, rows, w, path, out,
+                                  C.byref(vec))
+    assert st == capi.OK, lib.kvc_last_error().decode()
+    return out, vec.value
+
+
+def same_bits(a, b):
+    """Equal bit patterns, NaN against NaN."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(a.view(np.uint32)[~nan], b.view(np.uint32)[~nan]))
+
+
+def both_paths(fmt, src, rows, w, ref, r0=0, key_block=0):
+    """Decode with the attention's decoder and the plain-C one; both must give ref's bits."""
+    fast, vec = decode(fmt, src, rows, w, SIMD, r0, key_block)
+    plain, _ = decode(fmt, src, rows, w, PLAIN, r0, key_block)
+    print(f"type {fmt.type} w {w} rows {rows}: vectorised decoder {'ran' if vec else 'not in this build'}")
+    assert same_bits(plain, ref), "plain-C decoder against the spec"
+    assert same_bits(fast, plain), "the attention's decoder against the plain-C one"
+
+
+def f16_scales(rng, n, lo=-12, hi=4):
+    """n finite f16 values of both signs with exponents in [lo, hi) (and some zeros), as uint16."""
+    x = rng.choice([-1.0, 1.0], n) * rng.uniform(1, 2, n) * 2.0 ** rng.integers(lo, hi, n)
+    x[rng.random(n) < 0.05] = 0
+    return x.astype(np.float16).view(np.uint16)
+
+
+def h2f(u16):
+    return np.asarray(u16, np.uint16).view(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize("t", [F16, BF16])
+@pytest.mark.parametrize("w", [64, 128, 24])
+def test_halves_every_pattern(t, w):
+    """Every one of the 65536 16-bit patterns (subnormals, infinities, NaNs), in rows of w."""
+    pats = np.arange(65536, dtype=np.uint32)
+    rows = len(pats) // w
+    pats = pats[:rows * w].astype(np.uint16)
+    ref = pats.view(np.float16).astype(np.float32) if t == F16 else (pats.astype(np.uint32) << 16).view(np.float32)
+    fmt = capi.KVFormat(t, 0, 0)
+    both_paths(fmt, pats.view(np.uint8), rows, w, ref.reshape(rows, w))
+    both_paths(fmt, pats.view(np.uint8), rows - 3, w, ref.reshape(rows, w)[3:], r0=3)
+
+
+def q8_rows(rng, rows, w):
+    """rows of w values in Q8_0 (blocks of 32: f16 d, 32 int8; the last block of a row zero-padded)."""
+    nb = -(-w // 32)
+    d = f16_scales(rng, rows * nb, -20, 8).reshape(rows, nb)
+    q = rng.integers(-128, 128, (rows, nb, 32), dtype=np.int8)
+    q.reshape(rows, nb * 32)[:, w:] = 0
+    blocks = np.concatenate([d.reshape(rows, nb, 1).view(np.uint8), q.view(np.uint8)], axis=2)
+    ref = (h2f(d)[:, :, None] * q.astype(np.float64)).reshape(rows, nb * 32)[:, :w]
+    return blocks.reshape(rows, nb * 34), ref.astype(np.float32)
+
+
+@pytest.mark.parametrize("w", [64, 32, 128, 48, 7])
+def test_q8_0(rng, w):
+    rows = int(rng.integers(1, 300))
+    src, ref = q8_rows(rng, rows, w)
+    both_paths(capi.KVFormat(Q8_0, 0, 0), src, rows, w, ref)
+    r0 = int(rng.integers(0, rows))
+    both_paths(capi.KVFormat(Q8_0, 0, 0), src, rows - r0, w, ref[r0:], r0=r0)
+
+
+def pack(codes, bits):
+    """KIVI's packing (core/kv_type.h): code i in bits (i % per) * bits of byte i / per, per = 8 / bits."""
+    per = 8 // bits
+    c = codes.reshape(-1, per).astype(np.uint16)
+    return (c << (np.arange(per, dtype=np.uint16) * bits)).sum(axis=1).astype(np.uint8)
+
+
+@pytest.mark.parametrize("t", [KIVI4, KIVI2])
+@pytest.mark.parametrize("w,group", [(64, 64), (64, 32), (128, 64), (40, 64), (64, 8)])
+def test_kivi_values(rng, t, w, group):
+    """Rows stored alone: groups of g = min(group, w) channels, each [f16 scale, f16 min, codes]."""
+    bits, rows = BITS[t], int(rng.integers(1, 200))
+    g = min(group, w)
+    ng = w // g
+    s, m = f16_scales(rng, rows * ng).reshape(rows, ng), f16_scales(rng, rows * ng).reshape(rows, ng)
+    codes = rng.integers(0, 1 << bits, (rows, ng, g))
+    packed = pack(codes, bits).reshape(rows, ng, g * bits // 8)
+    src = np.concatenate([s.reshape(rows, ng, 1).view(np.uint8), m.reshape(rows, ng, 1).view(np.uint8), packed], axis=2)
+    ref = (h2f(m)[:, :, None] + h2f(s)[:, :, None] * codes).reshape(rows, w).astype(np.float32)
+    fmt = capi.KVFormat(t, group, 128)
+    both_paths(fmt, src.reshape(rows, -1), rows, w, ref)
+    r0 = int(rng.integers(0, rows))
+    both_paths(fmt, src.reshape(rows, -1), rows - r0, w, ref[r0:], r0=r0)
+
+
+@pytest.mark.parametrize("t", [KIVI4, KIVI2])
+@pytest.mark.parametrize("w,group", [(64, 64), (64, 128), (128, 32), (40, 64), (64, 8)])
+def test_kivi_key_block(rng, t, w, group):
+    """A key block: scales [w] and mins [w] (f16, per channel), then `group` rows of w codes; rows [r0, r0 + n)."""
+    bits = BITS[t]
+    s, m = f16_scales(rng, w), f16_scales(rng, w)
+    codes = rng.integers(0, 1 << bits, (group, w))
+    src = np.concatenate([s.view(np.uint8), m.view(np.uint8), pack(codes, bits)])
+    ref = (h2f(m)[None, :] + h2f(s)[None, :] * codes).astype(np.float32)
+    fmt = capi.KVFormat(t, group, 128)
+    both_paths(fmt, src, group, w, ref, key_block=1)
+    r0 = int(rng.integers(0, group))
+    n = int(rng.integers(0, group - r0 + 1))
+    both_paths(fmt, src, n, w, ref[r0:r0 + n], r0=r0, key_block=1)
+
+
+def test_arguments_refused():
+    src = np.zeros(4096, np.uint8)
+    out = np.zeros((4, 64), np.float32)
+
+    def err(fmt, key_block=0, nbytes=src.nbytes, r0=0, rows=4, w=64, path=0, *words):
+        st = lib.kvc_kernel_kv_decode(C.byref(fmt), key_block, src.ctypes.data, nbytes, r0, rows, w, path, out, None)
+        msg = lib.kvc_last_error().decode()
+        assert st == capi.ERR_ARG, msg
+        for word in words:
+            assert word in msg, msg
+
+    err(capi.KVFormat(9, 0, 0), 0, src.nbytes, 0, 4, 64, 0, "type 9")
+    err(capi.KVFormat(F16, 0, 0), 1, src.nbytes, 0, 4, 64, 0, "key_block", "f16")
+    err(capi.KVFormat(F16, 0, 0), 0, 500, 0, 4, 64, 0, "need 512 bytes", "500")
+    err(capi.KVFormat(KIVI4, 64, 128), 1, src.nbytes, 62, 4, 64, 0, "outside a key block")
+    err(capi.KVFormat(KIVI4, 64, 128), 1, 100, 0, 4, 64, 0, "needs", "bytes")
+    err(capi.KVFormat(KIVI4, 48, 128), 0, src.nbytes, 0, 4, 64, 0, "q_group_size")
+    err(capi.KVFormat(Q8_0, 0, 0), 0, src.nbytes, 0, 4, 64, 2, "path")
+    err(capi.KVFormat(Q8_0, 0, 0), 0, src.nbytes, 0, 4, 2000, 0, "[1, 1024]")
+
+
+def kivi_tile_inputs(rng, t, d, group, n, r0):
+    """A KIVI key block (d channels, `group` rows) and n value rows in their stored bytes, with float64
+    decodes: keys [n, d] (rows r0..r0+n of the block), values [n, d], and |.| of the terms a product sums
+    (per channel |s q| and |m|: the kernels sum q s times the codes and q m apart)."""
+    bits, g = BITS[t], min(group, d)
+    ks, km = f16_scales(rng, d), f16_scales(rng, d)
+    kc = rng.integers(0, 1 << bits, (group, d))
+    kblock = np.concatenate([ks.view(np.uint8), km.view(np.uint8), pack(kc, bits)])
+    keys = h2f(km)[None, :] + h2f(ks)[None, :] * kc[r0:r0 + n]
+    key_terms = np.abs(h2f(ks))[None, :] * kc[r0:r0 + n] + np.abs(h2f(km))[None, :]
+    ng = d // g
+    vs, vm = f16_scales(rng, n * ng).reshape(n, ng), f16_scales(rng, n * ng).reshape(n, ng)
+    vc = rng.integers(0, 1 << bits, (n, ng, g))
+    vrows = np.concatenate([vs.reshape(n, ng, 1).view(np.uint8), vm.reshape(n, ng, 1).view(np.uint8),
+                            pack(vc, bits).reshape(n, ng, g * bits // 8)], axis=2).reshape(n, -1)
+    values = (h2f(vm)[:, :, None] + h2f(vs)[:, :, None] * vc).reshape(n, d)
+    value_terms = (np.abs(h2f(vs))[:, :, None] * vc + np.abs(h2f(vm))[:, :, None]).reshape(n, d)
+    return kblock, vrows, keys, values, key_terms, value_terms
+
+
+@pytest.mark.parametrize("t", [KIVI4, KIVI2])
+@pytest.mark.parametrize("d,group", [(64, 64), (128, 64), (128, 128), (256, 64), (64, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 12])
+def test_kivi_tile_products(rng, t, d, group, rows):
+    """The decode step's products on stored KIVI rows (dequantisation folded in: q . k = (q s) . codes + q . m
+    per key block, O += (P s) codes + P m per value row) against float64 products of the decoded rows.
+    Bound: 1e-6 of the sum of |terms| each output adds (|q| (|s| codes + |m|), and the same for P V), fp32
+    accumulation over at most 256 channels or 64 rows; measured at most 3.4e-7."""
+    n = int(rng.integers(1, min(64, group) + 1))
+    r0 = int(rng.integers(0, group - n + 1))
+    kblock, vrows, keys, values, key_terms, value_terms = kivi_tile_inputs(rng, t, d, group, n, r0)
+    q = (rng.standard_normal((rows, d)) * 0.3).astype(np.float32)
+    p = rng.random((rows, n)).astype(np.float32)
+    o0 = rng.standard_normal((rows, d)).astype(np.float32)
+    s, o = np.full((rows, n), np.nan, np.float32), o0.copy()
+    fmt = capi.KVFormat(t, group, 128)
+    st = lib.kvc_kernel_kivi_tile(C.byref(fmt), kblock.ctypes.data, kblock.nbytes, r0, vrows.ctypes.data, vrows.nbytes,
+                                  n, d, rows, q, s, p, o)
+    msg = lib.kvc_last_error().decode()
+    if st == capi.ERR_UNSUPPORTED:  # this build reads such tiles by decoding them (test_kivi_key_block covers it)
+        assert d % 32 or min(group, d) % 32 or "decodes kivi tiles" in msg, msg
+        print(f"not vectorised here: {msg}")
+        return
+    assert st == capi.OK, msg
+    q64, p64 = q.astype(np.float64), p.astype(np.float64)
+    s_err = np.abs(s - q64 @ keys.T) / (np.abs(q64) @ key_terms.T)
+    o_err = np.abs(o - (o0 + p64 @ values)) / (np.abs(o0) + p64 @ value_terms)
+    print(f"n {n} r0 {r0}: scores {s_err.max():.2e}, P V {o_err.max():.2e} of the terms")
+    assert s_err.max() < 1e-6 and o_err.max() < 1e-6
+
+
+def test_kivi_tile_arguments_refused():
+    z = np.zeros(1 << 16, np.uint8)
+    q, s, p, o = (np.zeros((4, 64), np.float32) for _ in range(4))
+
+    def err(fmt, n, d, r0=0, nbytes=z.nbytes, *words):
+        st = lib.kvc_kernel_kivi_tile(C.byref(fmt), z.ctypes.data, nbytes, r0, z.ctypes.data, nbytes, n, d, 4, q, s, p, o)
+        msg = lib.kvc_last_error().decode()
+        assert st == capi.ERR_ARG, msg
+        for word in words:
+            assert word in msg, msg
+
+    err(capi.KVFormat(Q8_0, 0, 0), 4, 64, 0, z.nbytes, "kivi4 or kivi2", "q8_0")
+    err(capi.KVFormat(KIVI4, 64, 128), 65, 64, 0, z.nbytes, "n must be in [1, 64]")
+    err(capi.KVFormat(KIVI4, 64, 128), 8, 64, 60, z.nbytes, "outside a key block")
+    err(capi.KVFormat(KIVI4, 64, 128), 8, 64, 0, 100, "needs", "bytes")
+    err(capi.KVFormat(KIVI2, 48, 128), 8, 64, 0, z.nbytes, "q_group_size")
