@@ -4,7 +4,10 @@ and its peak (VmHWM), beyond what the process held before, load seconds, prefill
 kvpress_c a press (SnapKV, ratio 0.5) on the same prompt. Used by tests/model/test_llama8b_native.py
 and benchmarks/cpu_forward.py.
 
-    python run_probe.py ENGINE MODEL_PATH PREFILL DECODE [THREADS]   # ENGINE kvpress_c | llama.cpp; one JSON line
+    python run_probe.py ENGINE MODEL_PATH PREFILL DECODE [THREADS]   # one JSON line
+
+ENGINE: kvpress_c, llama.cpp, or llama.cpp-no-repack (llama.cpp without its extra CPU buffer types, the repacked and
+AMX layouts: what `--no-repack` does in llama.cpp's tools).
 """
 from __future__ import annotations
 
@@ -32,6 +35,15 @@ def _probe(engine: str, path: str, n_prefill: int, n_decode: int, threads: int) 
         kvpress_c._core.set_num_threads(threads)
     else:
         from llama_cpp import Llama
+        if engine == "llama.cpp-no-repack":
+            import llama_cpp.llama as llama_py
+            default = llama_py.llama_cpp.llama_model_default_params
+
+            def no_extra_bufts():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+            llama_py.llama_cpp.llama_model_default_params = no_extra_bufts
     before = _status("VmRSS")
     before_anon, before_file = _status("RssAnon"), _status("RssFile")
     t0 = time.perf_counter()
@@ -91,7 +103,8 @@ def measure(engine: str, path: str, n_prefill: int, n_decode: int, threads: int 
                           str(threads)], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     if out.returncode != 0:
-        return {"engine": engine, "error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
+        why = "killed by signal %d" % -out.returncode if out.returncode < 0 else "exit status %d" % out.returncode
+        return {"engine": engine, "error": f"{why}: {(out.stderr.strip().splitlines() or ['no message'])[-1]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
