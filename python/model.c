@@ -89,10 +89,10 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     if (kvc_py_check_model(self) < 0) return NULL;
     kvc_config c;
     kvc_model_get_config(self->model, &c);
-    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"};
+    static const char *arch_names[] = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2", "qwen3_moe", "mixtral"};
     PyObject *d = PyDict_New();
     if (!d) return NULL;
-    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_GEMMA2 ? arch_names[c.arch] : "?"));
+    SET_ITEM(d, "arch", PyUnicode_FromString(c.arch >= 0 && c.arch <= KVC_ARCH_MIXTRAL ? arch_names[c.arch] : "?"));
     SET_ITEM(d, "n_layers", PyLong_FromLong(c.n_layers));
     SET_ITEM(d, "hidden", PyLong_FromLong(c.hidden));
     SET_ITEM(d, "n_heads", PyLong_FromLong(c.n_heads));
@@ -121,6 +121,27 @@ static PyObject *Model_get_config(ModelObject *self, void *closure) {
     SET_ITEM(d, "post_norms", PyBool_FromLong(c.post_norms));
     SET_ITEM(d, "attn_softcap", PyFloat_FromDouble(c.attn_softcap));
     SET_ITEM(d, "logit_softcap", PyFloat_FromDouble(c.logit_softcap));
+    SET_ITEM(d, "n_experts", PyLong_FromLong(c.n_experts));
+    SET_ITEM(d, "n_experts_used", PyLong_FromLong(c.n_experts_used));
+    SET_ITEM(d, "moe_ffn", PyLong_FromLong(c.moe_ffn));
+    SET_ITEM(d, "moe_norm_topk", PyBool_FromLong(c.moe_norm_topk));
+    PyObject *moe_layers = PyList_New(0); /* the layers whose MLP is a mixture of experts */
+    if (!moe_layers) {
+        Py_DECREF(d);
+        return NULL;
+    }
+    for (int32_t l = 0; l < c.n_layers; l++) {
+        const int moe = kvc_model_layer_moe(self->model, l);
+        PyObject *v = moe ? PyLong_FromLong(l) : NULL;
+        if (moe && (!v || PyList_Append(moe_layers, v) < 0)) {
+            Py_XDECREF(v);
+            Py_DECREF(moe_layers);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_XDECREF(v);
+    }
+    SET_ITEM(d, "moe_layers", moe_layers);
     SET_ITEM(d, "bos_id", PyLong_FromLong(c.bos_id));
     SET_ITEM(d, "eos_id", PyLong_FromLong(c.eos_id));
     SET_ITEM(d, "format", PyUnicode_FromString(kvc_model_format(self->model)));

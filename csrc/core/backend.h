@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 9 /* 9: kv_rows, kv_keep_rows, kv_kept_free, host_memory (rows lent in place); 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+#define KVC_BACKEND_VERSION 10 /* 10: moe_route, gather_rows, moe_combine (mixture of experts); 9: kv_rows, kv_keep_rows, kv_kept_free, host_memory (rows lent in place); 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
                                  scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
                                  kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
@@ -213,7 +213,8 @@ typedef struct kvc_backend {
     kvc_status (*wrap)(int32_t dtype, int64_t n, const void *p, const char *what, kvc_buf **out);
     /* 1 when a weight of dtype wrapped in place keeps the layout the kernels are fastest on; 0 when the
      * backend rearranges that dtype at upload (the CPU's interleaved Q4_0/Q4_1/Q8_0 GEMV layout), so the
-     * loader copies it unless asked not to repack. NULL: every dtype wraps as well as it copies. */
+     * loader copies it unless asked not to repack; matmul takes such a buffer whole, as one matrix (the
+     * loader gives each expert of such a type its own). NULL: every dtype wraps as well as it copies. */
     int (*wrap_keeps_layout)(int32_t dtype);
 
     /* ---- K/V of one layer (the ragged cache; cache/kv_cache.c keeps lengths, capacities and positions
@@ -298,6 +299,18 @@ typedef struct kvc_backend {
     kvc_status (*geglu)(kvc_view gu, int64_t rows, int64_t F);
     /* x[r, :cols] *= alpha over rows (x f32: Gemma's embedding scale) */
     kvc_status (*scale)(kvc_view x, int64_t rows, int64_t cols, float alpha);
+
+    /* ---- mixture of experts (engine/moe.c; table version 7) ---- */
+    /* Routing of n tokens over E experts: for each row r of the router's logits (f32 [n, E]), p = softmax(row); ids[r, :k]
+     * = the k experts of highest p, highest first (equal p: the lower expert first; NaN lowest), w[r, :k] their p,
+     * divided by the sum of those k when norm (ids i32 [n, k], w f32 [n, k]). */
+    kvc_status (*moe_route)(kvc_view logits, int64_t n, int32_t E, int32_t k, int32_t norm, kvc_view ids, kvc_view w);
+    /* dst[i, :D] = src[idx[i], :D] for i < n (src and dst of the act dtype; idx i32, its n values contiguous): the rows
+     * an expert runs on, gathered */
+    kvc_status (*gather_rows)(kvc_view src, kvc_view idx, int64_t n, int64_t D, kvc_view dst);
+    /* x[r, :D] += sum over j < k, in order, of w[r, j] y[pos[r, j], :D] for r < n (x f32; y of the act dtype: the experts'
+     * outputs; w f32 [n, k]; pos i32 [n, k]) */
+    kvc_status (*moe_combine)(kvc_view x, kvc_view y, kvc_view w, kvc_view pos, int64_t n, int32_t k, int64_t D);
 
     /* ---- the presses' kernels ---- */
     /* KVC_ERR_UNSUPPORTED for a scorer the backend lacks (press/score.c decides what runs where) */

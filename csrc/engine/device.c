@@ -412,3 +412,58 @@ kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t h
     free(rows);
     return st;
 }
+
+/* ---- mixture of experts ---- */
+
+kvc_status kvc_device_kernel_moe_route(int32_t device, const float *logits, int64_t n, int32_t E, int32_t k, int32_t norm,
+                                       int32_t *ids, float *w) {
+    CHECK(logits && ids && w, "moe_route: null argument");
+    CHECK(n > 0 && E > 0 && E <= 4096 && k > 0 && k <= E, "moe_route: bad sizes (n=%lld E=%d k=%d)", (long long)n, E, k);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_buf *L, *I, *W;
+    kvc_status st = scope_buf(&sc, KVC_F32, n * E, logits, n, E, KVC_F32, &L);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_I32, n * k, NULL, 0, 0, 0, &I);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, n * k, NULL, 0, 0, 0, &W);
+    if (st == KVC_OK) st = sc.be->moe_route(kvc_view_of(L, 0, E), n, E, k, norm != 0, kvc_view_of(I, 0, k), kvc_view_of(W, 0, k));
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(I, 0, k), n, k, ids, KVC_I32);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(W, 0, k), n, k, w, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_gather_rows(int32_t device, const float *src, int64_t src_rows, const int32_t *idx, int64_t n,
+                                         int64_t D, float *dst) {
+    CHECK(src && idx && dst, "gather_rows: null argument");
+    CHECK(src_rows > 0 && n > 0 && D > 0, "gather_rows: sizes must be positive");
+    for (int64_t i = 0; i < n; i++) CHECK(idx[i] >= 0 && idx[i] < src_rows, "gather_rows: index %d outside [0, %lld)", idx[i], (long long)src_rows);
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_buf *S, *I, *O;
+    kvc_status st = scope_buf(&sc, sc.be->act_dtype, src_rows * D, src, src_rows, D, KVC_F32, &S);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_I32, n, idx, 1, n, KVC_I32, &I);
+    if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * D, NULL, 0, 0, 0, &O);
+    if (st == KVC_OK) st = sc.be->gather_rows(kvc_view_of(S, 0, D), kvc_view_of(I, 0, n), n, D, kvc_view_of(O, 0, D));
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(O, 0, D), n, D, dst, KVC_F32);
+    scope_end(&sc);
+    return st;
+}
+
+kvc_status kvc_device_kernel_moe_combine(int32_t device, float *x, const float *y, const float *w, const int32_t *pos, int64_t n,
+                                         int32_t k, int64_t D) {
+    CHECK(x && y && w && pos, "moe_combine: null argument");
+    CHECK(n > 0 && k > 0 && D > 0, "moe_combine: sizes must be positive");
+    for (int64_t i = 0; i < n * k; i++) CHECK(pos[i] >= 0 && pos[i] < n * k, "moe_combine: row %d outside [0, %lld)", pos[i], (long long)(n * k));
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_buf *X, *Y, *W, *P;
+    kvc_status st = scope_buf(&sc, KVC_F32, n * D, x, n, D, KVC_F32, &X);
+    if (st == KVC_OK) st = scope_buf(&sc, sc.be->act_dtype, n * k * D, y, n * k, D, KVC_F32, &Y);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_F32, n * k, w, n, k, KVC_F32, &W);
+    if (st == KVC_OK) st = scope_buf(&sc, KVC_I32, n * k, pos, n, k, KVC_I32, &P);
+    if (st == KVC_OK)
+        st = sc.be->moe_combine(kvc_view_of(X, 0, D), kvc_view_of(Y, 0, D), kvc_view_of(W, 0, k), kvc_view_of(P, 0, k), n, k, D);
+    if (st == KVC_OK) st = sc.be->download(kvc_view_of(X, 0, D), n, D, x, KVC_F32);
+    scope_end(&sc);
+    return st;
+}

@@ -8,7 +8,8 @@
  *   K/V appended to the cache; attention (within the sliding window, in window layers);
  *   o = att Wo^T; [the attached presses' hooks (core/press_i.h): one may compact the layer];
  *   x += o and xn = rmsnorm(x) (one kernel);
- *   per row block: gu = xn Wgu^T; gu = silu(gate) * up (Gemma: gelu_tanh(gate) * up); x += gu Wdown^T.
+ *   per row block: gu = xn Wgu^T; gu = silu(gate) * up (Gemma: gelu_tanh(gate) * up); x += gu Wdown^T
+ *   (a mixture-of-experts layer: its experts instead, engine/moe.c).
  * Gemma 3 also: embeddings times sqrt(D); the attention output and the MLP output each RMS-normed before
  * their residual add; the sliding layers (every one but each window_period-th) on their own RoPE base. Gemma 2
  * the same on one RoPE base, its attention scores soft-capped inside the backend's attention and its logits
@@ -34,6 +35,7 @@ static void act_release(kvc_session *s) {
         if (*bufs[i]) s->be->free(*bufs[i]);
         *bufs[i] = NULL;
     }
+    kvc_moe_release(s);
     a->rows = a->logit_rows = 0;
     a->generation++;
 }
@@ -67,6 +69,7 @@ kvc_status kvc_act_reserve(kvc_session *s, int64_t n, int64_t logit_rows) {
         if (st == KVC_OK) st = grow(s, &a->pos, KVC_I64, n, "positions");
         if (st == KVC_OK && c->sliding_window > 0)
             st = grow(s, &a->win, KVC_I64, (n > c->n_layers ? n : c->n_layers) * c->n_kv_heads, "sliding-window starts");
+        if (st == KVC_OK) st = kvc_moe_reserve(s, n); /* engine/moe.c: models with experts only */
         if (st == KVC_OK) a->rows = n;
     }
     if (st == KVC_OK && logit_rows > a->logit_rows) {
@@ -243,6 +246,7 @@ static kvc_status mlp_block(kvc_session *s, int32_t l, int64_t rows) {
     const kvc_view gu = kvc_view_of(s->act.gu, 0, 2 * F);
     if (c->post_norms) KVC_TRY(be->head_rmsnorm(o, 0, rows, 1, (int32_t)D, W->post_attn_norm, c->rms_eps));
     KVC_TRY(be->rmsnorm(x, &o, W->ffn_norm, xn, rows, D, c->rms_eps));
+    if (kvc_layer_moe(c, l)) return kvc_moe_mlp(s, l, rows); /* engine/moe.c (experts are plain SwiGLU MLPs) */
     for (int64_t r0 = 0; r0 < rows; r0 += be->mlp_rows) {
         const int64_t nr = rows - r0 < be->mlp_rows ? rows - r0 : be->mlp_rows;
         KVC_TRY(kvc_wgroup_matmul(be, kvc_view_at(xn, r0, 0), &W->gu, gu, nr, D));

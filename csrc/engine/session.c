@@ -1,6 +1,7 @@
 /* The engine's kvc_session_* functions: life cycle, position, the cache (lengths, rows, copy, truncation),
  * the press slots (attach/detach; what a press is and does lives in press/, whose session functions are
  * in its own files) and decode graphs. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,6 +13,11 @@ static int graphs_default(void) {
     return e && !strcmp(e, "1");
 }
 
+/* A decode graph replays device work that reads its inputs from buffers; an MoE layer's routing is read on the host
+ * (engine/moe.c), so such a model's decode steps run eagerly. */
+#define MOE_NO_GRAPHS "mixture-of-experts layers group each token's experts on the host: decode steps run eagerly"
+
+
 kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session **out) {
     if (!out) return kvc_fail(KVC_ERR_ARG, "kvc_session_new: out is NULL");
     *out = NULL;
@@ -22,7 +28,8 @@ kvc_status kvc_session_new(kvc_model *model, int64_t capacity_hint, kvc_session 
     s->model = model;
     s->be = model->be;
     s->capacity_hint = capacity_hint;
-    s->graphs = graphs_default();
+    s->graphs = graphs_default() && model->cfg.n_experts == 0;
+    if (graphs_default() && !s->graphs) snprintf(s->graph_error, sizeof s->graph_error, "%s", MOE_NO_GRAPHS);
     kvc_backend_lock(s->be);
     kvc_status st = kvc_cache_init(&s->cache, s->be, model->cfg.n_layers, model->cfg.n_kv_heads, model->cfg.head_dim,
                                    &model->kv_format);
@@ -155,6 +162,7 @@ kvc_status kvc_session_set_decode_graphs(kvc_session *s, int32_t on) {
     if (on && !s->be->graph_capture)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "the %s backend has no graphs: decode steps run one kernel at a time",
                         s->be->name);
+    if (on && s->model->cfg.n_experts > 0) return kvc_fail(KVC_ERR_UNSUPPORTED, "no decode graphs: %s", MOE_NO_GRAPHS);
     s->graphs = on != 0;
     if (on) s->graph_error[0] = '\0';
     return KVC_OK;

@@ -7,6 +7,7 @@
 #define KVC_SESSION_H
 
 #include "../core/press_i.h"
+#include "moe.h"
 
 /* The activations of a forward call, buffers of the backend grown on demand. */
 typedef struct kvc_act {
@@ -21,6 +22,7 @@ typedef struct kvc_act {
     kvc_buf *ids;    /* i32 [rows] */
     kvc_buf *pos;    /* i64 [rows] */
     kvc_buf *win;    /* i64 [max(rows, n_layers), Hkv] sliding-window starts (models with a window only) */
+    kvc_moe_act moe; /* the experts' scratch (models with experts only; moe.c) */
     uint64_t generation; /* bumped whenever a buffer is replaced (a captured graph holds the old ones) */
 } kvc_act;
 

@@ -55,11 +55,16 @@ KVC_API int kvc_get_num_threads(void);
 /* Models                                                                                          */
 
 /* PHI3: Phi-3 / Phi-3.5 / Phi-4-mini (fused q|k|v and gate|up tensors, partial rotary, LongRoPE).
- * GEMMA3: Gemma 3 text (norms after attention and after the MLP too, GeGLU, interleaved sliding layers). */
+ * GEMMA3: Gemma 3 text (norms after attention and after the MLP too, GeGLU, interleaved sliding layers).
+ * QWEN3_MOE, MIXTRAL: mixture-of-experts MLPs (the config's n_experts; GGUF writes Mixtral as 'llama'). */
 typedef enum kvc_arch {
     KVC_ARCH_LLAMA = 0, KVC_ARCH_MISTRAL = 1, KVC_ARCH_QWEN2 = 2, KVC_ARCH_QWEN3 = 3, KVC_ARCH_PHI3 = 4,
-    KVC_ARCH_GEMMA3 = 5, KVC_ARCH_GEMMA2 = 6
+    KVC_ARCH_GEMMA3 = 5, KVC_ARCH_GEMMA2 = 6, KVC_ARCH_QWEN3_MOE = 7, KVC_ARCH_MIXTRAL = 8
 } kvc_arch;
+
+/* Layers whose MLP kvc_config.moe_dense can mark dense (bits of 32-bit words). */
+#define KVC_MOE_DENSE_WORDS 8
+#define KVC_MOE_DENSE_LAYERS (32 * KVC_MOE_DENSE_WORDS)
 
 /* The MLP's gate activation. */
 typedef enum kvc_mlp_act {
@@ -126,6 +131,18 @@ typedef struct kvc_config {
      * before the softmax, the final logits logit_softcap tanh(z / logit_softcap); 0: none. */
     float attn_softcap;
     float logit_softcap;
+    /* Mixture of experts (0 experts: every MLP is dense). In an MoE layer the MLP is n_experts SwiGLU experts of
+     * intermediate size moe_ffn and a router (a [n_experts, hidden] matrix): each token's router logits go through
+     * a softmax, its n_experts_used most probable experts run on it and their outputs are summed weighted by
+     * those probabilities, renormalised to sum 1 over the chosen when moe_norm_topk (Qwen3-MoE's norm_topk_prob;
+     * Mixtral always). Layer l is an MoE layer when (l + 1) % moe_step == 0 and bit l of moe_dense is clear
+     * (Qwen3-MoE's decoder_sparse_step and mlp_only_layers); the others are dense MLPs of intermediate size ffn. */
+    int32_t n_experts;
+    int32_t n_experts_used;
+    int32_t moe_ffn;
+    int32_t moe_norm_topk;
+    int32_t moe_step;
+    uint32_t moe_dense[KVC_MOE_DENSE_WORDS]; /* bit l % 32 of word l / 32: layer l is dense */
 } kvc_config;
 
 typedef struct kvc_model kvc_model;
@@ -152,6 +169,8 @@ KVC_API kvc_status kvc_model_load_ex(const char *path, int32_t device, int32_t w
 KVC_API int32_t kvc_model_weights(const kvc_model *model, int32_t *n_native);
 KVC_API void kvc_model_free(kvc_model *model);
 KVC_API kvc_status kvc_model_get_config(const kvc_model *model, kvc_config *out);
+/* 1 when layer `layer`'s MLP is a mixture of experts (kvc_config's n_experts, moe_step, moe_dense), else 0. */
+KVC_API int32_t kvc_model_layer_moe(const kvc_model *model, int32_t layer);
 /* Bytes of weights held by the model (those mapped from its file included). */
 KVC_API size_t kvc_model_weight_bytes(const kvc_model *model);
 /* Of those, bytes used in place in the model file, memory-mapped read-only (shared page cache: RSS counts
@@ -798,6 +817,17 @@ KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, i
  * held, writes within the room) and, for 3 and 4, KVC_ERR_INTERNAL when the rows moved differ. */
 KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                              int64_t row0, int64_t rows);
+/* The mixture-of-experts kernels (core/backend.h's moe_route, gather_rows, moe_combine) on host arrays. Routing: for
+ * each of n rows of router logits [n, E], p = softmax(row); ids[n, k] the k experts of highest p, highest first
+ * (ties: the lower expert; NaN lowest), w[n, k] their p, divided by the sum of those k when norm. Gather:
+ * dst[i] = src[idx[i]] for i < n over src [src_rows, D]. Combine: x[r] += sum over j < k of w[r, j] y[pos[r, j]]
+ * (x [n, D] in place, y [n k, D], w and pos [n, k]). */
+KVC_API kvc_status kvc_device_kernel_moe_route(int32_t device, const float *logits, int64_t n, int32_t E, int32_t k,
+                                               int32_t norm, int32_t *ids, float *w);
+KVC_API kvc_status kvc_device_kernel_gather_rows(int32_t device, const float *src, int64_t src_rows, const int32_t *idx,
+                                                 int64_t n, int64_t D, float *dst);
+KVC_API kvc_status kvc_device_kernel_moe_combine(int32_t device, float *x, const float *y, const float *w, const int32_t *pos,
+                                                 int64_t n, int32_t k, int64_t D);
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
  * The first decode step after a capture is needed runs eagerly; a failed capture turns graphs off for the
  * session and says why in kvc_session_graph_info. KVC_ERR_UNSUPPORTED on a device without graphs. */

@@ -6,6 +6,7 @@
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
 #endif
+#include <omp.h>
 #include <string.h>
 
 #include "convert.h"
@@ -91,6 +92,12 @@ static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return kvc_f16_to_f32v(h);
+}
+
+static inline float bf16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return kvc_bf16_to_f32(h);
 }
 
 /* ---- 32-value blocks. Q4/Q5: byte j holds element j (low nibble) and j + 16 (high nibble). ---- */
@@ -233,11 +240,20 @@ static inline void q6_k(const uint8_t *b, float *o) {
             }
 }
 
-#define BLOCK_LOOP(fn)                                                       \
+/* Threads only for a large array and outside a parallel region: a serial region (an `if` clause that is false, or a
+ * nested region) still enters the OpenMP runtime, which allocates a team and takes locks at every call; the blocked
+ * GEMM's panel packing calls this from its threads for every panel of a K-quant weight (a fifth of a prefill's time
+ * there before). */
+#define PAR_LOOP(i, count, body)                                             \
     do {                                                                     \
-        _Pragma("omp parallel for schedule(static) if (n >= PAR_MIN_VALUES)") \
-        for (int64_t i = 0; i < nb; i++) fn(s + i * bs, dst + i * be);       \
+        if (n >= PAR_MIN_VALUES && !omp_in_parallel()) {                     \
+            _Pragma("omp parallel for schedule(static)")                     \
+            for (int64_t i = 0; i < (count); i++) body;                      \
+        } else {                                                             \
+            for (int64_t i = 0; i < (count); i++) body;                      \
+        }                                                                    \
     } while (0)
+#define BLOCK_LOOP(fn) PAR_LOOP(i, nb, fn(s + i * bs, dst + i * be))
 
 kvc_status ggml_dequantize(int32_t type, const void *src, size_t src_bytes, float *dst, int64_t n) {
     size_t need = 0;
@@ -257,16 +273,10 @@ kvc_status ggml_dequantize(int32_t type, const void *src, size_t src_bytes, floa
         memcpy(dst, s, (size_t)n * 4);
         break;
     case GGML_T_F16:
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN_VALUES)
-        for (int64_t i = 0; i < n; i++) dst[i] = half_at(s + 2 * i);
+        PAR_LOOP(i, n, dst[i] = half_at(s + 2 * i));
         break;
     case GGML_T_BF16:
-#pragma omp parallel for schedule(static) if (n >= PAR_MIN_VALUES)
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, s + 2 * i, 2);
-            dst[i] = kvc_bf16_to_f32(h);
-        }
+        PAR_LOOP(i, n, dst[i] = bf16_at(s + 2 * i));
         break;
     case GGML_T_Q4_0: BLOCK_LOOP(q4_0); break;
     case GGML_T_Q4_1: BLOCK_LOOP(q4_1); break;

@@ -11,6 +11,7 @@
 #include "model.h"
 
 #define HINT "; the file may be truncated or corrupt: re-download or re-convert it"
+#define ARCHS "llama (Mixtral too), mistral, qwen2, qwen3, qwen3moe, phi3, gemma2 and gemma3"
 
 static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *code) {
     const char *s = NULL;
@@ -18,8 +19,8 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     KVC_TRY(gguf_get_string_opt(f, "general.architecture", &s, &len));
     if (!s) return kvc_fail(KVC_ERR_FORMAT, "GGUF: metadata general.architecture is missing" HINT);
     if (len >= cap || memchr(s, 0, len))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3 "
-                        "are)", (int)(len < 64 ? len : 64), s);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%.*s' is not supported (" ARCHS " are)",
+                        (int)(len < 64 ? len : 64), s);
     memcpy(arch, s, len);
     arch[len] = '\0';
     if (!strcmp(arch, "llama")) *code = KVC_ARCH_LLAMA; /* also Mistral and SmolLM conversions */
@@ -29,8 +30,8 @@ static kvc_status arch_of(const gguf_file *f, char *arch, size_t cap, int32_t *c
     else if (!strcmp(arch, "phi3")) *code = KVC_ARCH_PHI3;
     else if (!strcmp(arch, "gemma3")) *code = KVC_ARCH_GEMMA3;
     else if (!strcmp(arch, "gemma2")) *code = KVC_ARCH_GEMMA2;
-    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2 and "
-                         "gemma3 are)", arch);
+    else if (!strcmp(arch, "qwen3moe")) *code = KVC_ARCH_QWEN3_MOE;
+    else return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF architecture '%s' is not supported (" ARCHS " are)", arch);
     return KVC_OK;
 }
 
@@ -137,20 +138,60 @@ static kvc_status read_gemma(const gguf_file *f, const char *arch, kvc_config *c
     return KVC_OK;
 }
 
+/* Mixture of experts as llama.cpp runs its 'qwen3moe' and 'llama' (Mixtral) files: expert_count experts of
+ * expert_feed_forward_length (else feed_forward_length), expert_used_count per token, softmax gating with the chosen
+ * weights renormalised (expert_weights_norm, which llama.cpp's converter writes for neither: true for both). A layer
+ * with a router (blk.N.ffn_gate_inp.weight) is an MoE layer, one without a dense MLP. Shared experts, other gating
+ * functions and scaled expert weights are refused. Called once the layer count is read. */
+static kvc_status read_moe(const gguf_file *f, const char *arch, kvc_config *c, int32_t experts) {
+    if (c->arch != KVC_ARCH_LLAMA && c->arch != KVC_ARCH_QWEN3_MOE)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: mixture-of-experts '%s' models (%s.expert_count = %d) are not supported "
+                        "(qwen3moe and llama's Mixtral are)", arch, arch, experts);
+    if (c->arch == KVC_ARCH_LLAMA) c->arch = KVC_ARCH_MIXTRAL; /* llama.cpp's converter writes Mixtral as 'llama' */
+    int32_t shared = 0, gating = 1;
+    KVC_TRY(arch_int(f, arch, "expert_shared_count", 0, 0, &shared));
+    KVC_TRY(arch_int(f, arch, "expert_gating_func", 1, 0, &gating));
+    float scale = 0.0f;
+    KVC_TRY(arch_float(f, arch, "expert_weights_scale", &scale));
+    if (shared > 0) return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: shared experts (%s.expert_shared_count = %d) are not supported", arch, shared);
+    if (gating != 1)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: expert gating function %d is not supported (1, softmax, is)", gating);
+    if (scale != 0.0f && scale != 1.0f)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: scaled expert weights (%s.expert_weights_scale = %g) are not supported", arch, scale);
+    c->n_experts = experts;
+    KVC_TRY(arch_int(f, arch, "expert_used_count", 0, 1, &c->n_experts_used));
+    KVC_TRY(arch_int(f, arch, "expert_feed_forward_length", c->ffn, 0, &c->moe_ffn));
+    char key[128];
+    arch_key(key, sizeof key, arch, "expert_weights_norm");
+    int64_t norm = 1;
+    KVC_TRY(gguf_get_int_opt(f, key, &norm));
+    c->moe_norm_topk = norm != 0;
+    c->moe_step = 1;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        char name[64];
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", (int)l);
+        if (gguf_find_tensor(f, name)) continue;
+        if (l >= KVC_MOE_DENSE_LAYERS)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: layer %d has no router; dense layers past layer %d of an MoE model are "
+                            "not supported", l, KVC_MOE_DENSE_LAYERS - 1);
+        c->moe_dense[l / 32] |= 1u << (l % 32);
+    }
+    return KVC_OK;
+}
+
 static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_scale) {
     char arch[32];
     kvc_config_defaults(c);
     KVC_TRY(arch_of(f, arch, sizeof arch, &c->arch));
-    int32_t experts = 0;
-    KVC_TRY(arch_int(f, arch, "expert_count", 0, 0, &experts));
-    if (experts > 0)
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: mixture-of-experts models (%s.expert_count = %d) are not supported", arch, experts);
     KVC_TRY(arch_int(f, arch, "block_count", 0, 1, &c->n_layers));
     KVC_TRY(arch_int(f, arch, "embedding_length", 0, 1, &c->hidden));
     KVC_TRY(arch_int(f, arch, "attention.head_count", 0, 1, &c->n_heads));
     KVC_TRY(arch_int(f, arch, "attention.head_count_kv", c->n_heads, 0, &c->n_kv_heads));
     KVC_TRY(arch_int(f, arch, "feed_forward_length", 0, 1, &c->ffn));
     KVC_TRY(arch_int(f, arch, "context_length", 0, 0, &c->max_context));
+    int32_t experts = 0;
+    KVC_TRY(arch_int(f, arch, "expert_count", 0, 0, &experts));
+    if (experts > 0 && c->n_layers > 0 && c->n_layers <= 4096) KVC_TRY(read_moe(f, arch, c, experts));
     if (c->n_heads <= 0 || c->hidden <= 0)
         return kvc_fail(KVC_ERR_FORMAT, "GGUF: %s.attention.head_count = %d, %s.embedding_length = %d (must be positive)" HINT, arch,
                         c->n_heads, arch, c->hidden);
@@ -164,7 +205,8 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
     if (vlen != c->head_dim)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: key length %d != value length %d is not supported", c->head_dim, vlen);
     /* llama.cpp's converter permutes llama/mistral q/k rows to adjacent pairs; qwen2/qwen3/phi3 stay "neox" */
-    c->rope_pairing = c->arch == KVC_ARCH_LLAMA || c->arch == KVC_ARCH_MISTRAL ? KVC_ROPE_ADJACENT : KVC_ROPE_HALF;
+    c->rope_pairing = c->arch == KVC_ARCH_LLAMA || c->arch == KVC_ARCH_MISTRAL || c->arch == KVC_ARCH_MIXTRAL ? KVC_ROPE_ADJACENT
+                                                                                                           : KVC_ROPE_HALF;
     if (rot != c->head_dim && (c->rope_pairing != KVC_ROPE_HALF || rot < 2 || rot > c->head_dim || rot % 2))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: partial rotary embeddings (%s.rope.dimension_count %d of head_dim %d) are "
                         "supported in architectures with (i, i + d/2) pairs (qwen2, qwen3, phi3) and an even count", arch, rot, c->head_dim);
@@ -187,7 +229,7 @@ static kvc_status read_config(const gguf_file *f, kvc_config *c, float *linear_s
     KVC_TRY(arch_int(f, arch, "vocab_size", vocab, 0, &c->vocab));
     c->tied_embeddings = gguf_find_tensor(f, "output.weight") == NULL;
     c->qkv_bias = gguf_find_tensor(f, "blk.0.attn_q.bias") != NULL;
-    c->qk_norm = c->arch == KVC_ARCH_QWEN3;
+    c->qk_norm = c->arch == KVC_ARCH_QWEN3 || c->arch == KVC_ARCH_QWEN3_MOE;
     /* a window the file states applies to every layer (llama.cpp's key; its converters write it for mistral;
      * gemma2 and gemma3: read_gemma interleaves) */
     KVC_TRY(arch_int(f, arch, "attention.sliding_window", 0, 0, &c->sliding_window));
@@ -210,12 +252,22 @@ static kvc_status refuse_extra_tensors(const gguf_file *f, const kvc_config *c) 
     char name[64];
     for (size_t i = 0; i < n_extra; i++) {
         if (c->qk_norm && strstr(extra[i], "_norm.weight")) continue;                               /* qwen3's q/k norms */
+        if (c->n_experts > 0 && !strcmp(extra[i], "ffn_gate_inp.weight")) continue;                 /* an MoE router */
         const int qkv = !strcmp(extra[i], "attn_qkv.weight"), gate = !strcmp(extra[i], "ffn_gate.weight");
         if ((qkv && kvc_fused_proj(c)) || (gate && !kvc_fused_proj(c))) continue; /* fused (phi3) or separate: what it reads */
         snprintf(name, sizeof name, "blk.0.%s", extra[i]);
         if (gguf_find_tensor(f, name))
             return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' is not supported by this model architecture in kvpress_c", name);
     }
+    /* an MoE layer's shared expert and gating bias (other MoE families) */
+    static const char *moe_extra[] = {"ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight",
+                                      "ffn_gate_inp_shexp.weight", "exp_probs_b.bias"};
+    for (int32_t l = 0; c->n_experts > 0 && l < c->n_layers; l++)
+        for (size_t i = 0; i < sizeof moe_extra / sizeof moe_extra[0]; i++) {
+            snprintf(name, sizeof name, "blk.%d.%s", (int)l, moe_extra[i]);
+            if (gguf_find_tensor(f, name))
+                return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' (shared experts, gating bias) is not supported in kvpress_c", name);
+        }
     return KVC_OK;
 }
 
@@ -238,15 +290,20 @@ static kvc_status decode_rows(const kvc_src *s, int64_t r0, int64_t nr, float *d
 }
 
 /* Check tensor `name` against the logical shape [rows, cols] (ggml ne = [cols, rows]; a vector when
- * rows == 0) and its type, and describe it as a source of rows. */
-static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int64_t cols, kvc_src *out) {
+ * rows == 0; with x, a 3-D stack ne = [cols, rows, x->n] of which expert x->e's matrix) and its type, and
+ * describe it as a source of rows. */
+static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int64_t cols, const kvc_expert *x, kvc_src *out) {
     const gguf_tensor *t = gguf_find_tensor(f, name);
     if (!t)
         return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' is missing; the file may be corrupt, or from another architecture", name);
-    const int ok = rows == 0 ? (t->n_dims == 1 && t->ne[0] == cols) : (t->n_dims == 2 && t->ne[0] == cols && t->ne[1] == rows);
+    const int ok = x ? t->n_dims == 3 && t->ne[0] == cols && t->ne[1] == rows && t->ne[2] == x->n
+                 : rows == 0 ? (t->n_dims == 1 && t->ne[0] == cols) : (t->n_dims == 2 && t->ne[0] == cols && t->ne[1] == rows);
     if (!ok) {
         char found[96];
         shape_str(t, found, sizeof found);
+        if (x)
+            return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has shape %s, expected [%lld, %lld, %d] (ggml order: input dim "
+                            "first, then the experts) for this config" HINT, name, found, (long long)cols, (long long)rows, x->n);
         if (rows == 0)
             return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' has shape %s, expected [%lld] (ggml order) for this config" HINT, name,
                             found, (long long)cols);
@@ -260,18 +317,18 @@ static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int
                             "Q2_K..Q6_K): use a file with one of those types", name, ggml_type_name(t->type));
         return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: tensor '%s' has ggml type id %d, unknown to this version of kvpress_c", name, t->type);
     }
-    const int64_t r = rows == 0 ? 1 : rows;
+    const int64_t r = rows == 0 ? 1 : rows, n = x ? x->n : 1;
     size_t row_bytes = 0;
     kvc_status st = ggml_nbytes(t->type, cols, &row_bytes); /* rows are whole blocks (cols a multiple of the block) */
-    if (st != KVC_OK || row_bytes * (size_t)r != t->nbytes)
+    if (st != KVC_OK || row_bytes * (size_t)r * (size_t)n != t->nbytes)
         return kvc_fail(KVC_ERR_FORMAT, "GGUF: tensor '%s' (%s) does not split into %lld rows of %lld values" HINT, name,
-                        ggml_type_name(t->type), (long long)r, (long long)cols);
+                        ggml_type_name(t->type), (long long)(r * n), (long long)cols);
     memset(out, 0, sizeof *out);
     out->name = t->name;
     out->rows = r;
     out->cols = cols;
     out->decode = decode_rows;
-    out->data = t->data;
+    out->data = (const char *)t->data + (x ? (size_t)x->e * (size_t)r * row_bytes : 0);
     out->row_bytes = row_bytes;
     out->type = t->type;
     out->ggml_type = t->type;
@@ -279,19 +336,19 @@ static kvc_status source(const gguf_file *f, const char *name, int64_t rows, int
 }
 
 static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
-                      int64_t cols) {
+                      int64_t cols, const kvc_expert *x) {
     kvc_src src;
-    KVC_TRY(source(file, name, rows, cols, &src));
-    return kvc_model_put(m, role, layer, &src);
+    KVC_TRY(source(file, name, rows, cols, x, &src));
+    return kvc_model_put(m, role, layer, x ? x->e : -1, &src);
 }
 
 static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_scale) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden;
     KVC_TRY(refuse_extra_tensors(f, c));
-    KVC_TRY(put(f, m, KVC_W_TOK, 0, "token_embd.weight", c->vocab, D));
-    KVC_TRY(put(f, m, KVC_W_OUT_NORM, 0, "output_norm.weight", 0, D));
-    if (!c->tied_embeddings) KVC_TRY(put(f, m, KVC_W_LM_HEAD, 0, "output.weight", c->vocab, D));
+    KVC_TRY(put(f, m, KVC_W_TOK, 0, "token_embd.weight", c->vocab, D, NULL));
+    KVC_TRY(put(f, m, KVC_W_OUT_NORM, 0, "output_norm.weight", 0, D, NULL));
+    if (!c->tied_embeddings) KVC_TRY(put(f, m, KVC_W_LM_HEAD, 0, "output.weight", c->vocab, D, NULL));
     KVC_TRY(kvc_model_put_layers(m, 0, put, f));
     const int32_t half = c->head_dim / 2;
     if (c->rope_long_context > 0) { /* LongRoPE's factors, one per turned pair */
@@ -299,9 +356,9 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
         if (!sf || !lf) return KVC_ERR_NOMEM;
         const int32_t n = (c->rope_dim > 0 ? c->rope_dim : c->head_dim) / 2;
         kvc_src src;
-        KVC_TRY(source(f, "rope_factors_short.weight", 0, n, &src));
+        KVC_TRY(source(f, "rope_factors_short.weight", 0, n, NULL, &src));
         KVC_TRY(src.decode(&src, 0, 1, sf));
-        KVC_TRY(source(f, "rope_factors_long.weight", 0, n, &src));
+        KVC_TRY(source(f, "rope_factors_long.weight", 0, n, NULL, &src));
         KVC_TRY(src.decode(&src, 0, 1, lf));
         if (gguf_find_tensor(f, "rope_freqs.weight") || linear_scale != 1.0f)
             return kvc_fail(KVC_ERR_UNSUPPORTED, "GGUF: LongRoPE with rope_freqs.weight or linear scaling is not supported");
@@ -315,7 +372,7 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
         if (!factors) return KVC_ERR_NOMEM;
         if (has_freqs) {
             kvc_src src;
-            KVC_TRY(source(f, "rope_freqs.weight", 0, half, &src));
+            KVC_TRY(source(f, "rope_freqs.weight", 0, half, NULL, &src));
             KVC_TRY(src.decode(&src, 0, 1, factors));
         } else {
             for (int32_t i = 0; i < half; i++) factors[i] = 1.0f;
@@ -325,8 +382,8 @@ static kvc_status load_weights(const gguf_file *f, kvc_model *m, float linear_sc
     return KVC_OK;
 }
 
-static kvc_status describe(const void *file, const char *name, int64_t rows, int64_t cols, kvc_src *out) {
-    return source(file, name, rows, cols, out);
+static kvc_status describe(const void *file, const char *name, int64_t rows, int64_t cols, const kvc_expert *x, kvc_src *out) {
+    return source(file, name, rows, cols, x, out);
 }
 
 kvc_status kvc_load_gguf(const char *path, const kvc_backend *be, int32_t weights, kvc_model **out) {

@@ -217,7 +217,7 @@ static kvc_status read_rope(const cfg_reader *r, kvc_config *c, longrope *lr) {
     const json_value *full = json_get(rope, "full_attention");
     if (full && full->kind == JSON_OBJECT && !json_get(rope, "rope_type") && !json_get(rope, "type")) rope = full;
 
-    const double def_theta = c->arch == KVC_ARCH_GEMMA3 ? 1e6 : 10000.0; /* transformers' Gemma 3: 1e6 global */
+    const double def_theta = c->arch == KVC_ARCH_GEMMA3 || c->arch == KVC_ARCH_MIXTRAL ? 1e6 : 10000.0; /* transformers' defaults */
     double theta = def_theta; /* get_num writes it; set here so the compiler sees it set */
     lr->linear = 0;
     KVC_TRY(get_num(r, r->j, "rope_theta", 0, def_theta, 1.0, 1, 1e30, "a number > 1", &theta));
@@ -284,7 +284,7 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
     KVC_TRY(get_int(r, j, "sliding_window", 0, 4096, 1, INT32_MAX, &window));
     if (c->arch == KVC_ARCH_LLAMA) return KVC_OK; /* transformers' llama has no window */
     if (w && w->kind == JSON_NULL) return KVC_OK; /* null: no window */
-    if (c->arch == KVC_ARCH_PHI3) { /* phi3: every layer, when the key is there (transformers' default: none) */
+    if (c->arch == KVC_ARCH_PHI3 || c->arch == KVC_ARCH_MIXTRAL) { /* every layer, when the key is there (default: none) */
         c->sliding_window = w ? window : 0;
         return KVC_OK;
     }
@@ -295,6 +295,10 @@ static kvc_status read_sliding_window(const cfg_reader *r, kvc_config *c) {
     int use = 0;
     KVC_TRY(get_bool(r, j, "use_sliding_window", 0, &use));
     if (!use) return KVC_OK;
+    if (c->arch == KVC_ARCH_QWEN3_MOE) { /* Qwen3MoeConfig: every layer (no max_window_layers) */
+        c->sliding_window = window;
+        return KVC_OK;
+    }
     int32_t first = 28;
     KVC_TRY(get_int(r, j, "max_window_layers", 0, 28, 0, INT32_MAX, &first));
     const json_value *types = json_get(j, "layer_types");
@@ -407,6 +411,46 @@ static kvc_status read_gemma(const cfg_reader *r, kvc_config *c) {
     return read_gemma_layers(r, c);
 }
 
+/* Mixture of experts as transformers reads it. qwen3_moe: num_experts (num_local_experts, what transformers 5 writes
+ * through its attribute map, wins), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, decoder_sparse_step
+ * and mlp_only_layers (those layers' MLPs dense, of intermediate_size), with Qwen3MoeConfig's defaults 128, 8, 768,
+ * false, 1 and none; 0 experts: every MLP dense. mixtral: num_local_experts (8) experts of intermediate_size,
+ * num_experts_per_tok (2), the chosen weights always renormalised (a softmax over the top-k logits). */
+static kvc_status read_moe(const cfg_reader *r, kvc_config *c) {
+    const json_value *j = r->j;
+    c->moe_step = 1;
+    if (c->arch == KVC_ARCH_MIXTRAL) {
+        KVC_TRY(get_int(r, j, "num_local_experts", 0, 8, 1, 4096, &c->n_experts));
+        KVC_TRY(get_int(r, j, "num_experts_per_tok", 0, 2, 1, c->n_experts, &c->n_experts_used));
+        c->moe_ffn = c->ffn;
+        c->moe_norm_topk = 1;
+        return KVC_OK;
+    }
+    int32_t n = 128;
+    KVC_TRY(get_int(r, j, "num_experts", 0, 128, 0, 4096, &n));
+    KVC_TRY(get_int(r, j, "num_local_experts", 0, n, 0, 4096, &n));
+    if (n == 0) return KVC_OK;
+    c->n_experts = n;
+    KVC_TRY(get_int(r, j, "num_experts_per_tok", 0, 8, 1, n, &c->n_experts_used));
+    KVC_TRY(get_int(r, j, "moe_intermediate_size", 0, 768, 1, 1 << 20, &c->moe_ffn));
+    KVC_TRY(get_bool(r, j, "norm_topk_prob", 0, &c->moe_norm_topk));
+    KVC_TRY(get_int(r, j, "decoder_sparse_step", 0, 1, 1, INT32_MAX, &c->moe_step));
+    const json_value *dense = json_get(j, "mlp_only_layers");
+    if (!dense || dense->kind == JSON_NULL) return KVC_OK;
+    if (dense->kind != JSON_ARRAY) return bad(r, "mlp_only_layers", dense, "a list of layer indices");
+    for (size_t i = 0; i < dense->n; i++) {
+        const json_value *e = &dense->items[i];
+        if (e->kind != JSON_NUMBER || e->number != floor(e->number)) return bad(r, "mlp_only_layers", e, "a layer index");
+        if (e->number < 0 || e->number >= c->n_layers) continue; /* no layer has it: transformers never asks */
+        const int32_t l = (int32_t)e->number;
+        if (l >= KVC_MOE_DENSE_LAYERS)
+            return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: mlp_only_layers lists layer %d; dense layers past layer %d are not "
+                            "supported", r->path, l, KVC_MOE_DENSE_LAYERS - 1);
+        c->moe_dense[l / 32] |= 1u << (l % 32);
+    }
+    return KVC_OK;
+}
+
 /* `tied` is set to -1 when config.json does not say (decided from the weights later). */
 static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) {
     kvc_config_defaults(c);
@@ -425,13 +469,15 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     else if (!strcmp(mt->string, "phi3")) c->arch = KVC_ARCH_PHI3; /* Phi-3, Phi-3.5, Phi-4-mini */
     else if (!strcmp(mt->string, "gemma3_text")) c->arch = KVC_ARCH_GEMMA3; /* Gemma3ForCausalLM */
     else if (!strcmp(mt->string, "gemma2")) c->arch = KVC_ARCH_GEMMA2;      /* Gemma2ForCausalLM */
+    else if (!strcmp(mt->string, "qwen3_moe")) c->arch = KVC_ARCH_QWEN3_MOE;
+    else if (!strcmp(mt->string, "mixtral")) c->arch = KVC_ARCH_MIXTRAL;
     else
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, qwen2, qwen3, phi3, gemma2, "
-                        "gemma3_text and gemma3's text model are)", r->path, mt->string);
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "%s: model_type '%.60s' is not supported (llama, mistral, mixtral, qwen2, qwen3, "
+                        "qwen3_moe, phi3, gemma2, gemma3_text and gemma3's text model are)", r->path, mt->string);
     const int gemma = c->arch == KVC_ARCH_GEMMA2 || c->arch == KVC_ARCH_GEMMA3;
     c->rope_pairing = KVC_ROPE_HALF; /* HF checkpoints rotate (i, i + d/2) pairs */
     c->qkv_bias = c->arch == KVC_ARCH_QWEN2;
-    c->qk_norm = c->arch == KVC_ARCH_QWEN3;
+    c->qk_norm = c->arch == KVC_ARCH_QWEN3 || c->arch == KVC_ARCH_QWEN3_MOE;
 
     /* features that would change the computation and that the engine does not have */
     const json_value *act = json_get(j, "hidden_act");
@@ -466,7 +512,7 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     /* informational (and llama3's default original context); transformers' per-model defaults */
     const int64_t def_ctx = c->arch == KVC_ARCH_LLAMA ? 2048 : c->arch == KVC_ARCH_PHI3 ? 4096 : c->arch == KVC_ARCH_GEMMA3 ? 131072
                           : c->arch == KVC_ARCH_GEMMA2 ? 8192
-                          : c->arch == KVC_ARCH_MISTRAL ? 4096 * 32 : 32768;
+                          : c->arch == KVC_ARCH_MISTRAL || c->arch == KVC_ARCH_MIXTRAL ? 4096 * 32 : 32768;
     KVC_TRY(get_int(r, j, "max_position_embeddings", 0, def_ctx, 1, INT32_MAX, &c->max_context));
     double eps;
     KVC_TRY(get_num(r, j, "rms_norm_eps", 0, 1e-6, 0.0, 1, 0.5, "a number in (0, 0.5]", &eps));
@@ -475,6 +521,7 @@ static kvc_status read_config(const cfg_reader *r, kvc_config *c, longrope *lr) 
     KVC_TRY(read_rope(r, c, lr));
 
     KVC_TRY(gemma ? read_gemma(r, c) : read_sliding_window(r, c));
+    if (c->arch == KVC_ARCH_QWEN3_MOE || c->arch == KVC_ARCH_MIXTRAL) KVC_TRY(read_moe(r, c));
 
     /* Tied output: transformers' llama/mistral/qwen2 configs default to untied. We follow an explicit
      * true/false; when the key is absent, the weights decide (no lm_head.weight -> tied) instead of
@@ -671,12 +718,22 @@ static kvc_status decode_rows(const kvc_src *s, int64_t r0, int64_t nr, float *d
     return st_range_to_f32((const st_tensor *)s->ctx, r0 * s->cols, nr * s->cols, dst);
 }
 
-/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) as a source of rows. */
-static kvc_status tensor_source(const void *file, const char *name, int64_t rows, int64_t cols, kvc_src *out) {
+/* Tensor `name` of shape [rows, cols] (or [cols] when rows == 0) as a source of rows (an expert's: its own tensor, the
+ * name holds its index). */
+static kvc_status tensor_source(const void *file, const char *name, int64_t rows, int64_t cols, const kvc_expert *x,
+                                kvc_src *out) {
     const weights *w = file;
     kvc_status st;
     const st_tensor *t = find(w, name, &st);
     if (st != KVC_OK) return st;
+    const char *experts = x ? strstr(name, "experts.") : NULL;
+    if (!t && experts) { /* transformers 5 keeps a layer's experts as 3-D tensors in memory; its files have one per expert */
+        char fused[256];
+        snprintf(fused, sizeof fused, "%.*sgate_up_proj", (int)(experts - name) + 8, name);
+        if (find(w, fused, &st) || st != KVC_OK)
+            return st != KVC_OK ? st : kvc_fail(KVC_ERR_UNSUPPORTED, "tensor '%s': fused 3-D expert tensors are not supported "
+                                               "(save the model with save_pretrained, which writes one tensor per expert)", fused);
+    }
     if (!t) {
         if (w->weight_map) return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is missing from %s", name, w->index_path);
         return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is missing from the safetensors files in '%s'", name, w->dir);
@@ -708,24 +765,24 @@ static kvc_status tensor_source(const void *file, const char *name, int64_t rows
 
 /* Tensor `name` streamed into the weight of `role`. */
 static kvc_status put(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name, int64_t rows,
-                      int64_t cols) {
+                      int64_t cols, const kvc_expert *x) {
     kvc_src src;
-    KVC_TRY(tensor_source(file, name, rows, cols, &src));
-    return kvc_model_put(m, role, layer, &src);
+    KVC_TRY(tensor_source(file, name, rows, cols, x, &src));
+    return kvc_model_put(m, role, layer, x ? x->e : -1, &src);
 }
 
 static kvc_status load_weights(const weights *w, kvc_model *m) {
     const kvc_config *c = &m->cfg;
     const int64_t D = c->hidden, V = c->vocab;
-    KVC_TRY(put(w, m, KVC_W_TOK, 0, "model.embed_tokens.weight", V, D));
-    KVC_TRY(put(w, m, KVC_W_OUT_NORM, 0, "model.norm.weight", 0, D));
+    KVC_TRY(put(w, m, KVC_W_TOK, 0, "model.embed_tokens.weight", V, D, NULL));
+    KVC_TRY(put(w, m, KVC_W_OUT_NORM, 0, "model.norm.weight", 0, D, NULL));
     if (!c->tied_embeddings) {
         kvc_status st;
         if (!find(w, "lm_head.weight", &st) && st == KVC_OK)
             return kvc_fail(KVC_ERR_FORMAT, "tensor 'lm_head.weight' is missing although config.json sets "
                             "tie_word_embeddings = false");
         KVC_TRY(st);
-        KVC_TRY(put(w, m, KVC_W_LM_HEAD, 0, "lm_head.weight", V, D));
+        KVC_TRY(put(w, m, KVC_W_LM_HEAD, 0, "lm_head.weight", V, D, NULL));
     }
     return kvc_model_put_layers(m, 1, put, w);
 }

@@ -26,7 +26,7 @@ void kvc_config_defaults(kvc_config *c) {
 static kvc_status check_config(const kvc_config *c) {
 #define REQUIRE(cond, ...) \
     if (!(cond)) return kvc_fail(KVC_ERR_FORMAT, "invalid model config: " __VA_ARGS__)
-    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_GEMMA2, "unknown architecture %d", c->arch);
+    REQUIRE(c->arch >= KVC_ARCH_LLAMA && c->arch <= KVC_ARCH_MIXTRAL, "unknown architecture %d", c->arch);
     REQUIRE(c->n_layers > 0 && c->n_layers <= 4096, "n_layers = %d", c->n_layers);
     REQUIRE(c->hidden > 0 && c->hidden <= 65536, "hidden size = %d", c->hidden);
     REQUIRE(c->n_heads > 0 && c->n_heads <= 1024, "n_heads = %d", c->n_heads);
@@ -66,6 +66,17 @@ static kvc_status check_config(const kvc_config *c) {
     REQUIRE(c->post_norms == 0 || c->post_norms == 1, "post_norms = %d", c->post_norms);
     REQUIRE(isfinite(c->attn_softcap) && c->attn_softcap >= 0, "attention soft-capping = %g", c->attn_softcap);
     REQUIRE(isfinite(c->logit_softcap) && c->logit_softcap >= 0, "final logit soft-capping = %g", c->logit_softcap);
+    REQUIRE(c->n_experts >= 0 && c->n_experts <= 4096, "n_experts = %d", c->n_experts);
+    if (c->n_experts > 0) {
+        REQUIRE(c->n_experts_used >= 1 && c->n_experts_used <= c->n_experts, "experts per token = %d (of %d)",
+                c->n_experts_used, c->n_experts);
+        REQUIRE(c->moe_ffn > 0 && c->moe_ffn <= 1 << 20, "expert intermediate size = %d", c->moe_ffn);
+        REQUIRE(c->moe_norm_topk == 0 || c->moe_norm_topk == 1, "moe_norm_topk = %d", c->moe_norm_topk);
+        REQUIRE(c->moe_step >= 1, "MoE layer step = %d", c->moe_step);
+        REQUIRE(c->mlp_act == KVC_MLP_SILU && !c->post_norms, "experts are SwiGLU MLPs without output norms");
+    }
+    for (int32_t l = c->n_layers; l < KVC_MOE_DENSE_LAYERS; l++)
+        REQUIRE(!(c->moe_dense[l / 32] >> (l % 32) & 1u), "dense-MLP layer %d of %d", l, c->n_layers);
 #undef REQUIRE
     /* the one limit the kernels' parameter blocks set (KV heads per layer), checked here for every device */
     if (c->n_kv_heads > KVC_MAX_KV_HEADS)
@@ -123,6 +134,11 @@ kvc_status kvc_require_every_layer_pressed(const kvc_config *c, const char *what
 float kvc_attn_scale(const kvc_config *c) { return c->attn_scale > 0 ? c->attn_scale : 1.0f / sqrtf((float)c->head_dim); }
 
 int kvc_fused_proj(const kvc_config *c) { return c->arch == KVC_ARCH_PHI3; }
+
+int kvc_layer_moe(const kvc_config *c, int32_t l) {
+    if (c->n_experts <= 0 || (l + 1) % c->moe_step) return 0;
+    return l >= KVC_MOE_DENSE_LAYERS || !(c->moe_dense[l / 32] >> (l % 32) & 1u);
+}
 
 /* Partial rotary: the rows of q and k heads are permuted at load (model.h). */
 static int permutes(const kvc_config *c, kvc_weight_role role) {
@@ -195,7 +211,7 @@ static kvc_status place(const plan *p, const kvc_weight_role *roles, int n, int3
             snprintf(name, sizeof name, "%s", role_name(&m->cfg, roles[i], p->hf));
         /* planning only: a tensor the file lacks or gets wrong is reported when it is loaded */
         const int known = p->weights == KVC_WEIGHTS_NATIVE && p->describe &&
-                          p->describe(p->file, name, rows[i], cols, &src[i]) == KVC_OK;
+                          p->describe(p->file, name, rows[i], cols, NULL, &src[i]) == KVC_OK;
         dt[i] = part_dtype(p, known ? &src[i] : NULL);
         at[i] = known && !permutes(&m->cfg, roles[i]) && maps(p, dt[i], &src[i]) ? src[i].data : NULL;
         m->n_native += kvc_dtype_is_wtype(dt[i]);
@@ -237,6 +253,76 @@ static kvc_status place1(const plan *p, kvc_weight_role role, int32_t layer, int
     KVC_TRY(place(p, &role, 1, layer, &rows, cols, what, &g));
     *v = g.whole;
     return KVC_OK;
+}
+
+/* ---- an MoE layer's experts ----
+ * Each expert role (gate, up, down) is a stack of E matrices of [rows, cols]. A stack is one buffer with a view per
+ * expert: used in place when the file holds the stack as one tensor the backend can wrap (GGUF's 3-D tensors;
+ * Hugging Face files keep each expert apart, so theirs are copied), else copied. A copied stack of a dtype the
+ * backend rearranges at upload (wrap_keeps_layout 0: the CPU's interleaved GEMV layout, whose matrices the matmul
+ * takes whole) is one buffer per expert instead. Gate and up share one buffer, each expert's gate rows then its up
+ * rows (one GEMM per expert, as the dense gate|up), when they are copied and of one dtype. */
+
+static const kvc_layer_tensor *layer_tensor(kvc_weight_role role);
+
+/* The dtype a stack is held in and, when it is used in place, the file's bytes of its first expert. */
+static void plan_stack(const plan *p, kvc_weight_role role, int32_t l, int64_t rows, int64_t cols, int32_t *dt,
+                       const void **at) {
+    kvc_model *m = p->m;
+    const kvc_expert x0 = {0, m->cfg.n_experts};
+    char name[200];
+    kvc_src s;
+    kvc_layer_tensor_path(&m->cfg, layer_tensor(role), p->hf, l, &x0, name, sizeof name);
+    const int known = p->weights == KVC_WEIGHTS_NATIVE && p->describe && p->describe(p->file, name, rows, cols, &x0, &s) == KVC_OK;
+    *dt = part_dtype(p, known ? &s : NULL);
+    *at = known && !p->hf && maps(p, *dt, &s) ? s.data : NULL;
+    if (kvc_dtype_is_wtype(*dt)) m->n_native += p->hf ? m->cfg.n_experts : 1; /* tensors of the file */
+}
+
+/* views[e] = expert e's [rows, cols] of a stack in dtype dt (at: the file's bytes it is used in place over). */
+static kvc_status own_stack(const plan *p, int32_t dt, const void *at, int64_t rows, int64_t cols, const char *what,
+                            kvc_view *views) {
+    const kvc_backend *be = p->m->be;
+    const int32_t E = p->m->cfg.n_experts;
+    if (!at && be->wrap_keeps_layout && !be->wrap_keeps_layout(dt)) {
+        for (int32_t e = 0; e < E; e++) KVC_TRY(own(p->m, dt, rows * cols, cols, NULL, what, &views[e]));
+        return KVC_OK;
+    }
+    kvc_view whole;
+    KVC_TRY(own(p->m, dt, (int64_t)E * rows * cols, cols, at, what, &whole));
+    for (int32_t e = 0; e < E; e++) views[e] = kvc_view_at(whole, (int64_t)e * rows, 0);
+    return KVC_OK;
+}
+
+static kvc_status place_experts(const plan *p, int32_t l, kvc_layer_weights *L) {
+    const kvc_config *c = &p->m->cfg;
+    const int32_t E = c->n_experts;
+    const int64_t D = c->hidden, Fe = c->moe_ffn;
+    int32_t dg, du, dd;
+    const void *ag, *au, *ad;
+    if (!(L->exp_gu = calloc((size_t)E, sizeof *L->exp_gu)) || !(L->exp_down = calloc((size_t)E, sizeof *L->exp_down)))
+        return kvc_fail(KVC_ERR_NOMEM, "out of memory: expert table");
+    KVC_TRY(place1(p, KVC_W_ROUTER, l, E, D, "router", &L->router));
+    plan_stack(p, KVC_W_GATE_EXP, l, Fe, D, &dg, &ag);
+    plan_stack(p, KVC_W_UP_EXP, l, Fe, D, &du, &au);
+    plan_stack(p, KVC_W_DOWN_EXP, l, D, Fe, &dd, &ad);
+    kvc_view *v = malloc(sizeof *v * 2 * (size_t)E);
+    if (!v) return kvc_fail(KVC_ERR_NOMEM, "out of memory: expert table");
+    kvc_status st = KVC_OK;
+    const int fused = dg == du && !ag && !au;
+    if (fused) st = own_stack(p, dg, NULL, 2 * Fe, D, "expert gate|up weights", v);
+    else if ((st = own_stack(p, dg, ag, Fe, D, "expert gate weights", v)) == KVC_OK)
+        st = own_stack(p, du, au, Fe, D, "expert up weights", v + E);
+    for (int32_t e = 0; e < E && st == KVC_OK; e++) {
+        kvc_wgroup *g = &L->exp_gu[e];
+        g->n = 2;
+        g->rows[0] = g->rows[1] = Fe;
+        g->whole = fused ? v[e] : (kvc_view){0};
+        g->part[0] = v[e];
+        g->part[1] = fused ? kvc_view_at(v[e], Fe, 0) : v[E + e];
+    }
+    free(v);
+    return st == KVC_OK ? own_stack(p, dd, ad, D, Fe, "expert down weights", L->exp_down) : st;
 }
 
 kvc_status kvc_wgroup_matmul(const kvc_backend *be, kvc_view a, const kvc_wgroup *g, kvc_view c, int64_t m, int64_t k) {
@@ -298,10 +384,13 @@ kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const cha
         if (st == KVC_OK && cfg->qk_norm) st = own(m, KVC_F32, cfg->head_dim, cfg->head_dim, NULL, "k norm", &L->k_norm);
         if (st == KVC_OK) st = place1(&p, KVC_W_O, l, D, qd, "o weights", &L->wo);
         if (st == KVC_OK) st = own(m, KVC_F32, D, D, NULL, "MLP norm", &L->ffn_norm);
-        if (st == KVC_OK)
+        if (st == KVC_OK && kvc_layer_moe(cfg, l)) {
+            st = place_experts(&p, l, L);
+        } else if (st == KVC_OK) {
             st = kvc_fused_proj(cfg) ? place_fused(&p, KVC_W_GU, l, gu_rows, 2, D, "gate|up weights", &L->gu)
                                      : place(&p, R_GU, 2, l, gu_rows, D, "gate|up weights", &L->gu);
-        if (st == KVC_OK) st = place1(&p, KVC_W_DOWN, l, D, F, "down weights", &L->wdown);
+            if (st == KVC_OK) st = place1(&p, KVC_W_DOWN, l, D, F, "down weights", &L->wdown);
+        }
         if (st == KVC_OK && cfg->post_norms) st = own(m, KVC_F32, D, D, NULL, "attention output norm", &L->post_attn_norm);
         if (st == KVC_OK && cfg->post_norms) st = own(m, KVC_F32, D, D, NULL, "MLP output norm", &L->post_ffn_norm);
     }
@@ -343,11 +432,41 @@ const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS] = {
     {KVC_W_GU, "ffn_up.weight", "mlp.gate_up_proj.weight"}, /* llama.cpp's phi3 keeps gate|up fused as ffn_up */
     {KVC_W_POST_ATTN_NORM, "post_attention_norm.weight", "post_attention_layernorm.weight"},
     {KVC_W_POST_FFN_NORM, "post_ffw_norm.weight", "post_feedforward_layernorm.weight"},
+    /* GGUF keeps each expert role as one 3-D tensor [E, rows, cols] (ggml order reversed) */
+    {KVC_W_ROUTER, "ffn_gate_inp.weight", "mlp.gate.weight"},
+    {KVC_W_GATE_EXP, "ffn_gate_exps.weight", "mlp.experts.%d.gate_proj.weight"},
+    {KVC_W_UP_EXP, "ffn_up_exps.weight", "mlp.experts.%d.up_proj.weight"},
+    {KVC_W_DOWN_EXP, "ffn_down_exps.weight", "mlp.experts.%d.down_proj.weight"},
 };
 
 const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf) {
     if (hf && c->post_norms && t->role == KVC_W_FFN_NORM) return "pre_feedforward_layernorm.weight";
+    if (hf && c->arch == KVC_ARCH_MIXTRAL)
+        switch (t->role) {
+        case KVC_W_ROUTER: return "block_sparse_moe.gate.weight";
+        case KVC_W_GATE_EXP: return "block_sparse_moe.experts.%d.w1.weight";
+        case KVC_W_UP_EXP: return "block_sparse_moe.experts.%d.w3.weight";
+        case KVC_W_DOWN_EXP: return "block_sparse_moe.experts.%d.w2.weight";
+        default: break;
+        }
     return hf ? t->hf : t->gguf;
+}
+
+static int expert_role(kvc_weight_role r) { return r == KVC_W_GATE_EXP || r == KVC_W_UP_EXP || r == KVC_W_DOWN_EXP; }
+
+void kvc_layer_tensor_path(const kvc_config *c, const kvc_layer_tensor *t, int hf, int32_t l, const kvc_expert *x,
+                           char *buf, size_t cap) {
+    char tail[128];
+    const char *fmt = kvc_layer_tensor_name(c, t, hf);
+    if (hf && expert_role(t->role)) snprintf(tail, sizeof tail, fmt, x ? (int)x->e : 0);
+    else snprintf(tail, sizeof tail, "%s", fmt);
+    snprintf(buf, cap, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)l, tail);
+}
+
+static const kvc_layer_tensor *layer_tensor(kvc_weight_role role) {
+    for (int i = 0; i < KVC_LAYER_TENSORS; i++)
+        if (kvc_layer_tensors[i].role == role) return &kvc_layer_tensors[i];
+    return &kvc_layer_tensors[0]; /* not reached: every per-layer role has a row */
 }
 
 /* The shape of a role's tensor the config implies: [rows, cols], rows 0 for a vector. */
@@ -371,6 +490,9 @@ static void shape(const kvc_model *m, kvc_weight_role role, int64_t *rows, int64
     case KVC_W_Q_NORM: case KVC_W_K_NORM: *cols = c->head_dim; break;
     case KVC_W_QKV: *rows = qd + 2 * kd; *cols = D; break;
     case KVC_W_GU: *rows = 2 * F; *cols = D; break;
+    case KVC_W_ROUTER: *rows = c->n_experts; *cols = D; break;
+    case KVC_W_GATE_EXP: case KVC_W_UP_EXP: *rows = c->moe_ffn; *cols = D; break;
+    case KVC_W_DOWN_EXP: *rows = D; *cols = c->moe_ffn; break;
     }
 }
 
@@ -384,33 +506,43 @@ static const char *role_name(const kvc_config *c, kvc_weight_role role, int hf) 
 }
 
 kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void *file) {
-    char name[128];
-    for (int32_t l = 0; l < m->cfg.n_layers; l++)
+    char name[200];
+    const kvc_config *c = &m->cfg;
+    for (int32_t l = 0; l < c->n_layers; l++)
         for (int i = 0; i < KVC_LAYER_TENSORS; i++) {
             const kvc_layer_tensor *t = &kvc_layer_tensors[i];
-            if ((t->role == KVC_W_BQ || t->role == KVC_W_BK || t->role == KVC_W_BV) && !m->cfg.qkv_bias) continue;
-            if ((t->role == KVC_W_Q_NORM || t->role == KVC_W_K_NORM) && !m->cfg.qk_norm) continue;
-            if ((t->role == KVC_W_POST_ATTN_NORM || t->role == KVC_W_POST_FFN_NORM) && !m->cfg.post_norms) continue;
+            if ((t->role == KVC_W_BQ || t->role == KVC_W_BK || t->role == KVC_W_BV) && !c->qkv_bias) continue;
+            if ((t->role == KVC_W_Q_NORM || t->role == KVC_W_K_NORM) && !c->qk_norm) continue;
+            if ((t->role == KVC_W_POST_ATTN_NORM || t->role == KVC_W_POST_FFN_NORM) && !c->post_norms) continue;
             const int fused_role = t->role == KVC_W_QKV || t->role == KVC_W_GU;
             const int part_role = t->role == KVC_W_Q || t->role == KVC_W_K || t->role == KVC_W_V || t->role == KVC_W_GATE ||
                                   t->role == KVC_W_UP;
-            if (kvc_fused_proj(&m->cfg) ? part_role : fused_role) continue;
+            if (kvc_fused_proj(c) ? part_role : fused_role) continue;
+            const int dense_mlp = t->role == KVC_W_GATE || t->role == KVC_W_UP || t->role == KVC_W_DOWN || t->role == KVC_W_GU;
+            const int moe_role = t->role == KVC_W_ROUTER || expert_role(t->role);
+            if (kvc_layer_moe(c, l) ? dense_mlp : moe_role) continue;
             int64_t rows, cols;
             shape(m, t->role, &rows, &cols);
-            snprintf(name, sizeof name, hf ? "model.layers.%d.%s" : "blk.%d.%s", (int)l, kvc_layer_tensor_name(&m->cfg, t, hf));
-            KVC_TRY(put(file, m, t->role, l, name, rows, cols));
+            for (int32_t e = 0; e < (expert_role(t->role) ? c->n_experts : 1); e++) {
+                const kvc_expert x = {e, c->n_experts};
+                kvc_layer_tensor_path(c, t, hf, l, &x, name, sizeof name);
+                KVC_TRY(put(file, m, t->role, l, name, rows, cols, expert_role(t->role) ? &x : NULL));
+            }
         }
     return KVC_OK;
 }
 
-/* The view a role's tensor goes to, and its logical shape (a vector: one row). */
-static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, kvc_view *v, int64_t *rows, int64_t *cols) {
+/* The view a role's tensor goes to (an expert role: expert `expert`'s), and its logical shape (a vector: one row). */
+static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer, int32_t expert, kvc_view *v, int64_t *rows,
+                         int64_t *cols) {
     const kvc_config *c = &m->cfg;
     const int64_t qd = (int64_t)c->n_heads * c->head_dim, kd = (int64_t)c->n_kv_heads * c->head_dim;
-    if (role < KVC_W_TOK || role > KVC_W_POST_FFN_NORM) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
+    if (role < KVC_W_TOK || role > KVC_W_DOWN_EXP) return kvc_fail(KVC_ERR_INTERNAL, "unknown weight role %d", (int)role);
     if (role >= KVC_W_ATTN_NORM && (layer < 0 || layer >= c->n_layers))
         return kvc_fail(KVC_ERR_INTERNAL, "weight of layer %d outside [0, %d)", layer, c->n_layers);
     const kvc_layer_weights *L = role >= KVC_W_ATTN_NORM ? &m->layers[layer] : NULL;
+    if (expert_role(role) != (expert >= 0) || expert >= c->n_experts || (expert >= 0 && !L->exp_gu))
+        return kvc_fail(KVC_ERR_INTERNAL, "weight role %d of expert %d in layer %d", (int)role, expert, layer);
     switch (role) {
     case KVC_W_TOK: *v = m->tok_embd; break;
     case KVC_W_OUT_NORM: *v = m->out_norm; break;
@@ -433,6 +565,10 @@ static kvc_status target(const kvc_model *m, kvc_weight_role role, int32_t layer
     case KVC_W_GU: *v = L->gu.whole; break;
     case KVC_W_POST_ATTN_NORM: *v = L->post_attn_norm; break;
     case KVC_W_POST_FFN_NORM: *v = L->post_ffn_norm; break;
+    case KVC_W_ROUTER: *v = L->router; break;
+    case KVC_W_GATE_EXP: *v = L->exp_gu[expert].part[0]; break;
+    case KVC_W_UP_EXP: *v = L->exp_gu[expert].part[1]; break;
+    case KVC_W_DOWN_EXP: *v = L->exp_down[expert]; break;
     }
     if (!v->buf) return kvc_fail(KVC_ERR_INTERNAL, "weight role %d has no buffer in this model", (int)role);
     shape(m, role, rows, cols);
@@ -461,16 +597,19 @@ static const kvc_model_buf *model_buf(const kvc_model *m, const kvc_buf *b) {
     return NULL;
 }
 
-kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src) {
+kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, int32_t expert, const kvc_src *src) {
     kvc_view v = {0};
     int64_t rows = 0, cols = 0;
-    KVC_TRY(target(m, role, layer, &v, &rows, &cols));
+    KVC_TRY(target(m, role, layer, expert, &v, &rows, &cols));
     if (src->rows != rows || src->cols != cols)
         return kvc_fail(KVC_ERR_FORMAT, "tensor '%s' is [%lld, %lld], the config implies [%lld, %lld]", src->name,
                         (long long)src->rows, (long long)src->cols, (long long)rows, (long long)cols);
     const kvc_model_buf *mb = model_buf(m, v.buf);
     const int32_t dtype = mb ? mb->dtype : -1;
     const int native = kvc_dtype_is_wtype(dtype);
+    if (native && expert > 0 && src->ggml_type != dtype - KVC_WTYPE_BASE) /* planned from expert 0 */
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "tensor '%s' has another type than expert 0's: the experts of a layer must "
+                        "share one type to be held in it (load with weights=\"fp32\")", src->name);
     if (native && (src->ggml_type != dtype - KVC_WTYPE_BASE || !src->data))
         return kvc_fail(KVC_ERR_INTERNAL, "tensor '%s': its type changed between planning and loading", src->name);
     /* a mapped weight is the file's bytes already: only checked below */
@@ -617,6 +756,10 @@ void kvc_model_free(kvc_model *m) {
     for (size_t i = 0; i < m->n_bufs; i++) m->be->free(m->bufs[i].buf);
     kvc_backend_unlock(m->be);
     free(m->bufs);
+    for (int32_t l = 0; m->layers && l < m->cfg.n_layers; l++) {
+        free(m->layers[l].exp_gu);
+        free(m->layers[l].exp_down);
+    }
     free(m->layers);
     kvc_free(m->rope_factors);
     kvc_free(m->rope_long_factors);
@@ -692,6 +835,10 @@ kvc_status kvc_model_host_weights(kvc_model *m, const kvc_host_weights **out) {
         m->cfg.attn_scale > 0 || m->cfg.attn_softcap > 0 || m->cfg.logit_softcap > 0)
         return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support Gemma 2 and "
                         "Gemma 3 models yet");
+    /* nor an MLP of experts */
+    if (m->cfg.n_experts > 0)
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "host-side weights (Judge Q's backward, KVgrad, RestoreKV) do not support "
+                        "mixture-of-experts models yet");
     pthread_mutex_lock(&m->host_lock);
     kvc_status st = KVC_OK;
     if (!m->host && !(m->host = host_view(m))) {
@@ -742,6 +889,8 @@ kvc_status kvc_model_get_config(const kvc_model *m, kvc_config *out) {
     *out = m->cfg;
     return KVC_OK;
 }
+
+int32_t kvc_model_layer_moe(const kvc_model *m, int32_t l) { return m && l >= 0 && l < m->cfg.n_layers && kvc_layer_moe(&m->cfg, l); }
 
 size_t kvc_model_weight_bytes(const kvc_model *m) { return m ? m->weight_bytes : 0; }
 size_t kvc_model_mapped_bytes(const kvc_model *m) { return m ? m->mapped_bytes : 0; }

@@ -39,6 +39,11 @@ typedef struct kvc_layer_weights {
     kvc_view wdown;     /* [D, F] */
     kvc_view post_attn_norm; /* [D] RMSNorm of the attention output, buf NULL unless cfg.post_norms */
     kvc_view post_ffn_norm;  /* [D] RMSNorm of the MLP output, the same */
+    /* A mixture-of-experts layer (kvc_layer_moe) has these instead of gu and wdown (NULL in a dense layer): */
+    kvc_view router;         /* [E, D] */
+    kvc_wgroup *exp_gu;      /* [E]: expert e's gate rows then its up rows, [moe_ffn, D] each (kvc_model_create
+                                says how the experts share buffers) */
+    kvc_view *exp_down;      /* [E]: expert e's [D, moe_ffn] */
 } kvc_layer_weights;
 
 /* C[m, sum of rows] = A[m, k] G^T: one matmul for a whole group, else one per part into its columns. */
@@ -107,8 +112,15 @@ typedef enum kvc_weight_role {
     KVC_W_ATTN_NORM, KVC_W_Q, KVC_W_K, KVC_W_V, KVC_W_O, KVC_W_BQ, KVC_W_BK, KVC_W_BV,
     KVC_W_FFN_NORM, KVC_W_GATE, KVC_W_UP, KVC_W_DOWN, KVC_W_Q_NORM, KVC_W_K_NORM,
     KVC_W_QKV, KVC_W_GU, /* fused files (Phi-3): q|k|v rows in one tensor, gate|up rows in one tensor */
-    KVC_W_POST_ATTN_NORM, KVC_W_POST_FFN_NORM /* Gemma's norms of the attention and MLP outputs */
+    KVC_W_POST_ATTN_NORM, KVC_W_POST_FFN_NORM, /* Gemma's norms of the attention and MLP outputs */
+    KVC_W_ROUTER, KVC_W_GATE_EXP, KVC_W_UP_EXP, KVC_W_DOWN_EXP /* an MoE layer's router and one expert's matrices */
 } kvc_weight_role;
+
+/* One expert of a layer's stack of n: which matrix of a role a tensor is (GGUF: slice e of the 3-D tensor;
+ * Hugging Face: the tensor of expert e). NULL where a role is one matrix. */
+typedef struct kvc_expert {
+    int32_t e, n;
+} kvc_expert;
 
 /* A decoder layer's tensors as the files name them: GGUF after "blk.N.", Hugging Face after
  * "model.layers.N." (biases only in models with qkv_bias, q/k norms only with qk_norm; the fused q|k|v and
@@ -124,12 +136,19 @@ typedef enum kvc_weight_role {
  * ExpectedAttention's future positions) stays the plain whole-head one. */
 typedef struct kvc_layer_tensor {
     kvc_weight_role role;
-    const char *gguf, *hf;
+    const char *gguf, *hf; /* an expert's Hugging Face name has a %d: the expert's index */
 } kvc_layer_tensor;
-#define KVC_LAYER_TENSORS 18
+#define KVC_LAYER_TENSORS 22
 /* A layer tensor's name in a file of this model (Gemma's HF files call the MLP's norm
- * pre_feedforward_layernorm; their post_attention_layernorm is the attention output's norm). */
+ * pre_feedforward_layernorm; their post_attention_layernorm is the attention output's norm; Mixtral's call the
+ * MoE block block_sparse_moe and its experts' gate, down and up w1, w2 and w3). */
 const char *kvc_layer_tensor_name(const kvc_config *c, const kvc_layer_tensor *t, int hf);
+/* The full name of layer l's tensor t (of expert x->e where the role is an expert's) in a file of this model:
+ * "blk.l.name" (GGUF) or "model.layers.l.name" (hf). */
+void kvc_layer_tensor_path(const kvc_config *c, const kvc_layer_tensor *t, int hf, int32_t l, const kvc_expert *x,
+                           char *buf, size_t cap);
+/* Layer l's MLP is a mixture of experts (kvc_config's n_experts, moe_step and moe_dense). */
+int kvc_layer_moe(const kvc_config *c, int32_t l);
 /* Layer l attends within the sliding window (Gemma 3 interleaves: with window_period P, every P-th layer,
  * (l + 1) % P == 0, attends to the whole cache). */
 int kvc_layer_slides(const kvc_config *c, int32_t l);
@@ -161,9 +180,9 @@ int kvc_rope_long(const kvc_config *c, int64_t end);
 int kvc_fused_proj(const kvc_config *c);
 extern const kvc_layer_tensor kvc_layer_tensors[KVC_LAYER_TENSORS];
 /* A loader's reader of one named tensor into a role: checks the file's shape against [rows, cols] (rows 0:
- * a vector) and streams it in with kvc_model_put. */
+ * a vector; x: expert x->e's [rows, cols] of the role's stack of x->n) and streams it in with kvc_model_put. */
 typedef kvc_status (*kvc_put_fn)(const void *file, kvc_model *m, kvc_weight_role role, int32_t layer, const char *name,
-                                 int64_t rows, int64_t cols);
+                                 int64_t rows, int64_t cols, const kvc_expert *x);
 /* Every layer's tensors the model has (biases only with qkv_bias, q/k norms only with qk_norm), named the GGUF way (hf 0) or the
  * Hugging Face way (hf 1), through put. */
 kvc_status kvc_model_put_layers(kvc_model *m, int hf, kvc_put_fn put, const void *file);
@@ -184,7 +203,8 @@ typedef struct kvc_src {
 
 /* A loader's description of tensor `name` of the file as a source of [rows, cols] (rows 0: a vector),
  * its shape and type checked (the loaders' put functions use the same). */
-typedef kvc_status (*kvc_describe_fn)(const void *file, const char *name, int64_t rows, int64_t cols, kvc_src *out);
+typedef kvc_status (*kvc_describe_fn)(const void *file, const char *name, int64_t rows, int64_t cols, const kvc_expert *x,
+                                      kvc_src *out);
 
 /* Validate `cfg` (positive sizes, H % Hkv == 0, at most KVC_MAX_KV_HEADS KV heads, the backend's own
  * limits, ...) and create a model on `be` with every weight buffer in place (uninitialised, or mapped).
@@ -194,8 +214,9 @@ typedef kvc_status (*kvc_describe_fn)(const void *file, const char *name, int64_
  * describe(file, ...) names tensors the Hugging Face way when hf, else the GGUF way. */
 kvc_status kvc_model_create(const kvc_config *cfg, const char *format, const char *path, const kvc_backend *be,
                             int32_t weights, int hf, kvc_describe_fn describe, const void *file, kvc_model **out);
-/* Stream tensor src into the weight of role `role` (layer: for per-layer roles). */
-kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, const kvc_src *src);
+/* Stream tensor src into the weight of role `role` (layer: for per-layer roles; expert: the expert's matrix of an
+ * expert role, else -1). */
+kvc_status kvc_model_put(kvc_model *m, kvc_weight_role role, int32_t layer, int32_t expert, const kvc_src *src);
 /* The model's host array of d/2 RoPE factors (GGUF rope_freqs.weight, linear scaling), allocated on first
  * call (NULL when out of memory); kvc_model_finish divides the frequencies by them. */
 float *kvc_model_rope_factors(kvc_model *m);

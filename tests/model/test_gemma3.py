@@ -211,62 +211,33 @@ def test_whole_cache_methods_refused(gemma3, rng):
         model.new_session().prefill_take(ids, ids[-8:], 16, chunk_size=16)
 
 
-GEMMA3_FUZZ = r'''
-import ctypes, json, os, random, sys
-lib = ctypes.CDLL(sys.argv[1]); lib.kvc_last_error.restype = ctypes.c_char_p
-lib.kvc_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
-lib.kvc_model_free.argtypes = [ctypes.c_void_p]
-folder, seed, n = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-rng = random.Random(seed)
-path = os.path.join(folder, 'config.json')
-BASE = json.load(open(path))
-KEYS = ['layer_types', 'sliding_window', 'sliding_window_pattern', 'rope_parameters', 'rope_scaling', 'rope_theta',
-        'rope_local_base_freq', 'query_pre_attn_scalar', 'hidden_activation', 'hidden_act', 'attn_logit_softcapping',
-        'final_logit_softcapping', 'use_bidirectional_attention', 'head_dim', 'tie_word_embeddings', 'num_hidden_layers']
-VALUES = [0, -1, 1, 2, 3, 7, 2**31, 2**63, 1e300, -1e-300, 0.5, 'x', '', None, True, [], [1, 2], {}, {'a': 1},
-          ['sliding_attention'] * 5, ['full_attention'] * 5, ['sliding_attention', 7, None, 'x', 'full_attention'],
-          {'full_attention': {'rope_type': 'linear'}}, {'sliding_attention': {'rope_type': 'yarn', 'factor': 2}},
-          {'full_attention': {'rope_type': 'linear', 'factor': -1}, 'sliding_attention': 3}, 'gelu_pytorch_tanh']
-counts = {'loaded': 0, 'rejected': 0}
-for i in range(n):
-    cfg = json.loads(json.dumps(BASE))
-    for _ in range(rng.randint(1, 3)):
-        k = rng.choice(KEYS)
-        if rng.random() < 0.15:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = rng.choice(VALUES)
-    json.dump(cfg, open(path, 'w'))
-    m = ctypes.c_void_p()
-    st = lib.kvc_model_load(folder.encode(), ctypes.byref(m))
-    if st == 0:
-        counts['loaded'] += 1; lib.kvc_model_free(m)
-    else:
-        counts['rejected'] += 1
-        msg = lib.kvc_last_error()
-        assert 1 <= st <= 7 and not m.value, (i, cfg, st)
-        assert msg and len(msg) > 10, f'case {i}: status {st} without a message'
-print(f"{n} configs (seed {seed}): {counts['rejected']} rejected with a message, {counts['loaded']} loaded")
-'''
+GEMMA3_KEYS = ['layer_types', 'sliding_window', 'sliding_window_pattern', 'rope_parameters', 'rope_scaling', 'rope_theta',
+               'rope_local_base_freq', 'query_pre_attn_scalar', 'hidden_activation', 'hidden_act', 'attn_logit_softcapping',
+               'final_logit_softcapping', 'use_bidirectional_attention', 'head_dim', 'tie_word_embeddings', 'num_hidden_layers']
+GEMMA3_VALUES = [['sliding_attention'] * 5, ['full_attention'] * 5, ['sliding_attention', 7, None, 'x', 'full_attention'],
+                 {'full_attention': {'rope_type': 'linear'}}, {'sliding_attention': {'rope_type': 'yarn', 'factor': 2}},
+                 {'full_attention': {'rope_type': 'linear', 'factor': -1}, 'sliding_attention': 3}, 'gelu_pytorch_tanh']
 
 
 def test_fuzz_gemma3_configs_never_crash(tmp_path, rng):
-    """Random values in Gemma 3's own config keys: every one loads or is refused with a message (a subprocess,
-    so a crash fails the test)."""
-    import subprocess
-    import sys
-
-    from kvpress_c._paths import core_library_path
+    """Random values in Gemma 3's own config keys: every one loads or is refused with a message (support/fuzz.py, a
+    subprocess, so a crash fails the test)."""
+    from fuzz import CONFIG_VALUES, run_config_fuzz
     seed = int(rng.integers(1 << 30))
     folder = write_tiny_gemma3(str(tmp_path / "g3"), seed=seed)
-    script = tmp_path / "fuzz.py"
-    script.write_text(GEMMA3_FUZZ)
-    n = 300
-    res = subprocess.run([sys.executable, str(script), core_library_path(), folder, str(seed), str(n)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"fuzzer failed (seed {seed}): rc={res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
-    print(res.stdout)
-    assert f"{n} configs (seed {seed})" in res.stdout
+    print(run_config_fuzz(tmp_path, folder, GEMMA3_KEYS, CONFIG_VALUES + GEMMA3_VALUES, seed))
+
+
+def test_fuzz_gemma3_gguf_never_crashes(tmp_path, rng):
+    """Corruptions of a 'gemma3' GGUF (the four layer norms, q/k norms, rope.freq_base_swa, linear scaling), lies in its
+    own gemma3.* values included."""
+    pytest.importorskip("gguf")
+    from fuzz import run_gguf_fuzz
+    from gguf_writer import gguf_layout
+    seed = int(rng.integers(1 << 30))
+    path = write_tiny_gemma3(str(tmp_path / "hf"), seed=seed, **GGUF_SHAPE)
+    base = write_gemma3_gguf(path, str(tmp_path / "base.gguf"))
+    print(run_gguf_fuzz(tmp_path, base, gguf_layout(base), seed, n=600, arch="gemma3"))
 
 
 def test_embedding_scale_in_the_embeddings_dtype(tmp_path, rng):

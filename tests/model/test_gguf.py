@@ -4,16 +4,13 @@ bit-flipped, lying) that must fail with a clear message and never crash."""
 import ctypes as C
 import os
 import struct
-import subprocess
 import sys
-import textwrap
 import time
 
 import numpy as np
 import pytest
 
 import kvpress_c
-from kvpress_c._paths import core_library_path
 
 import gguf_writer as gw
 from gguf_writer import GGML, GGUFFile, random_blocks, tiny_model
@@ -498,7 +495,10 @@ def test_crafted_files_fail_with_precise_messages(tmp_path):
     expect(tiny_model(meta={"feed_forward_length": (gw.U32, 32)}), ERR_FORMAT, "'blk.0.ffn_gate.weight' has shape [32, 64], expected [32, 32]")
     expect(tiny_model(meta={"attention.head_count_kv": (gw.U32, 4)}), ERR_FORMAT, "'blk.0.attn_k.weight' has shape [32, 16], expected [32, 32]")
     expect(tiny_model(meta={"vocab_size": (gw.U32, 65)}), ERR_FORMAT, "'token_embd.weight'")
-    expect(tiny_model(meta={"expert_count": (gw.U32, 8)}), ERR_UNSUPPORTED, "mixture-of-experts")
+    # mixture of experts: Mixtral as llama.cpp writes it ('llama' + expert_count) needs its per-token count; other
+    # families' experts are refused by name
+    expect(tiny_model(meta={"expert_count": (gw.U32, 8)}), ERR_FORMAT, "'llama.expert_used_count' is missing")
+    expect(tiny_model(arch="qwen2", meta={"expert_count": (gw.U32, 8)}), ERR_UNSUPPORTED, "mixture-of-experts 'qwen2' models")
     expect(tiny_model(meta={"rope.dimension_count": (gw.U32, 4), "attention.key_length": (gw.U32, 8)}), ERR_UNSUPPORTED,
            "partial rotary")
     expect(tiny_model(meta={"rope.scaling.type": (gw.STRING, "yarn"), "rope.scaling.factor": (gw.F32, 4.0)}),
@@ -545,85 +545,27 @@ def test_missing_path_is_an_io_error(tmp_path):
 
 # -- fuzzing ---------------------------------------------------------------------------------------
 
-FUZZ = textwrap.dedent(r"""
-    import ctypes, json, os, random, struct, sys
-    lib = ctypes.CDLL(sys.argv[1]); lib.kvc_last_error.restype = ctypes.c_char_p
-    lib.kvc_model_load.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
-    lib.kvc_model_free.argtypes = [ctypes.c_void_p]
-    data = open(sys.argv[2], 'rb').read(); out = sys.argv[3]; seed = int(sys.argv[4]); n = int(sys.argv[5])
-    lay = json.load(open(sys.argv[6]))
-    fields, info_end = lay['fields'], lay['info_end']
-    rng = random.Random(seed)
-    LIES8 = [0, 1, 2, 7, 31, 32, 33, 255, 4096, 2**31, 2**32, 2**32 + 5, 2**40, 2**62, 2**63 - 1, 2**63, 2**64 - 1]
-    LIES4 = [0, 1, 2, 3, 4, 5, 8, 9, 12, 13, 14, 15, 16, 30, 31, 40, 63, 64, 255, 2**31, 2**32 - 1]
-    ok = failed = 0
-    kinds = {}
-    api = None
-    if len(sys.argv) > 7:
-        sys.path.insert(0, sys.argv[7]); import kvpress_c; api = kvpress_c.load_model
-    for i in range(n):
-        b = bytearray(data)
-        kind = ['truncate', 'bitflip', 'field', 'field', 'u64', 'u32', 'bytes', 'splice'][i % 8]
-        if kind == 'truncate':    # cut anywhere, weighted towards the header
-            b = b[:rng.randrange(0, info_end + 64) if rng.random() < 0.7 else rng.randrange(0, len(b))]
-        elif kind == 'bitflip':   # a few bit flips in the header / metadata / tensor infos
-            for _ in range(rng.randint(1, 4)):
-                p = rng.randrange(0, info_end); b[p] ^= 1 << rng.randrange(8)
-        elif kind == 'field':     # a lie in a specific count, length, dim, type or offset
-            f = rng.choice(fields)
-            v = rng.choice(LIES8 if f['size'] == 8 else LIES4)
-            if rng.random() < 0.3:
-                v = (int.from_bytes(b[f['pos']:f['pos'] + f['size']], 'little') + rng.choice([-1, 1, 32, -32])) % (1 << (8 * f['size']))
-            b[f['pos']:f['pos'] + f['size']] = v.to_bytes(f['size'], 'little')
-            kind = 'field:' + f['kind']
-        elif kind == 'u64':       # a lying 64-bit value at any header position
-            p = rng.randrange(0, info_end - 8); b[p:p + 8] = struct.pack('<Q', rng.choice(LIES8))
-        elif kind == 'u32':
-            p = rng.randrange(0, info_end - 4); b[p:p + 4] = struct.pack('<I', rng.choice(LIES4))
-        elif kind == 'bytes':     # random bytes over a random span
-            p = rng.randrange(0, len(b)); L = rng.randint(1, 64)
-            b[p:p + L] = bytes(rng.randrange(256) for _ in range(min(L, len(b) - p)))
-        else:                     # a chunk of the header duplicated or removed
-            p = rng.randrange(0, info_end); L = rng.randint(1, 48)
-            b = b[:p] + (b[p:p + L] if rng.random() < 0.5 else b'') + b[p + L:]
-        kinds[kind.split(':')[0]] = kinds.get(kind.split(':')[0], 0) + 1
-        open(out, 'wb').write(b)
-        m = ctypes.c_void_p()
-        st = lib.kvc_model_load(out.encode(), ctypes.byref(m))
-        if st == 0:
-            ok += 1; lib.kvc_model_free(m)
-        else:
-            failed += 1
-            msg = lib.kvc_last_error().decode(errors='replace')
-            assert msg and not m.value, f'corruption {i} ({kind}): status {st} without a message'
-            assert st in (1, 2, 3, 4, 5), f'corruption {i} ({kind}): status {st}: {msg}'
-        if api and i % 4 == 0:
-            try:
-                api(out)
-            except (ValueError, OSError, NotImplementedError, MemoryError) as e:
-                assert str(e), f'corruption {i}: {type(e).__name__} without a message'
-    print(f'{n} corruptions (seed {seed}): {failed} rejected with a message, {ok} loaded; kinds {kinds}')
-""")
-
-
-def test_fuzz_corrupt_gguf_never_crashes(tmp_path):
-    import json
-    g = tiny_model(types={"attn_q": "Q8_0", "ffn_up": "Q4_1", "attn_k": "F16"}, bias=False, tied=False,
-                   rope_freqs=[1.0, 1.5, 2.0, 4.0], alignment=32)
-    lay = g.write(str(tmp_path / "base.gguf"))
-    (tmp_path / "layout.json").write_text(json.dumps({"fields": [vars(f) for f in lay.fields], "info_end": lay.info_end}))
-    assert load(tmp_path / "base.gguf")[0] == OK
+@pytest.mark.parametrize("family", ["llama", "qwen3moe", "mixtral"])
+def test_fuzz_corrupt_gguf_never_crashes(tmp_path, family):
+    """Corruptions of a small file of each family (support/fuzz.py), lies in its own `{arch}.*` values included:
+    llama (Q8_0, Q4_1 and F16 matrices, rope_freqs, alignment 32), qwen3moe and Mixtral as llama.cpp writes it
+    ('llama' with expert_count; 3-D expert tensors of Q8_0, a router)."""
+    from fuzz import run_gguf_fuzz
+    from moe_models import write_random_moe_gguf
+    base = str(tmp_path / "base.gguf")
+    if family == "llama":
+        lay = tiny_model(types={"attn_q": "Q8_0", "ffn_up": "Q4_1", "attn_k": "F16"}, bias=False, tied=False,
+                         rope_freqs=[1.0, 1.5, 2.0, 4.0], alignment=32).write(base)
+    else:
+        shapes = dict(layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, experts=4, used=2, moe_ffn=32, ffn=64, vocab=64)
+        write_random_moe_gguf(base, shapes, types={"attn": "F32", "experts": "Q8_0", "embd": "F32", "output": "F32"},
+                              arch="llama" if family == "mixtral" else "qwen3moe")
+        lay = gw.gguf_layout(base)
+    assert load(base)[0] == OK
     seed = fresh_rng()[0]
-    n = 1000
-    script = tmp_path / "fuzz.py"
-    script.write_text(FUZZ)
-    pkg_root = os.path.dirname(os.path.dirname(kvpress_c.__file__))
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, str(script), core_library_path(), str(tmp_path / "base.gguf"), str(tmp_path / "bad.gguf"),
-                          str(seed), str(n), str(tmp_path / "layout.json"), pkg_root], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, f"fuzzer failed (seed {seed}): rc={res.returncode}\n{res.stdout[-1000:]}\n{res.stderr[-3000:]}"
-    print(res.stdout.strip(), f"in {time.perf_counter() - t0:.1f} s")
-    assert f"{n} corruptions" in res.stdout
+    out = run_gguf_fuzz(tmp_path, base, lay, seed, n=1000, arch="llama" if family == "mixtral" else family)
+    print(out, f"in {time.perf_counter() - t0:.1f} s")
 
 
 # -- the Python API -------------------------------------------------------------------------------

@@ -131,3 +131,32 @@ def test_native_f16_gguf(phi3, rng):
     a, b = native.logits(ids), fp32.logits(ids)
     # measured: F16 weights against HF's fp32 ones ~1e-3; native against fp32-converted ~1e-3 (int8 activations)
     assert rel_err(b, ref) < 1e-2 and rel_err(a, b.astype(np.float64)) < 2e-2
+
+
+PHI3_KEYS = ["partial_rotary_factor", "rope_scaling", "rope_parameters", "original_max_position_embeddings",
+             "max_position_embeddings", "sliding_window", "rope_theta", "head_dim", "tie_word_embeddings", "hidden_act",
+             "num_key_value_heads", "intermediate_size"]
+
+
+def test_fuzz_phi3_configs_never_crash(tmp_path, rng):
+    """Random values in Phi-3's own config keys (LongRoPE's lists and factors included): every one loads or is refused
+    with a message (support/fuzz.py, a subprocess)."""
+    from fuzz import CONFIG_VALUES, run_config_fuzz
+    seed = int(rng.integers(1 << 30))
+    folder = write_tiny_phi3(str(tmp_path / "phi3"), seed=seed)
+    values = CONFIG_VALUES + [0.75, 0.3, {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                              {"rope_type": "longrope", "short_factor": [1.0], "long_factor": "x"}, {"type": "su"},
+                              {"rope_type": "yarn", "factor": 4.0}, {"rope_type": "longrope", "short_factor": [-1.0] * 8,
+                                                                     "long_factor": [1e39] * 8}]
+    print(run_config_fuzz(tmp_path, folder, PHI3_KEYS, values, seed))
+
+
+def test_fuzz_phi3_gguf_never_crashes(tmp_path, rng):
+    """Corruptions of a 'phi3' GGUF (fused attn_qkv and ffn_up, LongRoPE factor tensors and keys), lies in its own
+    phi3.* values included."""
+    from fuzz import run_gguf_fuzz
+    from gguf_writer import gguf_layout
+    seed = int(rng.integers(1 << 30))
+    path = write_tiny_phi3(str(tmp_path / "phi3"), seed=seed, layers=2, vocab=64)
+    base = write_phi3_gguf(path, str(tmp_path / "base.gguf"))
+    print(run_gguf_fuzz(tmp_path, base, gguf_layout(base), seed, n=600, arch="phi3"))

@@ -42,7 +42,9 @@ class Config(C.Structure):  # kvc_config
                 ("rope_dim", C.c_int32), ("rope_long_context", C.c_int32), ("rope_attn_factor", C.c_float),
                 ("window_period", C.c_int32), ("rope_local_theta", C.c_float), ("attn_scale", C.c_float),
                 ("embed_scale", C.c_float), ("mlp_act", C.c_int32), ("post_norms", C.c_int32),
-                ("attn_softcap", C.c_float), ("logit_softcap", C.c_float)]
+                ("attn_softcap", C.c_float), ("logit_softcap", C.c_float),
+                ("n_experts", C.c_int32), ("n_experts_used", C.c_int32), ("moe_ffn", C.c_int32),
+                ("moe_norm_topk", C.c_int32), ("moe_step", C.c_int32), ("moe_dense", C.c_uint32 * 8)]
 
 
 class KVFormat(C.Structure):  # kvc_kv_format
@@ -112,6 +114,10 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_head_rmsnorm": (_I, [_I32, F32P, _I64, _I32, _I32, F32P, _F]),
     "kvc_device_kernel_topk": (_I, [_I32, F32P, _I32, _I64, I64P, I64P]),
     "kvc_device_kernel_kv_rows": (_I, [_I32, _I32, _I32, _I32, _I64, _I32, _I64, _I64]),
+    "kvc_device_kernel_moe_route": (_I, [_I32, F32P, _I64, _I32, _I32, _I32, I32P, F32P]),
+    "kvc_device_kernel_gather_rows": (_I, [_I32, F32P, _I64, I32P, _I64, _I64, F32P]),
+    "kvc_device_kernel_moe_combine": (_I, [_I32, F32P, F32P, F32P, I32P, _I64, _I32, _I64]),
+    "kvc_model_layer_moe": (_I32, [_V, _I32]),
     "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
     "kvc_merge_similar": (_I, [F32P, F32P, _I64, _I32, I64P, _I64, _F, _F, F32P]),
     "kvc_scorer_count": (_I32, []),

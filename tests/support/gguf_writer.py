@@ -31,10 +31,11 @@ SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_
 @dataclass
 class Field:
     kind: str   # "n_tensors", "n_kv", "key_len", "value_type", "array_type", "array_len", "str_len",
-                # "name_len", "n_dims", "ne", "ggml_type", "offset", "alignment"
+                # "name_len", "n_dims", "ne", "ggml_type", "offset", "alignment", "value" (a scalar's bytes)
     pos: int
-    size: int   # 4 or 8
+    size: int   # 4 or 8 ("value": 1 to 8)
     owner: str = ""
+    vtype: int = -1  # "value": its GGUF value type
 
 
 @dataclass
@@ -106,10 +107,12 @@ class GGUFFile:
             out.extend(struct.pack("<Q", len(b)))
             out.extend(b)
 
-        def put_value(t, v, owner):
+        def put_value(t, v, owner, scalar=False):
             if t == STRING:
                 put_str(v, "str_len", owner)
             else:
+                if scalar:
+                    lay.fields.append(Field("value", len(out), struct.calcsize(_SCALAR[t]), owner, t))
                 out.extend(struct.pack(_SCALAR[t], v))
 
         out.extend(b"GGUF")
@@ -132,7 +135,7 @@ class GGUFFile:
             else:
                 if key == "general.alignment":
                     mark("alignment", struct.calcsize(_SCALAR[t]), key)
-                put_value(t, v, key)
+                put_value(t, v, key, scalar=True)
         align = self.alignment or 32
         offset = 0
         offsets = []
@@ -314,49 +317,70 @@ def tiny_model(arch: str = "llama", *, layers: int = 2, hidden: int = 32, heads:
 
 def read_gguf(path: str):
     """-> (metadata {key: value or list}, tensors {name: (ggml type id, ne, file offset, nbytes)})."""
+    meta, tensors, _ = _parse_gguf(path)
+    return meta, tensors
+
+
+def gguf_layout(path: str) -> Layout:
+    """Where every field of any GGUF file lies (as GGUFFile.write records it for its own files): for fuzzers."""
+    return _parse_gguf(path)[2]
+
+
+def _parse_gguf(path: str):
     with open(path, "rb") as fh:
         buf = fh.read()
     pos = 0
+    lay = Layout()
 
-    def take(fmt):
+    def take(fmt, kind=None, owner="", vtype=-1):
         nonlocal pos
+        if kind:
+            lay.fields.append(Field(kind, pos, struct.calcsize(fmt), owner, vtype))
         v = struct.unpack_from(fmt, buf, pos)
         pos += struct.calcsize(fmt)
         return v[0]
 
-    def string():
+    def string(kind, owner=""):
         nonlocal pos
-        n = take("<Q")
+        n = take("<Q", kind, owner)
         s = buf[pos:pos + n].decode("utf-8", errors="replace")
         pos += n
         return s
 
-    def value(t):
-        return string() if t == STRING else take(_SCALAR[t])
+    def value(t, owner, scalar=False):
+        if t == STRING:
+            return string("str_len", owner)
+        return take(_SCALAR[t], "value" if scalar else None, owner, t)
 
     assert buf[:4] == b"GGUF"
     pos = 4
     take("<I")
-    n_tensors, n_kv = take("<Q"), take("<Q")
+    n_tensors, n_kv = take("<Q", "n_tensors"), take("<Q", "n_kv")
     meta = {}
     for _ in range(n_kv):
-        key, t = string(), take("<I")
+        key = string("key_len")
+        t = take("<I", "value_type", key)
         if t == ARRAY:
-            et, n = take("<I"), take("<Q")
-            meta[key] = [value(et) for _ in range(n)]
+            et, n = take("<I", "array_type", key), take("<Q", "array_len", key)
+            meta[key] = [value(et, key) for _ in range(n)]
         else:
-            meta[key] = value(t)
+            if key == "general.alignment":
+                lay.fields.append(Field("alignment", pos, struct.calcsize(_SCALAR[t]), key))
+            meta[key] = value(t, key, scalar=True)
     infos = []
     for _ in range(n_tensors):
-        name, nd = string(), take("<I")
-        ne = [take("<Q") for _ in range(nd)]
-        infos.append((name, take("<I"), ne, take("<Q")))
+        name = string("name_len")
+        nd = take("<I", "n_dims", name)
+        ne = [take("<Q", "ne", name) for _ in range(nd)]
+        infos.append((name, take("<I", "ggml_type", name), ne, take("<Q", "offset", name)))
+    lay.info_end = pos
     align = meta.get("general.alignment", 32)
     data_start = (pos + align - 1) // align * align
+    lay.data_start = data_start
     by_id = {v[0]: (v[1], v[2]) for v in GGML.values()}
     tensors = {}
     for name, t, ne, off in infos:
         n = int(np.prod(ne))
         be, bb = by_id[t]
         tensors[name] = (t, ne, data_start + off, n // be * bb)
-    return meta, tensors
+    return meta, tensors, lay

@@ -144,5 +144,9 @@ kvc_status kvc_host_scale_v(kvc_view x, int64_t rows, int64_t cols, float alpha)
 kvc_status kvc_host_score_v(const kvc_score_args *a);
 kvc_status kvc_host_topk_v(kvc_view scores, int32_t heads, const int64_t *len, const int64_t *k, int64_t *const *keep);
 kvc_status kvc_host_cos_sum_v(kvc_view resid, kvc_view o, int64_t rows, int64_t D, double *out);
+/* mixture of experts (moe.c) */
+kvc_status kvc_host_moe_route_v(kvc_view logits, int64_t n, int32_t E, int32_t k, int32_t norm, kvc_view ids, kvc_view w);
+kvc_status kvc_host_gather_rows_v(kvc_view src, kvc_view idx, int64_t n, int64_t D, kvc_view dst);
+kvc_status kvc_host_moe_combine_v(kvc_view x, kvc_view y, kvc_view w, kvc_view pos, int64_t n, int32_t k, int64_t D);
 
 #endif

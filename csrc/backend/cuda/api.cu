@@ -217,6 +217,22 @@ static kvc_status t_scale(kvc_view x, int64_t rows, int64_t cols, float alpha) {
     return scale_rows(at<float>(x), x.ld, rows, cols, alpha);
 }
 
+static kvc_status t_moe_route(kvc_view logits, int64_t n, int32_t E, int32_t k, int32_t norm, kvc_view ids, kvc_view w) {
+    KVC_TRY(need(logits.buf->dtype == KVC_F32 && ids.buf->dtype == KVC_I32 && w.buf->dtype == KVC_F32, "moe_route"));
+    return moe_route(at<float>(logits), logits.ld, n, E, k, norm, at<int32_t>(ids), ids.ld, at<float>(w), w.ld);
+}
+
+static kvc_status t_gather_rows(kvc_view src, kvc_view idx, int64_t n, int64_t D, kvc_view dst) {
+    KVC_TRY(need(src.buf->dtype == KVC_BF16 && dst.buf->dtype == KVC_BF16 && idx.buf->dtype == KVC_I32, "gather_rows"));
+    return gather_rows(at<bf16>(src), src.ld, at<int32_t>(idx), n, D, at<bf16>(dst), dst.ld);
+}
+
+static kvc_status t_moe_combine(kvc_view x, kvc_view y, kvc_view w, kvc_view pos, int64_t n, int32_t k, int64_t D) {
+    KVC_TRY(need(x.buf->dtype == KVC_F32 && y.buf->dtype == KVC_BF16 && w.buf->dtype == KVC_F32 && pos.buf->dtype == KVC_I32,
+                 "moe_combine"));
+    return moe_combine(at<float>(x), x.ld, at<bf16>(y), y.ld, at<float>(w), w.ld, at<int32_t>(pos), pos.ld, n, k, D);
+}
+
 /* ---- graphs: the decode step captured once, replayed every token ---- */
 
 } // namespace kvc
@@ -362,6 +378,9 @@ static kvc_backend make_table(void) {
     t.swiglu = alive<t_swiglu>::call;
     t.geglu = alive<t_geglu>::call;
     t.scale = alive<t_scale>::call;
+    t.moe_route = alive<t_moe_route>::call;
+    t.gather_rows = alive<t_gather_rows>::call;
+    t.moe_combine = alive<t_moe_combine>::call;
     t.score = alive<score>::call;
     t.topk = alive<topk>::call;
     t.cos_sum = alive<cos_sum>::call;

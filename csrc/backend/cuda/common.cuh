@@ -270,6 +270,12 @@ kvc_status embed(const bf16 *table, const int32_t *ids, int64_t n, int64_t D, fl
 /* gu [rows, 2F] (gate | up): gu[r, :F] = silu(gate) * up, in place */
 kvc_status swiglu(bf16 *gu, int64_t rows, int64_t F);
 kvc_status geglu(bf16 *gu, int64_t rows, int64_t F);
+/* moe.cu: the mixture-of-experts kernels (core/backend.h's moe_route, gather_rows, moe_combine) */
+kvc_status moe_route(const float *logits, int64_t ldl, int64_t n, int32_t E, int32_t k, int32_t norm, int32_t *ids, int64_t ldi,
+                     float *w, int64_t ldw);
+kvc_status gather_rows(const bf16 *src, int64_t lds, const int32_t *idx, int64_t n, int64_t D, bf16 *dst, int64_t ldd);
+kvc_status moe_combine(float *x, int64_t ldx, const bf16 *y, int64_t ldy, const float *w, int64_t ldw, const int32_t *pos,
+                       int64_t ldp, int64_t n, int32_t k, int64_t D);
 kvc_status scale_rows(float *x, int64_t ld, int64_t rows, int64_t cols, float alpha);
 /* y[r, :] += b over rows (bf16 y with row stride ld, fp32 b) */
 kvc_status add_bias(bf16 *y, int64_t ld, const float *b, int64_t rows, int64_t dim);

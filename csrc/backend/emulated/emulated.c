@@ -58,7 +58,10 @@ static kvc_status fault(const char *what) {
 
 /* ---- graph recording ---- */
 
-enum { OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM, OP_GEGLU, OP_SCALE, OP_COMMIT };
+enum {
+    OP_EMBED, OP_RMSNORM, OP_MATMUL, OP_BIAS, OP_ROPE, OP_APPEND, OP_ATTENTION, OP_SWIGLU, OP_HEAD_NORM, OP_GEGLU, OP_SCALE,
+    OP_COMMIT, OP_MOE_ROUTE, OP_GATHER_ROWS, OP_MOE_COMBINE
+};
 
 typedef struct op {
     int32_t kind, has_add;
@@ -99,8 +102,8 @@ static int record(op o) {
 
 static kvc_status run_op(const op *o) {
     static const char *const names[] = {"embed", "rmsnorm", "matmul", "add_bias", "rope", "kv_append", "attention", "swiglu",
-                                        "head_rmsnorm", "geglu", "scale", "kv_commit"};
-    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_COMMIT ? names[o->kind] : "a kernel"));
+                                        "head_rmsnorm", "geglu", "scale", "kv_commit", "moe_route", "gather_rows", "moe_combine"};
+    KVC_TRY(fault(o->kind >= 0 && o->kind <= OP_MOE_COMBINE ? names[o->kind] : "a kernel"));
     switch (o->kind) {
     case OP_EMBED: return kvc_host_embed(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
     case OP_RMSNORM: return kvc_host_rmsnorm_v(o->v[0], o->has_add ? &o->v[3] : NULL, o->v[1], o->v[2], o->i[0], o->i[1], o->f);
@@ -114,6 +117,9 @@ static kvc_status run_op(const op *o) {
     case OP_GEGLU: return kvc_host_geglu_v(o->v[0], o->i[0], o->i[1]);
     case OP_SCALE: return kvc_host_scale_v(o->v[0], o->i[0], o->i[1], o->f);
     case OP_COMMIT: return kvc_hkv_commit(o->kv);
+    case OP_MOE_ROUTE: return kvc_host_moe_route_v(o->v[0], o->i[0], o->j[0], o->j[1], o->j[2], o->v[1], o->v[2]);
+    case OP_GATHER_ROWS: return kvc_host_gather_rows_v(o->v[0], o->v[1], o->i[0], o->i[1], o->v[2]);
+    case OP_MOE_COMBINE: return kvc_host_moe_combine_v(o->v[0], o->v[1], o->v[2], o->v[3], o->i[0], o->j[0], o->i[1]);
     default: return kvc_fail(KVC_ERR_INTERNAL, "graph: unknown op %d", o->kind);
     }
 }
@@ -211,6 +217,19 @@ static kvc_status emu_geglu(kvc_view gu, int64_t rows, int64_t F) {
 }
 static kvc_status emu_scale(kvc_view x, int64_t rows, int64_t cols, float alpha) {
     op o = {.kind = OP_SCALE, .v = {x}, .i = {rows, cols}, .f = alpha};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+
+static kvc_status emu_moe_route(kvc_view logits, int64_t n, int32_t E, int32_t k, int32_t norm, kvc_view ids, kvc_view w) {
+    op o = {.kind = OP_MOE_ROUTE, .v = {logits, ids, w}, .i = {n}, .j = {E, k, norm}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_gather_rows(kvc_view src, kvc_view idx, int64_t n, int64_t D, kvc_view dst) {
+    op o = {.kind = OP_GATHER_ROWS, .v = {src, idx, dst}, .i = {n, D}};
+    return record(o) ? KVC_OK : run_op(&o);
+}
+static kvc_status emu_moe_combine(kvc_view x, kvc_view y, kvc_view w, kvc_view pos, int64_t n, int32_t k, int64_t D) {
+    op o = {.kind = OP_MOE_COMBINE, .v = {x, y, w, pos}, .i = {n, D}, .j = {k}};
     return record(o) ? KVC_OK : run_op(&o);
 }
 
@@ -408,6 +427,9 @@ static const kvc_backend g_emulated = {
     .swiglu = emu_swiglu,
     .geglu = emu_geglu,
     .scale = emu_scale,
+    .moe_route = emu_moe_route,
+    .gather_rows = emu_gather_rows,
+    .moe_combine = emu_moe_combine,
     .score = emu_score,
     .topk = emu_topk,
     .cos_sum = emu_cos_sum,
