@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvpress_c
-from capi import DEVICES, check, lib
+from capi import DEVICES, check, lib, why_no_cuda
 
 BF16_EPS = 2.0 ** -8
 
@@ -20,7 +20,7 @@ def bf16(x):
 @pytest.fixture(params=["cpu", "emulated", "cuda"])
 def any_device(request):
     if request.param == "cuda" and not kvpress_c.cuda_available():
-        pytest.skip("no CUDA backend")
+        pytest.skip(why_no_cuda() or "no CUDA backend")
     return request.param
 
 
