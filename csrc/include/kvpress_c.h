@@ -731,6 +731,14 @@ KVC_API kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, i
  * held, writes within the room) and, for 3 and 4, KVC_ERR_INTERNAL when the rows moved differ. */
 KVC_API kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, int32_t d, int64_t len, int32_t dk,
                                              int64_t row0, int64_t rows);
+/* A K/V store of storage type fmt (kvc_kv_format; NULL: the device's own) as a session fills it: the rows k, v
+ * [Hkv, n, d] (head after head) arrive `step` rows at a time (the last call fewer), each call's rows written past
+ * the held ones (kv_write), held (kv_set_lens) and committed (kv_commit), as a layer's append and its attention
+ * do, into room for n rows made first (kv_resize); then every head's rows come back in f32 into k_out, v_out
+ * [Hkv, n, d] and *bytes receives the store's kv_bytes (its arena, and rows waiting in f32 as f32). */
+KVC_API kvc_status kvc_device_kernel_kv_store(int32_t device, const kvc_kv_format *fmt, int32_t Hkv, int32_t d, int64_t n,
+                                              int64_t step, const float *k, const float *v, float *k_out, float *v_out,
+                                              size_t *bytes);
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
  * The first decode step after a capture is needed runs eagerly; a failed capture turns graphs off for the
  * session and says why in kvc_session_graph_info. KVC_ERR_UNSUPPORTED on a device without graphs. */
