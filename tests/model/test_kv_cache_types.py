@@ -12,7 +12,7 @@ import pytest
 import kvpress_c
 from kvpress_c import QuantizedCache
 from kvpress_c.kv_cache import kv_format
-from kv_type_reference import (KIVI2, KIVI4, align64, arena_bytes, row_bytes, kivi_bits, kivi_keys, kivi_values, q8_0_row, store_rows)
+from kv_type_reference import (KIVI2, KIVI4, align64, compacted_bytes, row_bytes, kivi_bits, kivi_keys, kivi_values, q8_0_row, store_rows)
 from random_llama import write_random_llama
 
 SHAPE = dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=512)  # head_dim 64
@@ -148,21 +148,9 @@ def test_appends_commits_growth_and_truncation(model, rng, kv_cache):
 
 
 def store_bytes(model, s):
-    """The bytes kv_type.h's sizes give a session's cache whose stores were just compacted (capacity = the rows
-    kept; rows stored alone: nothing waits in f32; KIVI: its rows not in the type, as f32 (a K and a V row), with
-    the room the store keeps for the next calls' rows: max(residual, group) + 8 rows once a commit quantised),
-    plus the positions (8 bytes a row)."""
+    """kv_type_reference.compacted_bytes of the session's kept rows, in its type."""
     t, G, R = s.kv_format()
-    total = 0
-    for l in range(model.config["n_layers"]):
-        lens = [int(x) for x in s.cache_lengths()[l]]
-        total += arena_bytes(t, D, lens, G) + 8 * sum(lens)
-        if t in (KIVI4, KIVI2):
-            for n in lens:
-                nq = n // G * G if n >= max(R, G) else 0
-                room = max(R, G) + 8
-                total += (n if nq == 0 or n <= room else max(n - nq, room)) * 2 * D * 4
-    return total
+    return compacted_bytes(t, D, s.cache_lengths().tolist(), G, R)
 
 
 @pytest.mark.parametrize("kv_cache", ["f32"] + TYPES, ids=["f32"] + IDS)

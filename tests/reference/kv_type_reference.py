@@ -162,3 +162,19 @@ def align64(b):
 def arena_bytes(t, d, cap, group=0):
     """A store's arena for cap[h] rows per head: per head its key slice, then its value slice, each 64-aligned."""
     return sum(align64(key_bytes(t, d, c, group)) + align64(c * row_bytes(t, d, group)) for c in cap)
+
+
+def compacted_bytes(t, d, lens, group=0, residual=0):
+    """cache_bytes of a session whose stores were just compacted, lens[l][h] rows per (layer, head): per layer the
+    arena sized to the rows kept, the positions (8 bytes a row), and the rows waiting in f32 (a K and a V row each):
+    none for rows stored alone; KIVI's rows not in whole blocks (all of them below max(residual, group)), the store
+    keeping room for max(residual, group) + 8 of them once a commit quantised (kv_store.c)."""
+    total = 0
+    for row in lens:
+        total += arena_bytes(t, d, row, group) + 8 * sum(row)
+        if t in (KIVI4, KIVI2):
+            for n in row:
+                nq = n // group * group if n >= max(residual, group) else 0
+                room = max(residual, group) + 8
+                total += (n if nq == 0 or n <= room else max(n - nq, room)) * 2 * d * 4
+    return total
