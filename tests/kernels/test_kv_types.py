@@ -1,17 +1,22 @@
 """The K/V cache's storage types (csrc/core/kv_type.h) against float64 NumPy references written from its spec
-(tests/reference/kv_type_reference.py): rows through a K/V store of each type on the CPU and the emulated
-device (kvc_device_kernel_kv_store: written, held and committed a call at a time, as a session's layer fills
-it) and read back in f32, compared exactly; the store's bytes against kv_type.h's sizes.
+(tests/reference/kv_type_reference.py): rows through a K/V store of each type on the CPU, the emulated device and
+CUDA where there is one (kvc_device_kernel_kv_store: written, held and committed a call at a time, as a session's
+layer fills it) and read back in f32, compared exactly; the host store's bytes (kv_store.c's layout: the CPU and the
+emulated device) against kv_type.h's sizes.
 
 Fresh random inputs each run (the `rng` fixture prints its seed)."""
 import numpy as np
 import pytest
 
 import capi
+import kvpress_c
 from kv_type_reference import (BF16, F16, F32, KIVI2, KIVI4, NAMES, Q8_0, align64, arena_bytes, bf16_round,
                                f16_decode, f16_round, kivi_bits, quantised_rows, store_rows)
 
-DEVICES = ["cpu", "emulated"]
+# CUDA where this build and machine have it (its store's formats are kv_type.h's too)
+HOST = ("cpu", "emulated")  # kv_store.c's 64-byte aligned slices: the bytes checked; CUDA lays its arena out its own way
+DEVICES = [*HOST, pytest.param("cuda", marks=pytest.mark.skipif(
+    not kvpress_c.cuda_available(), reason=capi.why_no_cuda() or "no CUDA backend"))]
 ROWS_ALONE = [F32, F16, BF16, Q8_0]
 
 
@@ -83,9 +88,10 @@ def test_16_bit_floats_round_to_nearest_even(rng, device, t):
     assert_same(ko, ref(k), f"{NAMES[t]} keys")
     assert_same(vo, ref(v), f"{NAMES[t]} values")
     if t == F16:  # NumPy's f32 -> binary16 conversion (round to nearest even) as a peer of the reference
-        peer = k.astype(np.float32).astype(np.float16).astype(np.float64)
+        with np.errstate(over="ignore"):  # past 65504: inf, as the format says
+            peer = k.astype(np.float32).astype(np.float16).astype(np.float64)
         assert_same(ref(k), peer, "the f16 reference against NumPy")
-    assert nb == arena_bytes(t, d, [200, 200])
+    assert nb == arena_bytes(t, d, [200, 200]) or device not in HOST
 
 
 # ---- q8_0 ----------------------------------------------------------------------------------------------------
@@ -108,7 +114,7 @@ def test_q8_0_rows(rng, device, d):
     want_k, want_v = store_rows(Q8_0, k, v)
     assert_same(ko, want_k, "q8_0 keys")
     assert_same(vo, want_v, "q8_0 values")
-    assert nb == arena_bytes(Q8_0, d, [n, n])
+    assert nb == arena_bytes(Q8_0, d, [n, n]) or device not in HOST
 
 
 # ---- KIVI ----------------------------------------------------------------------------------------------------
@@ -132,7 +138,7 @@ def test_kivi_blocks_and_groups(rng, device, t, group):
         assert_same(vo[h], want_v, f"{NAMES[t]} values, head {h}")
     assert np.array_equal(ko[0, :nq, 5], np.full(nq, 1.5))
     staged = nb - arena_bytes(t, d, [n, n], group)  # the rows waiting in f32 (and the room the store keeps for them)
-    assert staged % (2 * 2 * d * 4) == 0 and staged >= 2 * (n - nq) * 2 * d * 4, staged
+    assert (staged % (2 * 2 * d * 4) == 0 and staged >= 2 * (n - nq) * 2 * d * 4) or device not in HOST, staged
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -173,7 +179,7 @@ def test_kivi_quantisation_error_is_within_half_a_step(rng, t):
 
 # ---- every type: bytes, bad formats ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", HOST)
 @pytest.mark.parametrize("t", ROWS_ALONE)
 @pytest.mark.parametrize("d", [64, 128])
 def test_rows_stored_alone_cost_their_bytes(rng, device, t, d):
