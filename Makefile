@@ -41,13 +41,19 @@ $(VENV)/.test-llamacpp: $(VENV)/.test-ray
 	$(PIP) install -q llama-cpp-python==0.3.36
 	touch $@
 
+# optimum-quanto: the backend of transformers' QuantizedCache that the KIVI parity test compares with (pure Python on
+# the CPU, uses the torch above; pip --dry-run: ninja besides); its own stamp, so that an older .venv gets it too
+$(VENV)/.test-quanto: $(VENV)/.test-llamacpp
+	$(PIP) install -q optimum-quanto==0.2.7
+	touch $@
+
 # Compile the C core and the extension in place (fast to iterate; `pip install .` also works).
 build: $(VENV)/.base
 	$(PY) setup.py -q build_ext --inplace
 
 install: build
 
-install-test: $(VENV)/.test-llamacpp build
+install-test: $(VENV)/.test-quanto build
 
 demo: install
 	$(PY) -m kvpress_c demo

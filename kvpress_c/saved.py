@@ -5,9 +5,11 @@
     kvpress_c.cache_info("ctx.kvc")                           # what the file says (checked)
 
 The file is safetensors (csrc/persist/cache_file.h has the layout): per layer and KV head the rows, their
-positions, K/V in the store's type, ThinK's freed key channels; the position; the attached presses' state
-between calls (a decoding press's counters, buffered queries and score queues: a cache saved mid-answer goes on
-as the session that saved it); the model's identity (its configuration and a SHA-256 of its weight files); a
+positions, K/V as read back from the store (F32, F16 or BF16: the store's own float type, F32 for q8_0 and
+KIVI's decoded values), ThinK's freed key channels; the position; the K/V storage type (a load gives the session
+that type: f16 and bf16 come back exactly, q8_0 and KIVI quantise the decoded rows again); the attached presses'
+state between calls (a decoding press's counters, buffered queries and score queues: a cache saved mid-answer goes
+on as the session that saved it); the model's identity (its configuration and a SHA-256 of its weight files); a
 SHA-256 of the whole file; and what the Python side adds: the prompt's token ids, the press's settings and a
 decoding press's settings (re-attached on load, then given its saved state). A file of another model, of an
 older or newer format version, truncated or corrupt: ValueError saying which.
@@ -20,12 +22,14 @@ from typing import Optional, Sequence
 
 from . import _core
 
-FORMAT_VERSION = 2  # KVC_CACHE_FILE_VERSION (2: the presses' state)
+FORMAT_VERSION = 3  # KVC_CACHE_FILE_VERSION (3: the K/V storage type, kvc.kv_cache; 2: the presses' state)
 
 
 def cache_info(path: str | os.PathLike) -> dict:
     """The metadata of a saved cache, checked as a load checks it (digest, format version): `version`,
-    `position`, `dtype` (the store's: F32 on the CPU, BF16 on a device), `device` it was saved on,
+    `position`, `dtype` (of the K/V tensors: F32, F16 or BF16), `kv_cache` (the storage type it was saved in and
+    a load restores: None for the device's own, "f32", "f16", "bf16", "q8_0" or a QuantizedCache; None in a
+    version 1 file, which loads in the session's type), `device` it was saved on,
     `model_config`, `model_digest`, `attached` (presses attached when it was saved), and where the Python
     side saved them `prompt_ids`, `press`, `decoding_press`, `chat`; other keys as saved (strings: a
     pipeline's `context`, a conversation's `conversation`)."""
@@ -36,7 +40,8 @@ def cache_info(path: str | os.PathLike) -> dict:
     info = {"version": int(raw.pop("kvc.version")), "position": int(raw.pop("kvc.position")),
             "dtype": raw.pop("kvc.dtype"), "device": raw.pop("kvc.device"),
             "model_config": json.loads(raw.pop("kvc.model_config")), "model_digest": raw.pop("kvc.model_digest"),
-            "attached": [a for a in raw.pop("kvc.presses", "").split(",") if a]}
+            "attached": [a for a in raw.pop("kvc.presses", "").split(",") if a],
+            "kv_cache": _kv_cache(raw.pop("kvc.kv_cache", "native"))}
     for key in ("kvc.format", "kvc.digest"):
         raw.pop(key, None)
     for key in ("prompt_ids", "press", "decoding_press", "chat"):
@@ -44,6 +49,15 @@ def cache_info(path: str | os.PathLike) -> dict:
             info[key] = json.loads(raw.pop(key))
     info.update(raw)
     return info
+
+
+def _kv_cache(name: str):
+    """kvc.kv_cache ("native", "q8_0", "kivi4,64,128", ...) as a kv_cache value."""
+    from .kv_cache import QuantizedCache
+    kind, *rest = name.split(",")
+    if kind in ("kivi4", "kivi2"):
+        return QuantizedCache(int(kind[-1]), int(rest[0]), int(rest[1]))
+    return None if kind == "native" else kind
 
 
 def _hands_more_than_settings(owner, config: dict) -> bool:

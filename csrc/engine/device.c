@@ -384,6 +384,40 @@ kvc_status kvc_device_kernel_kv_rows(int32_t device, int32_t op, int32_t Hkv, in
     return st;
 }
 
+kvc_status kvc_device_kernel_kv_store(int32_t device, const kvc_kv_format *fmt, int32_t Hkv, int32_t d, int64_t n,
+                                      int64_t step, const float *k, const float *v, float *k_out, float *v_out,
+                                      size_t *bytes) {
+    CHECK(k && v && k_out && v_out && bytes, "kv_store: k, v, k_out, v_out and bytes must not be NULL");
+    CHECK(Hkv > 0 && Hkv <= KVC_MAX_KV_HEADS && d > 0 && n >= 0 && n <= (1 << 24) && step > 0,
+          "kv_store: Hkv %d, d %d, n %lld, step %lld", Hkv, d, (long long)n, (long long)step);
+    int64_t cap[KVC_MAX_KV_HEADS], held[KVC_MAX_KV_HEADS];
+    for (int32_t h = 0; h < Hkv; h++) {
+        cap[h] = n;
+        held[h] = 0;
+    }
+    scope sc;
+    KVC_TRY(scope_begin(&sc, device));
+    kvc_status st = sc.be->kv_new(Hkv, d, fmt, &sc.kv);
+    if (st == KVC_OK) st = sc.be->kv_resize(sc.kv, cap, held, NULL);
+    for (int64_t r0 = 0; r0 < n && st == KVC_OK; r0 += step) {
+        const int64_t m = n - r0 < step ? n - r0 : step;
+        for (int32_t h = 0; h < Hkv && st == KVC_OK; h++) {
+            const size_t at = ((size_t)h * (size_t)n + (size_t)r0) * (size_t)d;
+            st = sc.be->kv_write(sc.kv, h, r0, m, k + at, v + at);
+            held[h] = r0 + m;
+        }
+        if (st == KVC_OK) st = sc.be->kv_set_lens(sc.kv, held);
+        if (st == KVC_OK) st = sc.be->kv_commit(sc.kv);
+    }
+    for (int32_t h = 0; h < Hkv && st == KVC_OK && n > 0; h++) {
+        const size_t at = (size_t)h * (size_t)n * (size_t)d;
+        st = sc.be->kv_read(sc.kv, h, 0, n, k_out + at, v_out + at);
+    }
+    if (st == KVC_OK) *bytes = sc.be->kv_bytes(sc.kv);
+    scope_end(&sc);
+    return st;
+}
+
 kvc_status kvc_device_kernel_topk(int32_t device, const float *scores, int32_t heads, int64_t n, const int64_t *k,
                                   int64_t *keep) {
     CHECK(scores && k && keep, "topk: null argument");

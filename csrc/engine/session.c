@@ -132,8 +132,14 @@ kvc_status kvc_session_copy_cache(kvc_session *dst, const kvc_session *src) {
     if (src->needs_reset) return kvc_fail(KVC_ERR_ARG, "the source session failed a call: reset() it first");
     if (dst->needs_reset || dst->pos != 0 || !kvc_cache_is_empty(&dst->cache))
         return kvc_fail(KVC_ERR_ARG, "the destination session is not empty: call reset() on it first");
+    if (dst->graph && memcmp(&dst->cache.fmt, &src->cache.fmt, sizeof dst->cache.fmt)) { /* its stores change */
+        dst->be->graph_free(dst->graph);
+        dst->graph = NULL;
+    }
     kvc_backend_lock(dst->be);
-    kvc_status st = kvc_cache_copy(&dst->cache, &src->cache);
+    kvc_status st = KVC_OK; /* an exact copy: the source's storage type too (dst is empty) */
+    if (memcmp(&dst->cache.fmt, &src->cache.fmt, sizeof dst->cache.fmt)) st = kvc_cache_set_format(&dst->cache, &src->cache.fmt);
+    if (st == KVC_OK) st = kvc_cache_copy(&dst->cache, &src->cache);
     kvc_backend_unlock(dst->be);
     if (st == KVC_OK) dst->pos = src->pos;
     return st;

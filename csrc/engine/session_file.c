@@ -76,8 +76,13 @@ kvc_status kvc_session_load(kvc_session *s, const char *path) {
         kvc_cache_file_close(f);
         return st;
     }
+    const kvc_kv_format had = s->cache.fmt;
     kvc_backend_lock(s->be);
     st = kvc_cache_file_load(f, &s->model->cfg, digest, &s->cache, &pos);
+    if (s->graph && memcmp(&had, &s->cache.fmt, sizeof had)) { /* the file's type: new stores, which a captured decode does not read */
+        s->be->graph_free(s->graph);
+        s->graph = NULL;
+    }
     kvc_backend_unlock(s->be);
     if (st == KVC_OK) {
         s->pos = pos; /* the presses check their state against the cache and position loaded */

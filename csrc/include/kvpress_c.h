@@ -289,8 +289,8 @@ KVC_API int32_t kvc_session_press_scope(const kvc_session *s);
  * buffered queries and score queues: a cache saved mid-answer goes on as the session that saved it), the model's
  * identity (configuration and a SHA-256 of its weight files) and a SHA-256 of the whole file; n_meta string
  * pairs keys[i] -> values[i] of the caller's ride along (keys must not start with "kvc."). Format version
- * KVC_CACHE_FILE_VERSION (2: the presses' state); an older or newer file is refused. */
-#define KVC_CACHE_FILE_VERSION 2
+ * KVC_CACHE_FILE_VERSION (3: the K/V storage type; 2: the presses' state); an older or newer file is refused. */
+#define KVC_CACHE_FILE_VERSION 3
 KVC_API kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, const char *const *keys,
                                     const char *const *values);
 /* Fill the empty session s (fresh or reset) from a saved cache: KVC_ERR_FORMAT, saying which, for a file of
@@ -828,6 +828,14 @@ KVC_API kvc_status kvc_device_kernel_gather_rows(int32_t device, const float *sr
                                                  int64_t n, int64_t D, float *dst);
 KVC_API kvc_status kvc_device_kernel_moe_combine(int32_t device, float *x, const float *y, const float *w, const int32_t *pos,
                                                  int64_t n, int32_t k, int64_t D);
+/* A K/V store of storage type fmt (kvc_kv_format; NULL: the device's own) as a session fills it: the rows k, v
+ * [Hkv, n, d] (head after head) arrive `step` rows at a time (the last call fewer), each call's rows written past
+ * the held ones (kv_write), held (kv_set_lens) and committed (kv_commit), as a layer's append and its attention
+ * do, into room for n rows made first (kv_resize); then every head's rows come back in f32 into k_out, v_out
+ * [Hkv, n, d] and *bytes receives the store's kv_bytes (its arena, and rows waiting in f32 as f32). */
+KVC_API kvc_status kvc_device_kernel_kv_store(int32_t device, const kvc_kv_format *fmt, int32_t Hkv, int32_t d, int64_t n,
+                                              int64_t step, const float *k, const float *v, float *k_out, float *v_out,
+                                              size_t *bytes);
 /* Decode steps replayed as a graph (a device with graphs: CUDA, emulated; default from KVC_DECODE_GRAPHS=1).
  * The first decode step after a capture is needed runs eagerly; a failed capture turns graphs off for the
  * session and says why in kvc_session_graph_info. KVC_ERR_UNSUPPORTED on a device without graphs. */

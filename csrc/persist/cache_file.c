@@ -6,14 +6,16 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../core/kv_type.h"
 #include "../model/safetensors.h"
 #include "cache_file.h"
 #include "model_id.h"
 #include "press_state.h"
 #include "sha256.h"
 
-/* What this build writes and the one it reads (kvpress_c.h). 2: the presses' state (state.* tensors); 1: the cache
- * alone (a decoding press's counters and buffers started afresh) */
+/* What this build writes and the one it reads (kvpress_c.h). 3: the K/V storage type (kvc.kv_cache) and K/V in the
+ * store's float type (F16, BF16; F32 for q8_0 and KIVI); 2: the presses' state (state.* tensors); 1: the cache
+ * alone */
 #define VERSION KVC_CACHE_FILE_VERSION
 #define DIGEST_PREFIX "sha256:"
 #define CORRUPT "; the file is corrupt"
@@ -74,10 +76,38 @@ static void sb_json(sbuf *b, const char *p) {
 
 /* ---- writing ---- */
 
-static uint16_t to_bf16(float f) { /* round to nearest even (the store's values are bf16 already: exact) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+/* The file's K/V dtype: the store's own where it is a float type (f32, f16, bf16: the rows read back are exact
+ * in it), F32 for the quantised types (their decoded values). */
+enum { KV_F32, KV_F16, KV_BF16 };
+static int32_t file_kv_dtype(const kvc_cache *c) {
+    const int32_t t = c->fmt.type == KVC_KV_NATIVE ? (c->be->act_dtype == KVC_BF16 ? KVC_KV_BF16 : KVC_KV_F32) : c->fmt.type;
+    return t == KVC_KV_F16 ? KV_F16 : t == KVC_KV_BF16 ? KV_BF16 : KV_F32;
+}
+static const char *const kv_dtype_name[] = {"F32", "F16", "BF16"};
+
+/* kvc.kv_cache: the storage type ("native", "f16", ..., KIVI's "kivi4,<group>,<residual>") */
+static void kv_cache_name(const kvc_kv_format *f, char *out, size_t cap) {
+    const char *name = f->type == KVC_KV_NATIVE ? "native" : kvc_kv_type_name(f->type);
+    if (kvc_kv_type_key_blocks(f->type)) snprintf(out, cap, "%s,%d,%d", name, f->group, f->residual);
+    else snprintf(out, cap, "%s", name);
+}
+
+static int kv_cache_parse(const char *s, kvc_kv_format *f) {
+    char name[16];
+    int g = 0, r = 0, used = 0;
+    if (!s || sscanf(s, "%15[a-z0-9_]%n", name, &used) != 1) return 0;
+    if (s[used] == ',' && sscanf(s + used, ",%d,%d", &g, &r) != 2) return 0;
+    f->group = g;
+    f->residual = r;
+    if (!strcmp(name, "native")) f->type = KVC_KV_NATIVE;
+    else {
+        f->type = -2;
+        for (int32_t t = 0; t < KVC_KV_N_TYPES; t++)
+            if (!strcmp(name, kvc_kv_type_name(t))) f->type = t;
+    }
+    char back[48];
+    kv_cache_name(f, back, sizeof back);
+    return f->type != -2 && !strcmp(back, s); /* nothing else in the string */
 }
 
 typedef struct entry {
@@ -123,7 +153,7 @@ static void add_state(entry *e, int32_t *n, size_t *off, const kvc_state_array *
 }
 
 /* The data section: every layer's tensors in entry order, then the state arrays. */
-static kvc_status fill_data(const kvc_cache *c, const entry *e, int32_t ne, uint8_t *data, int32_t kv16) {
+static kvc_status fill_data(const kvc_cache *c, const entry *e, int32_t ne, uint8_t *data, int32_t kvt) {
     for (int32_t i = 0; i < ne; i++)
         if (e[i].data && e[i].bytes) memcpy(data + e[i].off, e[i].data, e[i].bytes);
     const int32_t Hkv = c->n_kv, d = c->d;
@@ -145,9 +175,10 @@ static kvc_status fill_data(const kvc_cache *c, const entry *e, int32_t ne, uint
             memcpy(data + pos->off + r0 * 8, L->pos[h], (size_t)n * 8);
             st = c->be->kv_read(L->kv, h, 0, n, k, v);
             for (int64_t i = 0; st == KVC_OK && i < n * d; i++) {
-                const size_t at = (r0 * (size_t)d + (size_t)i) * (kv16 ? 2 : 4);
-                if (kv16) {
-                    const uint16_t a = to_bf16(k[i]), b = to_bf16(v[i]);
+                const size_t at = (r0 * (size_t)d + (size_t)i) * (kvt != KV_F32 ? 2 : 4);
+                if (kvt != KV_F32) { /* the store's values are of this type already: exact */
+                    const uint16_t a = kvt == KV_F16 ? kvc_f32_to_f16(k[i]) : kvc_f32_to_bf16r(k[i]),
+                                   b = kvt == KV_F16 ? kvc_f32_to_f16(v[i]) : kvc_f32_to_bf16r(v[i]);
                     memcpy(data + ke->off + at, &a, 2);
                     memcpy(data + ve->off + at, &b, 2);
                 } else {
@@ -203,8 +234,8 @@ kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const
                                 const char *const *keys, const char *const *values) {
     if (!path || !*path) return kvc_fail(KVC_ERR_ARG, "saving a cache: no path");
     KVC_TRY(check_keys(n_meta, keys, values));
-    const int32_t Hkv = c->n_kv, d = c->d, kv16 = c->be->act_dtype == KVC_BF16, n_state = state ? state->n : 0;
-    const size_t es = kv16 ? 2 : 4;
+    const int32_t Hkv = c->n_kv, d = c->d, kvt = file_kv_dtype(c), n_state = state ? state->n : 0;
+    const size_t es = kvt != KV_F32 ? 2 : 4;
     entry *e = calloc((size_t)c->n_layers * 6 + (size_t)n_state + 1, sizeof *e);
     if (!e) return kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
     int32_t ne = 0;
@@ -215,8 +246,8 @@ kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const
         for (int32_t h = 0; h < Hkv; h++) total += L->len[h];
         add_entry(e, &ne, &off, "rows", l, "I64", 8, Hkv, 0, 1);
         add_entry(e, &ne, &off, "positions", l, "I64", 8, total, 0, 1);
-        add_entry(e, &ne, &off, "keys", l, kv16 ? "BF16" : "F32", es, total, d, 2);
-        add_entry(e, &ne, &off, "values", l, kv16 ? "BF16" : "F32", es, total, d, 2);
+        add_entry(e, &ne, &off, "keys", l, kv_dtype_name[kvt], es, total, d, 2);
+        add_entry(e, &ne, &off, "values", l, kv_dtype_name[kvt], es, total, d, 2);
         if (layer_pruned(c, L)) {
             add_entry(e, &ne, &off, "pruned_rows", l, "I64", 8, Hkv, 0, 1);
             add_entry(e, &ne, &off, "key_channels", l, "I32", 4, Hkv, L->dk, 2);
@@ -225,14 +256,18 @@ kvc_status kvc_cache_file_write(const kvc_cache *c, const kvc_config *cfg, const
     for (int32_t i = 0; i < n_state; i++) add_state(e, &ne, &off, &state->arr[i]);
     uint8_t *data = calloc(off ? off : 1, 1);
     char *config = kvc_model_id_config_json(cfg);
-    kvc_status st = data && config ? fill_data(c, e, ne, data, kv16) : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
+    kvc_status st = data && config ? fill_data(c, e, ne, data, kvt) : kvc_fail(KVC_ERR_NOMEM, "out of memory: saving the cache");
     sbuf b = {0};
     size_t digest_at = 0;
     if (st == KVC_OK) {
         sb_put(&b, "\0\0\0\0\0\0\0\0", 8); /* the header's length, set below */
         sb_str(&b, "{\"__metadata__\":{\"kvc.format\":\"" KVC_CACHE_FORMAT "\",\"kvc.version\":");
         sb_fmt(&b, "\"%lld\",\"kvc.position\":\"%lld\",\"kvc.dtype\":", VERSION, position);
-        sb_str(&b, kv16 ? "\"BF16\"" : "\"F32\"");
+        sb_json(&b, kv_dtype_name[kvt]);
+        char kvc_name[48];
+        kv_cache_name(&c->fmt, kvc_name, sizeof kvc_name);
+        sb_str(&b, ",\"kvc.kv_cache\":");
+        sb_json(&b, kvc_name);
         sb_str(&b, ",\"kvc.device\":");
         sb_json(&b, c->be->name);
         sb_str(&b, ",\"kvc.presses\":");
@@ -513,6 +548,13 @@ kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, c
                         "model's %.40s... (same configuration, other weights)", f->path, digest, here);
     const int64_t pos = parse_count(st_meta(f->st, "kvc.position"), INT64_MAX / 2);
     if (pos < 0) return kvc_fail(KVC_ERR_FORMAT, "'%s': its kvc.position is not a position" CORRUPT, f->path);
+    /* the storage type it was saved in */
+    kvc_kv_format fmt = c->fmt, old = c->fmt;
+    const char *kvc_name = st_meta(f->st, "kvc.kv_cache");
+    if (parse_count(st_meta(f->st, "kvc.version"), INT32_MAX) >= 3 &&
+        (!kv_cache_parse(kvc_name, &fmt) || kvc_kv_format_check(&fmt, c->d) != KVC_OK))
+        return kvc_fail(KVC_ERR_FORMAT, "'%s': its kvc.kv_cache '%s' is not a K/V cache type" CORRUPT, f->path,
+                        kvc_name ? kvc_name : "");
     layer_in *in = calloc((size_t)c->n_layers, sizeof *in);
     if (!in) return kvc_fail(KVC_ERR_NOMEM, "out of memory: loading a cache");
     kvc_status st = KVC_OK;
@@ -530,10 +572,12 @@ kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, c
     if (st == KVC_OK && st_n_tensors(f->st) != expected)
         st = kvc_fail(KVC_ERR_FORMAT, "'%s' holds %lld tensors, not the %lld of a %d-layer cache" CORRUPT, f->path,
                       (long long)st_n_tensors(f->st), (long long)expected, c->n_layers);
+    if (st == KVC_OK && memcmp(&fmt, &c->fmt, sizeof fmt)) st = kvc_cache_set_format(c, &fmt); /* the device may refuse it */
     for (int32_t l = 0; l < c->n_layers && st == KVC_OK; l++) st = load_layer(c, l, &in[l]);
     free(in);
     if (st != KVC_OK) {
         kvc_cache_clear(c);
+        if (memcmp(&old, &c->fmt, sizeof old)) kvc_cache_set_format(c, &old); /* the session keeps its own type */
         return st;
     }
     *position = pos;

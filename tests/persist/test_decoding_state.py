@@ -63,7 +63,7 @@ def test_saved_mid_answer_goes_on_bit_for_bit(folder, tmp_path, rng, name):
     logits = _decode(s, s.forward(prompt, logits="last"), INTERVAL + 2)  # mid-interval: buffers and counters held
     save_session(s, tmp_path / "mid.kvc", decoding=(press, cfg))
     names = json.loads(kvpress_c._core.cache_file_metadata(str(tmp_path / "mid.kvc")))
-    assert kvpress_c.cache_info(tmp_path / "mid.kvc")["version"] == 2 and names["kvc.presses"] == "decoding"
+    assert kvpress_c.cache_info(tmp_path / "mid.kvc")["version"] == 3 and names["kvc.presses"] == "decoding"
     r = kvpress_c.load_session(model, tmp_path / "mid.kvc")
     fresh = model.new_session(0)  # the same cache under a fresh press: what a file without the state gives
     fresh.copy_cache_from(s)
@@ -122,15 +122,27 @@ def test_saved_on_the_cpu_goes_on_on_the_emulated_device(folder, tmp_path, rng, 
     logits = _decode(s, s.forward(prompt, logits="last"), INTERVAL + 2)
     save_session(s, tmp_path / "cpu.kvc", decoding=(press, cfg))
     d = kvpress_c.load_session(dev, tmp_path / "cpu.kvc")
-    worst = 0.0
+    L, Hkv = cpu.config["n_layers"], cpu.config["n_kv_heads"]
+
+    def kept(x):
+        return [x.cache_positions(layer, h).tolist() for layer in range(L) for h in range(Hkv)]
+
+    worst, compared = 0.0, 0
     for _ in range(INTERVAL + 1):  # through the next compression
         t = np.array([int(np.argmax(logits))], np.int32)
         before = s.decoding_compressions
         logits, ld = s.forward(t, logits="last"), d.forward(t, logits="last")
         assert np.array_equal(s.cache_lengths(), d.cache_lengths())
         assert d.decoding_compressions - before == s.decoding_compressions - before
+        if kept(s) != kept(d):
+            # only a compression may choose other rows: a bf16-rounded score crossing a near-tie of the f32 one (2 seeds
+            # in 30 for CAM over Knorm moved the logits by 0.38 and 0.49 so); the logits compare up to here
+            assert s.decoding_compressions > before, "the kept rows differ without a compression"
+            print(f"{name}: the emulated device kept other rows at the compression after {compared} steps (a near-tie)")
+            break
+        compared += 1
         worst = max(worst, float(np.abs(ld - logits).max() / np.abs(logits).max()))
-    print(f"{name}: CPU file on the emulated device, max relative logit difference {worst:.3g}")
+    print(f"{name}: CPU file on the emulated device, max relative logit difference {worst:.3g} over {compared} steps")
     assert worst < MODEL_TOL
 
 
@@ -181,8 +193,8 @@ def test_bad_states_and_versions_are_refused(folder, tmp_path, rng):
             t.load(str(p))
         assert t.position == 0 and int(t.cache_lengths().sum()) == 0  # nothing half-loaded
 
-    for version, why in (("1", "version 1, older than this kvpress_c reads"),
-                         ("3", "version 3, newer than this kvpress_c reads")):
+    for version, why in (("2", "version 2, older than this kvpress_c reads"),
+                         ("4", "version 4, newer than this kvpress_c reads")):
         _rewrite(path, tmp_path / f"v{version}.kvc", meta={"kvc.version": version})
         refused(tmp_path / f"v{version}.kvc", why)
         with pytest.raises(ValueError, match=why):

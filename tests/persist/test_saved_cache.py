@@ -148,11 +148,13 @@ def _saved(model, path, rng, n=40):
 
 
 def _rewrite_meta(path, out, **changes):
-    """The file with metadata changed and its digest recomputed (a well-formed file that says something else)."""
+    """The file with metadata changed (a value None: the key removed) and its digest recomputed (a well-formed file
+    that says something else)."""
     raw = open(path, "rb").read()
     hlen = struct.unpack("<Q", raw[:8])[0]
     hdr = json.loads(raw[8:8 + hlen])
     hdr["__metadata__"].update(changes)
+    hdr["__metadata__"] = {k: v for k, v in hdr["__metadata__"].items() if v is not None}
     hdr["__metadata__"]["kvc.digest"] = "sha256:" + "0" * 64
     body = json.dumps(hdr).encode()
     body += b" " * (-len(body) % 8)
@@ -176,9 +178,9 @@ def test_refusals_say_which(tmp_path, rng):
         _tiny(str(tmp_path / "b"), seed, layers=3).new_session(0).load(str(path))
     with pytest.raises(ValueError, match="different model: its weights' digest"):
         _tiny(str(tmp_path / "c"), seed + 1).new_session(0).load(str(path))
-    _rewrite_meta(path, tmp_path / "v3.kvc", **{"kvc.version": "3"})
-    with pytest.raises(ValueError, match="format version 3, newer than this kvpress_c reads"):
-        a.new_session(0).load(str(tmp_path / "v3.kvc"))
+    _rewrite_meta(path, tmp_path / "v4.kvc", **{"kvc.version": "4"})
+    with pytest.raises(ValueError, match="format version 4, newer than this kvpress_c reads"):
+        a.new_session(0).load(str(tmp_path / "v4.kvc"))
     raw = open(path, "rb").read()
     (tmp_path / "cut.kvc").write_bytes(raw[:-100])
     with pytest.raises(ValueError, match="truncated or corrupt|outside the"):

@@ -52,6 +52,10 @@ class KVFormat(C.Structure):  # kvc_kv_format
 
 
 _V, _I, _I32, _I64, _SZ, _F, _D = C.c_void_p, C.c_int, C.c_int32, C.c_int64, C.c_size_t, C.c_float, C.c_double
+
+
+class KVFormat(C.Structure):  # kvc_kv_format: a K/V store's type
+    _fields_ = [("type", C.c_int32), ("group", C.c_int32), ("residual", C.c_int32)]
 SIGNATURES = {  # name: (restype, argtypes)
     "kvc_last_error": (C.c_char_p, []),
     "kvc_version": (C.c_char_p, []),
@@ -118,6 +122,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_device_kernel_gather_rows": (_I, [_I32, F32P, _I64, I32P, _I64, _I64, F32P]),
     "kvc_device_kernel_moe_combine": (_I, [_I32, F32P, F32P, F32P, I32P, _I64, _I32, _I64]),
     "kvc_model_layer_moe": (_I32, [_V, _I32]),
+    "kvc_device_kernel_kv_store": (_I, [_I32, C.POINTER(KVFormat), _I32, _I32, _I64, _I64, F32P, F32P, F32P, F32P,
+                                        C.POINTER(_SZ)]),
     "kvc_tada_allocate": (_I, [C.POINTER(_D), _I32, _I64, _I64, _I64, C.POINTER(_I64)]),
     "kvc_merge_similar": (_I, [F32P, F32P, _I64, _I32, I64P, _I64, _F, _F, F32P]),
     "kvc_scorer_count": (_I32, []),
@@ -258,3 +264,15 @@ def cam_merge(scores, attn, v, target, n_merge, merge_budget, seed=0, layer=0, e
     out = np.zeros((Hkv, target, d), np.float32)
     check(lib.kvc_cam_merge(scores, attn, v, Hkv, n, d, target, n_merge, merge_budget, seed, layer, event, keep, out))
     return keep, out
+
+
+def kv_store(k, v, kv_type, group=0, residual=0, step=None, device="cpu"):
+    """k, v [Hkv, n, d] through a K/V store of type kv_type (kvpress_c.kv_cache codes) filled `step` rows at a
+    time (kvc_device_kernel_kv_store: write, hold, commit each); -> (keys, values read back in f32, kv_bytes)."""
+    k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
+    Hkv, n, d = k.shape
+    ko, vo, nb = np.empty_like(k), np.empty_like(v), C.c_size_t(0)
+    fmt = KVFormat(kv_type, group, residual)
+    check(lib.kvc_device_kernel_kv_store(DEVICES[device], C.byref(fmt), Hkv, d, n, step or max(n, 1), k, v, ko, vo,
+                                         C.byref(nb)))
+    return ko, vo, nb.value

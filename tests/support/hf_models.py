@@ -27,12 +27,13 @@ def _transformers_major() -> int:
 
 
 def make_config(arch: str = "llama", tied: bool = False, vocab: int = 256, layers: int = 4, rope_theta: float = 10000.0,
-                window: int | None = None, window_layers: int = 0):
+                window: int | None = None, window_layers: int = 0, shape: dict | None = None):
     """The transformers config object for one of ARCHS. window: sliding-window attention (mistral: every
-    layer; qwen2/qwen3: the layers from `window_layers` on)."""
+    layer; qwen2/qwen3: the layers from `window_layers` on). shape: TINY's entries to change (head_dim 64: KIVI's
+    groups)."""
     import transformers
 
-    common = dict(TINY, num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied)
+    common = dict(TINY, **(shape or {}), num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied)
     rope = {"rope_theta": rope_theta}
     if arch == "llama31":
         if _transformers_major() >= 5:  # v5 keeps every RoPE setting in rope_parameters
@@ -53,7 +54,8 @@ def make_config(arch: str = "llama", tied: bool = False, vocab: int = 256, layer
 
 def write_tiny_model(path: str, arch: str = "llama", dtype: str = "float32", tied: bool = False,
                      sharded: bool = False, seed: int = 0, vocab: int = 256, layers: int = 4,
-                     with_tokenizer: bool = True, window: int | None = None, window_layers: int = 0) -> str:
+                     with_tokenizer: bool = True, window: int | None = None, window_layers: int = 0,
+                     shape: dict | None = None) -> str:
     """Write a small GQA model to the folder `path` (created if needed) and return `path`.
 
     Weights are random but deterministic in `seed`; matrices are drawn wider than transformers'
@@ -65,7 +67,7 @@ def write_tiny_model(path: str, arch: str = "llama", dtype: str = "float32", tie
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r} (one of {DTYPES})")
-    cfg = make_config(arch, tied=tied, vocab=vocab, layers=layers, window=window, window_layers=window_layers)
+    cfg = make_config(arch, tied=tied, vocab=vocab, layers=layers, window=window, window_layers=window_layers, shape=shape)
     cls = {"llama": transformers.LlamaForCausalLM, "llama31": transformers.LlamaForCausalLM,
            "mistral": transformers.MistralForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
            "qwen3": transformers.Qwen3ForCausalLM}[arch]

@@ -76,10 +76,16 @@ kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, const kvc_kv_format *f
     kv->nq = calloc((size_t)Hkv, sizeof *kv->nq);
     kv->sk = calloc((size_t)Hkv, sizeof *kv->sk);
     kv->scap = calloc((size_t)Hkv, sizeof *kv->scap);
-    if (!kv->k || !kv->v || !kv->kp || !kv->len || !kv->cap || !kv->np || !kv->nq || !kv->sk || !kv->scap) {
+    kv->mark = calloc((size_t)Hkv * 3, sizeof *kv->mark);
+    kv->uk = calloc((size_t)Hkv, sizeof *kv->uk);
+    if (!kv->k || !kv->v || !kv->kp || !kv->len || !kv->cap || !kv->np || !kv->nq || !kv->sk || !kv->scap || !kv->mark ||
+        !kv->uk) {
         kvc_hkv_free(kv);
         return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V store");
     }
+    kv->u0 = kv->mark + Hkv;
+    kv->un = kv->mark + 2 * (size_t)Hkv;
+    for (int32_t h = 0; h < Hkv; h++) kv->mark[h] = -1;
     *out = kv;
     return KVC_OK;
 }
@@ -117,11 +123,49 @@ static kvc_status staging_room(kvc_kv *kv, int32_t h, int64_t rows, int shrink) 
     return KVC_OK;
 }
 
+/* ---- KIVI's undo rows (host.h): what a roll-back to the length before the last append needs ---- */
+
+static void undo_drop(kvc_kv *kv, int32_t h) {
+    if (kv->un[h] == 0) return;
+    const size_t b = sizeof(float) * 2 * (size_t)kv->d * (size_t)kv->un[h];
+    kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, -(int64_t)b);
+    kv->sbytes -= b;
+    kvc_free(kv->uk[h]);
+    kv->uk[h] = NULL;
+    kv->un[h] = 0;
+}
+
+/* The rows move otherwise than by an append and its commit: no roll-back to the last append's length. */
+static void undo_forget(kvc_kv *kv) {
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        undo_drop(kv, h);
+        kv->mark[h] = -1;
+    }
+}
+
+/* Before commit_head quantises rows [nq, nq + m) of head h: a copy of those of them that waited before the
+ * last append (the rows of earlier calls; fewer than max(residual, group)). */
+static kvc_status undo_keep(kvc_kv *kv, int32_t h, int64_t m) {
+    const int64_t pre = kv->mark[h] - kv->nq[h] < m ? kv->mark[h] - kv->nq[h] : m;
+    if (kv->un[h] > 0 || pre <= 0) return KVC_OK;
+    const size_t b = sizeof(float) * 2 * (size_t)kv->d * (size_t)pre;
+    kv->uk[h] = kvc_malloc(b, "K/V undo rows");
+    if (!kv->uk[h]) return KVC_ERR_NOMEM;
+    memcpy(kv->uk[h], kv->sk[h], b);
+    kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, (int64_t)b);
+    kv->sbytes += b;
+    kv->u0[h] = kv->nq[h];
+    kv->un[h] = pre;
+    return KVC_OK;
+}
+
 void kvc_hkv_free(kvc_kv *kv) {
     if (!kv) return;
     arena_release(kv);
     if (kv->sk)
         for (int32_t h = 0; h < kv->Hkv; h++) kvc_free(kv->sk[h]);
+    if (kv->uk)
+        for (int32_t h = 0; h < kv->Hkv; h++) kvc_free(kv->uk[h]);
     if (kv->stats && kv->sbytes) kvc_host_stats_add(kv->stats, KVC_MEM_CACHE, -(int64_t)kv->sbytes);
     free(kv->k);
     free(kv->v);
@@ -132,6 +176,8 @@ void kvc_hkv_free(kvc_kv *kv) {
     free(kv->nq);
     free(kv->sk);
     free(kv->scap);
+    free(kv->mark);
+    free(kv->uk);
     free(kv->kidx);
     free(kv);
 }
@@ -324,6 +370,7 @@ static kvc_status commit_head(kvc_kv *kv, int32_t h) {
         const int64_t G = kv->fmt.group, R = kv->fmt.residual;
         if (c < (R > G ? R : G)) return KVC_OK;
         m = c / G * G;
+        KVC_TRY(undo_keep(kv, h, m));
         float kb[64 * WMAX / 16]; /* G rows of K gathered from the staging rows (G d <= 4096 here, else heap) */
         float *blk = (size_t)G * d <= sizeof kb / sizeof kb[0] ? kb : kvc_malloc(sizeof(float) * (size_t)G * d, "KIVI block");
         if (!blk) return KVC_ERR_NOMEM;
@@ -367,6 +414,7 @@ static kvc_status commit_all(kvc_kv *kv) {
 static kvc_status rebuild(kvc_kv *kv, kvc_kv *from, const int64_t *cap, const int64_t *const *keep, const int64_t *n,
                           layout *L) {
     KVC_TRY(commit_all(from));
+    undo_forget(kv);
     if (layout_alloc(kv, cap, L) != KVC_OK) {
         layout_drop(L);
         return KVC_ERR_NOMEM;
@@ -476,6 +524,7 @@ static kvc_status prune_blocks(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
     int32_t *ix = malloc(sizeof(int32_t) * (size_t)kv->Hkv * (size_t)dk);
     if (!ix) return kvc_fail(KVC_ERR_NOMEM, "out of memory: K/V prune");
     memcpy(ix, kidx, sizeof(int32_t) * (size_t)kv->Hkv * (size_t)dk);
+    undo_forget(kv);
     const int32_t d = kv->d;
     const size_t bb = kvc_kivi_block_bytes(&kv->fmt, d);
     for (int32_t h = 0; h < kv->Hkv; h++) {
@@ -529,20 +578,23 @@ kvc_status kvc_hkv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
 }
 
 /* KIVI: rows [r0, nq) of head h (r0 a block's start) back to staging rows, so writes and cuts below nq see
- * rows in f32. */
-static kvc_status unquantise_from(kvc_kv *kv, int32_t h, int64_t r0) {
+ * rows in f32: decoded, or on a roll-back (undo) the undo rows as they were. */
+static kvc_status unquantise_from(kvc_kv *kv, int32_t h, int64_t r0, int undo) {
     const int64_t back = kv->nq[h] - r0, waiting = kv->len[h] - kv->nq[h];
     if (back <= 0) return KVC_OK;
     KVC_TRY(staging_room(kv, h, back + (waiting > 0 ? waiting : 0), 0));
     const int32_t d = kv->d;
-    if (waiting > 0) memmove(kv->sk[h] + (size_t)back * 2 * d, kv->sk[h], sizeof(float) * 2 * (size_t)d * (size_t)waiting);
-    float *tmp = kvc_malloc(sizeof(float) * (size_t)back * d, "K/V rows");
+    float *tmp = kvc_malloc(sizeof(float) * (size_t)back * d, "K/V rows"); /* before anything moves */
     if (!tmp) return KVC_ERR_NOMEM;
+    if (waiting > 0) memmove(kv->sk[h] + (size_t)back * 2 * d, kv->sk[h], sizeof(float) * 2 * (size_t)d * (size_t)waiting);
     keys_typed(kv, h, r0, back, tmp);
     for (int64_t i = 0; i < back; i++) {
         memcpy(kv->sk[h] + (size_t)i * 2 * d, tmp + (size_t)i * d, sizeof(float) * (size_t)d);
         values_typed(kv, h, r0 + i, 1, kv->sk[h] + (size_t)i * 2 * d + d);
     }
+    for (int64_t r = kv->u0[h]; undo && r < kv->u0[h] + kv->un[h]; r++)
+        if (r >= r0 && r < kv->nq[h])
+            memcpy(kv->sk[h] + (size_t)(r - r0) * 2 * d, kv->uk[h] + (size_t)(r - kv->u0[h]) * 2 * d, sizeof(float) * 2 * (size_t)d);
     kvc_free(tmp);
     kv->nq[h] = r0;
     return KVC_OK;
@@ -567,7 +619,14 @@ kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
     }
     for (int32_t h = 0; h < kv->Hkv; h++) {
         if (key_blocks(kv)) {
-            if (len[h] < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, len[h] / kv->fmt.group * kv->fmt.group));
+            const int roll_back = kv->mark[h] >= 0 && len[h] == kv->mark[h]; /* to before the last append: as it was */
+            int64_t r0 = len[h] < kv->nq[h] ? len[h] / kv->fmt.group * kv->fmt.group : kv->nq[h];
+            if (roll_back && kv->un[h] > 0 && kv->u0[h] < r0) r0 = kv->u0[h];
+            if (r0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, r0, roll_back));
+            if (roll_back || len[h] < kv->len[h]) {
+                undo_drop(kv, h);
+                kv->mark[h] = -1;
+            }
             if (len[h] > kv->nq[h]) KVC_TRY(staging_room(kv, h, len[h] - kv->nq[h], 0));
             if (len[h] < kv->np[h]) kv->np[h] = len[h];
         } else {
@@ -590,7 +649,9 @@ kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, cons
     KVC_TRY(commit_all(kv));
     const int32_t d = kv->d;
     if (key_blocks(kv)) { /* rows in f32 from the block of row0 on, written there; kv_commit quantises them again */
-        if (row0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, row0 / kv->fmt.group * kv->fmt.group));
+        if (row0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, row0 / kv->fmt.group * kv->fmt.group, 0));
+        undo_drop(kv, h); /* rows written past the held ones are an append (RestoreKV's): a roll-back cuts them */
+        kv->mark[h] = row0 >= kv->len[h] ? kv->len[h] : -1;
         const int64_t top = row0 + rows > kv->len[h] ? row0 + rows : kv->len[h];
         KVC_TRY(staging_room(kv, h, top - kv->nq[h], 0));
         for (int64_t r = 0; r < rows; r++) {
@@ -663,6 +724,10 @@ kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, 
         return KVC_OK;
     }
     for (int32_t h = 0; h < Hkv; h++) KVC_TRY(staging_room(kv, h, kv->len[h] - kv->nq[h] + n, 0));
+    for (int32_t h = 0; h < Hkv; h++) { /* a new call's rows: the last one's undo rows go */
+        undo_drop(kv, h);
+        kv->mark[h] = kv->len[h];
+    }
     for (int32_t h = 0; h < Hkv; h++) {
         for (int64_t i = 0; i < n; i++) {
             float *s = kv->sk[h] + (size_t)(kv->len[h] + i - kv->nq[h]) * 2 * d;
