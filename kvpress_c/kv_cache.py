@@ -18,6 +18,7 @@ read back in f32; eviction frees the evicted rows' bytes.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Union
 
@@ -79,7 +80,27 @@ def kv_cache_of(fmt: tuple[int, int, int]) -> KVCache:
 
 
 def kv_cache_name(kv_cache: KVCache) -> str:
-    """A short name for tables and file names: native, f32, f16, bf16, q8_0, kivi4, kivi2."""
+    """A short name for tables, file names and the command line: native, f32, f16, bf16, q8_0, kivi4, kivi2
+    (a QuantizedCache with other settings than the defaults: kivi4-g32-r64); kv_cache_from_name reads it back."""
     if isinstance(kv_cache, QuantizedCache):
-        return kv_cache.name
+        d = QuantizedCache(kv_cache.nbits)
+        if (kv_cache.q_group_size, kv_cache.residual_length) == (d.q_group_size, d.residual_length):
+            return kv_cache.name
+        return f"{kv_cache.name}-g{kv_cache.q_group_size}-r{kv_cache.residual_length}"
     return _TYPE_NAMES[kv_format(kv_cache)[0]]
+
+
+def kv_cache_from_name(name: str) -> KVCache:
+    """The kv_cache value a kv_cache_name names (None for "native"; ValueError naming the choices)."""
+    text = str(name).strip().lower()
+    if text == "native":
+        return None
+    if text in _NAMES:
+        return text
+    m = re.fullmatch(r"kivi([24])(?:-g(\d+)-r(\d+))?", text)
+    if m is None:
+        raise ValueError(f"unknown K/V cache type {name!r}; choose one of {', '.join(sorted(_NAMES))}, kivi4, kivi2 "
+                         "(QuantizedCache's defaults) or kivi4-g<q_group_size>-r<residual_length>")
+    if m.group(2) is None:
+        return QuantizedCache(int(m.group(1)))
+    return QuantizedCache(int(m.group(1)), int(m.group(2)), int(m.group(3)))

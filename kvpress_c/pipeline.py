@@ -76,9 +76,10 @@ class Pipeline:
             kv_format(kv_cache)  # refused here, not at the first call
         self.kv_cache = kv_cache
 
-    def new_session(self):
-        """An empty session of the pipeline's model in the pipeline's K/V type."""
-        return self.model.new_session(0, kv_cache=self.kv_cache)
+    def new_session(self, kv_cache="pipeline"):
+        """An empty session of the pipeline's model in the pipeline's K/V type (or the kv_cache given)."""
+        return self.model.new_session(0, kv_cache=self.kv_cache if isinstance(kv_cache, str) and kv_cache == "pipeline"
+                                      else kv_cache)
 
     # -- prompt construction (kvpress semantics) --------------------------------------------------
     def split_prompt(self, context: str, question: str, answer_prefix: str = "",
@@ -157,8 +158,13 @@ class Pipeline:
     def run_many(self, context: str, question: str = "", questions: Optional[Sequence[str]] = None,
                  presses: Sequence[Optional[BasePress]] = (None,), max_new_tokens: int = 50,
                  answer_prefix: str = "", query_aware: bool = False,
-                 record_scores: bool = False, chat: bool = True) -> list[PipelineResult]:
+                 record_scores: bool = False, chat: bool = True, kv_caches: Optional[Sequence] = None
+                 ) -> list[PipelineResult]:
         """Answer the same prompt under several presses (None = full cache), one result per press.
+
+        kv_caches: one K/V storage type per press (kvpress_c.kv_cache; "pipeline": the pipeline's), default the
+        pipeline's for all. The prompt's forward does not depend on the type (a call's own rows are read exact),
+        so presses in different types still share it, each session storing the rows in its own type.
 
         Presses that act after each layer (every scorer press, Ada-KV, ChunkKV, EDIE/TADA...) share
         a single prefill: the forward runs once and each press compresses its own copy of every
@@ -175,6 +181,7 @@ class Pipeline:
                 raise TypeError(f"press must be a kvpress_c press (e.g. SnapKVPress(compression_ratio=0.5)), got {press!r}")
         if max_new_tokens < 0:
             raise ValueError("max_new_tokens must be >= 0")
+        kv_caches = self._kv_caches(kv_caches, len(presses))
         stop_ids = set(self.model.tokenizer.stop_ids)
         device = getattr(self.model, "device", "cpu")
         if device != "cpu":  # device peaks are per run
@@ -191,18 +198,31 @@ class Pipeline:
         presses = [p.prefill_part if p is not None else None for p in presses]
         for pi, ids in enumerate(prompts):
             q_ids = parts[pi][1] if query_aware else None
-            for k, entry in self._prefill_all(ids, presses, record_scores, q_ids, decoding):
+            for k, entry in self._prefill_all(ids, presses, record_scores, q_ids, decoding, kv_caches):
                 per_press[k].append(entry)
         return self._answer_all(per_press, parts, query_aware, max_new_tokens, stop_ids, record_scores, decoding, chat,
-                                originals, context)
+                                originals, context, kv_caches)
+
+    def _kv_caches(self, kv_caches, n: int) -> list:
+        """One K/V type per press ("pipeline" where none is given), each checked before any prefill."""
+        if kv_caches is None:
+            return ["pipeline"] * n
+        kv_caches = list(kv_caches)
+        if len(kv_caches) != n:
+            raise ValueError(f"kv_caches gives {len(kv_caches)} K/V types for {n} presses: one per press")
+        from .kv_cache import kv_format
+        for kv in kv_caches:
+            if not (isinstance(kv, str) and kv == "pipeline"):
+                kv_format(kv)
+        return kv_caches
 
     @staticmethod
     def _shares_prefill(press, ids, question_ids=None) -> bool:
         return press is None or press.is_noop or press.compresses_full_cache(ids, question_ids) or (
             press.attach_to_session and type(press).prefill is BasePress.prefill)
 
-    def _session(self, press, record_scores: bool, decoding: Optional[tuple] = None):
-        session = self.new_session()
+    def _session(self, press, record_scores: bool, decoding: Optional[tuple] = None, kv_cache="pipeline"):
+        session = self.new_session(kv_cache)
         if press is not None and not press.is_noop and press.attach_to_session:
             session.set_press(record_scores=record_scores, **press.c_config())
         if decoding:
@@ -211,7 +231,7 @@ class Pipeline:
             owner.before_decoding(session, self.model.config)
         return session
 
-    def _prefill_all(self, ids, presses, record, question_ids, decoding):
+    def _prefill_all(self, ids, presses, record, question_ids, decoding, kv_caches):
         """Yield (press index, (session, logits, prefill_s, n_prompt, shared)) for every press."""
         arr = np.asarray(ids, dtype=np.int32)
         cfg = self.model.config
@@ -221,14 +241,24 @@ class Pipeline:
         if shared == copies and len(copies) == 1:
             shared = []  # alone, its own prefill is as fast and holds one full cache, not two
         if shared:
-            sessions = {k: self._session(presses[k], record, decoding[k]) for k in shared}
+            sessions = {k: self._session(presses[k], record, decoding[k], kv_caches[k]) for k in shared}
             followers = [k for k in shared if k not in full and k not in copies]
-            leader = sessions[full[0]] if full else self.new_session()
+            leader = sessions[full[0]] if full else self.new_session(kv_caches[copies[0]] if copies else "pipeline")
+            # the full caches a copying press starts from, one per K/V type (a copy keeps its source's type):
+            # other types than the leader's are filled as followers without a press
+            fmt = lambda session: tuple(session.kv_format())
+            sources = {fmt(leader): leader}
+            for k in full[1:] + copies:
+                f = fmt(sessions[k])
+                if f not in sources:
+                    sources[f] = sessions[k] if k in full else self.new_session(kv_caches[k])
+            stores = [s for s in sources.values() if s is not leader]
+            filled = {id(s) for s in stores}
             for k in followers:
                 presses[k].before_prefill(sessions[k], len(arr), cfg)
             t0 = time.perf_counter()
-            if followers:
-                logits = leader.forward_shared(arr, [sessions[k] for k in followers])
+            if followers or stores:
+                logits = leader.forward_shared(arr, [sessions[k] for k in followers] + stores)
             else:
                 logits = leader.forward(arr, logits="last")
             prefill_s = time.perf_counter() - t0
@@ -237,17 +267,19 @@ class Pipeline:
             extra = {}
             for k in copies:  # one full copy at a time, compressed before the next is made
                 t1 = time.perf_counter()
-                sessions[k].copy_cache_from(leader)
+                sessions[k].copy_cache_from(sources[fmt(sessions[k])])
                 presses[k].compress_full_cache(sessions[k], arr, cfg, question_ids)
                 extra[k] = time.perf_counter() - t1
             for k in full[1:]:  # several full-cache entries: give each its own copy
-                sessions[k].copy_cache_from(leader)
+                if id(sessions[k]) not in filled:
+                    sessions[k].copy_cache_from(sources[fmt(sessions[k])])
+            del sources, stores  # the extra full caches go once the copies are made
             for k in shared:
                 yield k, (sessions[k], logits, prefill_s + extra.get(k, 0.0), len(arr), True)
         for k, press in enumerate(presses):
             if k in shared:
                 continue
-            session = self._session(press, record, decoding[k])
+            session = self._session(press, record, decoding[k], kv_caches[k])
             t0 = time.perf_counter()
             logits = press.prefill(session, arr, cfg, question_ids=question_ids)
             yield k, (session, logits, time.perf_counter() - t0, len(arr), False)
@@ -286,7 +318,7 @@ class Pipeline:
         return kept, stats, errors
 
     def _answer_all(self, per_press, parts, query_aware, max_new_tokens, stop_ids, record, decoding, chat=True,
-                    presses=None, context=""):
+                    presses=None, context="", kv_caches=None):
         """Decode every press's answers together (batched decode across the presses' sessions)."""
         collected = [self._collect(s, n, t, shared, record) for s, _, t, n, shared in (e[0] for e in per_press)]
         answers = [[] for _ in per_press]
@@ -300,7 +332,7 @@ class Pipeline:
         if not query_aware:
             for k, entries in enumerate(per_press):
                 if decoding[k]:
-                    contexts[k] = self.new_session()
+                    contexts[k] = self.new_session(kv_caches[k] if kv_caches else "pipeline")
                     contexts[k].copy_cache_from(entries[0][0])
         for qi, (_, q_ids) in enumerate(parts):
             t0 = time.perf_counter()

@@ -33,6 +33,11 @@ def add_eval_parser(sub) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--budget", type=int, nargs="+", help="tokens kept per KV head (one or more)")
     size.add_argument("--compression-ratio", type=float, nargs="+", help="fraction of tokens removed (one or more)")
+    p.add_argument("--kv-cache", nargs="+", default=None, metavar="TYPE",
+                   help="K/V storage type(s): f32, f16, bf16, q8_0, kivi4, kivi2 (QuantizedCache(4 | 2); "
+                        "kivi4-g<q_group_size>-r<residual_length> for other settings); every press x budget runs "
+                        "in each, labels end in the type (snapkv-b128-kivi4), one shared prefill per sample "
+                        "(default: the model's own, labels without a type)")
     p.add_argument("--out", required=True, help="output folder of this run")
     p.add_argument("--query-aware", action="store_true", help="compress the question with the context")
     p.add_argument("--shard", type=_shard, default=(0, 1), help="i/n: this process takes samples i, i+n, ...")
@@ -87,7 +92,7 @@ def run_eval(args) -> int:
               shard=args.shard, progress=not args.no_progress, press_options=opts,
               max_new_tokens=args.max_new_tokens, device=args.device, threads=args.threads,
               allow_long_context=args.allow_long_context, ray=args.ray, workers=args.workers,
-              max_attempts=args.max_attempts, **bench)
+              max_attempts=args.max_attempts, kv_cache=args.kv_cache, **bench)
     if args.shard[1] > 1:
         print(f"shard {args.shard[0]}/{args.shard[1]} done; when every shard is: python -m kvpress_c merge {args.out}")
         return 0
@@ -103,6 +108,9 @@ def add_report_parser(sub) -> None:
     p.add_argument("dirs", nargs="+", help="eval output folders")
     p.add_argument("--csv", default=None, help="write the rows here (default: DIR/report.csv of the first)")
     p.add_argument("--plot", default=None, help="score-vs-budget PNG (default: DIR/report.png of the first)")
+    p.add_argument("--kv-cache-table", nargs="*", default=None, metavar="A B",
+                   help="also print a markdown table of press x budget by K/V type (runs made with --kv-cache); "
+                        "with two types, their difference A - B too (e.g. kivi4 f16)")
     p.set_defaults(func=run_report)
     m = sub.add_parser("merge", help="join the shards of a sharded eval run")
     m.add_argument("out")
@@ -113,6 +121,11 @@ def run_report(args) -> int:
     from .report import collect, plot, plot_hint, table, write_csv
     rows = collect(args.dirs)
     print(table(rows))
+    if args.kv_cache_table is not None:
+        from .report import kv_cache_table
+        if len(args.kv_cache_table) not in (0, 2):
+            raise SystemExit("--kv-cache-table takes no type or two (A B: the column A - B)")
+        print("\n" + kv_cache_table(rows, tuple(args.kv_cache_table) or None))
     csv_path = write_csv(rows, args.csv or os.path.join(args.dirs[0], "report.csv"))
     if plot_hint():  # matplotlib is an extra: the table and CSV do without it
         print(f"\nwrote {csv_path}; no plot: {plot_hint()}")

@@ -71,7 +71,8 @@ def _fit_window(win: dict, budget: Optional[int], default: int = 64) -> dict:
     return {"window_size": max(1, int(budget) // 2)}
 
 
-def label(name: str, budget: Optional[int] = None, compression_ratio: Optional[float] = None) -> str:
-    if name == "full":
-        return "full"
-    return f"{name}-b{budget}" if budget is not None else f"{name}-r{compression_ratio:g}"
+def label(name: str, budget: Optional[int] = None, compression_ratio: Optional[float] = None,
+          kv_cache: Optional[str] = None) -> str:
+    """e.g. "snapkv-b128", "full"; with a K/V type named (kvpress_c.kv_cache.kv_cache_name) "snapkv-b128-kivi4"."""
+    base = "full" if name == "full" else f"{name}-b{budget}" if budget is not None else f"{name}-r{compression_ratio:g}"
+    return base if kv_cache is None else f"{base}-{kv_cache}"

@@ -69,13 +69,14 @@ class EvalWorker:
         import kvpress_c
         from ..pipeline import Pipeline
         from .presets import make_press
-        from .runner import _score_fn
+        from .runner import _score_fn, label_kv_cache
         if threads:
             kvpress_c.set_num_threads(threads)
         self.model = kvpress_c.load_model(model_path, device=device)
         self.pipe = Pipeline(self.model)
         self.presses = {lab: make_press(spec["name"], model=self.model, **spec["size"], **spec["options"])
                         for lab, spec in specs.items()}
+        self.kv_caches = {lab: label_kv_cache(spec) for lab, spec in specs.items()}
         self.benchmark, self.score = benchmark, _score_fn(benchmark)
         self.query_aware, self.max_new_tokens = query_aware, max_new_tokens
 
@@ -101,7 +102,7 @@ class EvalWorker:
         t0 = time.perf_counter()
         try:
             rows = sample_rows(self.pipe, sample, [self.presses[lab] for lab in labels], self.score,
-                               self.query_aware, self.max_new_tokens)
+                               self.query_aware, self.max_new_tokens, [self.kv_caches[lab] for lab in labels])
             return {"rows": rows, "worker_s": time.perf_counter() - t0, "pid": os.getpid()}
         except Exception as e:  # reported to the driver, which retries and at last records it
             return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
@@ -114,7 +115,8 @@ def evaluate_on_ray(address, benchmark: str, specs: dict, out: str, *, model_pat
                     workers: Optional[int] = None, threads: Optional[int] = None, max_attempts: int = 3,
                     allow_long_context: bool = False, progress: bool = True, num_cpus: Optional[int] = None):
     """Evaluate on a Ray cluster (see the module docstring). specs: {label: {"name", "size", "options",
-    "info"}} (press name, {"budget": b} or {"compression_ratio": r}, press options, config.json info).
+    "kv_cache", "info"}} (press name, {"budget": b} or {"compression_ratio": r}, press options, the K/V type's
+    name or None for the model's own, config.json info).
     samples: given, or built on a worker from sample_options. Returns the EvalResult with `.summary`."""
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -142,7 +144,7 @@ def evaluate_on_ray(address, benchmark: str, specs: dict, out: str, *, model_pat
             resources = dict(num_cpus=threads)
         remote = ray.remote(EvalWorker)
         run_id = uuid.uuid4().hex[:8]
-        lab_specs = {lab: {k: spec[k] for k in ("name", "size", "options")} for lab, spec in specs.items()}
+        lab_specs = {lab: {k: spec.get(k) for k in ("name", "size", "options", "kv_cache")} for lab, spec in specs.items()}
         actors = [remote.options(name=f"{ACTOR_PREFIX}{run_id}:{k}", max_restarts=RESTARTS, max_task_retries=0,
                                  **resources).remote(
             model_path, device, threads, benchmark, lab_specs, query_aware, max_new_tokens) for k in range(workers)]

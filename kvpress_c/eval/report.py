@@ -40,33 +40,87 @@ def _size(m: dict) -> str:
     return str(m["budget"]) if m.get("budget") is not None else f"r{m.get('compression_ratio'):g}"
 
 
+def _row(m: dict) -> str:
+    """A table row: the press, and its K/V type where that is not the device's own ("snapkv kivi4")."""
+    press, kv = m.get("press") or "full", m.get("kv_cache")
+    return press if kv in (None, "native") else f"{press} {kv}"
+
+
 def table(rows: Sequence[dict]) -> str:
-    """One block per (benchmark, mode): presses as rows, budgets as columns, mean scores."""
+    """One block per (benchmark, mode): presses (x K/V types) as rows, budgets as columns, mean scores."""
     out = []
     groups: dict = {}
     for m in rows:
         groups.setdefault((m["benchmark"], bool(m.get("query_aware"))), []).append(m)
     for (bench, aware), ms in sorted(groups.items()):
         sizes = sorted({_size(m) for m in ms if _size(m) != "full"}, key=lambda s: (s[0] == "r", float(s.lstrip("r"))))
-        presses = sorted({m.get("press") or "full" for m in ms}, key=lambda p: (p != "full", p))
-        cell = {(m.get("press") or "full", _size(m)): m for m in ms}
+        names = sorted({_row(m) for m in ms}, key=lambda r: (not r.startswith("full"), r))
+        cell = {(_row(m), _size(m)): m for m in ms}
         out.append(f"\n{bench} ({'question-aware' if aware else 'question-agnostic'}), mean score (0-100)")
-        head = f"{'press':<16}" + "".join(f"{s:>9}" for s in (sizes or ["full"]))
+        width = max([16] + [len(r) + 2 for r in names])
+        head = f"{'press':<{width}}" + "".join(f"{s:>9}" for s in (sizes or ["full"]))
         out.append(head)
         out.append("-" * len(head))
-        for p in presses:
-            if p == "full":
-                m = cell.get(("full", "full"))
-                out.append(f"{'full':<16}" + "".join(f"{m['score']:>9.1f}" if m else f"{'':>9}" for _ in (sizes or ["full"])))
+        for r in names:
+            full = cell.get((r, "full"))
+            if full:  # the uncompressed cache: one score, shown under every budget
+                out.append(f"{r:<{width}}" + "".join(f"{full['score']:>9.1f}" for _ in (sizes or ["full"])))
                 continue
-            vals = [cell.get((p, s)) for s in sizes]
-            out.append(f"{p:<16}" + "".join(f"{v['score']:>9.1f}" if v else f"{'-':>9}" for v in vals))
+            vals = [cell.get((r, s)) for s in sizes]
+            out.append(f"{r:<{width}}" + "".join(f"{v['score']:>9.1f}" if v else f"{'-':>9}" for v in vals))
     return "\n".join(out).lstrip("\n")
+
+
+def kv_cache_table(rows: Sequence[dict], minus: Optional[tuple[str, str]] = None) -> str:
+    """Markdown, one table per (benchmark, mode): press x budget as rows, K/V types as columns (mean scores),
+    and with minus=(a, b) the column a - b (e.g. ("kivi4", "f16")). Rows of runs without a type are left out."""
+    out = []
+    groups: dict = {}
+    for m in rows:
+        if m.get("kv_cache") not in (None, "native"):
+            groups.setdefault((m["benchmark"], bool(m.get("query_aware"))), []).append(m)
+    for (bench, aware), ms in sorted(groups.items()):
+        kvs = sorted({m["kv_cache"] for m in ms}, key=_kv_order)
+        cell = {(m.get("press") or "full", _size(m), m["kv_cache"]): m for m in ms}
+        keys = sorted({(p, s) for p, s, _ in cell}, key=lambda k: (k[0] != "full", k[0], _size_order(k[1])))
+        n = sorted({m["n_samples"] for m in ms})
+        out.append(f"**{bench}** ({'question-aware' if aware else 'question-agnostic'}; mean score 0-100, "
+                   f"{'/'.join(map(str, n))} samples per cell)\n")
+        head = ["press", "budget"] + kvs + ([f"{minus[0]} - {minus[1]}"] if minus else [])
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * 2 + "---:|" * (len(head) - 2))
+        for p, size in keys:
+            vals = [cell.get((p, size, kv)) for kv in kvs]
+            line = [p, "-" if size == "full" else size] + [f"{v['score']:.1f}" if v else "" for v in vals]
+            if minus:
+                a, b = cell.get((p, size, minus[0])), cell.get((p, size, minus[1]))
+                line.append(f"{a['score'] - b['score']:+.1f}" if a and b else "")
+            out.append("| " + " | ".join(line) + " |")
+        whole = [k for k in keys if all((k[0], k[1], kv) in cell for kv in kvs)]
+        if len(whole) > 1:  # the mean over the rows every type has
+            means = {kv: sum(cell[p, s, kv]["score"] for p, s in whole) / len(whole) for kv in kvs}
+            line = ["mean", f"{len(whole)} rows"] + [f"{means[kv]:.1f}" for kv in kvs]
+            if minus and all(kv in means for kv in minus):
+                line.append(f"{means[minus[0]] - means[minus[1]]:+.1f}")
+            elif minus:
+                line.append("")
+            out.append("| " + " | ".join(line) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _kv_order(name: str) -> tuple:
+    order = ["f32", "bf16", "f16", "q8_0", "kivi4", "kivi2"]
+    return (order.index(name) if name in order else len(order), name)
+
+
+def _size_order(size: str) -> tuple:
+    return (size != "full", size[:1] == "r", float(size.lstrip("r")) if size != "full" else 0.0)
 
 
 def write_csv(rows: Sequence[dict], path: str) -> str:
     tasks = sorted({t for m in rows for t in m.get("per_task", {})})
-    keys = ["benchmark", "query_aware", "press", "budget", "compression_ratio", "label", "score", "n_samples",
+    keys = ["benchmark", "query_aware", "press", "budget", "compression_ratio", "kv_cache", "label", "score", "n_samples",
             "complete", "mean_kept_tokens", "mean_peak_kv_bytes", "path"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
@@ -89,13 +143,12 @@ def plot(rows: Sequence[dict], path: str) -> Optional[str]:
         by_press: dict = {}
         for m in ms:
             if m.get("budget") is not None and m.get("press") not in (None, "full"):
-                by_press.setdefault(m["press"], []).append((m["budget"], m["score"]))
+                by_press.setdefault(_row(m), []).append((m["budget"], m["score"]))
         for p, pts in sorted(by_press.items()):
             pts.sort()
             ax.plot([b for b, _ in pts], [s for _, s in pts], marker="o", label=p)
-        full = [m["score"] for m in ms if m.get("press") in (None, "full")]
-        if full:
-            ax.axhline(full[0], color="k", ls="--", lw=1, label="full cache")
+        for m in sorted((m for m in ms if m.get("press") in (None, "full")), key=_row):
+            ax.axhline(m["score"], color="k", ls="--", lw=1, label=_row(m).replace("full", "full cache"))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tokens per KV head)")
         ax.set_ylabel("score")

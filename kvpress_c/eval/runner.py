@@ -118,7 +118,8 @@ class EvalResult:
         return [dict(r) for r in self.rows]
 
     def to_csv(self, path: Optional[str] = None) -> str:
-        keys = ["label", "press", "budget", "compression_ratio", "query_aware", "benchmark", "score", "n_samples"]
+        keys = ["label", "press", "budget", "compression_ratio", "kv_cache", "query_aware", "benchmark", "score",
+                "n_samples"]
         tasks = sorted({t for r in self.rows for t in r.get("per_task", {})})
         buf = io.StringIO()
         w = csv.writer(buf)
@@ -208,7 +209,9 @@ def _check_config(run_dir: str, cfg: dict) -> None:
             old = json.load(f)
         # more samples (RULER --samples) extend a run; anything else is another experiment
         # (folders written before the device was recorded ran on the CPU)
-        strip = lambda c: {**c, "n_samples_total": None, "device": c.get("device", "cpu"), "benchmark_options":
+        # (and before the K/V type was, in the device's own type)
+        strip = lambda c: {**c, "n_samples_total": None, "device": c.get("device", "cpu"),
+                           "kv_cache": c.get("kv_cache", "native"), "benchmark_options":
                            {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
         a, b = strip(old), strip(cfg)
         diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
@@ -219,13 +222,15 @@ def _check_config(run_dir: str, cfg: dict) -> None:
 
 
 def sample_rows(pipe: Pipeline, sample: dict, presses: Sequence, score: Callable[[str, dict], dict],
-                query_aware: bool = False, max_new_tokens: Optional[int] = None) -> list[dict]:
-    """One sample under several presses (one shared prefill): one prediction row per press."""
+                query_aware: bool = False, max_new_tokens: Optional[int] = None,
+                kv_caches: Optional[Sequence] = None) -> list[dict]:
+    """One sample under several presses (one shared prefill), each in its K/V type (kv_caches: one per press,
+    default the pipeline's): one prediction row per press."""
     s = sample
     results = pipe.run_many(s["context"], s["question"], presses=list(presses),
                             max_new_tokens=max_new_tokens or s["max_new_tokens"],
                             answer_prefix=s.get("answer_prefix", ""), query_aware=query_aware,
-                            chat=s.get("chat", True))
+                            chat=s.get("chat", True), kv_caches=kv_caches)
     rows = []
     for res in results:
         pred = res.answers[0]
@@ -258,13 +263,16 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
              config: Optional[dict] = None, max_new_tokens: Optional[int] = None) -> EvalResult:
     """Run every press of `presses` ({label: (press or None, info dict)}) on `samples`.
 
-    info holds what goes into config.json besides the benchmark settings (press name, budget...).
+    info holds what goes into config.json besides the benchmark settings (press name, budget...); its
+    "kv_cache" (a kvpress_c.kv_cache.kv_cache_name) is the K/V type the label's sessions store, the model's
+    own where it names none.
     Returns the metrics of every label (None for a sharded run, whose metrics come from merge())."""
     i, n = _check_shard(shard)
     if not presses:
         raise ValueError("no press to evaluate")
     score = _score_fn(benchmark)
     pipe = Pipeline(model)
+    kv = {lab: label_kv_cache(info) for lab, (_, info) in presses.items()}
     mine = [s for k, s in enumerate(samples) if k % n == i]
     folders = RunFolders(out, benchmark, len(samples), {lab: (repr(p), info) for lab, (p, info) in presses.items()},
                          model.path, query_aware, shard, config, getattr(model, "device", "cpu"))
@@ -275,7 +283,8 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
     try:
         for s in todo:
             labels = folders.todo(s)
-            rows = sample_rows(pipe, s, [presses[lab][0] for lab in labels], score, query_aware, max_new_tokens)
+            rows = sample_rows(pipe, s, [presses[lab][0] for lab in labels], score, query_aware, max_new_tokens,
+                               [kv[lab] for lab in labels])
             for lab, row in zip(labels, rows):
                 folders.write(lab, row)
             tokens += rows[0]["stats"]["prompt_tokens"] if rows else 0
@@ -285,6 +294,13 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
         folders.close()
         bar.close()
     return finalize_all(out, list(presses), shard)
+
+
+def label_kv_cache(info: Optional[dict]):
+    """The kv_cache value a label's info names ("pipeline": none named, the model's own)."""
+    from ..kv_cache import kv_cache_from_name
+    name = (info or {}).get("kv_cache")
+    return "pipeline" if name is None else kv_cache_from_name(name)
 
 
 def _check_shard(shard) -> tuple[int, int]:
@@ -316,6 +332,7 @@ def finalize(run_dir: str) -> dict:
         metrics["n_failed"] = len(failed)
     for k in ("label", "press", "budget", "compression_ratio", "query_aware"):
         metrics[k] = cfg.get(k)
+    metrics["kv_cache"] = cfg.get("kv_cache", "native")
     _write_json(os.path.join(run_dir, "metrics.json"), metrics)
     from .report import plot_hint
     if cfg["benchmark"] == "niah" and rows and not plot_hint():  # matplotlib is an extra
