@@ -154,7 +154,8 @@ def plot(rows: Sequence[dict], path: str) -> Optional[str]:
         ax.set_ylabel("score")
         ax.set_title(f"{bench} ({'question-aware' if aware else 'question-agnostic'})", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        many = len(ax.get_legend_handles_labels()[1]) > 8  # presses x K/V types: the legend goes beside the panel
+        ax.legend(fontsize=7, **({"loc": "upper left", "bbox_to_anchor": (1.02, 1.0)} if many else {}))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
