@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvpress_c  # noqa: E402
-from hf_models import hf_logits, hf_model, rel_err  # noqa: E402
+from hf_models import decode_err, greedy_pair, hf_logits, hf_model, rel_err  # noqa: E402
 from moe_models import FAMILIES, QWEN3_MOE_DENSE, QWEN3_MOE_LAYERS, write_moe_gguf, write_random_moe_gguf, write_tiny_moe  # noqa: E402
 
 TOL = 1e-5  # the issue's bound; measured figures printed by each test (about 6e-7 here)
@@ -58,17 +58,7 @@ def test_decode_over_the_cache_matches_hf(moe, rng):
     """A prefill of 30 (tokens grouped by expert), then one token at a time to 60 (a block of one row)."""
     path, seed = moe
     hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
-    ids = rng.integers(3, 256, size=60).tolist()
-    ref = []
-    with torch.no_grad():
-        out = hf(torch.tensor([ids[:30]]), use_cache=True)
-        ref.append(out.logits[0].double().numpy())
-        for t in ids[30:]:
-            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
-            ref.append(out.logits[0].double().numpy())
-    s = model.new_session()
-    ours = [s.forward(ids[:30], logits="all")] + [s.forward([t])[None] for t in ids[30:]]
-    err = rel_err(np.concatenate(ours), np.concatenate(ref))
+    err = decode_err(hf, model, rng.integers(3, 256, size=60).tolist(), 30)
     print(f"(seed {seed}): prefill 30 + 30 decode steps {err:.2e}")
     assert err < TOL
 
@@ -77,14 +67,7 @@ def test_greedy_matches_hf(moe, rng):
     path, seed = moe
     hf, model = hf_model(path), kvpress_c.load_model(path, weights="fp32")
     prompt = rng.integers(3, 256, size=40).tolist()
-    ours = model.generate(prompt, max_new_tokens=16, stop_ids=[])
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
-    ref = out[0, len(prompt):].tolist()
-    # equal unless HF's own rows have a near tie (1e-5 of the row's scale) on the way
-    with torch.no_grad():
-        rows = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].double().numpy()
-    near_tie = any(np.sort(r)[-1] - np.sort(r)[-2] < 1e-5 * np.abs(r).max() for r in rows)
+    ours, ref, near_tie = greedy_pair(hf, model, prompt)  # equal unless HF's own rows had a near tie
     assert ours == ref or near_tie, f"ours {ours} vs HF {ref} (seed {seed})"
 
 

@@ -150,6 +150,37 @@ def hf_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].double().numpy()
 
 
+def decode_err(hf, model, ids, n_prefill):
+    """Relative logit error of a prefill of ids[:n_prefill] then one token at a time to the end, against HF's
+    steps over its own cache: (ours, HF) as every position's logits."""
+    import numpy as np
+    import torch
+    ref = []
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:n_prefill]]), use_cache=True)
+        ref.append(out.logits[0].double().numpy())
+        for t in ids[n_prefill:]:
+            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+            ref.append(out.logits[0].double().numpy())
+    s = model.new_session()
+    ours = [s.forward(ids[:n_prefill], logits="all")] + [s.forward([t])[None] for t in ids[n_prefill:]]
+    return rel_err(np.concatenate(ours), np.concatenate(ref))
+
+
+def greedy_pair(hf, model, prompt, n_new=16):
+    """Our greedy continuation, HF's, and whether HF's own rows had a near tie (1e-5 of the row's scale) on the
+    way: the two are equal unless they had."""
+    import numpy as np
+    import torch
+    ours = model.generate(prompt, max_new_tokens=n_new, stop_ids=[])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = out[0, len(prompt):].tolist()
+        rows = hf(torch.tensor([prompt + ref])).logits[0, len(prompt) - 1:-1].double().numpy()
+    near_tie = any(np.sort(r)[-1] - np.sort(r)[-2] < 1e-5 * np.abs(r).max() for r in rows)
+    return ours, ref, near_tie
+
+
 def gguf_writer_from_hf(out: str, arch: str, c):
     """A GGUFWriter for `arch` with the hyperparameters every llama.cpp converter writes from an HF config `c`
     (layers, context, widths, heads, RMSNorm eps, vocabulary size); the family's own keys are the caller's."""
