@@ -219,7 +219,7 @@ def test_fuzz_gemma3_gguf_never_crashes(tmp_path, rng):
     from gguf_writer import gguf_layout
     seed = int(rng.integers(1 << 30))
     path = write_tiny_gemma3(str(tmp_path / "hf"), seed=seed, **GGUF_SHAPE)
-    base = write_gemma3_gguf(path, str(tmp_path / "base.gguf"))
+    base = write_gemma_gguf(path, str(tmp_path / "base.gguf"))
     print(run_gguf_fuzz(tmp_path, base, gguf_layout(base), seed, n=600, arch="gemma3"))
 
 

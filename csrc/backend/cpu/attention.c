@@ -118,8 +118,8 @@ static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *
  * registers, NR (1..4, a constant: the accumulators stay in registers) rows x 64 columns at a time
  * (the microkernel would broadcast P and reload V per 16 columns). */
 #if defined(__AVX512F__)
-static inline __attribute__((always_inline)) void pv_tile(const float *P, const int NR, int tk, const float *V, int d,
-                                                          int e0, float *O) {
+static inline __attribute__((always_inline)) void pv_tile(const float *P, const int NR, int tk, const float *V,
+                                                          int64_t ldv, int d, int e0, float *O) {
     __mmask16 mk[4];
     __m512 o[4][4];
     for (int c = 0; c < 4; c++) {
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void pv_tile(const float *P, const 
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) o[r][c] = _mm512_maskz_loadu_ps(mk[c], O + r * d + e0 + 16 * c);
     for (int j = 0; j < tk; j++) {
-        const float *v = V + (int64_t)j * d + e0;
+        const float *v = V + (int64_t)j * ldv + e0;
         __m512 x[4];
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) x[c] = _mm512_maskz_loadu_ps(mk[c], v + 16 * c);
@@ -149,21 +149,21 @@ static inline __attribute__((always_inline)) void pv_tile(const float *P, const 
 }
 #endif
 
-static void update_pv_rows(const float *P, int rows, int tk, const float *V, int d, float *O) {
+static void update_pv_rows(const float *P, int rows, int tk, const float *V, int64_t ldv, int d, float *O) {
 #if defined(__AVX512F__)
     for (int r0 = 0; r0 < rows; r0 += 4)
         for (int e0 = 0; e0 < d; e0 += 64) switch (rows - r0 < 4 ? rows - r0 : 4) {
-            case 1: pv_tile(P + r0 * TK, 1, tk, V, d, e0, O + r0 * d); break;
-            case 2: pv_tile(P + r0 * TK, 2, tk, V, d, e0, O + r0 * d); break;
-            case 3: pv_tile(P + r0 * TK, 3, tk, V, d, e0, O + r0 * d); break;
-            default: pv_tile(P + r0 * TK, 4, tk, V, d, e0, O + r0 * d); break;
+            case 1: pv_tile(P + r0 * TK, 1, tk, V, ldv, d, e0, O + r0 * d); break;
+            case 2: pv_tile(P + r0 * TK, 2, tk, V, ldv, d, e0, O + r0 * d); break;
+            case 3: pv_tile(P + r0 * TK, 3, tk, V, ldv, d, e0, O + r0 * d); break;
+            default: pv_tile(P + r0 * TK, 4, tk, V, ldv, d, e0, O + r0 * d); break;
             }
 #else /* the microkernel, O in registers over the keys */
     for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
         const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
         for (int e0 = 0; e0 < d; e0 += KVC_NR) {
             const int nr = d - e0 < KVC_NR ? d - e0 : KVC_NR;
-            kvc_cpu_ukr(mr, nr, tk, P + r0 * TK, TK, V + e0, d, O + r0 * d + e0, d, 1);
+            kvc_cpu_ukr(mr, nr, tk, P + r0 * TK, TK, V + e0, ldv, O + r0 * d + e0, d, 1);
         }
     }
 #endif
@@ -172,19 +172,21 @@ static void update_pv_rows(const float *P, int rows, int tk, const float *V, int
 /* S[r][j] = Q[r] . K[j] for r < rows, j < tk, as dot products over d (for few rows, where
  * transposing the K tile would cost as much as the products). AVX-512: 4 keys at a time, whose 4
  * accumulators are reduced together (one horizontal reduction per 4 scores). */
-static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, const float *V, int stream, float *S) {
+static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t ldk, int tk, const float *V, int64_t ldv,
+                       int stream, float *S) {
     int j = 0;
 #if defined(__AVX512F__)
     const int dfull = d / 16 * 16;
     const __mmask16 tail = (__mmask16)((1u << (d - dfull)) - 1);
     for (; j + 4 <= tk; j += 4) {
-        const float *k0 = K + j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
         /* K and V in the store (stream): the cache streams from memory: fetch keys PF_KEYS ahead and this
          * tile's values for the update (decoded tiles are in cache: their decoders fetch the stored rows) */
-        for (int e = 0; stream && e < 4 * d; e += 16) {
-            _mm_prefetch((const char *)(K + (j + PF_KEYS) * d + e), _MM_HINT_T0);
-            _mm_prefetch((const char *)(V + j * d + e), _MM_HINT_T0);
-        }
+        for (int k = 0; stream && k < 4; k++)
+            for (int e = 0; e < d; e += 16) {
+                _mm_prefetch((const char *)(K + (j + PF_KEYS + k) * ldk + e), _MM_HINT_T0);
+                _mm_prefetch((const char *)(V + (j + k) * ldv + e), _MM_HINT_T0);
+            }
         for (int r = 0; r < rows; r++) {
             const float *q = Q + r * d;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -212,7 +214,7 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int tk, 
     }
 #endif
     for (; j < tk; j++) {
-        const float *kr = K + j * d;
+        const float *kr = K + j * ldk;
         for (int r = 0; r < rows; r++) {
             const float *qr = Q + r * d;
             float s = 0.f;
@@ -309,13 +311,14 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
         kvc_kv_tile tile;
         const int64_t typed = kv->tile && !pruned ? kv->tile(kv->src, h, k0, tk, &tile) : 0;
         const float *V = NULL;
+        int64_t ldk, ldv;
         if (typed > 0) { /* rows in the stored type, read where they lie */
             tk = (int)typed;
             kvc_cpu_kv_scores(&tile, Q, rows, tk, S, TK);
         } else {
-            const float *K = kv->keys(kv->src, h, k0, tk, Kb);
-            V = kv->values(kv->src, h, k0, tk, Vb);
-            scores_dot(pruned ? pk->Qp : Q, rows, ds, K, tk, V, K != Kb, S);
+            const float *K = kv->keys(kv->src, h, k0, tk, Kb, &ldk);
+            V = kv->values(kv->src, h, k0, tk, Vb, &ldv);
+            scores_dot(pruned ? pk->Qp : Q, rows, ds, K, ldk, tk, V, ldv, !kv->decoded, S);
         }
         cap_tile(S, TK, 1, rows, tk, cap);
         mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
@@ -323,7 +326,7 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
         if (typed > 0)
             kvc_cpu_kv_pv(&tile, S, TK, rows, tk, O);
         else
-            update_pv_rows(S, rows, tk, V, d, O);
+            update_pv_rows(S, rows, tk, V, ldv, d, O);
         k0 += tk;
     }
 }
@@ -377,11 +380,13 @@ static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, 
         const int64_t end = k0 < np && np < ke ? np : ke; /* a tile never straddles the pruned prefix's end */
         const int tk = (int)(end - k0 < PTK ? end - k0 : PTK);
         const int pruned = k0 < np, ds = pruned ? pk->dk : d;
-        const float *Qs = pruned ? pk->Qp : QT, *Ks = kv->keys(kv->src, h, k0, tk, Kb), *V = kv->values(kv->src, h, k0, tk, Vb);
+        int64_t ldk, ldv;
+        const float *Qs = pruned ? pk->Qp : QT, *Ks = kv->keys(kv->src, h, k0, tk, Kb, &ldk);
+        const float *V = kv->values(kv->src, h, k0, tk, Vb, &ldv);
         for (int j0 = 0; j0 < tk; j0 += KVC_MR) {
             const int mr = tk - j0 < KVC_MR ? tk - j0 : KVC_MR;
             for (int r0 = 0; r0 < rp; r0 += KVC_NR)
-                kvc_cpu_ukr(mr, KVC_NR, ds, Ks + (int64_t)j0 * ds, ds, Qs + r0, LS(rp), S + j0 * LS(rp) + r0, LS(rp), 0);
+                kvc_cpu_ukr(mr, KVC_NR, ds, Ks + (int64_t)j0 * ldk, ldk, Qs + r0, LS(rp), S + j0 * LS(rp) + r0, LS(rp), 0);
         }
         cap_tile(S, 1, LS(rp), rows, tk, cap);
         mask_tile(S, 1, LS(rp), rows, gc, i0, past, lo, Hkv, k0, tk);
@@ -393,7 +398,7 @@ static void attend_tiles(const float *QT, int rows, int rp, int gc, int64_t i0, 
             const int nr = d - e0 < KVC_NR ? d - e0 : KVC_NR;
             for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
                 const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
-                kvc_cpu_ukr_at(mr, nr, tk, S + r0, LS(rp), V + e0, d, O + r0 * d + e0, d, 1);
+                kvc_cpu_ukr_at(mr, nr, tk, S + r0, LS(rp), V + e0, ldv, O + r0 * d + e0, d, 1);
             }
         }
         k0 += tk;

@@ -27,14 +27,15 @@ void kvc_cpu_head_rmsnorm(float *x, int64_t ld, int64_t n, int32_t heads, int32_
  * hq / (H / Hkv), whose rows (kv: past_len[h] + n of them) it sees up to past_len[h] + i + 1, from row
  * start[i * Hkv + h] on when start is not NULL (a sliding window); pruned keys score the query's kept
  * channels */
-/* Where the attention reads head h's rows: f32 rows [r0, r0 + n), in place or decoded into buf ([n, d]
- * floats): a host store in any type (kv_store.c), or plain arrays. Keys of rows below narrow(src, h)
- * (ThinK's pruned rows stored narrow; NULL: none) hold the dk channels kidx[h dk ..]: [n, dk]. */
+/* Where the attention reads head h's rows: f32 rows [r0, r0 + n), *ld floats apart, in place or decoded
+ * into buf ([n, d] floats, *ld = d): a host store in any type (kv_store.c), or plain arrays. Keys of rows
+ * below narrow(src, h) (ThinK's pruned rows stored narrow; NULL: none) hold the dk channels kidx[h dk ..]:
+ * [n, dk]. */
 struct kvc_kv_tile;
 typedef struct kvc_cpu_kvsrc {
     const void *src;
-    const float *(*keys)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf);
-    const float *(*values)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf);
+    const float *(*keys)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld);
+    const float *(*values)(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld);
     int64_t (*narrow)(const void *src, int32_t h);
     int32_t dk;
     const int32_t *kidx;

@@ -107,11 +107,11 @@ kvc_status kvc_host_head_rmsnorm_v(kvc_view x, int64_t col0, int64_t n, int32_t 
     return KVC_OK;
 }
 
-static const float *store_keys(const void *kv, int32_t h, int64_t r0, int64_t n, float *buf) {
-    return kvc_hkv_keys_f32(kv, h, r0, n, buf);
+static const float *store_keys(const void *kv, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    return kvc_hkv_keys_f32(kv, h, r0, n, buf, ld);
 }
-static const float *store_values(const void *kv, int32_t h, int64_t r0, int64_t n, float *buf) {
-    return kvc_hkv_values_f32(kv, h, r0, n, buf);
+static const float *store_values(const void *kv, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    return kvc_hkv_values_f32(kv, h, r0, n, buf, ld);
 }
 static int64_t store_narrow(const void *kv, int32_t h) { return kvc_hkv_narrow_rows(kv, h); }
 static int64_t store_tile(const void *kv, int32_t h, int64_t r0, int64_t n, struct kvc_kv_tile *t) {

@@ -81,11 +81,12 @@ kvc_status kvc_hkv_new(kvc_host_stats *st, int32_t dtype, const kvc_kv_format *f
 /* The rows appended since the last commit into the store's type (KIVI: the residual rule); after a layer's
  * attention has read them. */
 kvc_status kvc_hkv_commit(kvc_kv *kv);
-/* f32 rows [r0, r0 + n) of head h's keys or values for the kernels: in place where they are f32 in one piece,
- * else decoded into buf ([n, d] floats). Keys of rows below kvc_hkv_narrow_rows (ThinK's pruned rows stored
- * narrow) come [n, dk]; a range never straddles that bound. */
-const float *kvc_hkv_keys_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf);
-const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf);
+/* f32 rows [r0, r0 + n) of head h's keys or values for the kernels, *ld floats apart: in place where they are
+ * f32 in memory (the type's rows of an f32 store, rows all waiting in f32), else decoded into buf ([n, d]
+ * floats). Keys of rows below kvc_hkv_narrow_rows (ThinK's pruned rows stored narrow) come [n, dk]; a range
+ * never straddles that bound. */
+const float *kvc_hkv_keys_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld);
+const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld);
 int64_t kvc_hkv_narrow_rows(const kvc_kv *kv, int32_t h);
 /* Rows [r0, r0 + m) of head h, m <= n, as a tile the decode reads where it lies (backend/cpu/kv_decode.h);
  * returns m, 0 where they are not all in the type, are ThinK-pruned, or the type is f32 or not read so. */

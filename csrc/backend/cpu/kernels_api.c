@@ -89,12 +89,14 @@ typedef struct arrays_src {
     const float *const *k, *const *v;
     int32_t d;
 } arrays_src;
-static const float *array_keys(const void *p, int32_t h, int64_t r0, int64_t n, float *buf) {
+static const float *array_keys(const void *p, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
     const arrays_src *a = p;
+    *ld = a->d;
     return a->k[h] + r0 * a->d;
 }
-static const float *array_values(const void *p, int32_t h, int64_t r0, int64_t n, float *buf) {
+static const float *array_values(const void *p, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
     const arrays_src *a = p;
+    *ld = a->d;
     return a->v[h] + r0 * a->d;
 }
 

@@ -747,34 +747,38 @@ kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, 
 
 /* ---- f32 rows for the kernels ---- */
 
-/* Rows [r0, r0 + n) of head h, keys (want_v 0) or values, as f32: in place where they are f32 in memory
- * in one piece (the type's rows of an f32 store), else decoded into buf. Keys of narrow pruned rows come
- * [n, dk] (the range lies on one side of np: the attention's tiles never straddle it). */
-static const float *rows_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, int want_v, float *buf) {
+/* Rows [r0, r0 + n) of head h, keys (want_v 0) or values, as f32, *ld floats apart: in place where they are
+ * f32 in memory (the type's rows of an f32 store; rows all waiting in f32, a key row and its value row
+ * interleaved: a prefill reads its own rows there), else decoded into buf. Keys of narrow pruned rows
+ * come [n, dk] (the range lies on one side of np: the attention's tiles never straddle it). */
+static const float *rows_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, int want_v, float *buf, int64_t *ld) {
     const int32_t d = kv->d;
     const int64_t nq = kv->nq[h], e = r0 + n;
     const int narrow = !want_v && !key_blocks(kv) && r0 < kv->np[h];
+    *ld = narrow ? kv->dk : d;
     if (kv->fmt.type == KVC_KV_F32 && e <= nq) {
         if (want_v) return (const float *)kv->v[h] + (size_t)r0 * d;
         return narrow ? (const float *)kv->kp[h] + (size_t)r0 * kv->dk : (const float *)kv->k[h] + (size_t)(r0 - kv->np[h]) * d;
     }
-    const int64_t t = e < nq ? e : nq; /* typed rows [r0, t), staging rows [max(r0, nq), e) */
-    if (t > r0) {
-        if (want_v)
-            values_typed(kv, h, r0, t - r0, buf);
-        else
-            keys_typed(kv, h, r0, t - r0, buf);
+    if (r0 >= nq) {
+        *ld = 2 * (int64_t)d;
+        return staged(kv, h, r0) + (want_v ? d : 0);
     }
-    for (int64_t r = r0 > nq ? r0 : nq; r < e; r++)
+    const int64_t t = e < nq ? e : nq; /* typed rows [r0, t), staging rows [nq, e) */
+    if (want_v)
+        values_typed(kv, h, r0, t - r0, buf);
+    else
+        keys_typed(kv, h, r0, t - r0, buf);
+    for (int64_t r = nq; r < e; r++)
         memcpy(buf + (size_t)(r - r0) * d, staged(kv, h, r) + (want_v ? d : 0), sizeof(float) * (size_t)d);
     return buf;
 }
 
-const float *kvc_hkv_keys_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf) {
-    return rows_f32(kv, h, r0, n, 0, buf);
+const float *kvc_hkv_keys_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    return rows_f32(kv, h, r0, n, 0, buf, ld);
 }
-const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf) {
-    return rows_f32(kv, h, r0, n, 1, buf);
+const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    return rows_f32(kv, h, r0, n, 1, buf, ld);
 }
 int64_t kvc_hkv_narrow_rows(const kvc_kv *kv, int32_t h) { return key_blocks(kv) ? 0 : kv->np[h]; }
 
