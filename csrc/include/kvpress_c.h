@@ -718,6 +718,12 @@ KVC_API kvc_status kvc_kernel_kv_decode(const kvc_kv_format *fmt, int32_t key_bl
                                         int64_t r0, int64_t rows, int32_t w, int32_t path, float *out,
                                         int32_t *vectorised);
 
+/* Rows of fp32 values encoded into a K/V cache storage type as a commit stores them: `rows` rows of w values
+ * (x [rows, w]) into dst, rows stored alone (kvc_kv_row_bytes each; dst_bytes checked). path 0: the CPU
+ * store's encoder (vector instructions for f16, bf16 and q8_0 where the build has them), 1: the plain-C
+ * encoder of the format's definition. */
+KVC_API kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x, int64_t rows, int32_t w, int32_t path,
+                                        void *dst, size_t dst_bytes);
 /* KIVI's decode-step products on stored rows, as the CPU attention runs them on a tile of a kivi4 / kivi2
  * cache (dequantisation folded into the products): keys are rows [r0, r0 + n) of one key block (fmt->group
  * rows of d channels; key_bytes at keys), values n rows stored alone (value_bytes at values); s [rows, n] =

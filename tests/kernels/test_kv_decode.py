@@ -223,3 +223,51 @@ def test_kivi_tile_arguments_refused():
     err(capi.KVFormat(KIVI4, 64, 128), 8, 64, 60, z.nbytes, "outside a key block")
     err(capi.KVFormat(KIVI4, 64, 128), 8, 64, 0, 100, "needs", "bytes")
     err(capi.KVFormat(KIVI2, 48, 128), 8, 64, 0, z.nbytes, "q_group_size")
+
+
+def encode(fmt, x, path):
+    rows, w = x.shape
+    row_bytes = {F32: 4 * w, F16: 2 * w, BF16: 2 * w, Q8_0: -(-w // 32) * 34}.get(fmt.type)
+    if row_bytes is None:
+        g = min(fmt.group, w)
+        row_bytes = w // g * (4 + g * BITS[fmt.type] // 8)
+    out = np.full(rows * row_bytes, 0xAB, np.uint8)
+    st = lib.kvc_kernel_kv_encode(C.byref(fmt), np.ascontiguousarray(x, np.float32), rows, w, path, out.ctypes.data,
+                                  out.nbytes)
+    assert st == capi.OK, lib.kvc_last_error().decode()
+    return out
+
+
+def awkward_floats(rng, n):
+    """Values of every scale (f16 subnormals and overflow, bf16 rounding ties), zeros of both signs,
+    infinities and NaNs, as fp32."""
+    x = rng.standard_normal(n) * 2.0 ** rng.integers(-30, 20, n)
+    u = x.astype(np.float32).view(np.uint32)
+    ties = rng.random(n) < 0.1  # exact ties of the f16 rounding, then of the bf16 one
+    u[ties] = (u[ties] & ~np.uint32(0x1FFF)) | np.uint32(0x1000)
+    ties = rng.random(n) < 0.1
+    u[ties] = (u[ties] & ~np.uint32(0xFFFF)) | np.uint32(0x8000)
+    nans = rng.random(n) < 0.02  # NaNs of both signs with payloads
+    u[nans] = rng.integers(0, 2, nans.sum()).astype(np.uint32) << 31 | 0x7F800001 | rng.integers(0, 1 << 22, nans.sum()).astype(np.uint32)
+    x = u.view(np.float32).copy()
+    x[rng.random(n) < 0.02] = 0.0
+    x[rng.random(n) < 0.02] = -0.0
+    for v in (np.inf, -np.inf):
+        x[rng.random(n) < 0.01] = v
+    return x
+
+
+@pytest.mark.parametrize("t", [F16, BF16, Q8_0, KIVI4])
+@pytest.mark.parametrize("w", [64, 128, 48])
+def test_encoders_equal_the_plain_c(rng, t, w):
+    """A commit's encoder (vectorised for f16, bf16, q8_0) writes the bytes of the format's plain-C encoder,
+    on fp32 values of every scale, ties, signed zeros, infinities and NaNs (f16, bf16) or finite values of
+    every scale with all-zero blocks (q8_0, KIVI)."""
+    rows = int(rng.integers(1, 100))
+    if t in (F16, BF16):
+        x = awkward_floats(rng, rows * w).reshape(rows, w)
+    else:
+        x = (rng.standard_normal((rows, w)) * 2.0 ** rng.integers(-20, 10, (rows, 1))).astype(np.float32)
+        x[rng.random(rows) < 0.2, :32] = 0.0
+    fmt = capi.KVFormat(t, 16 if w == 48 else 64, 128)
+    assert np.array_equal(encode(fmt, x, SIMD), encode(fmt, x, PLAIN))

@@ -148,6 +148,24 @@ kvc_status kvc_kernel_kv_decode(const kvc_kv_format *fmt, int32_t key_block, con
     return KVC_OK;
 }
 
+kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x, int64_t rows, int32_t w, int32_t path,
+                                void *dst, size_t dst_bytes) {
+    CHECK(fmt && x && dst, "kv_encode: fmt, x and dst must not be NULL");
+    CHECK(w >= 1 && w <= 1024, "kv_encode: w must be in [1, 1024], got %d", w);
+    CHECK(fmt->type >= 0 && fmt->type < KVC_KV_N_TYPES, "kv_encode: type %d is not a storage type", fmt->type);
+    KVC_TRY(kvc_kv_format_check(fmt, w));
+    CHECK(rows >= 0, "kv_encode: rows must be >= 0, got %lld", (long long)rows);
+    CHECK(path == 0 || path == 1, "kv_encode: path must be 0 (the store's encoder) or 1 (plain C), got %d", path);
+    const size_t rb = kvc_kv_row_bytes(fmt, w);
+    CHECK(dst_bytes / rb >= (size_t)rows, "kv_encode: %lld rows of %zu bytes need %zu bytes, dst has %zu", (long long)rows,
+          rb, rb * (size_t)rows, dst_bytes);
+    for (int64_t i = 0; i < rows; i++) {
+        if (path == 0) kvc_cpu_kv_encode_row(fmt, x + i * w, w, (char *)dst + (size_t)i * rb);
+        else kvc_kv_encode_row(fmt, x + i * w, w, (char *)dst + (size_t)i * rb);
+    }
+    return KVC_OK;
+}
+
 kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
                                 const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
                                 const float *q, float *s, const float *p, float *o) {

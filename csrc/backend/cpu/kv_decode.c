@@ -204,6 +204,96 @@ void kvc_cpu_kivi_decode_block(const kvc_kv_format *f, const void *block, int32_
     kvc_kivi_decode_block(f, block, w, r0, n, out);
 }
 
+/* ---- encoders of rows stored alone (a commit's): core/kv_type.h's kvc_kv_encode_row, bit for bit ----
+ * f16 through F16C's rounding (to nearest even, as kvc_f32_to_f16; a NaN is written as kvc_f32_to_f16
+ * writes it), bf16 by the same integer rounding, q8_0's codes rint(x / d) by the vector conversion (the
+ * same rounding mode) from the same d and 1 / d. KIVI's values take the plain-C encoder. */
+#if defined(KVD)
+/* 16 f16 or bf16 values; a lane that is NaN is written again by the plain-C conversion */
+static void halves16_put(int32_t type, const float *x, uint16_t *out) {
+#if KVD == 512
+    const __m512 v = _mm512_loadu_ps(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (type == KVC_KV_F16) {
+        _mm256_storeu_si256((__m256i *)out, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else {
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        _mm256_storeu_si256((__m256i *)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+    for (int i = 0; nan && i < 16; i++)
+        if (nan >> i & 1) out[i] = type == KVC_KV_F16 ? kvc_f32_to_f16(x[i]) : kvc_f32_to_bf16r(x[i]);
+#else
+    for (int h = 0; h < 2; h++) {
+        const __m256 v = _mm256_loadu_ps(x + 8 * h);
+        const int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        if (type == KVC_KV_F16) {
+            _mm_storeu_si128((__m128i *)(out + 8 * h), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            const __m256i u = _mm256_castps_si256(v);
+            const __m256i r = _mm256_srli_epi32(
+                _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))),
+                16);
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+            _mm_storeu_si128((__m128i *)(out + 8 * h), _mm256_castsi256_si128(w));
+        }
+        for (int i = 0; nan && i < 8; i++)
+            if (nan >> i & 1) out[8 * h + i] = type == KVC_KV_F16 ? kvc_f32_to_f16(x[8 * h + i]) : kvc_f32_to_bf16r(x[8 * h + i]);
+    }
+#endif
+}
+
+/* one whole q8_0 block: d = max |x| / 127 (NaNs skipped, as the plain-C loop skips them), codes rint(x / d) */
+static void q8_block_put(const float *x, uint8_t *p) {
+#if KVD == 512
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16), sign = _mm512_set1_ps(-0.f);
+    /* max(|x|, acc): a NaN |x| gives acc (the second operand), as the plain-C comparison skips it */
+    const __m512 m = _mm512_max_ps(_mm512_andnot_ps(sign, b), _mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_setzero_ps()));
+    const float amax = _mm512_reduce_max_ps(m);
+#else
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 32; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#endif
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const uint16_t dh = kvc_f32_to_f16(d);
+    memcpy(p, &dh, 2);
+#if KVD == 512
+    const __m512 vid = _mm512_set1_ps(id);
+    _mm_storeu_si128((__m128i *)(p + 2), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vid))));
+    _mm_storeu_si128((__m128i *)(p + 18), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vid))));
+#else
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), vid));
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)(p + 2), _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
+}
+#endif
+
+void kvc_cpu_kv_encode_row(const kvc_kv_format *f, const float *x, int32_t w, void *dst) {
+#if defined(KVD)
+    uint8_t *p = dst;
+    if (f->type == KVC_KV_F16 || f->type == KVC_KV_BF16) {
+        int32_t e = 0;
+        for (; e + 16 <= w; e += 16) halves16_put(f->type, x + e, (uint16_t *)p + e);
+        for (; e < w; e++) ((uint16_t *)p)[e] = f->type == KVC_KV_F16 ? kvc_f32_to_f16(x[e]) : kvc_f32_to_bf16r(x[e]);
+        return;
+    }
+    if (f->type == KVC_KV_Q8_0 && w % KVC_Q8_0_BLOCK == 0) {
+        for (int32_t b0 = 0; b0 < w; b0 += KVC_Q8_0_BLOCK) q8_block_put(x + b0, p + (size_t)(b0 / KVC_Q8_0_BLOCK) * KVC_Q8_0_BYTES);
+        return;
+    }
+#endif
+    kvc_kv_encode_row(f, x, w, dst);
+}
+
 int kvc_cpu_kv_decode_simd(void) {
 #if defined(KVD)
     return 1;

@@ -14,6 +14,9 @@
 void kvc_cpu_kv_decode_rows(const kvc_kv_format *f, const void *src, size_t stride, int64_t n, int32_t w, float *out);
 /* Rows [r0, r0 + n) of a KIVI key block (core/kv_type.h: f->group rows of w channels) into out [n, w]. */
 void kvc_cpu_kivi_decode_block(const kvc_kv_format *f, const void *block, int32_t w, int32_t r0, int32_t n, float *out);
+/* One row of w f32 values into the type, as core/kv_type.h's kvc_kv_encode_row writes it (bit for bit;
+ * vectorised for f16, bf16 and q8_0 rows of whole blocks). */
+void kvc_cpu_kv_encode_row(const kvc_kv_format *f, const float *x, int32_t w, void *dst);
 /* 1 when this build decodes with vector instructions (the plain-C decoders run otherwise) */
 int kvc_cpu_kv_decode_simd(void);
 

@@ -338,17 +338,17 @@ static void value_get(const kvc_kv *kv, int32_t h, int64_t r, float *out) {
 static void key_put(const kvc_kv *kv, const layout *L, int32_t h, int64_t r, const float *row) {
     const kvc_kv_format *f = &kv->fmt;
     if (r >= L->np[h]) {
-        kvc_kv_encode_row(f, row, kv->d, (char *)L->k[h] + (size_t)kvc_kv_full_row(r, L->np[h]) * kvc_kv_row_bytes(f, kv->d));
+        kvc_cpu_kv_encode_row(f, row, kv->d, (char *)L->k[h] + (size_t)kvc_kv_full_row(r, L->np[h]) * kvc_kv_row_bytes(f, kv->d));
         return;
     }
     float tmp[WMAX];
     const int32_t dk = L->dk, *ix = L->kidx + (size_t)h * dk;
     for (int32_t j = 0; j < dk; j++) tmp[j] = row[ix[j]];
-    kvc_kv_encode_row(f, tmp, dk, (char *)L->kp[h] + (size_t)r * kvc_kv_row_bytes(f, dk));
+    kvc_cpu_kv_encode_row(f, tmp, dk, (char *)L->kp[h] + (size_t)r * kvc_kv_row_bytes(f, dk));
 }
 
 static void value_put(const kvc_kv *kv, void *vh, int64_t r, const float *row) {
-    kvc_kv_encode_row(&kv->fmt, row, kv->d, (char *)vh + (size_t)r * vrow_bytes(kv));
+    kvc_cpu_kv_encode_row(&kv->fmt, row, kv->d, (char *)vh + (size_t)r * vrow_bytes(kv));
 }
 
 /* KIVI: rows [r0, r0 + G) of head h (K from the staging rows, or krows [G, d]) become key block r0 / G. */
