@@ -143,7 +143,7 @@ def main(argv=None):
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048], help="prefill lengths (none: skip)")
     ap.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "kvc_bench_caches"))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "kv_cache_types.json"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kv_cache_types.json"))
     args = ap.parse_args(argv)
     import kvpress_c
     path = args.model or kvpress_c.default_model_path()

@@ -1,5 +1,5 @@
-/* Reading the K/V storage types for the attention (kv_decode.h), vectorised (AVX-512, or AVX2 + FMA + F16C;
- * other builds run core/kv_type.h's plain-C decoders).
+/* Reading (and a commit's writing) the K/V storage types on the CPU (kv_decode.h), vectorised (AVX-512, or
+ * AVX2 + FMA + F16C; other builds run core/kv_type.h's plain-C decoders and encoders).
  *
  * Tile decoders: rows into f32, the same arithmetic as core/kv_type.h's decoders on 16 values at a time,
  * so the same bits: f16 and bf16 widen exactly, q8_0's d q and KIVI's m + s q round once (d q and s q are

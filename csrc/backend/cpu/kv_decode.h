@@ -1,6 +1,7 @@
-/* The K/V storage types decoded a tile at a time for the attention (kv_decode.c): vectorised where the
- * build has AVX-512 or AVX2 + F16C, equal bit for bit to core/kv_type.h's plain-C decoders (which run
- * otherwise, and which the tests hold these to). Internal to the host K/V store. */
+/* The K/V storage types on the CPU (kv_decode.c): tiles decoded for the attention and rows encoded for a
+ * commit, vectorised where the build has AVX-512 or AVX2 + FMA + F16C, equal bit for bit to core/kv_type.h's
+ * plain-C decoders and encoders (which run otherwise, and which the tests hold these to); and KIVI's decode
+ * step on the stored bytes. Internal to the host K/V store and the CPU attention. */
 #ifndef KVC_CPU_KV_DECODE_H
 #define KVC_CPU_KV_DECODE_H
 
