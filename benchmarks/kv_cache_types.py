@@ -64,7 +64,8 @@ def ids_for(vocab: int, n: int, seed: int = 0) -> np.ndarray:
 def prefilled(model, path: str, n: int, cache_dir: str, threads: int) -> str:
     """A saved f32 cache of n random tokens (made once: a prefill of n tokens, on all cores)."""
     import kvpress_c
-    tag = hashlib.sha256(f"{os.path.abspath(path)}:{os.path.getsize(path)}:{n}".encode()).hexdigest()[:12]
+    from kvpress_c.saved import FORMAT_VERSION
+    tag = hashlib.sha256(f"{os.path.abspath(path)}:{os.path.getsize(path)}:{n}:{FORMAT_VERSION}".encode()).hexdigest()[:12]
     out = os.path.join(cache_dir, f"kv_cache_types_{n}_{tag}.kvc")
     if os.path.exists(out):
         return out
