@@ -6,7 +6,7 @@
 
 Model: the embedded default (SmolLM2-135M Q4_1: 30 layers, 3 KV heads of 64), native weights.
 Decode: for each context n, one f32 prefill of n random tokens (saved in --cache-dir and reused by later
-runs) is loaded into a session of each type (Session.load writes the rows into the type as a prefill's
+runs) is loaded into a session of each type (Session.load(path, kv_format=...) stores the rows in the type as a prefill's
 commit does), then runs of --steps single-token steps, the types taking turns run by run and the cache cut
 back to its n rows after each run: tokens per CPU-second (process time, as benchmarks/decode_cpu_time.py:
 less sensitive to other jobs on a shared machine) and per wall-second; min and median over --repeat runs,
@@ -81,14 +81,15 @@ def prefilled(model, path: str, n: int, cache_dir: str, threads: int) -> str:
 
 
 def decode_table(model, path, n, types, args):
-    import kvpress_c
+    from kvpress_c.kv_cache import kv_format
     saved = prefilled(model, path, n, args.cache_dir, args.threads)
     layers, vocab = model.config["n_layers"], model.config["vocab"]
     steps = ids_for(vocab, args.steps + 1, seed=1)
     sessions, out = {}, {}
     for t in types:
-        s = model.new_session(0, kv_cache=kv_cache(t))
-        s.load(saved)  # the rows alone: a load reserves no room
+        s = model.new_session(0)
+        s.load(saved, kv_format=kv_format(kv_cache(t)))  # the f32 rows stored in type t; a load reserves no room
+        assert s.kv_format() == kv_format(kv_cache(t)), (t, s.kv_format())
         out[t] = {"cache_bytes": s.cache_bytes, "bytes_per_token_layer": s.cache_bytes / n / layers,
                   "cpu_tok_s": [], "wall_tok_s": []}
         s.forward(steps[:1], logits="last")  # warm: the first step after a load grows the arena

@@ -95,19 +95,25 @@ def save_session(session, path: str | os.PathLike, prompt_ids: Optional[Sequence
     session.save(os.fspath(path), meta)
 
 
-def load_session(model, path: str | os.PathLike, press=None):
+def load_session(model, path: str | os.PathLike, press=None, kv_cache="saved"):
     """A new session of `model` holding the cache saved at `path`, at its saved position, with the decoding
     press it was saved with re-attached in the state it had (a cache saved mid-answer goes on with the logits of
     the session that saved it; one saved between questions holds a fresh state). `press`: the decoding press (or a
     press with a decoding part) to attach instead, with the same settings, needed where the file says the press
     hands the session more than its settings (ExpectedAttentionStats' statistics), and the prefill press where one
-    was left attached at the save (the file names the presses attached and holds their state, not their settings)."""
-    return load_session_info(model, path, press)[0]
+    was left attached at the save (the file names the presses attached and holds their state, not their settings).
+    kv_cache: the K/V storage type of the session ("saved": the file's; else a kvpress_c.kv_cache value: each row is
+    stored as an append stores it, so a cache saved in f32 can be studied in every type)."""
+    return load_session_info(model, path, press, kv_cache)[0]
 
 
-def load_session_info(model, path: str | os.PathLike, press=None):
+def load_session_info(model, path: str | os.PathLike, press=None, kv_cache="saved"):
     """(session, cache_info(path)) of load_session: the presses are attached first, then the file fills the cache
     and gives each its saved state."""
+    as_format = None
+    if not (isinstance(kv_cache, str) and kv_cache == "saved"):
+        from .kv_cache import kv_format
+        as_format = kv_format(kv_cache)  # ValueError naming the choices, before the file is read
     info = cache_info(path)
     session = model.new_session(0)
     saved = info.get("decoding_press")
@@ -132,5 +138,5 @@ def load_session_info(model, path: str | os.PathLike, press=None):
             raise ValueError(f"'{os.fspath(path)}' was saved with a prefill press attached, which the file does not "
                              "hold: pass it as load_session(..., press=...), or detach it (set_press(None)) before saving")
         session.set_press(**prefill.c_config())
-    session.load(os.fspath(path))
+    session.load(os.fspath(path), kv_format=as_format)
     return session, info

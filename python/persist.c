@@ -55,11 +55,26 @@ static PyObject *Session_save(SessionObject *self, PyObject *args, PyObject *kwd
     Py_RETURN_NONE;
 }
 
-static PyObject *Session_load(SessionObject *self, PyObject *args) {
+/* O& converter: None, or a K/V format triple (kvc_py_kv_format) */
+typedef struct {
+    kvc_kv_format f;
+    int given;
+} optional_format;
+
+static int optional_format_conv(PyObject *obj, void *out) {
+    optional_format *o = out;
+    o->given = obj != Py_None;
+    return obj == Py_None || kvc_py_kv_format(obj, &o->f);
+}
+
+static PyObject *Session_load(SessionObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", "kv_format", NULL};
     PyObject *path = NULL;
-    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path)) return NULL;
+    optional_format as = {.given = 0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&|O&", kwlist, PyUnicode_FSConverter, &path, optional_format_conv, &as))
+        return NULL;
     int rc = -1;
-    if (kvc_py_check_session(self) == 0) KVC_PY_CALL(self, rc, kvc_session_load(self->session, PyBytes_AS_STRING(path)));
+    if (kvc_py_check_session(self) == 0) KVC_PY_CALL(self, rc, kvc_session_load_as(self->session, PyBytes_AS_STRING(path), as.given ? &as.f : NULL));
     Py_DECREF(path);
     if (rc < 0) return NULL;
     Py_RETURN_NONE;
@@ -70,9 +85,10 @@ PyMethodDef kvc_py_persist_methods[] = {
      "save(path, metadata=None): write the cache exactly to a safetensors file, with the attached presses' state\n"
      "(a decoding press's counters and buffered queries mid-answer; metadata: str -> str pairs that ride along;\n"
      "keys starting with 'kvc.' are the file's own)."},
-    {"load", (PyCFunction)Session_load, METH_VARARGS,
-     "load(path): fill this empty session from a saved cache; the presses attached to it receive the state the\n"
-     "file holds for them (ValueError saying why for another model, an older or newer format version, a state\n"
+    {"load", (PyCFunction)(void (*)(void))Session_load, METH_VARARGS | METH_KEYWORDS,
+     "load(path, kv_format=None): fill this empty session from a saved cache, its rows in the file's K/V type, or\n"
+     "in kv_format's (a (type, group, residual) triple: kvpress_c.kv_cache.kv_format); the presses attached to it\n"
+     "receive the state the file holds for them (ValueError saying why for another model, an older or newer format version, a state\n"
      "a press of other settings kept, a truncated or corrupt file)."},
     {NULL, NULL, 0, NULL}};
 

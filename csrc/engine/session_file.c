@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../core/kv_type.h"
 #include "../persist/cache_file.h"
 #include "../persist/model_id.h"
 #include "../persist/press_state.h"
@@ -63,8 +64,11 @@ kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_meta, co
     return st;
 }
 
-kvc_status kvc_session_load(kvc_session *s, const char *path) {
+kvc_status kvc_session_load(kvc_session *s, const char *path) { return kvc_session_load_as(s, path, NULL); }
+
+kvc_status kvc_session_load_as(kvc_session *s, const char *path, const kvc_kv_format *as) {
     if (!s || !path) return kvc_fail(KVC_ERR_ARG, "kvc_session_load: session or path is NULL");
+    if (as) KVC_TRY(kvc_kv_format_check(as, s->model->cfg.head_dim));
     if (s->needs_reset || s->pos != 0 || !kvc_cache_is_empty(&s->cache))
         return kvc_fail(KVC_ERR_ARG, "loading a saved cache needs an empty session: call reset() on it first");
     kvc_cache_file *f = NULL;
@@ -78,7 +82,7 @@ kvc_status kvc_session_load(kvc_session *s, const char *path) {
     }
     const kvc_kv_format had = s->cache.fmt;
     kvc_backend_lock(s->be);
-    st = kvc_cache_file_load(f, &s->model->cfg, digest, &s->cache, &pos);
+    st = kvc_cache_file_load(f, &s->model->cfg, digest, as, &s->cache, &pos);
     if (s->graph && memcmp(&had, &s->cache.fmt, sizeof had)) { /* the file's type: new stores, which a captured decode does not read */
         s->be->graph_free(s->graph);
         s->graph = NULL;

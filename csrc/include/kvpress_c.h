@@ -299,6 +299,9 @@ KVC_API kvc_status kvc_session_save(kvc_session *s, const char *path, int32_t n_
  * same settings: every value is checked against its settings and the cache; KVC_ERR_FORMAT and s left empty,
  * its presses reset, otherwise); a press the file holds no state for starts afresh. */
 KVC_API kvc_status kvc_session_load(kvc_session *s, const char *path);
+/* The same with the rows stored in the type *as (a saved f32 cache loaded as q8_0, KIVI, ...: each row encoded
+ * as an append encodes it), or the file's type where as is NULL. */
+KVC_API kvc_status kvc_session_load_as(kvc_session *s, const char *path, const kvc_kv_format *as);
 /* A saved cache's metadata (checked as kvc_session_load checks the file) as a JSON object of strings into
  * out[cap]; *needed receives the bytes it takes (NUL included): call again with a larger out if cap < *needed. */
 KVC_API kvc_status kvc_cache_file_metadata(const char *path, char *out, size_t cap, size_t *needed);

@@ -536,8 +536,8 @@ static kvc_status load_layer(kvc_cache *c, int32_t l, const layer_in *in) {
     return st;
 }
 
-kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, const char *here, kvc_cache *c,
-                               int64_t *position) {
+kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, const char *here,
+                               const kvc_kv_format *as, kvc_cache *c, int64_t *position) {
     if (!f || !cfg || !here || !c || !position) return kvc_fail(KVC_ERR_ARG, "kvc_cache_file_load: null argument");
     if (!kvc_cache_is_empty(c)) return kvc_fail(KVC_ERR_ARG, "loading a saved cache into a session that holds rows: reset() it first");
     const char *config = st_meta(f->st, "kvc.model_config"), *digest = st_meta(f->st, "kvc.model_digest");
@@ -555,6 +555,7 @@ kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, c
         (!kv_cache_parse(kvc_name, &fmt) || kvc_kv_format_check(&fmt, c->d) != KVC_OK))
         return kvc_fail(KVC_ERR_FORMAT, "'%s': its kvc.kv_cache '%s' is not a K/V cache type" CORRUPT, f->path,
                         kvc_name ? kvc_name : "");
+    if (as) fmt = *as; /* the rows (f32 as read) are stored as any append stores them */
     layer_in *in = calloc((size_t)c->n_layers, sizeof *in);
     if (!in) return kvc_fail(KVC_ERR_NOMEM, "out of memory: loading a cache");
     kvc_status st = KVC_OK;

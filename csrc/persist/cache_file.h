@@ -37,9 +37,10 @@ kvc_status kvc_cache_file_meta_json(const kvc_cache_file *f, char *out, size_t c
 /* A reader of the file's state tensors (kvc_state_io of persist/press_state.h; kvc_state_io_free it). */
 kvc_status kvc_cache_file_state(const kvc_cache_file *f, kvc_state_io *io);
 /* Fill the empty cache c of the model of configuration cfg and weights' digest model_digest from the file
- * (model identity and every tensor checked first; on a failure c is left empty); *position receives the
- * saved position. The caller holds the backend lock. */
-kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, const char *model_digest, kvc_cache *c,
-                               int64_t *position);
+ * (model identity and every tensor checked first; on a failure c is left empty, in its own type); *position
+ * receives the saved position. The rows go into the storage type `as` (checked by the caller), or the file's
+ * where as is NULL. The caller holds the backend lock. */
+kvc_status kvc_cache_file_load(const kvc_cache_file *f, const kvc_config *cfg, const char *model_digest,
+                               const kvc_kv_format *as, kvc_cache *c, int64_t *position);
 
 #endif

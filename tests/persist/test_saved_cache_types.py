@@ -125,3 +125,30 @@ def test_older_files_and_bad_types_are_refused(model, rng, tmp_path):
         with pytest.raises(ValueError, match="is not a K/V cache type"):
             target.load(str(tmp_path / "bad.kvc"))
         assert target.kv_format() == kv_format("bf16") and (target.cache_lengths() == 0).all()
+
+
+@pytest.mark.parametrize("kv_cache", ["f16", "bf16", "q8_0", QuantizedCache(4, 32, 64), QuantizedCache(2, 16, 40)],
+                         ids=["f16", "bf16", "q8_0", "kivi4-g32-r64", "kivi2-g16-r40"])
+def test_an_f32_file_loads_into_another_type(model, rng, tmp_path, kv_cache):
+    """load(path, kv_format=...) / load_session(..., kv_cache=...): an f32 file's rows stored in another type as an
+    append stores them: the same rows, lengths and next logits as a session fed the same tokens in that type (a
+    prefill's commit and a load encode the same f32 rows by the same rules: exact). A bad kv_cache is a ValueError
+    naming the choices, before the file is read."""
+    L, Hkv, V = model.config["n_layers"], model.config["n_kv_heads"], model.config["vocab"]
+    ids = rng.integers(3, V, 200).astype(np.int32)
+    session(model, "f32", ids, 0).save(str(tmp_path / "f32.kvc"))
+    direct = session(model, kv_cache, ids, 0)
+    for loaded in (model.new_session(), kvpress_c.load_session(model, tmp_path / "f32.kvc", kv_cache=kv_cache)):
+        if loaded.position == 0:
+            loaded.load(str(tmp_path / "f32.kvc"), kv_format=kv_format(kv_cache))
+        assert loaded.kv_format() == direct.kv_format() == kv_format(kv_cache)
+        assert np.array_equal(loaded.cache_lengths(), direct.cache_lengths())
+        for (a, b) in zip(sum(rows(loaded, L, Hkv), []), sum(rows(direct, L, Hkv), [])):
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+        nxt = rng.integers(3, V, 1).astype(np.int32)
+        assert np.array_equal(loaded.forward(nxt), direct.forward(nxt))
+        direct.truncate(direct.cache_lengths() - 1, len(ids))
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        kvpress_c.load_session(model, tmp_path / "f32.kvc", kv_cache="int4")
+    with pytest.raises(ValueError, match="K/V cache type 99 is not one of f32"):
+        model.new_session().load(str(tmp_path / "f32.kvc"), kv_format=(99, 0, 0))
