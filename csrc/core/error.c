@@ -1,6 +1,8 @@
 /* Thread-local last-error message and checked allocation. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 
 #include "common.h"
@@ -30,6 +32,21 @@ void *kvc_malloc(size_t bytes, const char *what) {
     }
     void *p = aligned_alloc(64, rounded);
     if (!p) kvc_fail(KVC_ERR_NOMEM, "out of memory: %s needs %zu bytes", what, bytes);
+    return p;
+}
+
+void *kvc_malloc_huge(size_t bytes, const char *what) {
+    const size_t huge = (size_t)2 << 20;
+    if (bytes < 2 * huge) return kvc_malloc(bytes, what);
+    void *p = aligned_alloc(huge, (bytes + 63) & ~(size_t)63); /* no overflow: bytes came from a checked sum */
+    if (!p) {
+        kvc_fail(KVC_ERR_NOMEM, "out of memory: %s needs %zu bytes", what, bytes);
+        return NULL;
+    }
+#if defined(MADV_HUGEPAGE)
+    /* whole 2 MiB pages only (none is resident beyond the array); advice: without huge pages p works as it is */
+    madvise(p, bytes & ~(huge - 1), MADV_HUGEPAGE);
+#endif
     return p;
 }
 

@@ -727,15 +727,16 @@ KVC_API kvc_status kvc_kernel_kv_decode(const kvc_kv_format *fmt, int32_t key_bl
  * encoder of the format's definition. */
 KVC_API kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x, int64_t rows, int32_t w, int32_t path,
                                         void *dst, size_t dst_bytes);
-/* KIVI's decode-step products on stored rows, as the CPU attention runs them on a tile of a kivi4 / kivi2
- * cache (dequantisation folded into the products): keys are rows [r0, r0 + n) of one key block (fmt->group
- * rows of d channels; key_bytes at keys), values n rows stored alone (value_bytes at values); s [rows, n] =
- * q [rows, d] keys^T and o [rows, d] += p [rows, n] values. n in [1, 64]. KVC_ERR_UNSUPPORTED where this
- * build decodes such tiles to fp32 instead (no AVX-512 or AVX2 + F16C, or d or the value groups not a
- * multiple of 64 channels (32 with AVX2), or d above 256). */
-KVC_API kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
-                                        const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
-                                        const float *q, float *s, const float *p, float *o);
+/* The decode step's products on stored rows, as the CPU attention runs them on a tile of a typed cache (each row
+ * widened to fp32 in registers; KIVI's dequantisation folded into the products): keys are rows [r0, r0 + n) of
+ * one key block (KIVI: fmt->group rows of d channels; key_bytes at keys) or of rows stored alone (f16, bf16,
+ * q8_0), values n rows stored alone (value_bytes at values); s [rows, n] = q [rows, d] keys^T and
+ * o [rows, d] += p [rows, n] values. n in [1, 64]. KVC_ERR_UNSUPPORTED where this build decodes such tiles to
+ * fp32 instead (no AVX-512 or AVX2 + F16C, or d or KIVI's value groups not a multiple of 64 channels (32 with
+ * AVX2), or d above 256). */
+KVC_API kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
+                                      const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
+                                      const float *q, float *s, const float *p, float *o);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Devices. Every device runs the same engine through its backend (docs/ARCHITECTURE.md):            */

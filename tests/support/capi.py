@@ -105,7 +105,7 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_kernel_matmul_native": (_I, [_I32, F32P, _V, F32P, _I64, _I64, _I64, _I32]),
     "kvc_kernel_kv_decode": (_I, [C.POINTER(KVFormat), _I32, _V, _SZ, _I64, _I64, _I32, _I32, F32P, C.POINTER(_I32)]),
     "kvc_kernel_kv_encode": (_I, [C.POINTER(KVFormat), F32P, _I64, _I32, _I32, _V, _SZ]),
-    "kvc_kernel_kivi_tile": (_I, [C.POINTER(KVFormat), _V, _SZ, _I64, _V, _SZ, _I32, _I32, _I32, F32P, F32P, F32P, F32P]),
+    "kvc_kernel_kv_tile": (_I, [C.POINTER(KVFormat), _V, _SZ, _I64, _V, _SZ, _I32, _I32, _I32, F32P, F32P, F32P, F32P]),
     "kvc_device_available": (_I, [_I32]),
     "kvc_device_set_option": (_I, [_I32, C.c_char_p, _I32]),
     "kvc_device_kernel_matmul": (_I, [_I32, F32P, F32P, F32P, _I64, _I64, _I64]),

@@ -166,26 +166,35 @@ kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x, int64_
     return KVC_OK;
 }
 
-kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
-                                const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
-                                const float *q, float *s, const float *p, float *o) {
-    CHECK(fmt && keys && values && q && s && p && o, "kivi_tile: no argument may be NULL");
-    CHECK(fmt->type == KVC_KV_KIVI4 || fmt->type == KVC_KV_KIVI2, "kivi_tile: the type must be kivi4 or kivi2, got %s",
+kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
+                              const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
+                              const float *q, float *s, const float *p, float *o) {
+    CHECK(fmt && keys && values && q && s && p && o, "kv_tile: no argument may be NULL");
+    CHECK(fmt->type != KVC_KV_F32 && fmt->type != KVC_KV_NATIVE && kvc_kv_type_name(fmt->type),
+          "kv_tile: the type must be f16, bf16, q8_0, kivi4 or kivi2 (f32 rows are read in place), got %s",
           kvc_kv_type_name(fmt->type) ? kvc_kv_type_name(fmt->type) : "an unknown code");
-    CHECK(d >= 1 && d <= 1024, "kivi_tile: d must be in [1, 1024], got %d", d);
+    CHECK(d >= 1 && d <= 1024, "kv_tile: d must be in [1, 1024], got %d", d);
     KVC_TRY(kvc_kv_format_check(fmt, d));
-    CHECK(n >= 1 && n <= KVC_KV_TILE && rows >= 1, "kivi_tile: n must be in [1, %d] and rows >= 1 (n=%d rows=%d)",
+    CHECK(n >= 1 && n <= KVC_KV_TILE && rows >= 1, "kv_tile: n must be in [1, %d] and rows >= 1 (n=%d rows=%d)",
           KVC_KV_TILE, n, rows);
-    CHECK(r0 >= 0 && r0 + n <= fmt->group, "kivi_tile: rows [%lld, %lld) are outside a key block of %d rows",
-          (long long)r0, (long long)(r0 + n), fmt->group);
-    CHECK(key_bytes >= kvc_kivi_block_bytes(fmt, d), "kivi_tile: a key block of %d x %d needs %zu bytes, keys has %zu",
-          fmt->group, d, kvc_kivi_block_bytes(fmt, d), key_bytes);
     const size_t rb = kvc_kv_row_bytes(fmt, d);
-    CHECK(value_bytes / rb >= (size_t)n, "kivi_tile: %d value rows need %zu bytes, values has %zu", n, rb * n, value_bytes);
+    const int blocks = kvc_kv_type_key_blocks(fmt->type);
+    if (blocks) {
+        CHECK(r0 >= 0 && r0 + n <= fmt->group, "kv_tile: rows [%lld, %lld) are outside a key block of %d rows",
+              (long long)r0, (long long)(r0 + n), fmt->group);
+        CHECK(key_bytes >= kvc_kivi_block_bytes(fmt, d), "kv_tile: a key block of %d x %d needs %zu bytes, keys has %zu",
+              fmt->group, d, kvc_kivi_block_bytes(fmt, d), key_bytes);
+    } else {
+        CHECK(r0 >= 0 && r0 <= INT32_MAX && key_bytes / rb >= (size_t)(r0 + n),
+              "kv_tile: key rows [%lld, %lld) need %zu bytes, keys has %zu", (long long)r0, (long long)(r0 + n),
+              rb * (size_t)(r0 < 0 ? 0 : r0 + n), key_bytes);
+    }
+    CHECK(value_bytes / rb >= (size_t)n, "kv_tile: %d value rows need %zu bytes, values has %zu", n, rb * n, value_bytes);
     if (!kvc_cpu_kv_tile_ok(fmt, d))
-        return kvc_fail(KVC_ERR_UNSUPPORTED, "kivi_tile: this build decodes kivi tiles of head_dim %d, group %d to fp32",
-                        d, fmt->group);
-    const kvc_kv_tile t = {fmt, d, keys, 0, (int32_t)r0, values, rb};
+        return kvc_fail(KVC_ERR_UNSUPPORTED, "kv_tile: this build decodes %s tiles of head_dim %d (group %d) to fp32",
+                        kvc_kv_type_name(fmt->type), d, fmt->group);
+    const kvc_kv_tile t = {fmt, d, blocks ? keys : (const uint8_t *)keys + (size_t)r0 * rb, blocks ? 0 : rb,
+                           blocks ? (int32_t)r0 : 0, values, rb};
     kvc_cpu_kv_scores(&t, q, rows, n, s, n);
     kvc_cpu_kv_pv(&t, p, n, rows, n, o);
     return KVC_OK;

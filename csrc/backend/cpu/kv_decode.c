@@ -580,17 +580,21 @@ static inline __attribute__((always_inline)) void pv_of(const int BITS, const kv
 #endif
 
 int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d) {
+    if (!kvc_kv_type_key_blocks(f->type)) return kvc_cpu_kv_rows_ok(f, d);
 #if defined(KVD)
     /* whole column blocks of 4 chunks, each inside one value group */
-    if (!kvc_kv_type_key_blocks(f->type) || d % (4 * VL) != 0 || d > 256) return 0;
+    if (d % (4 * VL) != 0 || d > 256) return 0;
     return kvc_kivi_vgroup(f->group, d) % (4 * VL) == 0;
 #else
-    (void)f, (void)d;
     return 0;
 #endif
 }
 
 void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls) {
+    if (!kvc_kv_type_key_blocks(t->f->type)) {
+        kvc_cpu_kv_rows_scores(t, Q, rows, n, S, ls);
+        return;
+    }
 #if defined(KVD)
     if (t->f->type == KVC_KV_KIVI4)
         scores_of(4, t, Q, rows, n, S, ls);
@@ -602,6 +606,10 @@ void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, fl
 }
 
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O) {
+    if (!kvc_kv_type_key_blocks(t->f->type)) {
+        kvc_cpu_kv_rows_pv(t, P, ls, rows, n, O);
+        return;
+    }
 #if defined(KVD)
     if (t->f->type == KVC_KV_KIVI4)
         pv_of(4, t, P, ls, rows, n, O);

@@ -40,5 +40,9 @@ int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d);
 void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
 /* O[r] += sum_j P[r ls + j] v_j for r < rows (O [rows, d]) */
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
+/* The same three for rows stored alone (f16, bf16, q8_0: kv_rows_step.c); the ones above dispatch to them */
+int kvc_cpu_kv_rows_ok(const kvc_kv_format *f, int32_t d);
+void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
+void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
 
 #endif

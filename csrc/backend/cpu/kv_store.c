@@ -204,7 +204,7 @@ static void layout_drop(layout *L) {
 static kvc_status layout_alloc(const kvc_kv *kv, const int64_t *cap, layout *L) {
     L->bytes = arena_bytes(kv, L->dk, cap, L->np);
     if (L->bytes == 0) return KVC_OK;
-    L->arena = kvc_malloc(L->bytes, "KV cache");
+    L->arena = kvc_malloc_huge(L->bytes, "KV cache");
     if (!L->arena) return KVC_ERR_NOMEM;
     char *p = L->arena;
     for (int32_t h = 0; h < kv->Hkv; h++) {
