@@ -79,7 +79,8 @@ def cuda_headers():
                   glob.glob(os.path.join("csrc", "backend", "cuda", "*.h")) +
                   [os.path.join("csrc", "include", "kvpress_c.h"), os.path.join("csrc", "core", "backend.h"),
                    os.path.join("csrc", "core", "common.h"), os.path.join("csrc", "core", "kv_layout.h"),
-                   os.path.join("csrc", "core", "kv_type.h"), os.path.join("csrc", "core", "half.h")])
+                   os.path.join("csrc", "core", "kv_type.h"), os.path.join("csrc", "core", "kv_undo.h"),
+                   os.path.join("csrc", "core", "half.h")])
 
 
 # cuDNN's attention is a build-time dependency only: the headers of the PyPI packages, unpacked into a build cache

@@ -10,12 +10,14 @@ rounds the product first; the difference is at most 2^-22 of the rows' largest m
 compute over those rows (a call over a past through the prefill kernels, decode steps through split-K and the
 decode graph, with commits inside the replays) then differs as the two bf16 devices always do: MODEL_TOL, the
 bound measured for the emulated device against the CPU (test_device.py), which test_device's CUDA check holds
-CUDA to as well.
+CUDA to as well. A cut back to the lengths before a call (the engine's roll-back of a failed call) gives a KIVI
+store's rows back bit for bit, the residual rows the call's commit quantised included (core/kv_undo.h).
 """
 import numpy as np
 import pytest
 
 import kvpress_c
+from kvpress_c.kv_cache import kv_format
 from capi import why_no_cuda
 from random_llama import write_random_llama
 from test_device import MODEL_TOL, rel
@@ -58,13 +60,15 @@ def saved_cache(models, tmp_path, rng, think):
     return path
 
 
+def loaded_one(model, path, kv_cache):
+    """A session of the type holding the saved f32 rows in it (a load keeps the file's type unless told)."""
+    s = model.new_session(0, kv_cache=kv_cache)
+    s.load(path, kv_format=kv_format(kv_cache))
+    return s
+
+
 def loaded(models, path, kv_cache):
-    out = {}
-    for dev in ("emulated", "cuda"):
-        s = models[dev].new_session(0, kv_cache=kv_cache)
-        s.load(path)
-        out[dev] = s
-    return out
+    return {dev: loaded_one(models[dev], path, kv_cache) for dev in ("emulated", "cuda")}
 
 
 def assert_rows_agree(emu, cuda, L, Hkv, kivi):
@@ -123,8 +127,7 @@ def test_decode_graph_replays_the_eager_typed_steps(models, tmp_path, rng, name)
     ids = rng.integers(3, models["cpu"].config["vocab"], 40).astype(np.int32)
     out, rows = [], []
     for graphs in (True, False):
-        s = models["cuda"].new_session(0, kv_cache=TYPES[name])
-        s.load(path)
+        s = loaded_one(models["cuda"], path, TYPES[name])
         s.set_decode_graphs(graphs)
         out.append(np.stack([s.forward(ids[i:i + 1], logits="last") for i in range(len(ids))]))
         info = s.graph_info
@@ -157,3 +160,52 @@ def test_compaction_keeps_the_rows_and_frees_their_bytes(models, rng, name):
             kf, vf = full.cache_rows(l, h)
             kp, vp = pressed.cache_rows(l, h)
             assert np.array_equal(kp, kf[pos]) and np.array_equal(vp, vf[pos]), (l, h)
+
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("name", ["kivi4", "kivi2"])
+def test_a_cut_back_to_before_a_call_gives_its_rows_back(models, tmp_path, rng, name, graphs):
+    """A failed call on a KIVI store loses nothing (core/kv_undo.h): the engine rolls it back by cutting every
+    layer to its lengths before the call (kv_set_lens; a truncate to them is the same cut), and the rows of earlier
+    calls that the call's commit quantised come back in f32 as they were, bit for bit. test_faults.py fails every
+    call on the emulated device (the host store); CUDA has no injected faults, so the cut is made after each call
+    here: eager calls, and decode steps replayed as a graph (the append kernel sets the mark, the commit kernels
+    keep the undo rows on the device)."""
+    path = saved_cache(models, tmp_path, rng, think=False)
+    cfg = models["cpu"].config
+    s = loaded_one(models["cuda"], path, TYPES[name])
+    s.set_decode_graphs(graphs)
+    # groups of 16, residual 24: calls of 4, 5, 20, 3, 30 rows fill the residual twice; 40 decode steps, twice too
+    sizes = [1] * 40 if graphs else [4, 5, 20, 3, 30]
+    calls = [rng.integers(3, cfg["vocab"], n).astype(np.int32) for n in sizes]
+    took = cut_back_after_each_call(s, calls, cfg["n_layers"], cfg["n_kv_heads"])
+    assert took >= 2, took  # the rule was exercised: commits quantised rows of earlier calls
+    info = s.graph_info
+    assert info["error"] == "" and (info["graph_steps"] > 0) == graphs, info
+
+
+def rows_of(s, L, Hkv):
+    return [[s.cache_rows(l, h) for h in range(Hkv)] for l in range(L)]
+
+
+def held_rows(s, L, Hkv):
+    """Position, lengths and every row as read back (bytes: exact)."""
+    return (int(s.position), s.cache_lengths().tolist(),
+            [[b"".join(x.tobytes() for x in kv) for kv in heads] for heads in rows_of(s, L, Hkv)])
+
+
+def cut_back_after_each_call(s, calls, L, Hkv):
+    """Each call (token ids) made, cut back to the lengths and position before it (what the engine's roll-back of a
+    failed call does), the rows checked against those before it, bit for bit, and made again. Returns how many
+    calls changed rows of earlier calls as read back (KIVI's commit quantised residual rows with the call's)."""
+    took = 0
+    for ids in calls:
+        pos, lens, rows, before = int(s.position), s.cache_lengths(), rows_of(s, L, Hkv), held_rows(s, L, Hkv)
+        s.forward(ids, logits="none")
+        after = rows_of(s, L, Hkv)
+        took += any(not np.array_equal(a[:len(b)], b) for l in range(L) for h in range(Hkv) for a, b in zip(after[l][h], rows[l][h]))
+        s.truncate(lens, pos)
+        assert held_rows(s, L, Hkv) == before
+        s.forward(ids, logits="none")
+    return took

@@ -50,9 +50,10 @@ struct kvc_kv {
     float **sk;      /* [Hkv] staging rows [scap, 2 d]: row r >= nq at r - nq, its key then its value */
     int64_t *scap;   /* [Hkv] */
     size_t sbytes;   /* bytes of the staging rows and the undo rows */
-    /* KIVI: a failed call loses nothing. mark[h]: the length before the last kv_append (-1: none); uk[h]: the
-     * f32 rows [u0[h], u0[h] + un[h]) that waited before that append and its commit quantised, so that cutting
-     * back to mark[h] (the engine's roll-back) gives the rows as they were; dropped at the next append. */
+    /* KIVI: a failed call loses nothing (core/kv_undo.h has the rule). mark[h]: the length before the last
+     * kv_append (-1: none); uk[h]: the f32 rows [u0[h], u0[h] + un[h]) that waited before that append and its
+     * commit quantised, so that cutting back to mark[h] (the engine's roll-back) gives the rows as they were;
+     * dropped at the next append. */
     int64_t *mark, *u0, *un;
     float **uk;
 };

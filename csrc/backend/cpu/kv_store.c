@@ -15,6 +15,7 @@
 
 #include "../../core/kv_layout.h"
 #include "../../core/kv_type.h"
+#include "../../core/kv_undo.h"
 #include "host.h"
 #include "kv_decode.h"
 
@@ -123,7 +124,8 @@ static kvc_status staging_room(kvc_kv *kv, int32_t h, int64_t rows, int shrink) 
     return KVC_OK;
 }
 
-/* ---- KIVI's undo rows (host.h): what a roll-back to the length before the last append needs ---- */
+/* ---- KIVI's undo rows (host.h; the rule is core/kv_undo.h's): what a roll-back to the length before the last
+ * append needs ---- */
 
 static void undo_drop(kvc_kv *kv, int32_t h) {
     if (kv->un[h] == 0) return;
@@ -146,8 +148,8 @@ static void undo_forget(kvc_kv *kv) {
 /* Before commit_head quantises rows [nq, nq + m) of head h: a copy of those of them that waited before the
  * last append (the rows of earlier calls; fewer than max(residual, group)). */
 static kvc_status undo_keep(kvc_kv *kv, int32_t h, int64_t m) {
-    const int64_t pre = kv->mark[h] - kv->nq[h] < m ? kv->mark[h] - kv->nq[h] : m;
-    if (kv->un[h] > 0 || pre <= 0) return KVC_OK;
+    const int64_t pre = kvc_kivi_undo_rows(kv->mark[h], kv->nq[h], m, kv->un[h]);
+    if (pre == 0) return KVC_OK;
     const size_t b = sizeof(float) * 2 * (size_t)kv->d * (size_t)pre;
     kv->uk[h] = kvc_malloc(b, "K/V undo rows");
     if (!kv->uk[h]) return KVC_ERR_NOMEM;
@@ -578,8 +580,8 @@ kvc_status kvc_hkv_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
 }
 
 /* KIVI: rows [r0, nq) of head h (r0 a block's start) back to staging rows, so writes and cuts below nq see
- * rows in f32: decoded, or on a roll-back (undo) the undo rows as they were. */
-static kvc_status unquantise_from(kvc_kv *kv, int32_t h, int64_t r0, int undo) {
+ * rows in f32: decoded, rows [ua, ub) (a roll-back's) the undo rows as they were. */
+static kvc_status unquantise_from(kvc_kv *kv, int32_t h, int64_t r0, int64_t ua, int64_t ub) {
     const int64_t back = kv->nq[h] - r0, waiting = kv->len[h] - kv->nq[h];
     if (back <= 0) return KVC_OK;
     KVC_TRY(staging_room(kv, h, back + (waiting > 0 ? waiting : 0), 0));
@@ -592,9 +594,8 @@ static kvc_status unquantise_from(kvc_kv *kv, int32_t h, int64_t r0, int undo) {
         memcpy(kv->sk[h] + (size_t)i * 2 * d, tmp + (size_t)i * d, sizeof(float) * (size_t)d);
         values_typed(kv, h, r0 + i, 1, kv->sk[h] + (size_t)i * 2 * d + d);
     }
-    for (int64_t r = kv->u0[h]; undo && r < kv->u0[h] + kv->un[h]; r++)
-        if (r >= r0 && r < kv->nq[h])
-            memcpy(kv->sk[h] + (size_t)(r - r0) * 2 * d, kv->uk[h] + (size_t)(r - kv->u0[h]) * 2 * d, sizeof(float) * 2 * (size_t)d);
+    for (int64_t r = ua; r < ub; r++)
+        memcpy(kv->sk[h] + (size_t)(r - r0) * 2 * d, kv->uk[h] + (size_t)(r - kv->u0[h]) * 2 * d, sizeof(float) * 2 * (size_t)d);
     kvc_free(tmp);
     kv->nq[h] = r0;
     return KVC_OK;
@@ -619,11 +620,10 @@ kvc_status kvc_hkv_set_lens(kvc_kv *kv, const int64_t *len) {
     }
     for (int32_t h = 0; h < kv->Hkv; h++) {
         if (key_blocks(kv)) {
-            const int roll_back = kv->mark[h] >= 0 && len[h] == kv->mark[h]; /* to before the last append: as it was */
-            int64_t r0 = len[h] < kv->nq[h] ? len[h] / kv->fmt.group * kv->fmt.group : kv->nq[h];
-            if (roll_back && kv->un[h] > 0 && kv->u0[h] < r0) r0 = kv->u0[h];
-            if (r0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, r0, roll_back));
-            if (roll_back || len[h] < kv->len[h]) {
+            const kvc_kivi_cut cut =
+                kvc_kivi_cut_to(len[h], kv->len[h], kv->nq[h], kv->fmt.group, kv->mark[h], kv->u0[h], kv->un[h]);
+            if (cut.r0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, cut.r0, cut.ua, cut.ub));
+            if (!cut.keep) {
                 undo_drop(kv, h);
                 kv->mark[h] = -1;
             }
@@ -649,9 +649,9 @@ kvc_status kvc_hkv_write(kvc_kv *kv, int32_t h, int64_t row0, int64_t rows, cons
     KVC_TRY(commit_all(kv));
     const int32_t d = kv->d;
     if (key_blocks(kv)) { /* rows in f32 from the block of row0 on, written there; kv_commit quantises them again */
-        if (row0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, row0 / kv->fmt.group * kv->fmt.group, 0));
+        if (row0 < kv->nq[h]) KVC_TRY(unquantise_from(kv, h, row0 / kv->fmt.group * kv->fmt.group, 0, 0));
         undo_drop(kv, h); /* rows written past the held ones are an append (RestoreKV's): a roll-back cuts them */
-        kv->mark[h] = row0 >= kv->len[h] ? kv->len[h] : -1;
+        kv->mark[h] = kvc_kivi_write_mark(row0, kv->len[h]);
         const int64_t top = row0 + rows > kv->len[h] ? row0 + rows : kv->len[h];
         KVC_TRY(staging_room(kv, h, top - kv->nq[h], 0));
         for (int64_t r = 0; r < rows; r++) {
@@ -700,7 +700,13 @@ kvc_status kvc_hkv_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64
     for (int32_t h = 0; h < kv->Hkv; h++)
         for (int64_t i = 0; i < n[h]; i++, off += (size_t)kv->d)
             KVC_TRY(kvc_hkv_write(kv, h, idx[h][i], 1, k ? k + off : NULL, v ? v + off : NULL));
-    return key_blocks(kv) ? kvc_hkv_commit(kv) : KVC_OK;
+    if (!key_blocks(kv)) return KVC_OK;
+    for (int32_t h = 0; h < kv->Hkv; h++) { /* the rows written together are one write: its mark is its lowest row's */
+        int64_t lo = n[h] > 0 ? idx[h][0] : -1;
+        for (int64_t i = 1; i < n[h]; i++) lo = idx[h][i] < lo ? idx[h][i] : lo;
+        if (lo >= 0) kv->mark[h] = kvc_kivi_write_mark(lo, kv->len[h]);
+    }
+    return kvc_hkv_commit(kv);
 }
 
 kvc_status kvc_hkv_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int64_t n) {

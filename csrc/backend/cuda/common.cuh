@@ -122,18 +122,22 @@ struct kvc_buf {
 };
 
 /* The device table of a typed store (kv_typed.cu: f32, f16, q8_0, KIVI; core/kv_type.h has the formats), at a
- * fixed address for the store's life (graphs read it; the arena and the staging rows move under it). nq last:
- * the device moves it (kv_commit), so the host uploads the fields before it without touching it. */
+ * fixed address for the store's life (graphs read it; the arena and the staging rows move under it). nq and
+ * KIVI's undo state last: the device moves them (kv_append, kv_commit), so the host uploads the fields before
+ * them without touching them. */
 struct KvTab {
     uint8_t *k[KVC_MAX_KV];  /* KIVI: key blocks of `group` rows; else full key rows from np on, row r at (r - np) */
     uint8_t *v[KVC_MAX_KV];  /* value rows */
     uint8_t *kp[KVC_MAX_KV]; /* rows stored alone: the ThinK-pruned rows [np] of dk channels */
     float *st[KVC_MAX_KV];   /* staging rows (f32): row r >= nq at (r - nq) 2d, its K then its V */
+    float *uk[KVC_MAX_KV];   /* KIVI's undo rows (f32, core/kv_undo.h): row r of [u0, u0 + un) at (r - u0) 2d */
+    int64_t ucap;            /* undo rows a head has room for */
     int32_t *inv;            /* [Hkv d] (fixed): channel -> its slot among the dk kept, or -1 */
     uint64_t kprow;          /* bytes of a pruned row */
     int32_t np[KVC_MAX_KV];  /* pruned rows (KIVI: rows whose dropped channels read as zeros) */
     int32_t dk;
     int32_t nq[KVC_MAX_KV];  /* rows in the type; rows [nq, len) wait in the staging rows */
+    int32_t mark[KVC_MAX_KV], u0[KVC_MAX_KV], un[KVC_MAX_KV]; /* KIVI's undo state (core/kv_undo.h) */
 };
 
 /* One layer's K/V: one arena, per head K [cap, d] then V [cap, d]; the device tables the kernels read
@@ -174,6 +178,8 @@ struct kvc_kv {
     int64_t scap;       /* staging rows per head */
     size_t sbytes;
     int64_t wait_max;   /* bound on the rows waiting in any head (the staging room appends need) */
+    float *undo;        /* KIVI's undo rows: head h at undo + h ucap 2d (tabh.ucap) */
+    size_t ubytes;
     size_t krow, vrow, kblock; /* bytes of a full key row, a value row, a KIVI key block */
 };
 

@@ -14,6 +14,10 @@
  * stays (else decoded and encoded again); KIVI copies the whole key blocks of a kept prefix and stages every other
  * kept row in f32, then applies kv_commit's rule, as transformers' QuantizedCache quantises again what a press
  * keeps. Writes into KIVI rows below nq first turn their blocks back into staging rows.
+ * A failed call on a KIVI store loses nothing (core/kv_undo.h's rule, as kv_store.c): the append kernel sets each
+ * head's mark on the device, the commit keeps the rows of earlier calls it quantises as undo rows (device memory
+ * of max(residual, group) rows a head at least, sized eagerly like the staging rows), and a cut back to the mark
+ * (kv_set_lens, the engine's roll-back) takes them back to f32 as they were; so a decode graph's replays keep them.
  * This file: the store, its staging rows, append and commit, the host's rows (reads, writes, the scorers' copy);
  * kv_typed_layout.cu: the rebuilds, ThinK and truncation.
  * Compile-only in this project's CI (no GPU): the emulated device runs the host store these kernels follow. */
@@ -27,6 +31,8 @@ namespace kvc {
 static Buf g_idx_t, g_rows_t, g_exp_t, g_st_t; /* row lists and channel maps; f32 rows of reads and writes; the
                                                   scorers' rows; a staging table */
 static Pinned g_pin_t;                         /* the host side of the batched reads and writes */
+
+static_assert(offsetof(KvTab, un) == offsetof(KvTab, mark) + 2 * sizeof(int32_t) * KVC_MAX_KV, "undo state in one block");
 
 int kvt_is_typed(const kvc_kv_format *f) { return f->type != KVC_KV_NATIVE && f->type != KVC_KV_BF16; }
 
@@ -74,6 +80,32 @@ kvc_status kvt_state_get(const kvc_kv *kv, int64_t *len, int64_t *nq) {
     return KVC_OK;
 }
 
+kvc_status kvt_undo_get(const kvc_kv *kv, int64_t *mark, int64_t *u0, int64_t *un) {
+    int32_t s[3 * KVC_MAX_KV];
+    CU_TRY(d2h(s, kvt_undo_dev(kv), sizeof s), "K/V undo state");
+    CU_TRY(stream_wait(), "K/V undo state");
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        mark[h] = s[h];
+        u0[h] = s[KVC_MAX_KV + h];
+        un[h] = s[2 * KVC_MAX_KV + h];
+    }
+    return KVC_OK;
+}
+
+kvc_status kvt_undo_set(kvc_kv *kv, const int64_t *mark, const int64_t *un) {
+    KVC_TRY(kvt_ints_put(kvt_undo_dev(kv), mark, kv->Hkv, "K/V undo state"));
+    return kvt_ints_put(kvt_undo_dev(kv) + 2 * KVC_MAX_KV, un, kv->Hkv, "K/V undo state");
+}
+
+kvc_status kvt_undo_forget(kvc_kv *kv) {
+    int64_t mark[KVC_MAX_KV], un[KVC_MAX_KV];
+    for (int32_t h = 0; h < kv->Hkv; h++) {
+        mark[h] = -1;
+        un[h] = 0;
+    }
+    return kvt_undo_set(kv, mark, un);
+}
+
 kvc_status kvt_init(kvc_kv *kv, const kvc_kv_format *fmt) {
     const int32_t d = kv->d, t = fmt->type;
     if (t != KVC_KV_F32 && t != KVC_KV_F16 && t != KVC_KV_Q8_0 && t != KVC_KV_KIVI4 && t != KVC_KV_KIVI2)
@@ -95,18 +127,21 @@ kvc_status kvt_init(kvc_kv *kv, const kvc_kv_format *fmt) {
     memset(&kv->tabh, 0, sizeof kv->tabh);
     kv->tabh.inv = (int32_t *)((char *)kv->tabd + sizeof(KvTab));
     CU_TRY(cudaMemsetAsync(kv->tabd, 0, kv->tab_bytes, g.stream), "K/V table");
-    return kvt_tab_put(kv);
+    KVC_TRY(kvt_tab_put(kv));
+    return kvt_undo_forget(kv);
 }
 
 void kvt_free(kvc_kv *kv) {
     if (!kv->typed) return;
     if (kv->stage) dfree(kv->stage, kv->sbytes, MEM_CACHE);
+    if (kv->undo) dfree(kv->undo, kv->ubytes, MEM_CACHE);
     if (kv->tabd) dfree(kv->tabd, kv->tab_bytes, MEM_CACHE);
     kv->stage = nullptr;
+    kv->undo = nullptr;
     kv->tabd = nullptr;
 }
 
-size_t kvt_bytes(const kvc_kv *kv) { return kv->bytes + kv->sbytes; }
+size_t kvt_bytes(const kvc_kv *kv) { return kv->bytes + kv->sbytes + kv->ubytes; }
 
 /* ---- staging rows: per head [scap, 2d] f32 ---- */
 
@@ -151,12 +186,49 @@ kvc_status kvt_stage_room(kvc_kv *kv, int64_t rows) {
     return stage_resize(kv, want, kv->scap);
 }
 
+/* ---- KIVI's undo rows: per head [ucap, 2d] f32 (core/kv_undo.h) ---- */
+
+/* Room for `rows` undo rows a head (at least max(residual, group): what a decode step's commit keeps), eagerly:
+ * called as an append or a write begins, which drops the undo rows held (so none is carried over). */
+static kvc_status undo_room(kvc_kv *kv, int64_t rows) {
+    const int64_t want = rows > kvt_wait_limit(kv) ? rows : kvt_wait_limit(kv);
+    if (want <= kv->tabh.ucap) return KVC_OK;
+    if (kvt_capturing())
+        return fail(KVC_ERR_UNSUPPORTED, "CUDA K/V undo rows must grow during a graph capture: run one eager step first");
+    const int32_t Hkv = kv->Hkv;
+    const size_t bytes = sizeof(float) * 2 * (size_t)kv->d * (size_t)Hkv * (size_t)want;
+    float *p = nullptr;
+    KVC_TRY(dalloc((void **)&p, bytes, MEM_CACHE, "K/V undo rows"));
+    const KvTab old = kv->tabh;
+    for (int32_t h = 0; h < Hkv; h++) kv->tabh.uk[h] = p + (size_t)h * want * 2 * kv->d;
+    kv->tabh.ucap = want;
+    kvc_status st = kvt_tab_put(kv);
+    if (st == KVC_OK && cudaMemsetAsync(kvt_undo_dev(kv) + 2 * KVC_MAX_KV, 0, sizeof(int32_t) * KVC_MAX_KV, g.stream) != cudaSuccess)
+        st = cuda_fail(cudaGetLastError(), "K/V undo state"); /* un = 0: the rows held went with the old room */
+    if (st != KVC_OK) {
+        stream_wait();
+        kv->tabh = old;
+        kvt_tab_put(kv);
+        dfree(p, bytes, MEM_CACHE);
+        return st;
+    }
+    if (kv->undo) dfree(kv->undo, kv->ubytes, MEM_CACHE);
+    kv->undo = p;
+    kv->ubytes = bytes;
+    return KVC_OK;
+}
+
 /* ---- append and commit (graph-safe: lengths and nq from the device) ---- */
 
-__global__ void stage_append_kernel(const KvTab *__restrict__ tab, const bf16 *__restrict__ src, int64_t ld, int64_t kcol,
+/* the rows at the device lengths; each head's mark (the length before this append) set and its undo rows dropped */
+__global__ void stage_append_kernel(KvTab *__restrict__ tab, const bf16 *__restrict__ src, int64_t ld, int64_t kcol,
                                     int64_t vcol, int32_t d, const int32_t *__restrict__ len) {
     const int64_t i = blockIdx.x;
     const int h = blockIdx.y;
+    if (i == 0 && threadIdx.x == 0) { /* no other block reads mark or un; the lengths move after this kernel */
+        tab->mark[h] = len[h];
+        tab->un[h] = 0;
+    }
     float *s = tab->st[h] + ((int64_t)len[h] - tab->nq[h] + i) * 2 * d;
     const bf16 *ks = src + i * ld + kcol + (int64_t)h * d, *vs = src + i * ld + vcol + (int64_t)h * d;
     for (int e = threadIdx.x; e < d; e += blockDim.x) {
@@ -169,6 +241,7 @@ kvc_status kvt_append(kvc_kv *kv, kvc_view src, int64_t kcol, int64_t vcol, int6
     if (n <= 0) return KVC_OK;
     const int64_t need = kv->wait_max + n;
     KVC_TRY(kvt_stage_room(kv, need));
+    if (kvt_kivi(kv)) KVC_TRY(undo_room(kv, kv->wait_max)); /* the rows of earlier calls a commit may quantise */
     dim3 grid((unsigned)n, (unsigned)kv->Hkv);
     stage_append_kernel<<<grid, kv->d < 128 ? kv->d : 128, 0, g.stream>>>(kv->tabd, at<bf16>(src), src.ld, kcol, vcol, kv->d,
                                                                           kv->lend);
@@ -207,17 +280,29 @@ __global__ void commit_encode_kernel(const TypedRows t, const int32_t *__restric
     }
 }
 
-/* then, one block a head: KIVI's rows left (fewer than a block) move to the front of the staging rows (they do not
- * overlap the rows moved from: fewer than `group` after at least `group`), and nq moves past the rows encoded */
+/* then, one block a head: KIVI keeps the encoded rows that waited before the last append as undo rows (the first
+ * commit after it; kv_store.c's undo_keep), its rows left (fewer than a block) move to the front of the staging
+ * rows (they do not overlap the rows moved from: fewer than `group` after at least `group`), and nq moves past the
+ * rows encoded */
 __global__ void commit_settle_kernel(const TypedRows t, KvTab *tab, const int32_t *__restrict__ len, int64_t limit) {
     const int h = blockIdx.x;
     const int64_t nq = tab->nq[h], c = (int64_t)len[h] - nq, m = commit_rows(t.f, c, limit);
     if (m <= 0) return; /* the whole block returns */
     float *st = tab->st[h];
     const int64_t d2 = 2 * (int64_t)t.d;
+    int64_t pre = kvc_kv_type_key_blocks(t.f.type) ? kvc_kivi_undo_rows(tab->mark[h], nq, m, tab->un[h]) : 0;
+    pre = pre <= tab->ucap ? pre : 0; /* never (undo_room sized them at the append): no write past the room */
+    for (int64_t i = threadIdx.x; i < pre * d2; i += blockDim.x) tab->uk[h][i] = st[i];
+    __syncthreads(); /* every thread has read un before it moves */
     for (int64_t i = threadIdx.x; i < (c - m) * d2; i += blockDim.x) st[i] = st[m * d2 + i];
     __syncthreads();
-    if (threadIdx.x == 0) tab->nq[h] = (int32_t)(nq + m);
+    if (threadIdx.x == 0) {
+        tab->nq[h] = (int32_t)(nq + m);
+        if (pre > 0) {
+            tab->u0[h] = (int32_t)nq;
+            tab->un[h] = (int32_t)pre;
+        }
+    }
 }
 
 kvc_status kvt_commit(kvc_kv *kv) {
@@ -353,7 +438,8 @@ kvc_status kvt_list_put(const kvc_kv *kv, const int64_t *const *rows, const int6
     return KVC_OK;
 }
 
-kvc_status kvt_unquantise(kvc_kv *kv, const int64_t *r0, const int64_t *held, int64_t room) {
+kvc_status kvt_unquantise(kvc_kv *kv, const int64_t *r0, const int64_t *held, int64_t room, const kvc_kivi_cut *cut,
+                          const int64_t *u0) {
     const int32_t Hkv = kv->Hkv, d = kv->d;
     int64_t cnt[KVC_MAX_KV], most = 0;
     for (int32_t h = 0; h < Hkv; h++) {
@@ -373,6 +459,12 @@ kvc_status kvt_unquantise(kvc_kv *kv, const int64_t *r0, const int64_t *held, in
         kv->tabh.st[h] = p + (size_t)h * rows * 2 * d;
     }
     kvc_status st = kvt_rows_to_staging(kv, L, kv->tabh.st); /* reads the old table: uploaded after */
+    for (int32_t h = 0; h < Hkv && cut && st == KVC_OK; h++) /* a roll-back's rows: the undo rows, as they were */
+        if (cut[h].ub > cut[h].ua &&
+            cudaMemcpyAsync(kv->tabh.st[h] + (size_t)(cut[h].ua - r0[h]) * 2 * d, kv->tabh.uk[h] + (size_t)(cut[h].ua - u0[h]) * 2 * d,
+                            sizeof(float) * 2 * (size_t)d * (size_t)(cut[h].ub - cut[h].ua), cudaMemcpyDeviceToDevice,
+                            g.stream) != cudaSuccess)
+            st = cuda_fail(cudaGetLastError(), "K/V undo rows");
     if (st == KVC_OK) st = kvt_tab_put(kv);
     if (st == KVC_OK) st = kvt_ints_put(kvt_nq_dev(kv), r0, Hkv, "K/V state");
     if (st != KVC_OK) {
@@ -397,23 +489,35 @@ kvc_status kvt_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *
     if (!kvt_kivi(kv)) {
         KVC_TRY(kvt_commit(kv)); /* then rows are written in the type wherever they lie */
     } else { /* KIVI: rows in f32 from the block of the lowest row written on; kv_commit quantises them again */
-        int64_t held[KVC_MAX_KV], nq[KVC_MAX_KV], r0[KVC_MAX_KV], top[KVC_MAX_KV], room = 0;
+        int64_t held[KVC_MAX_KV], nq[KVC_MAX_KV], r0[KVC_MAX_KV], top[KVC_MAX_KV], low[KVC_MAX_KV], room = 0;
         int back = 0;
         KVC_TRY(kvt_state_get(kv, held, nq));
         for (int32_t h = 0; h < Hkv; h++) {
             int64_t lo = nq[h], hi = held[h];
+            low[h] = n[h] > 0 ? idx[h][0] : -1;
             for (int64_t i = 0; i < n[h]; i++) {
                 lo = idx[h][i] < lo ? idx[h][i] : lo;
                 hi = idx[h][i] + 1 > hi ? idx[h][i] + 1 : hi;
+                low[h] = idx[h][i] < low[h] ? idx[h][i] : low[h];
             }
             r0[h] = lo < nq[h] ? lo / kv->fmt.group * kv->fmt.group : nq[h];
             top[h] = hi;
             back |= r0[h] < nq[h];
             room = top[h] - r0[h] > room ? top[h] - r0[h] : room;
         }
-        if (back) KVC_TRY(kvt_unquantise(kv, r0, held, room));
+        if (back) KVC_TRY(kvt_unquantise(kv, r0, held, room, nullptr, nullptr));
         KVC_TRY(kvt_stage_room(kv, room));
         for (int32_t h = 0; h < Hkv; h++) kv->wait_max = held[h] - r0[h] > kv->wait_max ? held[h] - r0[h] : kv->wait_max;
+        /* a written head's undo rows go; rows written past the held ones are an append (RestoreKV's): its mark */
+        int64_t mark[KVC_MAX_KV], u0[KVC_MAX_KV], un[KVC_MAX_KV];
+        KVC_TRY(undo_room(kv, kv->wait_max));
+        KVC_TRY(kvt_undo_get(kv, mark, u0, un));
+        for (int32_t h = 0; h < Hkv; h++)
+            if (n[h] > 0) {
+                mark[h] = kvc_kivi_write_mark(low[h], held[h]);
+                un[h] = 0;
+            }
+        KVC_TRY(kvt_undo_set(kv, mark, un));
     }
     RowList L;
     KVC_TRY(kvt_list_put(kv, idx, n, nullptr, &L, nullptr));

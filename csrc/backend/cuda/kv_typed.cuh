@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 
+#include "../../core/kv_undo.h"
 #include "kv_rows.cuh"
 
 namespace kvc {
@@ -24,6 +25,8 @@ static inline unsigned kvt_blocks(int64_t items) {
     return (unsigned)(b < 1 ? 1 : b > KVT_MAX_BLOCKS ? KVT_MAX_BLOCKS : b);
 }
 static inline int32_t *kvt_nq_dev(const kvc_kv *kv) { return (int32_t *)((char *)kv->tabd + offsetof(KvTab, nq)); }
+/* KIVI's undo state on the device: mark [KVC_MAX_KV], then u0, then un */
+static inline int32_t *kvt_undo_dev(const kvc_kv *kv) { return (int32_t *)((char *)kv->tabd + offsetof(KvTab, mark)); }
 
 /* Rows of every head, as the layout kernels walk them: head h has the list's entries [off[h], off[h + 1]), entry
  * `it` its row first[h] + (it - off[h]), or rows[it]. */
@@ -57,8 +60,16 @@ kvc_status kvt_list_put(const kvc_kv *kv, const int64_t *const *rows, const int6
  * pointers: row it - off[h] of each, stride 2d) */
 kvc_status kvt_rows_to_staging(const kvc_kv *from, const RowList &L, float *const *st);
 /* KIVI: rows [r0[h], held[h]) of every head back to staging rows (r0 a block's start at or below nq), room for
- * `room` rows a head; nq becomes r0 (kv_store.c's unquantise_from) */
-kvc_status kvt_unquantise(kvc_kv *kv, const int64_t *r0, const int64_t *held, int64_t room);
+ * `room` rows a head; nq becomes r0 (kv_store.c's unquantise_from). cut (NULL: none): a roll-back's rows
+ * [cut[h].ua, cut[h].ub) come from the undo rows (u0: the device's) as they were, the others decoded. */
+kvc_status kvt_unquantise(kvc_kv *kv, const int64_t *r0, const int64_t *held, int64_t room, const kvc_kivi_cut *cut,
+                          const int64_t *u0);
+/* KIVI's undo state (core/kv_undo.h) of every head from the device, in one wait */
+kvc_status kvt_undo_get(const kvc_kv *kv, int64_t *mark, int64_t *u0, int64_t *un);
+/* every head's mark and count of undo rows to the device */
+kvc_status kvt_undo_set(kvc_kv *kv, const int64_t *mark, const int64_t *un);
+/* the rows moved otherwise than by an append and its commit: no mark, no undo rows (kv_store.c's undo_forget) */
+kvc_status kvt_undo_forget(kvc_kv *kv);
 
 } // namespace kvc
 

@@ -4,7 +4,8 @@
  * where their key layout stays, else decoded and encoded again (narrow to the kept channels where pruned); KIVI
  * copies the whole key blocks of a kept prefix, stages every other kept row in f32 and applies kv_commit's rule,
  * keeps its width under ThinK (the dropped channels' scale and min set to 0 in place), and turns blocks back into
- * staging rows when a cut falls below nq. Compile-only in this project's CI (no GPU). */
+ * staging rows when a cut falls below nq (a cut back to the length before the last append: its undo rows as they
+ * were, core/kv_undo.h). Compile-only in this project's CI (no GPU). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -206,6 +207,7 @@ static kvc_status rebuild(kvc_kv *kv, kvc_kv *from, const int64_t *cap, const in
         st = cuda_fail(cudaGetLastError(), "K/V channel map");
     if (st == KVC_OK) st = kvt_ints_put(kvt_nq_dev(kv), kb ? whole : n, Hkv, "K/V state");
     if (st == KVC_OK) st = kvt_ints_put(kv->lend, n, Hkv, "K/V lengths");
+    if (st == KVC_OK) st = kvt_undo_forget(kv); /* the rows moved: nothing to roll back to */
     free(inv);
     if (st != KVC_OK) { /* the store keeps its old arena and table */
         stream_wait();
@@ -278,6 +280,7 @@ kvc_status kvt_prune_keys(kvc_kv *kv, int32_t dk, const int32_t *kidx) {
         kv->tabh.dk = dk;
         st = kvt_tab_put(kv);
     }
+    if (st == KVC_OK) st = kvt_undo_forget(kv); /* the keys changed: nothing to roll back to */
     free(inv);
     if (st != KVC_OK) {
         free(ixc);
@@ -308,16 +311,27 @@ kvc_status kvt_set_lens(kvc_kv *kv, const int64_t *len) {
         kv->wait_max = 0;
         return kvt_ints_put(kv->lend, len, Hkv, "K/V lengths");
     }
-    int64_t held[KVC_MAX_KV], nq[KVC_MAX_KV], r0[KVC_MAX_KV];
+    /* KIVI: rows cut below nq back to f32 from their block on; a cut back to the length before the last append
+     * takes the rows of earlier calls its commit quantised from the undo rows (core/kv_undo.h) */
+    int64_t held[KVC_MAX_KV], nq[KVC_MAX_KV], r0[KVC_MAX_KV], mark[KVC_MAX_KV], u0[KVC_MAX_KV], un[KVC_MAX_KV];
+    kvc_kivi_cut cut[KVC_MAX_KV];
     KVC_TRY(kvt_state_get(kv, held, nq));
+    KVC_TRY(kvt_undo_get(kv, mark, u0, un));
     int back = 0;
     int64_t need = 0;
     for (int32_t h = 0; h < Hkv; h++) {
-        r0[h] = len[h] < nq[h] ? len[h] / kv->fmt.group * kv->fmt.group : nq[h];
+        cut[h] = kvc_kivi_cut_to(len[h], held[h], nq[h], kv->fmt.group, mark[h], u0[h], un[h]);
+        r0[h] = cut[h].r0;
         back |= r0[h] < nq[h];
         need = len[h] - r0[h] > need ? len[h] - r0[h] : need;
     }
-    if (back) KVC_TRY(kvt_unquantise(kv, r0, held, need));
+    if (back) KVC_TRY(kvt_unquantise(kv, r0, held, need, cut, u0));
+    for (int32_t h = 0; h < Hkv; h++)
+        if (!cut[h].keep) {
+            mark[h] = -1;
+            un[h] = 0;
+        }
+    KVC_TRY(kvt_undo_set(kv, mark, un));
     KVC_TRY(kvt_stage_room(kv, need));
     int64_t pruned = 0;
     for (int32_t h = 0; h < Hkv; h++) {
