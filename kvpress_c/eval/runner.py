@@ -201,6 +201,19 @@ class RunFolders:
             h.close()
 
 
+def _same_model(old, new) -> bool:
+    """The same model file or folder under another path: the same name and, where both paths exist, the same
+    size (a run resumed from another checkout, whose embedded model lives in another virtualenv)."""
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    name = lambda p: os.path.basename(os.path.normpath(p))
+    if name(old) != name(new):
+        return False
+    size = lambda p: os.path.getsize(p) if os.path.isfile(p) else sum(
+        os.path.getsize(os.path.join(p, f)) for f in sorted(os.listdir(p)) if os.path.isfile(os.path.join(p, f)))
+    return not (os.path.exists(old) and os.path.exists(new)) or size(old) == size(new)
+
+
 def _check_config(run_dir: str, cfg: dict) -> None:
     cfg = json.loads(json.dumps(cfg, default=str))  # tuples -> lists, as they read back
     cfg_path = os.path.join(run_dir, "config.json")
@@ -214,6 +227,8 @@ def _check_config(run_dir: str, cfg: dict) -> None:
                            "kv_cache": c.get("kv_cache", "native"), "benchmark_options":
                            {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
         a, b = strip(old), strip(cfg)
+        if _same_model(a.get("model"), b.get("model")):  # the same file reached by another path (another venv)
+            a["model"] = b["model"]
         diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
         if diff:
             raise ValueError(f"{run_dir} holds results of a different configuration (differs in "

@@ -202,3 +202,24 @@ def test_press_names_build(default_model):
         kve.make_press("nope", budget=4)
     with pytest.raises(ValueError, match="not --compression-ratio"):
         kve.make_press("take", compression_ratio=0.5)
+
+
+def test_a_run_resumes_with_its_model_under_another_path(tmp_path):
+    """config.json records the model's path; a rerun from another checkout (the embedded model in another virtualenv,
+    or a path that no longer exists) resumes when the file has the same name and, where both exist, the same size;
+    another file of that name (another size) is another experiment."""
+    from kvpress_c.eval.runner import _check_config
+    a, b, c = (tmp_path / d for d in ("a", "b", "c"))
+    for folder, data in ((a, b"x" * 10), (b, b"y" * 10), (c, b"z" * 11)):
+        folder.mkdir()
+        (folder / "m.gguf").write_bytes(data)
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = lambda path: {"benchmark": "niah", "label": "full", "model": str(path), "n_samples_total": 2}
+    _check_config(str(run), cfg(a / "m.gguf"))
+    _check_config(str(run), cfg(b / "m.gguf"))  # same name and size
+    with pytest.raises(ValueError, match="differs in model"):
+        _check_config(str(run), cfg(c / "m.gguf"))
+    _check_config(str(run), cfg(tmp_path / "gone" / "m.gguf"))  # the recorded path is gone: the name decides
+    with pytest.raises(ValueError, match="differs in model"):
+        _check_config(str(run), cfg(a / "other.gguf"))
