@@ -230,8 +230,8 @@ def test_rows_tile_products(rng, t, d, rows):
     """The decode step on rows stored alone (kv_rows_step.c: each vector widened in registers and used at once)
     against float64 products of the decoded rows. Bound: 1e-6 of the sum of |terms| each output adds (fp32
     accumulation over at most 256 channels or 64 rows); measured over 6 runs at most 9.1e-8 (scores) and 4.5e-7
-    (P V, o0 included). d = 96: not whole blocks of 4
-    vectors, refused as unsupported (the attention decodes such tiles)."""
+    (P V, o0 included); an AVX2 build (KVC_KERNELS_LIB) 2.8e-8 and 1.9e-7. d = 96: whole blocks of 4 vectors
+    with AVX2 (8 lanes), not with AVX-512, which refuses it as unsupported (the attention decodes such tiles)."""
     n = int(rng.integers(1, 65))
     r0 = int(rng.integers(0, 5))
     kraw, keys = rows_tile_inputs(rng, t, r0 + n, d)
@@ -249,7 +249,7 @@ def test_rows_tile_products(rng, t, d, rows):
         assert "decodes" in msg and (d % 64 or LIB_PATH), msg
         print(f"not read in place here: {msg}")
         return
-    assert st == capi.OK and d % 64 == 0, msg
+    assert st == capi.OK, msg
     q64, p64 = q.astype(np.float64), p.astype(np.float64)
     s_err = np.abs(s - q64 @ keys.T) / (np.abs(q64) @ np.abs(keys).T)
     o_err = np.abs(o - (o0 + p64 @ values)) / (np.abs(o0) + p64 @ np.abs(values))
