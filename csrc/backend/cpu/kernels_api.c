@@ -168,8 +168,8 @@ kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x, int64_
 
 kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
                                 const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
-                                const float *q, float *s, const float *p, float *o) {
-    CHECK(fmt && keys && values && q && s && p && o, "kivi_tile: no argument may be NULL");
+                                const float *q, float *s, const float *p, float *o, int32_t *int16) {
+    CHECK(fmt && keys && values && q && s && p && o, "kivi_tile: no argument but int16 may be NULL");
     CHECK(fmt->type == KVC_KV_KIVI4 || fmt->type == KVC_KV_KIVI2, "kivi_tile: the type must be kivi4 or kivi2, got %s",
           kvc_kv_type_name(fmt->type) ? kvc_kv_type_name(fmt->type) : "an unknown code");
     CHECK(d >= 1 && d <= 1024, "kivi_tile: d must be in [1, 1024], got %d", d);
@@ -185,6 +185,7 @@ kvc_status kvc_kernel_kivi_tile(const kvc_kv_format *fmt, const void *keys, size
     if (!kvc_cpu_kv_tile_ok(fmt, d))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "kivi_tile: this build decodes kivi tiles of head_dim %d, group %d to fp32",
                         d, fmt->group);
+    if (int16) *int16 = kvc_cpu_kv_step_int16();
     const kvc_kv_tile t = {fmt, d, keys, 0, (int32_t)r0, values, rb};
     kvc_cpu_kv_scores(&t, q, rows, n, s, n);
     kvc_cpu_kv_pv(&t, p, n, rows, n, o);
