@@ -19,9 +19,9 @@
  * Other builds (AVX-512 without VNNI, AVX2 + FMA + F16C) multiply floats: codes are read VL bytes at a time,
  * widened to 32-bit lanes and split by shifts into per = 8 / bits vectors ("chunks"): lane i of chunk t
  * holds channel per i + t, so the codes need no shuffle; the query side and the output take that order
- * instead, once per tile (to_lanes, from_lanes); 4 keys' sums are reduced together. Either way rounding
- * differs from decoding then multiplying; the tests bound it. The rows PF_FUSED bytes ahead are prefetched
- * as each row is read. f16, bf16 and q8_0 tiles are decoded instead (kv_decode.c). */
+ * instead, once per tile (to_lanes, from_lanes); 4 keys' sums are reduced together, and the rows PF_FUSED
+ * bytes ahead are prefetched as each row is read. Either way rounding differs from decoding then
+ * multiplying; the tests bound it. f16, bf16 and q8_0 tiles are decoded instead (kv_decode.c). */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -143,11 +143,17 @@ static void value_params(const kvc_kv_tile *t, int n, int ne, size_t gb, float *
     }
 }
 
-/* the key block's channel scales and mins (f16) */
-static void key_params(const kvc_kv_tile *t, float *s, float *m) {
-    const kvc_kv_format f16 = {KVC_KV_F16, 0, 0};
-    kvc_cpu_kv_decode_rows(&f16, t->k, 0, 1, t->d, s);
-    kvc_cpu_kv_decode_rows(&f16, t->k + 2 * (size_t)t->d, 0, 1, t->d, m);
+/* the key block's channel scales and mins (f16; d a multiple of 4 VL) */
+static AI void key_params(const kvc_kv_tile *t, float *s, float *m) {
+    for (int c = 0; c < t->d; c += VL) {
+#if KVD == 512
+        V_STORE(s + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t->k + 2 * (size_t)c))));
+        V_STORE(m + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t->k + 2 * ((size_t)t->d + c)))));
+#else
+        V_STORE(s + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t->k + 2 * (size_t)c))));
+        V_STORE(m + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(t->k + 2 * ((size_t)t->d + c)))));
+#endif
+    }
 }
 
 #define NR_CASES(CALL)       \
@@ -164,7 +170,7 @@ static void key_params(const kvc_kv_tile *t, float *s, float *m) {
 
 /* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
  * VL with zeros); returns the step */
-static float to_int16(const float *x, int n, int16_t *q) {
+static AI float to_int16(const float *x, int n, int16_t *q) {
     vf mx = V_ZERO();
     for (int i = 0; i < n; i += VL) mx = _mm512_max_ps(mx, _mm512_abs_ps(V_LOADM(x + i, V_MASK(n - i))));
     const float M = _mm512_reduce_max_ps(mx), inv = M > 0 ? 32767.0f / M : 0.0f;
@@ -329,6 +335,12 @@ static AI void scores_of(const int BITS, const kvc_kv_tile *t, const float *Q, i
     float s[256], m[256], qs[256], step[NR_MAX], bias[NR_MAX];
     int16_t qi[256];
     int32_t qp[NR_MAX * 128];
+    __m512i pair; /* word i of 32: channel (i / cpd) cpd + (i % 2) K + (i % cpd) / 2, the codes' word pairs */
+    {
+        int16_t ix[32];
+        for (int i = 0; i < 32; i++) ix[i] = (int16_t)(i / cpd * cpd + i % 2 * K + i % cpd / 2);
+        pair = _mm512_loadu_si512(ix);
+    }
     key_params(t, s, m);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
@@ -341,9 +353,8 @@ static AI void scores_of(const int BITS, const kvc_kv_tile *t, const float *Q, i
             }
             bias[r] = V_HSUM(b);
             step[r] = to_int16(qs, d, qi);
-            for (int c = 0; c < d; c += cpd)
-                for (int k = 0; k < K; k++)
-                    qp[r * d / 2 + c / 2 + k] = (int32_t)((uint32_t)(uint16_t)qi[c + k] | (uint32_t)(uint16_t)qi[c + K + k] << 16);
+            for (int c = 0; c < d; c += 32) /* 32 channels: whole dwords of codes (cpd <= 16) */
+                _mm512_storeu_si512(qp + r * d / 2 + c / 2, _mm512_permutexvar_epi16(pair, _mm512_loadu_si512(qi + c)));
         }
 #define SCORES(NR) scores_nr(BITS, NR, t, qp, step, bias, n, S + (size_t)r0 * ls, ls)
         NR_CASES(SCORES)
