@@ -105,7 +105,8 @@ SIGNATURES = {  # name: (restype, argtypes)
     "kvc_kernel_matmul_native": (_I, [_I32, F32P, _V, F32P, _I64, _I64, _I64, _I32]),
     "kvc_kernel_kv_decode": (_I, [C.POINTER(KVFormat), _I32, _V, _SZ, _I64, _I64, _I32, _I32, F32P, C.POINTER(_I32)]),
     "kvc_kernel_kv_encode": (_I, [C.POINTER(KVFormat), F32P, _I64, _I32, _I32, _V, _SZ]),
-    "kvc_kernel_kv_tile": (_I, [C.POINTER(KVFormat), _V, _SZ, _I64, _V, _SZ, _I32, _I32, _I32, F32P, F32P, F32P, F32P]),
+    "kvc_kernel_kv_tile": (_I, [C.POINTER(KVFormat), _V, _SZ, _I64, _V, _SZ, _I32, _I32, _I32, F32P, F32P, F32P, F32P,
+                            C.POINTER(_I32)]),
     "kvc_device_available": (_I, [_I32]),
     "kvc_device_set_option": (_I, [_I32, C.c_char_p, _I32]),
     "kvc_device_kernel_matmul": (_I, [_I32, F32P, F32P, F32P, _I64, _I64, _I64]),
@@ -277,3 +278,17 @@ def kv_store(k, v, kv_type, group=0, residual=0, step=None, device="cpu"):
     check(lib.kvc_device_kernel_kv_store(DEVICES[device], C.byref(fmt), Hkv, d, n, step or max(n, 1), k, v, ko, vo,
                                          C.byref(nb)))
     return ko, vo, nb.value
+
+
+def kivi_step_int16():
+    """1 where this build's KIVI decode step multiplies int16 weights (AVX-512 VNNI), 0 where floats, None
+    where it decodes KIVI tiles to fp32 instead (asked on a one-row kivi4 tile of head_dim 64)."""
+    import numpy as np
+    fmt = KVFormat(4, 64, 128)
+    block, vals = np.zeros(4 * 64 + 64 * 32, np.uint8), np.zeros(36, np.uint8)
+    q, s, p, o, flag = (np.zeros(64, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32),
+                        np.zeros(64, np.float32), C.c_int32(-1))
+    st = lib.kvc_kernel_kv_tile(C.byref(fmt), block.ctypes.data, block.nbytes, 0, vals.ctypes.data, vals.nbytes,
+                                1, 64, 1, q, s, p, o, C.byref(flag))
+    return None if st == ERR_UNSUPPORTED else flag.value
+

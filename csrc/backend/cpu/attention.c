@@ -171,15 +171,19 @@ static void update_pv_rows(const float *P, int rows, int tk, const float *V, int
 
 /* S[r][j] = Q[r] . K[j] for r < rows, j < tk, as dot products over d (for few rows, where
  * transposing the K tile would cost as much as the products). AVX-512: 4 keys at a time, whose 4
- * accumulators are reduced together (one horizontal reduction per 4 scores). */
+ * accumulators are reduced together (one horizontal reduction per 4 scores); a tile's last 1-3 keys too
+ * (the first of them standing in for the missing ones, whose sums are dropped), so every score has the
+ * order of the typed stores' decode step (kv_rows_step.c) whatever the tiling. */
 static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t ldk, int tk, const float *V, int64_t ldv,
                        int stream, float *S) {
     int j = 0;
 #if defined(__AVX512F__)
     const int dfull = d / 16 * 16;
     const __mmask16 tail = (__mmask16)((1u << (d - dfull)) - 1);
-    for (; j + 4 <= tk; j += 4) {
-        const float *k0 = K + j * ldk, *k1 = k0 + ldk, *k2 = k1 + ldk, *k3 = k2 + ldk;
+    for (; j < tk; j += 4) {
+        const int nk = tk - j < 4 ? tk - j : 4;
+        const float *k0 = K + j * ldk, *k1 = nk > 1 ? k0 + ldk : k0, *k2 = nk > 2 ? k0 + 2 * ldk : k0;
+        const float *k3 = nk > 3 ? k0 + 3 * ldk : k0;
         /* K and V in the store (stream): the cache streams from memory: fetch keys PF_KEYS ahead and this
          * tile's values for the update (decoded tiles are in cache: their decoders fetch the stored rows) */
         for (int k = 0; stream && k < 4; k++)
@@ -209,7 +213,14 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t 
             const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
             const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
             const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
-            _mm_storeu_ps(S + r * TK + j, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
+            const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+            if (nk == 4) {
+                _mm_storeu_ps(S + r * TK + j, s4);
+            } else {
+                float t4[4];
+                _mm_storeu_ps(t4, s4);
+                for (int k = 0; k < nk; k++) S[r * TK + j + k] = t4[k];
+            }
         }
     }
 #endif

@@ -168,8 +168,8 @@ kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x, int64_
 
 kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
                               const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
-                              const float *q, float *s, const float *p, float *o) {
-    CHECK(fmt && keys && values && q && s && p && o, "kv_tile: no argument may be NULL");
+                              const float *q, float *s, const float *p, float *o, int32_t *int16) {
+    CHECK(fmt && keys && values && q && s && p && o, "kv_tile: no argument but int16 may be NULL");
     CHECK(fmt->type != KVC_KV_F32 && fmt->type != KVC_KV_NATIVE && kvc_kv_type_name(fmt->type),
           "kv_tile: the type must be f16, bf16, q8_0, kivi4 or kivi2 (f32 rows are read in place), got %s",
           kvc_kv_type_name(fmt->type) ? kvc_kv_type_name(fmt->type) : "an unknown code");
@@ -193,6 +193,7 @@ kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t
     if (!kvc_cpu_kv_tile_ok(fmt, d))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "kv_tile: this build decodes %s tiles of head_dim %d (group %d) to fp32",
                         kvc_kv_type_name(fmt->type), d, fmt->group);
+    if (int16) *int16 = blocks && kvc_cpu_kv_step_int16(); /* rows stored alone: float products */
     const kvc_kv_tile t = {fmt, d, blocks ? keys : (const uint8_t *)keys + (size_t)r0 * rb, blocks ? 0 : rb,
                            blocks ? (int32_t)r0 : 0, values, rb};
     kvc_cpu_kv_scores(&t, q, rows, n, s, n);

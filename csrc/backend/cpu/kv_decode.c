@@ -5,22 +5,16 @@
  * so the same bits: f16 and bf16 widen exactly, q8_0's d q and KIVI's m + s q round once (d q and s q are
  * exact in f32: 11 significant bits times 8 or 4), an FMA or a multiply and an add alike. They stream the
  * cache from memory: the bytes PF_DECODE ahead of the row being decoded are prefetched (a store's next
- * tile follows this one).
- *
- * KIVI's decode step (kvc_cpu_kv_scores, kvc_cpu_kv_pv): the dequantisation folded into the products,
- * below. */
+ * tile follows this one). The decode step on tiles read where they lie has its own files (kv_rows_step.c,
+ * kv_kivi_step.c); the dispatch to them by the kind of store ends this one. */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
+#include "kv_simd.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define KVD 512
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVD 256
-#endif
+#define KVD KVC_KV_SIMD
 
 #if defined(KVD)
-#include <immintrin.h>
 
 #define PF_DECODE 2048
 #define WMAX 1024 /* widest row a host store takes (kv_store.c) */
@@ -302,320 +296,21 @@ int kvc_cpu_kv_decode_simd(void) {
 #endif
 }
 
-
-
-/* ---- KIVI's decode step on the stored bytes ----
- * Keys per channel (k_c = m_c + s_c q_c over a key block): q . k = sum_c (q_c s_c) q_c' + sum_c q_c m_c, the
- * first over the codes as they come, the second once per tile (a tile lies in one block). Values per row
- * (v_c = m + s q_c in each value group): O += (P s) q + (P m), the second summed over the tile's rows first.
- * Codes are read VL bytes at a time, widened to 32-bit lanes and split by shifts into per = 8 / bits
- * vectors ("chunks"): lane i of chunk t holds channel per i + t, so the codes need no shuffle; the query
- * side and the output take that order instead, once per tile (to_lanes, from_lanes). Rounding differs from
- * decoding then multiplying (fp32 sums in another order); the tests bound it. The rows PF_FUSED bytes
- * ahead are prefetched as each row is read. f16, bf16 and q8_0 tiles are decoded instead: folding their
- * scales into the products measured no faster (the decode is a few instructions a value). */
-#if defined(KVD)
-#include "cpu.h"
-
-#define PF_FUSED 4096
-#define NR_MAX 4 /* query rows a kernel keeps in registers */
-
-#if KVD == 512
-#define I_CVT(x) _mm512_cvtepi32_ps(x)
-#define I_AND(x, m) _mm512_and_si512(x, _mm512_set1_epi32(m))
-#define I_SHR(x, k) _mm512_srli_epi32(x, k)
-#define V_MUL(a, b) _mm512_mul_ps(a, b)
-/* even and odd lanes of the 2 VL lanes [a, b]; and the inverse: a and b interleaved, low and high halves */
-static inline vf ev(vf a, vf b) {
-    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
-}
-static inline vf od(vf a, vf b) {
-    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
-}
-static inline vf il_lo(vf a, vf b) {
-    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), b);
-}
-static inline vf il_hi(vf a, vf b) {
-    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31), b);
-}
-/* VL bytes widened to 32-bit lanes */
-typedef __m512i vi;
-static inline vi widen(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-#else
-#define I_CVT(x) _mm256_cvtepi32_ps(x)
-#define I_AND(x, m) _mm256_and_si256(x, _mm256_set1_epi32(m))
-#define I_SHR(x, k) _mm256_srli_epi32(x, k)
-#define V_MUL(a, b) _mm256_mul_ps(a, b)
-static inline vf ev(vf a, vf b) {
-    const __m256i ix = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    return _mm256_permute2f128_ps(_mm256_permutevar8x32_ps(a, ix), _mm256_permutevar8x32_ps(b, ix), 0x20);
-}
-static inline vf od(vf a, vf b) {
-    const __m256i ix = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    return _mm256_permute2f128_ps(_mm256_permutevar8x32_ps(a, ix), _mm256_permutevar8x32_ps(b, ix), 0x31);
-}
-static inline vf il_lo(vf a, vf b) { return _mm256_permute2f128_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), 0x20); }
-static inline vf il_hi(vf a, vf b) { return _mm256_permute2f128_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b), 0x31); }
-typedef __m256i vi;
-static inline vi widen(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-#endif
-
-/* per chunks of channels in order (n) into the order of a load of codes (x), and back */
-static inline void to_lanes(const int per, const vf *n, vf *x) {
-    if (per == 2) {
-        x[0] = ev(n[0], n[1]);
-        x[1] = od(n[0], n[1]);
-    } else {
-        const vf a = ev(n[0], n[1]), b = od(n[0], n[1]), c = ev(n[2], n[3]), e = od(n[2], n[3]);
-        x[0] = ev(a, c);
-        x[1] = ev(b, e);
-        x[2] = od(a, c);
-        x[3] = od(b, e);
-    }
-}
-static inline void from_lanes(const int per, const vf *x, vf *n) {
-    if (per == 2) {
-        n[0] = il_lo(x[0], x[1]);
-        n[1] = il_hi(x[0], x[1]);
-    } else {
-        const vf a = il_lo(x[0], x[2]), c = il_hi(x[0], x[2]), b = il_lo(x[1], x[3]), e = il_hi(x[1], x[3]);
-        n[0] = il_lo(a, b);
-        n[1] = il_hi(a, b);
-        n[2] = il_lo(c, e);
-        n[3] = il_hi(c, e);
-    }
-}
-
-/* the per chunks of VL bytes of codes at p */
-static inline void ld_codes(const uint8_t *p, const int bits, vf *x) {
-    const vi u = widen(p);
-    if (bits == 4) {
-        x[0] = I_CVT(I_AND(u, 15));
-        x[1] = I_CVT(I_SHR(u, 4));
-    } else {
-        x[0] = I_CVT(I_AND(u, 3));
-        x[1] = I_CVT(I_AND(I_SHR(u, 2), 3));
-        x[2] = I_CVT(I_AND(I_SHR(u, 4), 3));
-        x[3] = I_CVT(I_SHR(u, 6));
-    }
-}
-
-/* the sums of a0..a3 */
-static inline __m128 sum4(vf a0, vf a1, vf a2, vf a3) {
-#if KVD == 512
-    const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-    const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
-#else
-    const __m256 z = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
-#endif
-}
-
-static inline float half(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-
-/* the rows PF_FUSED bytes on, a cache line at a time */
-static inline void prefetch_row(const uint8_t *row, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + PF_FUSED + o, _MM_HINT_T0);
-}
-
-/* S[r ls + j] = Qv[r] . codes_j + bias[r] for NR rows (Qv [NR, d]: q s in the codes' order) and the tile's
- * keys j < n, 4 keys at a time (their sums reduced together) */
-static inline __attribute__((always_inline)) void scores_nr(const int BITS, const int NR, const kvc_kv_tile *t, const float *Qv,
-                                                            const float *bias, int n, float *S, int ls) {
-    const int d = t->d, per = 8 / BITS;
-    const size_t rb = (size_t)d * BITS / 8; /* a key row's codes */
-    const uint8_t *codes = t->k + 4 * (size_t)d + (size_t)t->kr0 * rb;
-    for (int j = 0; j < n; j += 4) {
-        const int nk = n - j < 4 ? n - j : 4;
-        const uint8_t *row[4];
-        vf acc[NR_MAX][4];
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; k++) {
-            row[k] = codes + (size_t)(j + (k < nk ? k : 0)) * rb; /* past n: a row again, its sum unused */
-            prefetch_row(row[k], rb);
-#pragma GCC unroll 4
-            for (int r = 0; r < NR; r++) acc[r][k] = V_ZERO();
-        }
-        for (int l = 0; l < d / VL / per; l++)
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; k++) {
-                vf x[4];
-                ld_codes(row[k] + (size_t)l * VL, BITS, x);
-#pragma GCC unroll 4
-                for (int c = 0; c < per; c++)
-#pragma GCC unroll 4
-                    for (int r = 0; r < NR; r++) acc[r][k] = V_FMA(V_LOAD(Qv + r * d + (l * per + c) * VL), x[c], acc[r][k]);
-            }
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) {
-            const __m128 s = _mm_add_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(bias[r]));
-            if (nk == 4) {
-                _mm_storeu_ps(S + r * ls + j, s);
-            } else {
-                float s4[4];
-                _mm_storeu_ps(s4, s);
-                for (int k = 0; k < nk; k++) S[r * ls + j + k] = s4[k];
-            }
-        }
-    }
-}
-
-/* O[NR, d] += the tile's value codes j < n weighted by cf (row r's weight of value j in value group e at
- * cf[(r ne + e) KVC_KV_TILE + j]: P s), then bias [NR, ne] (sum_j P m) on the group's channels; 4 chunks of
- * O in registers at a time */
-static inline __attribute__((always_inline)) void pv_nr(const int BITS, const int NR, const kvc_kv_tile *t, const float *cf,
-                                                        int ne, const float *bias, int n, float *O) {
-    const int d = t->d, per = 8 / BITS, g = kvc_kivi_vgroup(t->f->group, d);
-    const size_t gb = 4 + (size_t)g * BITS / 8; /* a value group's bytes: scale, min, codes */
-    for (int v0 = 0; v0 < d / VL; v0 += 4) {
-        const int c0 = v0 * VL; /* first channel (4 VL channels: whole loads, inside one group) */
-        const int e = c0 / g;
-        const size_t at = (size_t)e * gb + 4 + (size_t)(c0 % g) * BITS / 8;
-        const float *w = cf + (size_t)e * KVC_KV_TILE;
-        vf o[NR_MAX][4];
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; r++)
-            for (int c = 0; c < 4; c += per) {
-                vf x[4];
-                for (int i = 0; i < per; i++) x[i] = V_LOAD(O + r * d + c0 + (c + i) * VL);
-                to_lanes(per, x, o[r] + c);
-            }
-        for (int j = 0; j < n; j++) {
-            const uint8_t *row = t->v + (size_t)j * t->vstride;
-            vf x[4];
-            if (v0 == 0) prefetch_row(row, t->vstride);
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c += per) ld_codes(row + at + (size_t)c * VL * BITS / 8, BITS, x + c);
-#pragma GCC unroll 4
-            for (int r = 0; r < NR; r++) {
-                const vf p = V_BCAST(w + (size_t)r * ne * KVC_KV_TILE + j);
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) o[r][c] = V_FMA(p, x[c], o[r][c]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < NR; r++) {
-            const vf b = V_BCAST(bias + r * ne + e);
-            for (int c = 0; c < 4; c += per) {
-                vf x[4];
-                from_lanes(per, o[r] + c, x);
-                for (int i = 0; i < per; i++) V_STORE(O + r * d + c0 + (c + i) * VL, V_ADD(x[i], b));
-            }
-        }
-    }
-}
-
-#define NR_CASES(CALL)       \
-    switch (nr) {            \
-    case 1: CALL(1); break;  \
-    case 2: CALL(2); break;  \
-    case 3: CALL(3); break;  \
-    default: CALL(4); break; \
-    }
-
-static inline __attribute__((always_inline)) void scores_of(const int BITS, const kvc_kv_tile *t, const float *Q, int rows,
-                                                            int n, float *S, int ls) {
-    const int d = t->d, per = 8 / BITS;
-    float qv[NR_MAX * 256], bias[NR_MAX], s[256], m[256];
-    halves(KVC_KV_F16, (const uint16_t *)t->k, d, s); /* the block's channel scales and mins */
-    halves(KVC_KV_F16, (const uint16_t *)t->k + d, d, m);
-    for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
-        const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
-        const float *Qr = Q + (size_t)r0 * d;
-        for (int r = 0; r < nr; r++) { /* q s in the codes' order, and q . m */
-            vf b = V_ZERO();
-            for (int c = 0; c < d; c += VL) b = V_FMA(V_LOAD(Qr + r * d + c), V_LOAD(m + c), b);
-            bias[r] = V_HSUM(b);
-            for (int c = 0; c < d; c += per * VL) {
-                vf nat[4], x[4];
-                for (int i = 0; i < per; i++) nat[i] = V_MUL(V_LOAD(Qr + r * d + c + i * VL), V_LOAD(s + c + i * VL));
-                to_lanes(per, nat, x);
-                for (int i = 0; i < per; i++) V_STORE(qv + r * d + c + i * VL, x[i]);
-            }
-        }
-#define SCORES(NR) scores_nr(BITS, NR, t, qv, bias, n, S + (size_t)r0 * ls, ls)
-        NR_CASES(SCORES)
-#undef SCORES
-    }
-}
-
-static inline __attribute__((always_inline)) void pv_of(const int BITS, const kvc_kv_tile *t, const float *P, int ls, int rows,
-                                                        int n, float *O) {
-    const int d = t->d, g = kvc_kivi_vgroup(t->f->group, d), ne = d / g;
-    const size_t gb = 4 + (size_t)g * BITS / 8;
-    float sc[8 * KVC_KV_TILE], mn[8 * KVC_KV_TILE], cf[NR_MAX * 8 * KVC_KV_TILE], bias[NR_MAX * 8];
-    for (int e = 0; e < ne; e++) /* each value row's scale and min per group */
-        for (int j = 0; j < n; j++) {
-            const uint8_t *h = t->v + (size_t)j * t->vstride + (size_t)e * gb;
-            sc[e * KVC_KV_TILE + j] = half(h);
-            mn[e * KVC_KV_TILE + j] = half(h + 2);
-        }
-    for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
-        const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
-        const float *Pr = P + (size_t)r0 * ls;
-        for (int r = 0; r < nr; r++) /* P s, and P . m */
-            for (int e = 0; e < ne; e++) {
-                vf b = V_ZERO();
-                for (int j = 0; j < n; j += VL) {
-                    const vmask mk = V_MASK(n - j);
-                    const vf p = V_LOADM(Pr + r * ls + j, mk);
-                    V_STORE(cf + (r * ne + e) * KVC_KV_TILE + j, V_MUL(p, V_LOADM(sc + e * KVC_KV_TILE + j, mk)));
-                    b = V_FMA(p, V_LOADM(mn + e * KVC_KV_TILE + j, mk), b);
-                }
-                bias[r * ne + e] = V_HSUM(b);
-            }
-        float *Or = O + (size_t)r0 * d;
-#define PV(NR) pv_nr(BITS, NR, t, cf, ne, bias, n, Or)
-        NR_CASES(PV)
-#undef PV
-    }
-}
-#endif
-
+/* ---- The decode step on a tile read where it lies: by the kind of store ---- */
 int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d) {
-    if (!kvc_kv_type_key_blocks(f->type)) return kvc_cpu_kv_rows_ok(f, d);
-#if defined(KVD)
-    /* whole column blocks of 4 chunks, each inside one value group */
-    if (d % (4 * VL) != 0 || d > 256) return 0;
-    return kvc_kivi_vgroup(f->group, d) % (4 * VL) == 0;
-#else
-    return 0;
-#endif
+    return kvc_kv_type_key_blocks(f->type) ? kvc_cpu_kv_kivi_ok(f, d) : kvc_cpu_kv_rows_ok(f, d);
 }
 
 void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls) {
-    if (!kvc_kv_type_key_blocks(t->f->type)) {
-        kvc_cpu_kv_rows_scores(t, Q, rows, n, S, ls);
-        return;
-    }
-#if defined(KVD)
-    if (t->f->type == KVC_KV_KIVI4)
-        scores_of(4, t, Q, rows, n, S, ls);
+    if (kvc_kv_type_key_blocks(t->f->type))
+        kvc_cpu_kv_kivi_scores(t, Q, rows, n, S, ls);
     else
-        scores_of(2, t, Q, rows, n, S, ls);
-#else
-    (void)t, (void)Q, (void)rows, (void)n, (void)S, (void)ls;
-#endif
+        kvc_cpu_kv_rows_scores(t, Q, rows, n, S, ls);
 }
 
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O) {
-    if (!kvc_kv_type_key_blocks(t->f->type)) {
-        kvc_cpu_kv_rows_pv(t, P, ls, rows, n, O);
-        return;
-    }
-#if defined(KVD)
-    if (t->f->type == KVC_KV_KIVI4)
-        pv_of(4, t, P, ls, rows, n, O);
+    if (kvc_kv_type_key_blocks(t->f->type))
+        kvc_cpu_kv_kivi_pv(t, P, ls, rows, n, O);
     else
-        pv_of(2, t, P, ls, rows, n, O);
-#else
-    (void)t, (void)P, (void)ls, (void)rows, (void)n, (void)O;
-#endif
+        kvc_cpu_kv_rows_pv(t, P, ls, rows, n, O);
 }

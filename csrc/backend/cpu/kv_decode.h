@@ -1,7 +1,7 @@
 /* The K/V storage types on the CPU (kv_decode.c): tiles decoded for the attention and rows encoded for a
  * commit, vectorised where the build has AVX-512 or AVX2 + FMA + F16C, equal bit for bit to core/kv_type.h's
  * plain-C decoders and encoders (which run otherwise, and which the tests hold these to); and KIVI's decode
- * step on the stored bytes. Internal to the host K/V store and the CPU attention. */
+ * step on the stored bytes (kv_kivi_step.c). Internal to the host K/V store and the CPU attention. */
 #ifndef KVC_CPU_KV_DECODE_H
 #define KVC_CPU_KV_DECODE_H
 
@@ -40,9 +40,16 @@ int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d);
 void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
 /* O[r] += sum_j P[r ls + j] v_j for r < rows (O [rows, d]) */
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
-/* The same three for rows stored alone (f16, bf16, q8_0: kv_rows_step.c); the ones above dispatch to them */
+/* The same three per kind of store, which the ones above dispatch to: rows stored alone (f16, bf16, q8_0:
+ * kv_rows_step.c) and KIVI's key blocks (kv_kivi_step.c) */
 int kvc_cpu_kv_rows_ok(const kvc_kv_format *f, int32_t d);
 void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
 void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
+int kvc_cpu_kv_kivi_ok(const kvc_kv_format *f, int32_t d);
+void kvc_cpu_kv_kivi_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
+void kvc_cpu_kv_kivi_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
+/* 1 when this build's KIVI step multiplies int16 weights by the codes (AVX-512 VNNI: q s and P s rounded to
+ * int16 per query row and tile), 0 when it multiplies floats */
+int kvc_cpu_kv_step_int16(void);
 
 #endif
