@@ -40,6 +40,7 @@
 #include "../../core/backend.h"
 #include "cpu.h"
 #include "kv_decode.h"
+#include "kv_simd.h"
 
 #define TK 128       /* keys per decode tile */
 #define DTK 64       /* the same for rows decoded from a store's type: their K and V tiles stay in L1 */
@@ -214,13 +215,7 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t 
             const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
             const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
             const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
-            if (nk == 4) {
-                _mm_storeu_ps(S + r * TK + j, s4);
-            } else {
-                float t4[4];
-                _mm_storeu_ps(t4, s4);
-                for (int k = 0; k < nk; k++) S[r * TK + j + k] = t4[k];
-            }
+            kvc_kv_store4(S + r * TK + j, s4, nk);
         }
     }
 #endif

@@ -140,14 +140,6 @@ static AI void key_params(const kvc_kv_tile *t, float *s, float *m) {
     }
 }
 
-#define NR_CASES(CALL)       \
-    switch (nr) {            \
-    case 1: CALL(1); break;  \
-    case 2: CALL(2); break;  \
-    case 3: CALL(3); break;  \
-    default: CALL(4); break; \
-    }
-
 #if defined(KIVI_INT16)
 /* ---- integer products (AVX-512 VNNI) ---- */
 #define KS 16 /* keys a scores step puts in its lanes */
@@ -341,7 +333,7 @@ static AI void scores_of(const int BITS, const kvc_kv_tile *t, const float *Q, i
                 _mm512_storeu_si512(qp + r * d / 2 + c / 2, _mm512_permutexvar_epi16(pair, _mm512_loadu_si512(qi + c)));
         }
 #define SCORES(NR) scores_nr(BITS, NR, t, qp, step, bias, n, S + (size_t)r0 * ls, ls)
-        NR_CASES(SCORES)
+        KVC_NR_CASES(SCORES)
 #undef SCORES
     }
 }
@@ -368,7 +360,7 @@ static AI void pv_of(const int BITS, const kvc_kv_tile *t, const float *P, int l
                 step[r * ne + e] = to_int16(ps, n, (int16_t *)(wp + (size_t)(r * ne + e) * KVC_KV_TILE / 2));
             }
 #define PV(NR) pv_nr(BITS, NR, t, wp, step, ne, bias, n, O + (size_t)r0 * d)
-        NR_CASES(PV)
+        KVC_NR_CASES(PV)
 #undef PV
     }
 }
@@ -420,13 +412,7 @@ static AI void scores_nr(const int BITS, const int NR, const kvc_kv_tile *t, con
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m128 s = _mm_add_ps(kvc_kv_sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(bias[r]));
-            if (nk == 4) {
-                _mm_storeu_ps(S + r * ls + j, s);
-            } else {
-                float s4[4];
-                _mm_storeu_ps(s4, s);
-                for (int k = 0; k < nk; k++) S[r * ls + j + k] = s4[k];
-            }
+            kvc_kv_store4(S + r * ls + j, s, nk);
         }
     }
 }
@@ -496,7 +482,7 @@ static AI void scores_of(const int BITS, const kvc_kv_tile *t, const float *Q, i
             }
         }
 #define SCORES(NR) scores_nr(BITS, NR, t, qv, bias, n, S + (size_t)r0 * ls, ls)
-        NR_CASES(SCORES)
+        KVC_NR_CASES(SCORES)
 #undef SCORES
     }
 }
@@ -523,7 +509,7 @@ static AI void pv_of(const int BITS, const kvc_kv_tile *t, const float *P, int l
             }
         float *Or = O + (size_t)r0 * d;
 #define PV(NR) pv_nr(BITS, NR, t, cf, ne, bias, n, Or)
-        NR_CASES(PV)
+        KVC_NR_CASES(PV)
 #undef PV
     }
 }

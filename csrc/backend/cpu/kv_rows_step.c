@@ -59,13 +59,7 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
             const __m128 s = kvc_kv_sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-            if (nk == 4) {
-                _mm_storeu_ps(S + r * ls + j, s);
-            } else {
-                float s4[4];
-                _mm_storeu_ps(s4, s);
-                for (int k = 0; k < nk; k++) S[r * ls + j + k] = s4[k];
-            }
+            kvc_kv_store4(S + r * ls + j, s, nk);
         }
     }
 }
@@ -100,20 +94,12 @@ static inline __attribute__((always_inline)) void pv_nr(const int T, const int N
     }
 }
 
-#define NR_CASES(CALL)       \
-    switch (nr) {            \
-    case 1: CALL(1); break;  \
-    case 2: CALL(2); break;  \
-    case 3: CALL(3); break;  \
-    default: CALL(4); break; \
-    }
-
 static inline __attribute__((always_inline)) void scores_of(const int T, const kvc_kv_tile *t, const float *Q, int rows, int n,
                                                             float *S, int ls) {
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
 #define SCORES(NR) scores_nr(T, NR, t, Q + (size_t)r0 * t->d, n, S + (size_t)r0 * ls, ls)
-        NR_CASES(SCORES)
+        KVC_NR_CASES(SCORES)
 #undef SCORES
     }
 }
@@ -123,7 +109,7 @@ static inline __attribute__((always_inline)) void pv_of(const int T, const kvc_k
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
 #define PV(NR) pv_nr(T, NR, t, P + (size_t)r0 * ls, ls, n, O + (size_t)r0 * t->d)
-        NR_CASES(PV)
+        KVC_NR_CASES(PV)
 #undef PV
     }
 }

@@ -54,6 +54,26 @@ static inline __m128 kvc_kv_sum4(vf a0, vf a1, vf a2, vf a3) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 #endif
 }
+
+/* the first nk (1..4) of 4 scores into dst */
+static inline void kvc_kv_store4(float *dst, __m128 s, int nk) {
+    if (nk == 4) {
+        _mm_storeu_ps(dst, s);
+        return;
+    }
+    float s4[4];
+    _mm_storeu_ps(s4, s);
+    for (int k = 0; k < nk; k++) dst[k] = s4[k];
+}
 #endif
+
+/* A kernel that keeps NR query rows in registers, called with nr (1..4) as a constant */
+#define KVC_NR_CASES(CALL)   \
+    switch (nr) {            \
+    case 1: CALL(1); break;  \
+    case 2: CALL(2); break;  \
+    case 3: CALL(3); break;  \
+    default: CALL(4); break; \
+    }
 
 #endif
