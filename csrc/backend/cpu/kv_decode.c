@@ -12,7 +12,9 @@
 #include "../../core/kv_type.h"
 #include "kv_simd.h"
 
+#if defined(KVC_KV_SIMD)
 #define KVD KVC_KV_SIMD
+#endif
 
 #if defined(KVD)
 

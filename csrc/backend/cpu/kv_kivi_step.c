@@ -27,7 +27,9 @@
 #include "../../core/kv_type.h"
 #include "kv_simd.h"
 
+#if defined(KVC_KV_SIMD)
 #define KVD KVC_KV_SIMD
+#endif
 #if KVD == 512 && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define KIVI_INT16 1
 #endif
