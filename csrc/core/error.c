@@ -38,14 +38,14 @@ void *kvc_malloc(size_t bytes, const char *what) {
 void *kvc_malloc_huge(size_t bytes, const char *what) {
     const size_t huge = (size_t)2 << 20;
     if (bytes < 2 * huge) return kvc_malloc(bytes, what);
-    void *p = aligned_alloc(huge, (bytes + 63) & ~(size_t)63); /* no overflow: bytes came from a checked sum */
+    const size_t rounded = (bytes + huge - 1) & ~(huge - 1); /* aligned_alloc wants a multiple of the alignment */
+    void *p = rounded < bytes ? NULL : aligned_alloc(huge, rounded);
     if (!p) {
         kvc_fail(KVC_ERR_NOMEM, "out of memory: %s needs %zu bytes", what, bytes);
         return NULL;
     }
 #if defined(MADV_HUGEPAGE)
-    /* whole 2 MiB pages only (none is resident beyond the array); advice: without huge pages p works as it is */
-    madvise(p, bytes & ~(huge - 1), MADV_HUGEPAGE);
+    madvise(p, rounded, MADV_HUGEPAGE); /* advice: where the kernel has no huge pages, p works as it is */
 #endif
     return p;
 }

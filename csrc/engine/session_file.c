@@ -82,18 +82,24 @@ kvc_status kvc_session_load_as(kvc_session *s, const char *path, const kvc_kv_fo
     }
     const kvc_kv_format had = s->cache.fmt;
     kvc_backend_lock(s->be);
-    st = kvc_cache_file_load(f, &s->model->cfg, digest, as, &s->cache, &pos);
-    if (s->graph && memcmp(&had, &s->cache.fmt, sizeof had)) { /* the file's type: new stores, which a captured decode does not read */
+    if (s->graph) { /* a load may build new stores (another type, or back to this one after a failure), which a
+                     * captured decode does not read; the session is empty: nothing to keep */
         s->be->graph_free(s->graph);
         s->graph = NULL;
     }
+    st = kvc_cache_file_load(f, &s->model->cfg, digest, as, &s->cache, &pos);
     kvc_backend_unlock(s->be);
     if (st == KVC_OK) {
         s->pos = pos; /* the presses check their state against the cache and position loaded */
         st = load_states(s, f);
-        if (st != KVC_OK) { /* a state refused: the session goes back to empty, its presses afresh */
+        if (st != KVC_OK) { /* a state refused: the session goes back to empty, in its own type, its presses afresh */
             kvc_backend_lock(s->be);
             kvc_cache_clear(&s->cache);
+            if (memcmp(&had, &s->cache.fmt, sizeof had)) kvc_cache_set_format(&s->cache, &had);
+            if (s->graph) {
+                s->be->graph_free(s->graph);
+                s->graph = NULL;
+            }
             kvc_backend_unlock(s->be);
             s->pos = 0;
             for (int32_t i = 0; i < KVC_N_SLOTS; i++)

@@ -23,7 +23,7 @@ import uuid
 from typing import Optional, Sequence
 
 from .._progress import progress_bar
-from .runner import RunFolders, _write_json, finalize_all
+from .runner import RunFolders, _digest, _write_json, finalize_all
 
 INSTALL_HINT = "pip install 'kvpress_c[ray]' (or: pip install ray)"
 RESTARTS = 3        # Ray restarts of one worker actor before it is given up
@@ -82,7 +82,8 @@ class EvalWorker:
 
     def describe(self) -> dict:
         import socket
-        return {"model": self.model.path, "press_repr": {lab: repr(p) for lab, p in self.presses.items()},
+        return {"model": self.model.path, "model_digest": _digest(self.model),
+                "press_repr": {lab: repr(p) for lab, p in self.presses.items()},
                 "host": socket.gethostname(), "pid": os.getpid()}
 
     def samples(self, options: dict, allow_long_context: bool):
@@ -172,7 +173,8 @@ def _drive(ray, actors, benchmark, specs, out, samples, sample_options, query_aw
             raise {"FileNotFoundError": FileNotFoundError}.get(cls, ValueError)(msg)
     samples = list(samples)
     labels = {lab: (info["press_repr"][lab], spec["info"]) for lab, spec in specs.items()}
-    folders = RunFolders(out, benchmark, len(samples), labels, info["model"], query_aware, (0, 1), config, device)
+    folders = RunFolders(out, benchmark, len(samples), labels, info["model"], query_aware, (0, 1), config, device,
+                         info.get("model_digest"))
     queue = collections.deque((s, 0) for s in samples if folders.todo(s))  # (sample, tries so far)
     startup_s = time.perf_counter() - t_start  # the first model load and the samples
     skipped = len(samples) - len(queue)

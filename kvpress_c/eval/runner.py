@@ -153,8 +153,9 @@ class RunFolders:
 
     def __init__(self, out: str, benchmark: str, n_samples: int, labels: dict, model_path: str,
                  query_aware: bool = False, shard: tuple[int, int] = (0, 1), config: Optional[dict] = None,
-                 device: str = "cpu"):
-        """labels: {label: (press repr, info dict)}; info goes into config.json (press name, budget...)."""
+                 device: str = "cpu", model_digest: Optional[str] = None):
+        """labels: {label: (press repr, info dict)}; info goes into config.json (press name, budget...);
+        model_digest (kvpress_c._core.model_digest: the weights' SHA-256) identifies the model wherever it lies."""
         os.makedirs(out, exist_ok=True)
         self.out = out
         self.done: dict[str, set] = {}
@@ -164,6 +165,7 @@ class RunFolders:
                 run_dir = os.path.join(out, lab)
                 os.makedirs(run_dir, exist_ok=True)
                 cfg = {"benchmark": benchmark, "label": lab, "query_aware": bool(query_aware), "model": model_path,
+                       **({"model_digest": model_digest} if model_digest else {}),
                        "device": device, "press_repr": press_repr, "n_samples_total": n_samples, **(info or {}), **(config or {})}
                 _check_config(run_dir, cfg)
                 self.done[lab] = {r["id"] for r in read_predictions(run_dir)}
@@ -201,17 +203,21 @@ class RunFolders:
             h.close()
 
 
-def _same_model(old, new) -> bool:
-    """The same model file or folder under another path: the same name and, where both paths exist, the same
-    size (a run resumed from another checkout, whose embedded model lives in another virtualenv)."""
-    if not (isinstance(old, str) and isinstance(new, str)):
-        return False
+def _same_model(old: dict, new: dict) -> bool:
+    """Two configs' models are one: the same weights' digest where both recorded it; else (folders written before
+    the digest was) the same file or folder name and, where both paths exist, the same size (a run resumed from
+    another checkout, whose embedded model lives in another virtualenv)."""
+    if old.get("model_digest") and new.get("model_digest"):
+        return old["model_digest"] == new["model_digest"]
+    a, b = old.get("model"), new.get("model")
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return a == b
     name = lambda p: os.path.basename(os.path.normpath(p))
-    if name(old) != name(new):
+    if name(a) != name(b):
         return False
     size = lambda p: os.path.getsize(p) if os.path.isfile(p) else sum(
         os.path.getsize(os.path.join(p, f)) for f in sorted(os.listdir(p)) if os.path.isfile(os.path.join(p, f)))
-    return not (os.path.exists(old) and os.path.exists(new)) or size(old) == size(new)
+    return not (os.path.exists(a) and os.path.exists(b)) or size(a) == size(b)
 
 
 def _check_config(run_dir: str, cfg: dict) -> None:
@@ -227,9 +233,10 @@ def _check_config(run_dir: str, cfg: dict) -> None:
                            "kv_cache": c.get("kv_cache", "native"), "benchmark_options":
                            {k: v for k, v in (c.get("benchmark_options") or {}).items() if k != "n_samples"}}
         a, b = strip(old), strip(cfg)
-        if _same_model(a.get("model"), b.get("model")):  # the same file reached by another path (another venv)
-            a["model"] = b["model"]
-        diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        same = _same_model(a, b)  # the same weights, wherever they lie now
+        for c in (a, b):
+            c.pop("model", None), c.pop("model_digest", None)
+        diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)} | (set() if same else {"model"})
         if diff:
             raise ValueError(f"{run_dir} holds results of a different configuration (differs in "
                              f"{', '.join(sorted(diff))}); pass another --out or delete that folder")
@@ -273,6 +280,15 @@ def check_context(pipe: Pipeline, samples: Sequence[dict], max_new_tokens: Optio
                          "or pass --allow-long-context (allow_long_context=True) to run past the trained length anyway")
 
 
+def _digest(model) -> Optional[str]:
+    """The model's weights' SHA-256 (computed once per model), None for a model without one (a test's stand-in)."""
+    core = getattr(model, "_core", None)
+    if core is None:
+        return None
+    from .. import _core
+    return _core.model_digest(core)
+
+
 def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out: str,
              query_aware: bool = False, shard: tuple[int, int] = (0, 1), progress: bool = True,
              config: Optional[dict] = None, max_new_tokens: Optional[int] = None) -> EvalResult:
@@ -290,7 +306,7 @@ def evaluate(model, benchmark: str, samples: Sequence[dict], presses: dict, out:
     kv = {lab: label_kv_cache(info) for lab, (_, info) in presses.items()}
     mine = [s for k, s in enumerate(samples) if k % n == i]
     folders = RunFolders(out, benchmark, len(samples), {lab: (repr(p), info) for lab, (p, info) in presses.items()},
-                         model.path, query_aware, shard, config, getattr(model, "device", "cpu"))
+                         model.path, query_aware, shard, config, getattr(model, "device", "cpu"), _digest(model))
     todo = [s for s in mine if folders.todo(s)]
     bar = progress_bar(total=len(mine), initial=len(mine) - len(todo), desc=f"{benchmark} x {len(presses)} presses",
                        unit="sample", disable=not progress)

@@ -205,21 +205,36 @@ def test_press_names_build(default_model):
 
 
 def test_a_run_resumes_with_its_model_under_another_path(tmp_path):
-    """config.json records the model's path; a rerun from another checkout (the embedded model in another virtualenv,
-    or a path that no longer exists) resumes when the file has the same name and, where both exist, the same size;
-    another file of that name (another size) is another experiment."""
+    """config.json records the model's path and its weights' digest; a rerun from another checkout (the embedded
+    model in another virtualenv) resumes when the digests agree, whatever the paths, and is another experiment when
+    they differ. Folders written before the digest was recorded compare the file's name and, where both paths
+    exist, its size."""
     from kvpress_c.eval.runner import _check_config
     a, b, c = (tmp_path / d for d in ("a", "b", "c"))
     for folder, data in ((a, b"x" * 10), (b, b"y" * 10), (c, b"z" * 11)):
         folder.mkdir()
         (folder / "m.gguf").write_bytes(data)
+
+    def cfg(path, digest=None):
+        return {"benchmark": "niah", "label": "full", "model": str(path), "n_samples_total": 2,
+                **({"model_digest": digest} if digest else {})}
+
     run = tmp_path / "run"
     run.mkdir()
-    cfg = lambda path: {"benchmark": "niah", "label": "full", "model": str(path), "n_samples_total": 2}
-    _check_config(str(run), cfg(a / "m.gguf"))
-    _check_config(str(run), cfg(b / "m.gguf"))  # same name and size
+    _check_config(str(run), cfg(a / "m.gguf", "sha256:1"))
+    _check_config(str(run), cfg(tmp_path / "elsewhere" / "w.gguf", "sha256:1"))  # same weights, other path
     with pytest.raises(ValueError, match="differs in model"):
-        _check_config(str(run), cfg(c / "m.gguf"))
-    _check_config(str(run), cfg(tmp_path / "gone" / "m.gguf"))  # the recorded path is gone: the name decides
+        _check_config(str(run), cfg(tmp_path / "elsewhere" / "w.gguf", "sha256:2"))
+    legacy = tmp_path / "legacy"  # written before the digest: name and size
+    legacy.mkdir()
+    _check_config(str(legacy), cfg(tmp_path / "gone" / "m.gguf"))  # a path that no longer exists
+    _check_config(str(legacy), cfg(a / "m.gguf", "sha256:1"))  # the recorded one is gone: the name decides
+    _check_config(str(legacy), cfg(b / "m.gguf", "sha256:1"))  # digests agree
+    legacy2 = tmp_path / "legacy2"
+    legacy2.mkdir()
+    _check_config(str(legacy2), cfg(a / "m.gguf"))
+    _check_config(str(legacy2), cfg(b / "m.gguf"))  # both exist: same name and size
     with pytest.raises(ValueError, match="differs in model"):
-        _check_config(str(run), cfg(a / "other.gguf"))
+        _check_config(str(legacy2), cfg(c / "m.gguf"))  # another size
+    with pytest.raises(ValueError, match="differs in model"):
+        _check_config(str(legacy2), cfg(a / "other.gguf"))  # another name

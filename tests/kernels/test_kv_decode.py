@@ -322,7 +322,8 @@ def test_rows_tile_products(rng, t, d, rows):
                                 vraw.nbytes, n, d, rows, q, s, p, o, None)
     msg = lib.kvc_last_error().decode()
     if st == capi.ERR_UNSUPPORTED:
-        assert "decodes" in msg and (d % 64 or LIB_PATH), msg
+        simd = decode(capi.KVFormat(F16, 0, 0), np.zeros(32, np.uint8), 1, 16, SIMD)[1]
+        assert "decodes" in msg and (d % 64 or LIB_PATH or not simd), msg  # a plain-C build decodes every tile
         print(f"not read in place here: {msg}")
         return
     assert st == capi.OK, msg

@@ -203,6 +203,12 @@ def test_bad_states_and_versions_are_refused(folder, tmp_path, rng):
     other = kvpress_c.DecodingPress(kvpress_c.SnapKVPress(window_size=2, kernel_size=3), target_size=40,
                                     compression_interval=INTERVAL, hidden_states_buffer_size=3).decoding_config()
     refused(path, "buffers 4 query rows and 9 calls per layer; the press attached buffers 2 and 4", attach=other)
+    # refused after the rows were stored in another type (the state is read last): the session keeps its own
+    t = model.new_session(0, kv_cache="f16")
+    t.set_decoding_press(**other)
+    with pytest.raises(ValueError, match="the press attached buffers 2 and 4"):
+        t.load(str(path), kv_format=kvpress_c.kv_cache.kv_format("q8_0"))
+    assert t.kv_format() == kvpress_c.kv_cache.kv_format("f16") and int(t.cache_lengths().sum()) == 0
     with pytest.raises(ValueError, match="other settings"):
         kvpress_c.load_session(model, path, press=kvpress_c.DecodingPress(kvpress_c.KnormPress(), target_size=40))
     # values a well-formed file may hold but a press cannot continue from

@@ -290,5 +290,9 @@ def kivi_step_int16():
                         np.zeros(64, np.float32), C.c_int32(-1))
     st = lib.kvc_kernel_kv_tile(C.byref(fmt), block.ctypes.data, block.nbytes, 0, vals.ctypes.data, vals.nbytes,
                                 1, 64, 1, q, s, p, o, C.byref(flag))
-    return None if st == ERR_UNSUPPORTED else flag.value
+    if st == ERR_UNSUPPORTED:
+        return None
+    if st != OK:
+        raise RuntimeError(lib.kvc_last_error().decode())
+    return flag.value
 

@@ -180,12 +180,12 @@ kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t
     const size_t rb = kvc_kv_row_bytes(fmt, d);
     const int blocks = kvc_kv_type_key_blocks(fmt->type);
     if (blocks) {
-        CHECK(r0 >= 0 && r0 + n <= fmt->group, "kv_tile: rows [%lld, %lld) are outside a key block of %d rows",
+        CHECK(r0 >= 0 && r0 <= fmt->group - n, "kv_tile: rows [%lld, %lld) are outside a key block of %d rows",
               (long long)r0, (long long)(r0 + n), fmt->group);
         CHECK(key_bytes >= kvc_kivi_block_bytes(fmt, d), "kv_tile: a key block of %d x %d needs %zu bytes, keys has %zu",
               fmt->group, d, kvc_kivi_block_bytes(fmt, d), key_bytes);
     } else {
-        CHECK(r0 >= 0 && r0 <= INT32_MAX && key_bytes / rb >= (size_t)(r0 + n),
+        CHECK(r0 >= 0 && r0 <= INT32_MAX && key_bytes / rb >= (size_t)r0 + (size_t)n,
               "kv_tile: key rows [%lld, %lld) need %zu bytes, keys has %zu", (long long)r0, (long long)(r0 + n),
               rb * (size_t)(r0 < 0 ? 0 : r0 + n), key_bytes);
     }

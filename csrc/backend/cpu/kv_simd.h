@@ -8,8 +8,10 @@
 
 /* AVX-512 (512), or AVX2 + FMA + F16C (256): the vectorised tile decoders and decode steps; other builds
  * decode tiles with core/kv_type.h's plain-C decoders */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
+#if defined(__AVX512BW__) /* cpu.h's vectors are 512-bit wherever AVX-512F is: no 256-bit path beside them */
 #define KVC_KV_SIMD 512
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVC_KV_SIMD 256
 #endif

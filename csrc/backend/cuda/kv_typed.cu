@@ -509,8 +509,10 @@ kvc_status kvt_write_rows(kvc_kv *kv, const int64_t *const *idx, const int64_t *
         KVC_TRY(kvt_stage_room(kv, room));
         for (int32_t h = 0; h < Hkv; h++) kv->wait_max = held[h] - r0[h] > kv->wait_max ? held[h] - r0[h] : kv->wait_max;
         /* a written head's undo rows go; rows written past the held ones are an append (RestoreKV's): its mark */
-        int64_t mark[KVC_MAX_KV], u0[KVC_MAX_KV], un[KVC_MAX_KV];
-        KVC_TRY(undo_room(kv, kv->wait_max));
+        int64_t mark[KVC_MAX_KV], u0[KVC_MAX_KV], un[KVC_MAX_KV], urows = 0;
+        for (int32_t h = 0; h < Hkv; h++) /* undo rows can only be rows waiting below a mark: an append's */
+            if (n[h] > 0 && kvc_kivi_write_mark(low[h], held[h]) >= 0 && held[h] - r0[h] > urows) urows = held[h] - r0[h];
+        KVC_TRY(undo_room(kv, urows));
         KVC_TRY(kvt_undo_get(kv, mark, u0, un));
         for (int32_t h = 0; h < Hkv; h++)
             if (n[h] > 0) {
