@@ -38,14 +38,15 @@ void *kvc_malloc(size_t bytes, const char *what) {
 void *kvc_malloc_huge(size_t bytes, const char *what) {
     const size_t huge = (size_t)2 << 20;
     if (bytes < 2 * huge) return kvc_malloc(bytes, what);
-    const size_t rounded = (bytes + huge - 1) & ~(huge - 1); /* aligned_alloc wants a multiple of the alignment */
-    void *p = rounded < bytes ? NULL : aligned_alloc(huge, rounded);
-    if (!p) {
+    void *p = NULL; /* posix_memalign: any size (aligned_alloc wants a multiple of the alignment) */
+    if (posix_memalign(&p, huge, bytes) != 0) {
         kvc_fail(KVC_ERR_NOMEM, "out of memory: %s needs %zu bytes", what, bytes);
         return NULL;
     }
 #if defined(MADV_HUGEPAGE)
-    madvise(p, rounded, MADV_HUGEPAGE); /* advice: where the kernel has no huge pages, p works as it is */
+    /* the whole 2 MiB pages inside only: a huge page past the end would hold memory the array never uses;
+     * advice: where the kernel has no huge pages, p works as it is */
+    madvise(p, bytes & ~(huge - 1), MADV_HUGEPAGE);
 #endif
     return p;
 }
