@@ -121,15 +121,19 @@ def test_appends_commits_growth_and_truncation(model, rng, kv_cache):
         check(s, layer_heads, l, "the prefill")
     for h in range(Hkv):
         heads[h].append(*new_rows(ref, 0, h, 0))
-    calls = [1] * 30 + [25] + [1] * 12 + [70] + [1] * 5
-    for i, n in enumerate(calls):
+
+    def call(n, what):
+        """n new tokens into both sessions; the reference heads take the f32 session's new rows of layer 0"""
         ids = rng.integers(3, V, n).astype(np.int32)
         held = ref.cache_lengths()[0, 0]
         ref.forward(ids, logits="none")
         s.forward(ids, logits="none")
         for h in range(Hkv):
             heads[h].append(*new_rows(ref, 0, h, held))
-        check(s, heads, 0, f"call {i} ({n} rows)")
+        check(s, heads, 0, what)
+
+    for i, n in enumerate([1] * 30 + [25] + [1] * 12 + [70] + [1] * 5):
+        call(n, f"call {i} ({n} rows)")
     for cut in (ref.position - 1, ref.position - 9, ref.position - 40, ref.position - 41):
         lens = np.full((model.config["n_layers"], Hkv), cut, np.int64)
         ref.truncate(lens, cut)
@@ -138,13 +142,7 @@ def test_appends_commits_growth_and_truncation(model, rng, kv_cache):
             heads[h].truncate(cut)
         check(s, heads, 0, f"truncated to {cut}")
         for n in (1, 1, 30):
-            ids = rng.integers(3, V, n).astype(np.int32)
-            held = ref.cache_lengths()[0, 0]
-            ref.forward(ids, logits="none")
-            s.forward(ids, logits="none")
-            for h in range(Hkv):
-                heads[h].append(*new_rows(ref, 0, h, held))
-            check(s, heads, 0, f"after the cut to {cut}, a call of {n}")
+            call(n, f"after the cut to {cut}, a call of {n}")
 
 
 def store_bytes(model, s):
