@@ -5,7 +5,11 @@ continuations on the default model.
 
 Error: max |logits_type - logits_f32| / max |logits_f32| over the decode steps, each step fed the f32 cache's greedy
 token (teacher forcing, so that the steps compare the same inputs). On the emulated device the f32 cache holds the
-device's bf16 rows, which f16 and bf16 keep exactly: measured 0 there."""
+device's bf16 rows, which f16 and bf16 keep exactly, so most prompts give 0 there; but the f32 store is read in
+place in 128-key tiles and the typed stores in 64-key ones, and where a tile's max moves inside keys 64..127 the
+online softmax rounds differently: one fp32 ulp of a layer's output can flip the bf16 rounding of the next layer's
+new row (2^-8 relative), which the later steps carry (40 prompts: 5 to 6 of them nonzero, up to 7.4e-3 on the
+random Llama, 6.0e-3 on the tiny llama31). There f16 and bf16 are held to bf16's bound."""
 import numpy as np
 import pytest
 
@@ -18,16 +22,24 @@ from random_llama import write_random_llama
 TYPES = ["f16", "bf16", "q8_0", QuantizedCache(4, 16, 32), QuantizedCache(2, 16, 32)]
 IDS = ["f16", "bf16", "q8_0", "kivi4", "kivi2"]
 
-# Measured, max over 8 prompts of 120 random tokens and 24 steps, on the CPU (the emulated device: f16 and bf16 0,
-# q8_0 4.2e-2, kivi4 0.39, kivi2 1.37). A random model's logits move far for small changes of its K/V (2-bit KIVI:
+# Measured, max over 40 prompts of 120 random tokens and 24 steps, on the CPU: f16 2.0e-3, bf16 1.5e-2, q8_0 4.9e-2,
+# kivi4 0.51, kivi2 1.5 (the emulated device: f16 and bf16 0 on 34 of the 40, up to 7.4e-3; q8_0 5.2e-2, kivi4 0.49,
+# kivi2 1.5). A random model's logits move far for small changes of its K/V (2-bit KIVI:
 # more than their own range). Bounds: about 3x.
-RANDOM_LLAMA = {"f16": (1.7e-3, 5e-3), "bf16": (1.5e-2, 5e-2), "q8_0": (4.9e-2, 0.15), "kivi4": (0.49, 1.5),
-                "kivi2": (1.42, 4.0)}
+RANDOM_LLAMA = {"f16": (2.0e-3, 5e-3), "bf16": (1.5e-2, 5e-2), "q8_0": (4.9e-2, 0.15), "kivi4": (0.51, 1.5),
+                "kivi2": (1.5, 4.0)}
 # Measured on the tiny transformers-written models (llama, llama31, mistral with a window of 24, qwen2, qwen3),
-# max over the five, 4 prompts each, the CPU and the emulated device: f16 7.9e-4 (qwen3), bf16 5.1e-3, q8_0 2.5e-2,
-# kivi4 0.154, kivi2 0.66. Bounds: about 3x.
-TINY_HF = {"f16": (7.9e-4, 3e-3), "bf16": (5.1e-3, 2e-2), "q8_0": (2.5e-2, 8e-2), "kivi4": (0.154, 0.5),
-           "kivi2": (0.66, 2.0)}
+# max over the five, 20 prompts each, the CPU and the emulated device: f16 8.6e-4 (mistral, CPU), bf16 5.6e-3, q8_0
+# 2.5e-2, kivi4 0.18, kivi2 0.95; the emulated device's f16 and bf16 up to 8.1e-3 (qwen3; 0 on most prompts).
+# Bounds: about 3x (kivi2 2x).
+TINY_HF = {"f16": (8.6e-4, 3e-3), "bf16": (5.6e-3, 2e-2), "q8_0": (2.5e-2, 8e-2), "kivi4": (0.18, 0.5),
+           "kivi2": (0.95, 2.0)}
+
+
+def on_device(device, name):
+    """The bound that holds name on device: the emulated device's f16 and bf16 caches differ from its f32 one by
+    bf16 roundings of the rows (see above), so they take bf16's."""
+    return "bf16" if device == "emulated" and name in ("f16", "bf16") else name
 
 
 def rel(a, b):
@@ -62,9 +74,7 @@ def test_random_llama(random_llama, rng, device):
     errs = decode_errors(model, rng.integers(3, 512, 120).astype(np.int32), list(zip(IDS, TYPES)), 24)
     print(device, {k: f"{v:.1e}" for k, v in errs.items()})
     for name, e in errs.items():
-        assert e < RANDOM_LLAMA[name][1], (name, e)
-        if device == "emulated" and name in ("f16", "bf16"):
-            assert e < 1e-3  # measured 0: the device's bf16 rows are f16 and bf16 values
+        assert e < RANDOM_LLAMA[on_device(device, name)][1], (name, e)
 
 
 @pytest.mark.parametrize("arch,window", [("llama", None), ("llama31", None), ("mistral", 24), ("qwen2", None),
@@ -77,7 +87,7 @@ def test_tiny_transformers_models(tmp_path, rng, arch, window):
         errs = decode_errors(model, rng.integers(3, 256, 120).astype(np.int32), list(zip(IDS, TYPES)), 24)
         print(arch, device, {k: f"{v:.1e}" for k, v in errs.items()})
         for name, e in errs.items():
-            assert e < TINY_HF[name][1], (name, e)
+            assert e < TINY_HF[on_device(device, name)][1], (name, e)
 
 
 # Measured on the default model (SmolLM2-135M, fp32 weights), 3 prompts of 256 tokens of prose (Python's reference
