@@ -2,9 +2,16 @@
  * such a tile), read where they lie: each vector of a key or value row is widened to f32 in registers and used
  * at once, instead of a tile decoded into a buffer and read back (which cost a q8_0 cache's decode step a
  * third of its time: 9 of 28 ms at 8k tokens on SmolLM2). The arithmetic is the tile decoders' (f16 and bf16
- * widen exactly, q8_0's d q rounds once) and the f32 attention's (attention.c: scores_dot's products and
+ * widen exactly, q8_0's d q is exact in f32) and the f32 attention's (attention.c: scores_dot's products and
  * 4-key reductions, pv_tile's updates, in the same order), so on AVX-512 the scores and outputs equal the
- * decoded path's bit for bit; the tests hold both to the same references. */
+ * decoded path's bit for bit, but for q8_0's P V: there P s is rounded once per row and block and multiplies
+ * the bare codes (one rounding where the decoded path rounds P (s q)); the tests hold both to the same
+ * references.
+ * q8_0 is bound by its arithmetic, not its bytes (a 64-key tile of 3 query rows: 17 ns a key in L2 against
+ * f16's 11): its f16 scales are widened once per tile (q8_scales: 16 rows' scales in one gather) where each
+ * vector had converted its block's, and P V's scaling moves into P (W below): 13.5 ns a key in L2, 15-16 from
+ * memory where it was 18. The gather reads the whole tile's rows at once, so the keys are prefetched a tile
+ * ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower than before). */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -13,29 +20,57 @@
 #if defined(KVC_KV_SIMD)
 
 #define NR_MAX 4 /* query rows a kernel keeps in registers */
+#if KVC_KV_SIMD == 512
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#else
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#endif
 
-/* channels [e, e + VL) of a row of type T, as f32 */
-static inline __attribute__((always_inline)) vf row_vec(const int T, const uint8_t *row, int e) {
+/* channels [e, e + VL) of a row of type T, as f32; q8_0: its codes times sc, the scale of their block (the
+ * tile's table, q8_scales), or the bare codes when sc is 0 (P V folds the scale into P) */
+static inline __attribute__((always_inline)) vf row_vec(const int T, const uint8_t *row, int e, const float *sc) {
 #if KVC_KV_SIMD == 512
     if (T == KVC_KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * e)));
     if (T == KVC_KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * e))), 16));
     const uint8_t *b = row + (size_t)(e / KVC_Q8_0_BLOCK) * KVC_Q8_0_BYTES; /* a vector lies in one block */
     const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + e % KVC_Q8_0_BLOCK))));
-    return _mm512_mul_ps(_mm512_set1_ps(kvc_kv_half(b)), q);
+    return sc ? _mm512_mul_ps(_mm512_set1_ps(*sc), q) : q;
 #else
     if (T == KVC_KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * e)));
     if (T == KVC_KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * e))), 16));
     const uint8_t *b = row + (size_t)(e / KVC_Q8_0_BLOCK) * KVC_Q8_0_BYTES;
     const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + e % KVC_Q8_0_BLOCK))));
-    return _mm256_mul_ps(_mm256_set1_ps(kvc_kv_half(b)), q);
+    return sc ? _mm256_mul_ps(_mm256_set1_ps(*sc), q) : q;
+#endif
+}
+
+#define NB_MAX (256 / KVC_Q8_0_BLOCK) /* q8_0 blocks of a row at d <= 256 */
+
+/* The scales of q8_0 rows j < n (stride bytes apart) as f32, sc[b KVC_KV_TILE + j] for block b of row j (0 past
+ * n), widened once per tile where each vector had converted its block's f16 scale (4 instructions a vector) */
+static inline __attribute__((always_inline)) void q8_scales(const uint8_t *rows, size_t stride, int n, int nb, float *sc) {
+#if KVC_KV_SIMD == 512
+    const __m512i lane = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)stride));
+    for (int b = 0; b < nb; b++)
+        for (int j = 0; j < n; j += 16) {
+            /* the dword at each row's scale: the f16 scale and the block's first two codes (inside the row) */
+            const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)((size_t)j * stride) + b * KVC_Q8_0_BYTES));
+            const __m512i x = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), V_MASK(n - j), at, rows, 1);
+            _mm512_storeu_ps(sc + b * KVC_KV_TILE + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)));
+        }
+#else
+    for (int b = 0; b < nb; b++)
+        for (int j = 0; j < (n + VL - 1) / VL * VL; j++)
+            sc[b * KVC_KV_TILE + j] = j < n ? kvc_kv_half(rows + (size_t)j * stride + (size_t)b * KVC_Q8_0_BYTES) : 0.f;
 #endif
 }
 
 /* S[r ls + j] = Q[r] . k_j for NR rows and the tile's keys j < n, 4 keys at a time */
 static inline __attribute__((always_inline)) void scores_nr(const int T, const int NR, const kvc_kv_tile *t, const float *Q,
-                                                            int n, float *S, int ls) {
+                                                            int n, float *S, int ls, const float *ks) {
     const int d = t->d;
     for (int j = 0; j < n; j += 4) {
         const int nk = n - j < 4 ? n - j : 4;
@@ -44,7 +79,10 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its sum unused */
-            kvc_kv_prefetch(row[k], t->kstride);
+            if (T == KVC_KV_Q8_0) /* the next tile's row: its scales are read all at once as that tile starts */
+                kvc_kv_prefetch_now(row[k] + (size_t)KVC_KV_TILE * t->kstride, t->kstride);
+            else
+                kvc_kv_prefetch(row[k], t->kstride);
             kvc_kv_prefetch_now(t->v + (size_t)(j + (k < nk ? k : 0)) * t->vstride, t->vstride);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) acc[r][k] = V_ZERO();
@@ -52,7 +90,8 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
         for (int e = 0; e < d; e += VL)
 #pragma GCC unroll 4
             for (int k = 0; k < 4; k++) {
-                const vf x = row_vec(T, row[k], e);
+                const int jk = j + (k < nk ? k : 0);
+                const vf x = row_vec(T, row[k], e, ks + e / KVC_Q8_0_BLOCK * KVC_KV_TILE + jk);
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) acc[r][k] = V_FMA(V_LOAD(Q + r * d + e), x, acc[r][k]);
             }
@@ -65,10 +104,19 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
 }
 
 /* O[NR, d] += sum_j P[r ls + j] v_j over the tile's values j < n: 4 vectors of O in registers at a time, each
- * value row's 4 vectors widened once for all NR rows */
+ * value row's 4 vectors widened once for all NR rows. q8_0: v_j = s_jb c_j in block b, so P s is formed once
+ * per row and block (W[(r NB_MAX + b) KVC_KV_TILE + j]) and multiplies the bare codes */
 static inline __attribute__((always_inline)) void pv_nr(const int T, const int NR, const kvc_kv_tile *t, const float *P,
-                                                        int ls, int n, float *O) {
-    const int d = t->d;
+                                                        int ls, int n, float *O, const float *vs) {
+    const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
+    float W[T == KVC_KV_Q8_0 ? NR_MAX * NB_MAX * KVC_KV_TILE : 1];
+    if (T == KVC_KV_Q8_0)
+        for (int r = 0; r < NR; r++)
+            for (int b = 0; b < nb; b++)
+                for (int j = 0; j < n; j += VL) {
+                    const vf p = V_LOADM(P + r * ls + j, V_MASK(n - j));
+                    V_STORE(W + (r * NB_MAX + b) * KVC_KV_TILE + j, V_MUL(p, V_LOAD(vs + b * KVC_KV_TILE + j)));
+                }
     for (int c0 = 0; c0 < d; c0 += 4 * VL) {
         vf o[NR_MAX][4];
 #pragma GCC unroll 4
@@ -79,12 +127,15 @@ static inline __attribute__((always_inline)) void pv_nr(const int T, const int N
             const uint8_t *row = t->v + (size_t)j * t->vstride;
             vf x[4];
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) x[c] = row_vec(T, row, c0 + c * VL);
+            for (int c = 0; c < 4; c++) x[c] = row_vec(T, row, c0 + c * VL, NULL);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) {
-                const vf p = V_BCAST(P + r * ls + j);
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) o[r][c] = V_FMA(p, x[c], o[r][c]);
+                for (int c = 0; c < 4; c++) {
+                    const float *w = T == KVC_KV_Q8_0 ? W + (r * NB_MAX + (c0 + c * VL) / KVC_Q8_0_BLOCK) * KVC_KV_TILE + j
+                                                      : P + r * ls + j;
+                    o[r][c] = V_FMA(V_BCAST(w), x[c], o[r][c]);
+                }
             }
         }
 #pragma GCC unroll 4
@@ -96,9 +147,11 @@ static inline __attribute__((always_inline)) void pv_nr(const int T, const int N
 
 static inline __attribute__((always_inline)) void scores_of(const int T, const kvc_kv_tile *t, const float *Q, int rows, int n,
                                                             float *S, int ls) {
+    float ks[T == KVC_KV_Q8_0 ? NB_MAX * KVC_KV_TILE : 1];
+    if (T == KVC_KV_Q8_0) q8_scales(t->k, t->kstride, n, t->d / KVC_Q8_0_BLOCK, ks);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
-#define SCORES(NR) scores_nr(T, NR, t, Q + (size_t)r0 * t->d, n, S + (size_t)r0 * ls, ls)
+#define SCORES(NR) scores_nr(T, NR, t, Q + (size_t)r0 * t->d, n, S + (size_t)r0 * ls, ls, ks)
         KVC_NR_CASES(SCORES)
 #undef SCORES
     }
@@ -106,9 +159,11 @@ static inline __attribute__((always_inline)) void scores_of(const int T, const k
 
 static inline __attribute__((always_inline)) void pv_of(const int T, const kvc_kv_tile *t, const float *P, int ls, int rows,
                                                         int n, float *O) {
+    float vs[T == KVC_KV_Q8_0 ? NB_MAX * KVC_KV_TILE : 1];
+    if (T == KVC_KV_Q8_0) q8_scales(t->v, t->vstride, n, t->d / KVC_Q8_0_BLOCK, vs);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
-#define PV(NR) pv_nr(T, NR, t, P + (size_t)r0 * ls, ls, n, O + (size_t)r0 * t->d)
+#define PV(NR) pv_nr(T, NR, t, P + (size_t)r0 * ls, ls, n, O + (size_t)r0 * t->d, vs)
         KVC_NR_CASES(PV)
 #undef PV
     }

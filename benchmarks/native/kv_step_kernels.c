@@ -1,0 +1,118 @@
+/* Nanoseconds per key of the CPU decode step's typed-tile kernels (backend/cpu/kv_decode.h: kvc_cpu_kv_scores and
+ * kvc_cpu_kv_pv on 64-key tiles of one head, 3 query rows as SmolLM2's GQA gives, d = 64), over a working set of
+ * `keys` rows: small enough to stay in L2 (the kernel's arithmetic alone), or KEYS = 0: 512 MB of stored K/V,
+ * past the last-level cache (the step as a long context streams it). benchmarks/kv_step_kernels.py compiles this with the build's flags and
+ * runs it; the best of `reps` passes is printed, one line per run:
+ *     <type> <keys> <part: both|scores|pv> <ns per key> <GB/s of stored K/V bytes> */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "backend/cpu/kv_decode.h" /* -I csrc of the tree whose kernels are timed */
+#include "core/kv_type.h"
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* random codes (xorshift64, 8 bytes a step: the working sets are hundreds of MB); every f16 scale and min 2^-7
+ * (so the products stay finite whatever the codes) */
+static void fill(uint8_t *p, size_t n) {
+    static uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < n; i += 8) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        memcpy(p + i, &x, n - i < 8 ? n - i : 8);
+    }
+}
+static void put_half(uint8_t *p) {
+    const uint16_t h = 0x2000;
+    memcpy(p, &h, 2);
+}
+
+/* n bytes on 2 MiB pages where the kernel grants them, as the host K/V store's arenas are (kvc_malloc_huge) */
+static uint8_t *alloc_huge(size_t n) {
+    void *p = NULL;
+    const size_t huge = (size_t)2 << 20;
+    if (posix_memalign(&p, huge, (n + huge - 1) / huge * huge)) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, (n + huge - 1) / huge * huge, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static const char *const NAMES[] = {"f32", "bf16", "f16", "q8_0", "kivi4", "kivi2"};
+
+int main(int argc, char **argv) {
+    if (argc < 5) {
+        fprintf(stderr, "usage: %s TYPE(1 bf16, 2 f16, 3 q8_0, 4 kivi4, 5 kivi2) KEYS(0: 512 MB) REPS PART(0 both, 1 scores, 2 pv)\n", argv[0]);
+        return 2;
+    }
+    const int type = atoi(argv[1]), reps = atoi(argv[3]), part = atoi(argv[4]);
+    const int d = 64, rows = 3, n = KVC_KV_TILE;
+    kvc_kv_format f = {.type = type, .group = 64, .residual = 128};
+    const int64_t want = atol(argv[2]) > 0 || type < KVC_KV_BF16 || type > KVC_KV_KIVI2
+                             ? atol(argv[2])
+                             : (int64_t)((512ull << 20) / (kvc_kv_key_bytes(&f, d, KVC_KV_TILE) / KVC_KV_TILE + kvc_kv_row_bytes(&f, d)));
+    const int64_t keys = want / KVC_KV_TILE * KVC_KV_TILE;
+    if (keys < n || reps < 1 || type < KVC_KV_BF16 || type > KVC_KV_KIVI2) {
+        fprintf(stderr, "bad arguments\n");
+        return 2;
+    }
+    if (!kvc_cpu_kv_tile_ok(&f, d)) {
+        printf("%s %lld - this build decodes such tiles to f32\n", NAMES[type], (long long)keys);
+        return 0;
+    }
+    const int blocks = kvc_kv_type_key_blocks(type);
+    const size_t rb = kvc_kv_row_bytes(&f, d), kb = blocks ? kvc_kivi_block_bytes(&f, d) : rb * (size_t)n;
+    const size_t kbytes = (size_t)(keys / n) * kb, vbytes = (size_t)keys * rb;
+    uint8_t *K = alloc_huge(kbytes + 64), *V = alloc_huge(vbytes + 64);
+    if (!K || !V) return 1;
+    fill(K, kbytes);
+    fill(V, vbytes);
+    if (blocks) { /* a key block: f16 scales and mins per channel, then codes; value rows: (scale, min) per group */
+        for (int64_t b = 0; b < keys / n; b++)
+            for (int c = 0; c < 2 * d; c++) put_half(K + (size_t)b * kb + 2 * (size_t)c);
+        const int g = f.group < d ? f.group : d, gb = 4 + g * kvc_kv_type_bits(type) / 8;
+        for (int64_t j = 0; j < keys; j++)
+            for (int e = 0; e < d / g; e++) put_half(V + (size_t)j * rb + (size_t)e * gb), put_half(V + (size_t)j * rb + (size_t)e * gb + 2);
+    } else if (type == KVC_KV_Q8_0) {
+        for (int64_t j = 0; j < keys; j++)
+            for (int b = 0; b < d / KVC_Q8_0_BLOCK; b++)
+                put_half(K + (size_t)j * rb + (size_t)b * KVC_Q8_0_BYTES), put_half(V + (size_t)j * rb + (size_t)b * KVC_Q8_0_BYTES);
+    } else { /* f16 / bf16: the high byte of each value set to a normal magnitude in [2^-8, 1) (no subnormal f32,
+              * whose products cost microcode assists) */
+        for (size_t i = 1; i < kbytes || i < vbytes; i += 2) {
+            const int r = rand();
+            const uint8_t hi = (uint8_t)((r & 0x80) | (type == KVC_KV_F16 ? (0x1c + (r & 3) * 4) : (0x3c | (r & 3))));
+            if (i < kbytes) K[i] = hi;
+            if (i < vbytes) V[i] = hi;
+        }
+    }
+    float q[3 * 64], s[3 * 64], p[3 * 64], o[3 * 64];
+    for (int i = 0; i < 3 * 64; i++) q[i] = 0.01f * (float)(i % 7), p[i] = 1.f / 64, o[i] = 0.f;
+    double best = 1e30, sink = 0.;
+    for (int r = 0; r < reps; r++) {
+        const double t0 = now();
+        for (int64_t j = 0; j < keys; j += n) {
+            const kvc_kv_tile t = {&f, d, blocks ? K + (size_t)(j / n) * kb : K + (size_t)j * rb, blocks ? 0 : rb, 0,
+                                   V + (size_t)j * rb, rb};
+            if (part != 2) kvc_cpu_kv_scores(&t, q, rows, n, s, n);
+            if (part != 1) kvc_cpu_kv_pv(&t, p, n, rows, n, o);
+            sink += s[1] + o[1];
+        }
+        const double ns = (now() - t0) / (double)keys * 1e9;
+        best = ns < best ? ns : best;
+    }
+    const char *parts[] = {"both", "scores", "pv"};
+    printf("%s %lld %s %.2f %.2f\n", NAMES[type], (long long)keys, parts[part], best,
+           ((double)(kbytes + vbytes) / (double)keys) / best);
+    fprintf(stderr, "(checksum %g)\n", sink);
+    free(K);
+    free(V);
+    return 0;
+}
