@@ -141,10 +141,12 @@ def test_all_experts_match_cpu(tmp_path, rng, device, family):
 
 
 # Top-2 of 8 (qwen3_moe) or 4 (mixtral): a bf16 rounding may flip a token's choice between two nearly equal experts,
-# and that token's logits (and, through the cache, later ones') then differ by much more than rounding. Measured on
-# the emulated device over 20 seeds of each family: the median row error up to 0.0174 (qwen3_moe; mixtral 0.0066), the
-# worst row up to 0.37 (a flip; rows of a broken expert path are off by ~1). Bounds 1.5x those.
-TOL_MEDIAN, TOL_ROW = 1.5 * 0.0174, 1.5 * 0.37
+# and that token's logits (and, through the cache, later ones') then differ by much more than rounding; a flip early
+# in the prompt moves the cache under every later row, so it lifts the medians too. Measured on the emulated device
+# over 40 seeds of qwen3_moe and 25 of mixtral (20 of each had given 0.0174 and 0.37: the medians' bound failed about
+# one run in ten): the median row or step error up to 0.038 (qwen3_moe; mixtral 0.0136), the worst row up to 0.45
+# (mixtral; a flip; rows of a broken expert path are off by ~1). Bounds 1.5x those.
+TOL_MEDIAN, TOL_ROW = 1.5 * 0.038, 1.5 * 0.45
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
