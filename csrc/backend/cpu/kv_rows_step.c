@@ -9,8 +9,8 @@
  * references.
  * q8_0 is bound by its arithmetic, not its bytes (a 64-key tile of 3 query rows: 17 ns a key in L2 against
  * f16's 11): its f16 scales are widened once per tile (q8_scales: 16 rows' scales in one gather) where each
- * vector had converted its block's, and P V's scaling moves into P (W below): 13.5 ns a key in L2, 15-16 from
- * memory where it was 18. The gather reads the whole tile's rows at once, so the keys are prefetched a tile
+ * vector had converted its block's, and P V's scaling moves into P (W below): 13.6 ns a key in L2 (17.3 before),
+ * 18.2 over 512 MB (19.6; benchmarks/kv_step_kernels.py). The gather reads the whole tile's rows at once, so the keys are prefetched a tile
  * ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower than before). */
 #include "kv_decode.h"
 
