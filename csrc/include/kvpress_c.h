@@ -733,9 +733,10 @@ KVC_API kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x
  * q8_0), values n rows stored alone (value_bytes at values); s [rows, n] = q [rows, d] keys^T and
  * o [rows, d] += p [rows, n] values. n in [1, 64]. KVC_ERR_UNSUPPORTED where this build decodes such tiles to
  * fp32 instead (no AVX-512 or AVX2 + F16C, or d or KIVI's value groups not a multiple of 64 channels (32 with
- * AVX2), or d above 256). *int16 (when not NULL): 1 where the build multiplies int16 weights by KIVI's codes
- * (AVX-512 VNNI: q s per row, and p s per row and value group, rounded to int16 steps of their max |.| / 32767),
- * 0 where it multiplies floats (every other case). */
+ * AVX2), or d above 256). *int16 (when not NULL): 1 where the build multiplies int16 weights by the codes
+ * (AVX-512 VNNI; KIVI: q s per row, and p s per row and value group; q8_0: q per row, and p s per row and
+ * 32-channel block; each rounded to int16 steps of its max |.| / 32767), 0 where it multiplies floats (f16,
+ * bf16, and every type on other builds). */
 KVC_API kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
                                       const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
                                       const float *q, float *s, const float *p, float *o, int32_t *int16);

@@ -284,55 +284,136 @@ def test_kivi_tile_int16_products(rng, t, d, group, rows):
 
 
 def rows_tile_inputs(rng, t, n, d):
-    """n rows of d channels stored alone in type t (random bytes of finite values) and their float64 decodes."""
+    """n rows of d channels stored alone in type t (random bytes of finite values), their float64 decodes,
+    and for q8_0 the rows' block scales ([n, d / 32], float64) and codes ([n, d / 32, 32]) (else None)."""
     if t in (F16, BF16):
         x = rng.standard_normal((n, d)) * 2.0 ** rng.integers(-6, 4, (n, 1))
         if t == F16:
             u = x.astype(np.float16).view(np.uint16)
-            return u.view(np.uint8).reshape(n, -1), h2f(u)
+            return u.view(np.uint8).reshape(n, -1), h2f(u), None
         u = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)  # truncated: any bf16 is a stored value
-        return u.view(np.uint8).reshape(n, -1), (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return u.view(np.uint8).reshape(n, -1), (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64), None
     nb = d // 32
     dq = f16_scales(rng, n * nb).reshape(n, nb, 1)
     codes = rng.integers(-127, 128, (n, nb, 32)).astype(np.int8)
     raw = np.concatenate([dq.view(np.uint8), codes.view(np.uint8)], axis=2).reshape(n, -1)
-    return raw, (h2f(dq) * codes).reshape(n, d)
+    return raw, (h2f(dq) * codes).reshape(n, d), (h2f(dq)[:, :, 0], codes.astype(np.float64))
+
+
+def rows_tile(rng, t, d, rows):
+    """Fresh rows stored alone in type t and the products of kvc_kernel_kv_tile on them, or None where this
+    build decodes such tiles instead (then checked to be a case it must)."""
+    n = int(rng.integers(1, 65))
+    r0 = int(rng.integers(0, 5))
+    kraw, keys, kparts = rows_tile_inputs(rng, t, r0 + n, d)
+    vraw, values, vparts = rows_tile_inputs(rng, t, n, d)
+    q = (rng.standard_normal((rows, d)) * 0.3).astype(np.float32)
+    p = rng.random((rows, n)).astype(np.float32)
+    o0 = rng.standard_normal((rows, d)).astype(np.float32)
+    s, o, int16 = np.full((rows, n), np.nan, np.float32), o0.copy(), C.c_int32(-1)
+    kraw, vraw = np.ascontiguousarray(kraw), np.ascontiguousarray(vraw)
+    st = lib.kvc_kernel_kv_tile(C.byref(capi.KVFormat(t, 0, 0)), kraw.ctypes.data, kraw.nbytes, r0, vraw.ctypes.data,
+                                vraw.nbytes, n, d, rows, q, s, p, o, C.byref(int16))
+    msg = lib.kvc_last_error().decode()
+    if st == capi.ERR_UNSUPPORTED:
+        simd = decode(capi.KVFormat(F16, 0, 0), np.zeros(32, np.uint8), 1, 16, SIMD)[1]
+        assert "decodes" in msg and (d % 64 or LIB_PATH or not simd), msg  # a plain-C build decodes every tile
+        print(f"not read in place here: {msg}")
+        return None
+    assert st == capi.OK, msg
+    print(f"n {n} r0 {r0}: {'int16' if int16.value else 'fp32'} products")
+    kparts = kparts and (kparts[0][r0:], kparts[1][r0:])
+    return dict(n=n, q=q, p=p, o0=o0, s=s, o=o, int16=bool(int16.value), keys=keys[r0:], values=values,
+                kparts=kparts, vparts=vparts)
 
 
 @pytest.mark.parametrize("t", [F16, BF16, Q8_0])
 @pytest.mark.parametrize("d", [64, 128, 256, 96])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 12])
 def test_rows_tile_products(rng, t, d, rows):
-    """The decode step on rows stored alone (kv_rows_step.c: each vector widened in registers and used at once)
-    against float64 products of the decoded rows. Bound: 1e-6 of the sum of |terms| each output adds (fp32
-    accumulation over at most 256 channels or 64 rows); measured over 6 runs at most 9.1e-8 (scores) and 4.5e-7
-    (P V, o0 included); an AVX2 build (KVC_KERNELS_LIB) 2.8e-8 and 1.9e-7. d = 96: whole blocks of 4 vectors
-    with AVX2 (8 lanes), not with AVX-512, which refuses it as unsupported (the attention decodes such tiles)."""
-    n = int(rng.integers(1, 65))
-    r0 = int(rng.integers(0, 5))
-    kraw, keys = rows_tile_inputs(rng, t, r0 + n, d)
-    vraw, values = rows_tile_inputs(rng, t, n, d)
-    keys = keys[r0:]
+    """The decode step on rows stored alone (kv_rows_step.c: each vector widened in registers and used at once;
+    q8_0 on AVX-512 VNNI in int16 products) against float64 products of the decoded rows. Bound: 1e-6 of the
+    sum of |terms| each output adds (fp32 accumulation over at most 256 channels or 64 rows); measured over 6
+    runs at most 9.1e-8 (scores) and 4.5e-7 (P V, o0 included); an AVX2 build (KVC_KERNELS_LIB) 2.8e-8 and
+    1.9e-7. Where q8_0 multiplies int16 weights, plus their rounding: 0.505 step per unit of each term's code
+    side (step = max |q| / 32767 per query row for the scores, max_j |p_j s_j| / 32767 per query row and
+    value block for P V; as test_kivi_tile_products). d = 96: whole blocks of 4 vectors with AVX2 (8 lanes),
+    not with AVX-512, which refuses it as unsupported (the attention decodes such tiles)."""
+    r = rows_tile(rng, t, d, rows)
+    if r is None:
+        return
+    n, keys, values = r["n"], r["keys"], r["values"]
+    q64, p64, o0 = r["q"].astype(np.float64), r["p"].astype(np.float64), r["o0"].astype(np.float64)
+    s_err, s_terms = np.abs(r["s"] - q64 @ keys.T), np.abs(q64) @ np.abs(keys).T  # a q8_0 row of zero scales: 0 and 0
+    o_err, o_terms = np.abs(r["o"] - (o0 + p64 @ values)), np.abs(o0) + p64 @ np.abs(values)
+    s_int = o_int = 0.0
+    if r["int16"]:
+        assert t == Q8_0, "only q8_0's rows are multiplied in int16"
+        s_int = 0.505 * (np.abs(q64).max(axis=1) / 32767)[:, None] * np.abs(keys).sum(axis=1)[None, :]
+        vs, vc = r["vparts"]  # [n, nb], [n, nb, 32]
+        w_max = (np.abs(p64[:, :, None] * vs[None, :, :])).max(axis=1)  # [rows, nb]
+        o_int = 0.505 * np.repeat(w_max / 32767, 32, axis=1) * np.abs(vc).sum(axis=0).reshape(1, d)
+    ratio = lambda e, t: float(np.max(e / np.maximum(t, 1e-300)))
+    print(f"scores {ratio(s_err, s_terms):.2e}, P V {ratio(o_err, o_terms):.2e} of the terms; of the bound: scores "
+          f"{ratio(s_err, 1e-6 * s_terms + s_int):.2f}, P V {ratio(o_err, 1e-6 * o_terms + o_int):.2f}")
+    assert (s_err <= 1e-6 * s_terms + s_int).all() and (o_err <= 1e-6 * o_terms + o_int).all()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_q8_0_tile_int16_products(rng, d, rows):
+    """q8_0's int16 products (builds with AVX-512 VNNI) against a float64 reference of their spec: per query
+    row, q rounded to int16 steps of max |q| / 32767, the integer dot with each 32-code block exact, times the
+    block's scale, summed, times the step; per query row and value block, W = p s (fp32) likewise rounded,
+    O += step (W . codes). Bound: 2^-22 of the sum of |terms| (step |int| |code| |s|, and |o0| for P V): only
+    fp32 rounding is left (the int32 sums converted, a multiply and adds), so a weight one step off shows."""
+    r = rows_tile(rng, Q8_0, d, rows)
+    if r is None or not r["int16"]:
+        pytest.skip("this build has no int16 products (no AVX-512 VNNI): test_rows_tile_products covers its own")
+    ks, kc = r["kparts"]  # [n, nb], [n, nb, 32]
+    vs, vc = r["vparts"]
+    qi, qstep = int16_steps(r["q"])  # [rows, d], [rows, 1]
+    nb = d // 32
+    dots = np.einsum("rbc,jbc->rjb", qi.reshape(rows, nb, 32), kc)  # [rows, n, nb]
+    s_ref = qstep * (dots * ks[None]).sum(axis=2)
+    s_terms = qstep * (np.einsum("rbc,jbc->rjb", np.abs(qi).reshape(rows, nb, 32), np.abs(kc)) * np.abs(ks)[None]).sum(axis=2)
+    o_ref, o_terms = r["o0"].astype(np.float64), np.abs(r["o0"].astype(np.float64))
+    for b in range(nb):
+        wi, wstep = int16_steps(r["p"] * f32(vs[:, b])[None, :])  # [rows, n]
+        cols = slice(32 * b, 32 * b + 32)
+        o_ref[:, cols] = o_ref[:, cols] + wstep * (wi @ vc[:, b, :])
+        o_terms[:, cols] += wstep * (np.abs(wi) @ np.abs(vc[:, b, :]))
+    s_err = np.abs(r["s"] - s_ref) / np.maximum(s_terms, 1e-300)
+    o_err = np.abs(r["o"] - o_ref) / o_terms
+    print(f"scores {s_err.max():.2e}, P V {o_err.max():.2e} of the terms")
+    assert s_err.max() < 2.0 ** -22 and o_err.max() < 2.0 ** -22
+
+
+@pytest.mark.parametrize("t", [F16, BF16, Q8_0, KIVI4, KIVI2])
+def test_tile_products_carry_nan(rng, t):
+    """A NaN in a query row makes that row's scores NaN, and a NaN weight of P makes that row's outputs NaN, on
+    every path (the int16 ones would otherwise drop it: max |x| skips a NaN, and its code would be -32768);
+    the other rows stay finite."""
+    d, rows, n = 64, 3, int(rng.integers(1, 65))
+    if t in (KIVI4, KIVI2):
+        keys, vrows, _, _ = kivi_tile_inputs(rng, t, d, 64, n, 0)
+        fmt = capi.KVFormat(t, 64, 128)
+    else:
+        keys, vrows = rows_tile_inputs(rng, t, n, d)[0], rows_tile_inputs(rng, t, n, d)[0]
+        fmt = capi.KVFormat(t, 0, 0)
+    keys, vrows = np.ascontiguousarray(keys), np.ascontiguousarray(vrows)
     q = (rng.standard_normal((rows, d)) * 0.3).astype(np.float32)
     p = rng.random((rows, n)).astype(np.float32)
-    o0 = rng.standard_normal((rows, d)).astype(np.float32)
-    s, o = np.full((rows, n), np.nan, np.float32), o0.copy()
-    kraw, vraw = np.ascontiguousarray(kraw), np.ascontiguousarray(vraw)
-    st = lib.kvc_kernel_kv_tile(C.byref(capi.KVFormat(t, 0, 0)), kraw.ctypes.data, kraw.nbytes, r0, vraw.ctypes.data,
-                                vraw.nbytes, n, d, rows, q, s, p, o, None)
-    msg = lib.kvc_last_error().decode()
+    q[0, int(rng.integers(d))] = np.nan
+    p[1, int(rng.integers(n))] = np.nan
+    s, o = np.zeros((rows, n), np.float32), np.zeros((rows, d), np.float32)
+    st = lib.kvc_kernel_kv_tile(C.byref(fmt), keys.ctypes.data, keys.nbytes, 0, vrows.ctypes.data, vrows.nbytes,
+                                n, d, rows, q, s, p, o, None)
     if st == capi.ERR_UNSUPPORTED:
-        simd = decode(capi.KVFormat(F16, 0, 0), np.zeros(32, np.uint8), 1, 16, SIMD)[1]
-        assert "decodes" in msg and (d % 64 or LIB_PATH or not simd), msg  # a plain-C build decodes every tile
-        print(f"not read in place here: {msg}")
-        return
-    assert st == capi.OK, msg
-    q64, p64 = q.astype(np.float64), p.astype(np.float64)
-    s_err, s_terms = np.abs(s - q64 @ keys.T), np.abs(q64) @ np.abs(keys).T  # a q8_0 row of zero scales: 0 and 0
-    o_err, o_terms = np.abs(o - (o0 + p64 @ values)), np.abs(o0) + p64 @ np.abs(values)
-    ratio = lambda e, t: float(np.max(e / np.maximum(t, 1e-300)))
-    print(f"n {n} r0 {r0}: scores {ratio(s_err, s_terms):.2e}, P V {ratio(o_err, o_terms):.2e} of the terms")
-    assert (s_err <= 1e-6 * s_terms).all() and (o_err <= 1e-6 * o_terms).all()
+        return  # decoded to f32 here: the f32 attention's products carry it
+    assert st == capi.OK, lib.kvc_last_error().decode()
+    assert np.isnan(s[0]).all() and np.isfinite(s[1:]).all()
+    assert np.isnan(o[1]).all() and np.isfinite(o[[0, 2]]).all()
 
 
 def test_kivi_tile_arguments_refused():

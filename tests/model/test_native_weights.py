@@ -105,7 +105,9 @@ def test_default_model_native_against_fp32_and_llama_cpp(default_model_native, d
     assert err_ours < 1.5 * err_theirs and err_ours < 0.3
     # the max is a tail statistic of 48 x 49152 logits: over 7 more seeds ours 1.08-4.15, llama.cpp 1.37-5.07
     assert np.abs(ours - ref).max() < 8.0
-    assert top_ours >= top_theirs - 0.1
+    # top-1 of 48 tokens (one token 0.021): over 41 seeds ours 0.83-0.98 (mean 0.904), llama.cpp's 0.79-0.98
+    # (0.900), llama.cpp's ahead by up to 0.105 (2 seeds, 5 tokens; the old 0.1 failed them): 1.5x that
+    assert top_ours >= top_theirs - 0.16
 
 
 def test_memory_and_bytes(default_model_native, default_model, default_gguf):

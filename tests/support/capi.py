@@ -280,12 +280,18 @@ def kv_store(k, v, kv_type, group=0, residual=0, step=None, device="cpu"):
     return ko, vo, nb.value
 
 
-def kivi_step_int16():
-    """1 where this build's KIVI decode step multiplies int16 weights (AVX-512 VNNI), 0 where floats, None
-    where it decodes KIVI tiles to fp32 instead (asked on a one-row kivi4 tile of head_dim 64)."""
+def step_int16(kv_type):
+    """1 where this build's decode step on tiles of kv_type (a KVFormat type code: q8_0 3, kivi4 4, kivi2 5)
+    multiplies int16 weights (AVX-512 VNNI), 0 where floats, None where it decodes such tiles to fp32 instead
+    (asked on a one-row tile of head_dim 64)."""
     import numpy as np
-    fmt = KVFormat(4, 64, 128)
-    block, vals = np.zeros(4 * 64 + 64 * 32, np.uint8), np.zeros(36, np.uint8)
+    fmt = KVFormat(kv_type, 64 if kv_type in (4, 5) else 0, 128 if kv_type in (4, 5) else 0)
+    bits = {4: 4, 5: 2}.get(kv_type)
+    if bits:  # a KIVI key block of 64 rows, one value row (scale, min, codes)
+        block, vals = np.zeros(4 * 64 + 64 * 64 * bits // 8, np.uint8), np.zeros(4 + 64 * bits // 8, np.uint8)
+    else:  # one row stored alone (q8_0: 2 blocks of 34 bytes)
+        rb = 68 if kv_type == 3 else 128
+        block, vals = np.zeros(rb, np.uint8), np.zeros(rb, np.uint8)
     q, s, p, o, flag = (np.zeros(64, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32),
                         np.zeros(64, np.float32), C.c_int32(-1))
     st = lib.kvc_kernel_kv_tile(C.byref(fmt), block.ctypes.data, block.nbytes, 0, vals.ctypes.data, vals.nbytes,

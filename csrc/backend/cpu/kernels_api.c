@@ -193,7 +193,7 @@ kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t
     if (!kvc_cpu_kv_tile_ok(fmt, d))
         return kvc_fail(KVC_ERR_UNSUPPORTED, "kv_tile: this build decodes %s tiles of head_dim %d (group %d) to fp32",
                         kvc_kv_type_name(fmt->type), d, fmt->group);
-    if (int16) *int16 = blocks && kvc_cpu_kv_step_int16(); /* rows stored alone: float products */
+    if (int16) *int16 = kvc_cpu_kv_step_int16(fmt->type);
     const kvc_kv_tile t = {fmt, d, blocks ? keys : (const uint8_t *)keys + (size_t)r0 * rb, blocks ? 0 : rb,
                            blocks ? (int32_t)r0 : 0, values, rb};
     kvc_cpu_kv_scores(&t, q, rows, n, s, n);

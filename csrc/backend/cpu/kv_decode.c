@@ -316,3 +316,15 @@ void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n
     else
         kvc_cpu_kv_rows_pv(t, P, ls, rows, n, O);
 }
+
+int kvc_cpu_kv_step_int16(int32_t type) {
+    int yes = 0;
+#if defined(KVC_KV_INT16)
+    yes |= type == KVC_KV_Q8_0;
+#endif
+#if defined(KVC_KV_INT16_KIVI)
+    yes |= kvc_kv_type_key_blocks(type);
+#endif
+    (void)type;
+    return yes;
+}

@@ -48,8 +48,9 @@ void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, 
 int kvc_cpu_kv_kivi_ok(const kvc_kv_format *f, int32_t d);
 void kvc_cpu_kv_kivi_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
 void kvc_cpu_kv_kivi_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
-/* 1 when this build's KIVI step multiplies int16 weights by the codes (AVX-512 VNNI: q s and P s rounded to
- * int16 per query row and tile), 0 when it multiplies floats */
-int kvc_cpu_kv_step_int16(void);
+/* 1 when this build's step on a tile of type `type` read in place multiplies int16 weights by the codes
+ * (AVX-512 VNNI: KIVI and q8_0, the query side and P's side rounded to int16 per query row and tile), 0 when
+ * it multiplies floats */
+int kvc_cpu_kv_step_int16(int32_t type);
 
 #endif

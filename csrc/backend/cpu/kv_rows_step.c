@@ -4,14 +4,16 @@
  * third of its time: 9 of 28 ms at 8k tokens on SmolLM2). The arithmetic is the tile decoders' (f16 and bf16
  * widen exactly, q8_0's d q is exact in f32) and the f32 attention's (attention.c: scores_dot's products and
  * 4-key reductions, pv_tile's updates, in the same order), so on AVX-512 the scores and outputs equal the
- * decoded path's bit for bit, but for q8_0's P V: there P s is rounded once per row and block and multiplies
- * the bare codes (one rounding where the decoded path rounds P (s q)); the tests hold both to the same
- * references.
+ * decoded path's bit for bit, but for q8_0: its P V rounds P s once per row and block and multiplies the bare
+ * codes (one rounding where the decoded path rounds P (s q)), and with VNNI both its products are int16 ones
+ * (below); the tests hold each to its own bound.
  * q8_0 is bound by its arithmetic, not its bytes (a 64-key tile of 3 query rows: 17 ns a key in L2 against
  * f16's 11): its f16 scales are widened once per tile (q8_scales: 16 rows' scales in one gather) where each
  * vector had converted its block's, and P V's scaling moves into P (W below): 13.6 ns a key in L2 (17.3 before),
- * 18.2 over 512 MB (19.6; benchmarks/kv_step_kernels.py). The gather reads the whole tile's rows at once, so the keys are prefetched a tile
- * ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower than before). */
+ * 18.2 over 512 MB (19.6; benchmarks/kv_step_kernels.py). The gather reads the whole tile's rows at once, so the
+ * keys are prefetched a tile ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower
+ * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below):
+ * 9.3 ns a key in L2, 13.7 from memory. */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -145,8 +147,173 @@ static inline __attribute__((always_inline)) void pv_nr(const int T, const int N
     }
 }
 
+#if defined(KVC_KV_INT16)
+/* ---- q8_0 in int16 products (AVX-512 VNNI: kv_simd.h) ----
+ * Scores: per query row, q in int16 steps of max |q| / 32767; per 32-channel block the integer dot of those
+ * and the codes (vpdpwssd, exact in int32), times the block's scale and summed over blocks in fp32, times
+ * the step. 16 keys in the lanes: a block's 16 x 32 code bytes transposed to dword columns (the rows loaded
+ * into kvc_kv_transpose's slots in its rotated order, so the keys come out in order), each dword's 4 codes
+ * sign-extended by shifts to two pairs of words, which the query's pairs (q8_query) meet.
+ * P V: per query row and value block, W = P s in int16 steps of max |W| / 32767 over the tile; a pair of
+ * value rows interleaved byte by byte and sign-extended, so each dword lane holds one channel of both rows
+ * and one vpdpwssd adds both rows' terms.
+ * The float path's work per key was 4 widenings, 4 conversions and 12 FMAs for d 64 and 3 query rows, plus a
+ * horizontal sum per 4 keys; here per key and block it is a load, 2 permutes (half an insert and 1.5 of the
+ * transposition), 1.5 shifts and 3 vpdpwssd: 13.6 -> 9.3 ns a key in L2 (1.46x), 15.1 -> 13.7 from memory
+ * (benchmarks/kv_step_kernels.py; the prefetches by cache line, not by row, were 1 ns of it). The only error
+ * beyond fp32 rounding is the int16 rounding of q (scores) and W (P V): at most half a step per code unit of
+ * a term (as KIVI's, kv_kivi_step.c). int32 cannot overflow: a block's score lane sums 32 products
+ * |q| |c| <= 32767 x 128, a P V lane 64 (2.7e8 < 2^31). */
+#define Q8_KS 16 /* keys a scores step puts in its lanes */
+
+/* q in int16 steps into qp [d / 2] (dwords of word pairs): per block and dword u of its codes, channels
+ * (4u, 4u + 2) of the block, then (4u + 1, 4u + 3), as the shifted codes' words come; returns the step */
+static inline __attribute__((always_inline)) float q8_query(const float *q, int d, int32_t *qp) {
+    int16_t qi[256];
+    const float step = kvc_kv_to_int16(q, d, qi);
+    int16_t ix[32]; /* word w of 32 channels: dword w / 2 = (u, parity), its half w % 2 */
+    for (int w = 0; w < 32; w++) ix[w] = (int16_t)(w / 4 * 4 + w / 2 % 2 + w % 2 * 2);
+    const __m512i pick = _mm512_loadu_si512(ix);
+    for (int c = 0; c < d; c += KVC_Q8_0_BLOCK)
+        _mm512_storeu_si512(qp + c / 2, _mm512_permutexvar_epi16(pick, _mm512_loadu_si512(qi + c)));
+    return step;
+}
+
+/* S[r ls + j] = step[r] sum_b ks_bj (qp[r] . codes_jb) for NR rows and the tile's keys j < n (ks: the key
+ * scales' table, q8_scales) */
+static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, const kvc_kv_tile *t, const int32_t *qp,
+                                                               const float *step, const float *ks, int n, float *S, int ls,
+                                                               int pf) {
+    const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
+    for (int j = 0; j < n; j += Q8_KS) {
+        const int nk = n - j < Q8_KS ? n - j : Q8_KS;
+        const uint8_t *row[Q8_KS];
+#pragma GCC unroll 16
+        for (int k = 0; k < Q8_KS; k++) row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its lane not stored */
+        if (pf) { /* the lines of these keys' rows in the next tile (see q8_scales) and of their value rows (P V's) */
+            kvc_kv_prefetch_now(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
+            kvc_kv_prefetch_now(t->v + (size_t)j * t->vstride, (size_t)nk * t->vstride);
+        }
+        vf f[NR_MAX];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) f[r] = V_ZERO();
+        for (int b = 0; b < nb; b++) {
+            const size_t at = (size_t)b * KVC_Q8_0_BYTES + 2;
+            __m512i z[8], acc[NR_MAX][2]; /* two sums a row: one chain of 16 dependent vpdpwssd was the bound */
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) /* slots 2i, 2i + 1: keys i, i + 8 (the rotated order) */
+                z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row[i] + at))),
+                                          _mm256_loadu_si256((const __m256i *)(row[i + 8] + at)), 1);
+            kvc_kv_transpose(8, z);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) {
+                const __m512i ev = _mm512_srai_epi16(_mm512_slli_epi16(z[u], 8), 8), od = _mm512_srai_epi16(z[u], 8);
+                const int32_t *w = qp + (b * 8 + u) * 2;
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], ev, _mm512_set1_epi32(w[r * d / 2]));
+                    acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], od, _mm512_set1_epi32(w[r * d / 2 + 1]));
+                }
+            }
+            const vf sb = V_LOAD(ks + b * KVC_KV_TILE + j);
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) f[r] = V_FMA(_mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], acc[r][1])), sb, f[r]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) V_STOREM(S + r * ls + j, V_MASK(nk), V_MUL(f[r], _mm512_set1_ps(step[r])));
+    }
+}
+
+/* O[NR, d] += sum_j W_rbj codes_jb per value block b, W in int16 pairs (wp[(r nb + b) KVC_KV_TILE / 2 + j / 2]:
+ * rows j, j + 1) of steps wstep[r nb + b]; 64 channels (2 blocks) in registers at a time */
+static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const kvc_kv_tile *t, const int32_t *wp,
+                                                           const float *wstep, int n, float *O) {
+    const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
+    /* a pair's unpacked halves hold channels {0..7, 16..23} and {8..15, 24..31} of a block: back in order */
+    const __m512i lo16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i hi16 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int b0 = 0; b0 < nb; b0 += 2) { /* d is a multiple of 64 (kvc_cpu_kv_rows_ok) */
+        __m512i acc[NR_MAX][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+        for (int j = 0; j < n; j += 2) {
+            const uint8_t *a = t->v + (size_t)j * t->vstride, *c = j + 1 < n ? a + t->vstride : a; /* past n: weight 0 */
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const size_t at = (size_t)(b0 + h) * KVC_Q8_0_BYTES + 2;
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a + at)), y = _mm256_loadu_si256((const __m256i *)(c + at));
+                const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x, y)), hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x, y));
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    const __m512i w = _mm512_set1_epi32(wp[(size_t)(r * nb + b0 + h) * KVC_KV_TILE / 2 + j / 2]);
+                    acc[r][2 * h] = _mm512_dpwssd_epi32(acc[r][2 * h], lo, w);
+                    acc[r][2 * h + 1] = _mm512_dpwssd_epi32(acc[r][2 * h + 1], hi, w);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const vf sc = _mm512_set1_ps(wstep[r * nb + b0 + h]);
+                const vf a = V_MUL(_mm512_cvtepi32_ps(acc[r][2 * h]), sc), b = V_MUL(_mm512_cvtepi32_ps(acc[r][2 * h + 1]), sc);
+                float *o = O + r * d + (b0 + h) * KVC_Q8_0_BLOCK;
+                V_STORE(o, V_ADD(V_LOAD(o), _mm512_permutex2var_ps(a, lo16, b)));
+                V_STORE(o + VL, V_ADD(V_LOAD(o + VL), _mm512_permutex2var_ps(a, hi16, b)));
+            }
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_scores_of(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S,
+                                                               int ls) {
+    const int d = t->d;
+    float ks[NB_MAX * KVC_KV_TILE], step[NR_MAX];
+    int32_t qp[NR_MAX * 128];
+    q8_scales(t->k, t->kstride, n, d / KVC_Q8_0_BLOCK, ks);
+    for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
+        const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
+        for (int r = 0; r < nr; r++) step[r] = q8_query(Q + (size_t)(r0 + r) * d, d, qp + r * d / 2);
+#define SCORES(NR) q8_scores_nr(NR, t, qp, step, ks, n, S + (size_t)r0 * ls, ls, r0 == 0) /* the first rows prefetch */
+        KVC_NR_CASES(SCORES)
+#undef SCORES
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_pv_of(const kvc_kv_tile *t, const float *P, int ls, int rows, int n,
+                                                           float *O) {
+    const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
+    float vs[NB_MAX * KVC_KV_TILE], wstep[NR_MAX * NB_MAX], w[KVC_KV_TILE];
+    int32_t wp[NR_MAX * NB_MAX * KVC_KV_TILE / 2];
+    q8_scales(t->v, t->vstride, n, nb, vs);
+    for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
+        const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
+        for (int r = 0; r < nr; r++) /* W = P s in int16 steps, per row and block */
+            for (int b = 0; b < nb; b++) {
+                for (int j = 0; j < n; j += VL) {
+                    const vmask mk = V_MASK(n - j);
+                    V_STORE(w + j, V_MUL(V_LOADM(P + (size_t)(r0 + r) * ls + j, mk), V_LOADM(vs + b * KVC_KV_TILE + j, mk)));
+                }
+                wstep[r * nb + b] = kvc_kv_to_int16(w, n, (int16_t *)(wp + (size_t)(r * nb + b) * KVC_KV_TILE / 2));
+            }
+#define PV(NR) q8_pv_nr(NR, t, wp, wstep, n, O + (size_t)r0 * d)
+        KVC_NR_CASES(PV)
+#undef PV
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void scores_of(const int T, const kvc_kv_tile *t, const float *Q, int rows, int n,
                                                             float *S, int ls) {
+#if defined(KVC_KV_INT16)
+    if (T == KVC_KV_Q8_0) {
+        q8_scores_of(t, Q, rows, n, S, ls);
+        return;
+    }
+#endif
     float ks[T == KVC_KV_Q8_0 ? NB_MAX * KVC_KV_TILE : 1];
     if (T == KVC_KV_Q8_0) q8_scales(t->k, t->kstride, n, t->d / KVC_Q8_0_BLOCK, ks);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
@@ -159,6 +326,12 @@ static inline __attribute__((always_inline)) void scores_of(const int T, const k
 
 static inline __attribute__((always_inline)) void pv_of(const int T, const kvc_kv_tile *t, const float *P, int ls, int rows,
                                                         int n, float *O) {
+#if defined(KVC_KV_INT16)
+    if (T == KVC_KV_Q8_0) {
+        q8_pv_of(t, P, ls, rows, n, O);
+        return;
+    }
+#endif
     float vs[T == KVC_KV_Q8_0 ? NB_MAX * KVC_KV_TILE : 1];
     if (T == KVC_KV_Q8_0) q8_scales(t->v, t->vstride, n, t->d / KVC_Q8_0_BLOCK, vs);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {

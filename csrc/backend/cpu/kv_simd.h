@@ -1,8 +1,10 @@
-/* What the K/V decode-step kernels share (kv_decode.c, kv_rows_step.c): the build test for them and three
- * small helpers. Internal to the CPU backend. */
+/* What the K/V decode-step kernels share (kv_decode.c, kv_rows_step.c, kv_kivi_step.c): the build tests for
+ * them, prefetches, 4-key sums, and for the int16 products the rounding to int16 and the transposition of a
+ * slab of 16 rows. Internal to the CPU backend. */
 #ifndef KVC_CPU_KV_SIMD_H
 #define KVC_CPU_KV_SIMD_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -67,6 +69,60 @@ static inline void kvc_kv_store4(float *dst, __m128 s, int nk) {
     _mm_storeu_ps(s4, s);
     for (int k = 0; k < nk; k++) dst[k] = s4[k];
 }
+
+/* Builds whose decode steps multiply int16 weights by the codes: AVX-512 VNNI for q8_0's (kv_rows_step.c),
+ * and VBMI besides for KIVI's byte permutes (kv_kivi_step.c) */
+#if KVC_KV_SIMD == 512 && defined(__AVX512VNNI__)
+#define KVC_KV_INT16 1
+#if defined(__AVX512VBMI__)
+#define KVC_KV_INT16_KIVI 1
+#endif
+
+/* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
+ * VL with zeros); returns the step, NaN where an x is NaN (the products then are, as fp32 ones would be:
+ * max would drop it, and its code would be a finite -32768) */
+static inline __attribute__((always_inline)) float kvc_kv_to_int16(const float *x, int n, int16_t *q) {
+    vf mx = V_ZERO();
+    __mmask16 nan = 0;
+    for (int i = 0; i < n; i += VL) {
+        const vf v = V_LOADM(x + i, V_MASK(n - i));
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float M = _mm512_reduce_max_ps(mx), inv = M > 0 ? 32767.0f / M : 0.0f;
+    for (int i = 0; i < n; i += VL) {
+        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(V_LOADM(x + i, V_MASK(n - i)), _mm512_set1_ps(inv)));
+        _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtsepi32_epi16(r));
+    }
+    return nan ? NAN : M / 32767.0f;
+}
+
+/* Transposition of a slab of 16 key rows' dwords, T = 8 or 4 dwords of each: z[i] holds slots 16 / T i..
+ * (T dwords each, in order), and z[u] lane l becomes dword u of slot (l % T) 16 / T + l / T, by log2 T
+ * exchanges of a vector index bit with a lane bit (each a pair of two-source permutes). Slots come out in
+ * the lanes so rotated: a permute by KVC_KV_SLOT_ORDER[T == 8] puts them in order (lane i = slot i), or a
+ * caller loads its rows into the slots in the rotated order and needs none. */
+static const int32_t KVC_KV_XCHG[3][2][16] = {
+    {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}, {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}},
+    {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}, {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+    {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}, {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}}};
+static const int32_t KVC_KV_SLOT_ORDER[2][16] = {{0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15}, /* T = 4 */
+                                                 {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}}; /* T = 8 */
+static inline __attribute__((always_inline)) void kvc_kv_transpose(const int T, __m512i *z) {
+#pragma GCC unroll 3
+    for (int s = 0; (1 << s) < T; s++) {
+        const int b = 1 << s;
+        const __m512i lo = _mm512_loadu_si512(KVC_KV_XCHG[s][0]), hi = _mm512_loadu_si512(KVC_KV_XCHG[s][1]);
+#pragma GCC unroll 8
+        for (int a = 0; a < T; a++)
+            if (!(a & b)) {
+                const __m512i x = _mm512_permutex2var_epi32(z[a], lo, z[a | b]);
+                z[a | b] = _mm512_permutex2var_epi32(z[a], hi, z[a | b]);
+                z[a] = x;
+            }
+    }
+}
+#endif /* KVC_KV_INT16 */
 #endif
 
 /* A kernel that keeps NR query rows in registers, called with nr (1..4) as a constant */
