@@ -171,8 +171,9 @@ static inline __attribute__((always_inline)) void pv_nr(const int T, const int N
 static inline __attribute__((always_inline)) float q8_query(const float *q, int d, int32_t *qp) {
     int16_t qi[256];
     const float step = kvc_kv_to_int16(q, d, qi);
-    int16_t ix[32]; /* word w of 32 channels: dword w / 2 = (u, parity), its half w % 2 */
-    for (int w = 0; w < 32; w++) ix[w] = (int16_t)(w / 4 * 4 + w / 2 % 2 + w % 2 * 2);
+    /* word w of 32 channels: dword w / 2 = (u, parity), its half w % 2: channel w / 4 * 4 + w / 2 % 2 + w % 2 * 2 */
+    static const int16_t ix[32] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15,
+                                   16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
     const __m512i pick = _mm512_loadu_si512(ix);
     for (int c = 0; c < d; c += KVC_Q8_0_BLOCK)
         _mm512_storeu_si512(qp + c / 2, _mm512_permutexvar_epi16(pick, _mm512_loadu_si512(qi + c)));
@@ -308,12 +309,6 @@ static inline __attribute__((always_inline)) void q8_pv_of(const kvc_kv_tile *t,
 
 static inline __attribute__((always_inline)) void scores_of(const int T, const kvc_kv_tile *t, const float *Q, int rows, int n,
                                                             float *S, int ls) {
-#if defined(KVC_KV_INT16)
-    if (T == KVC_KV_Q8_0) {
-        q8_scores_of(t, Q, rows, n, S, ls);
-        return;
-    }
-#endif
     float ks[T == KVC_KV_Q8_0 ? NB_MAX * KVC_KV_TILE : 1];
     if (T == KVC_KV_Q8_0) q8_scales(t->k, t->kstride, n, t->d / KVC_Q8_0_BLOCK, ks);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
@@ -326,12 +321,6 @@ static inline __attribute__((always_inline)) void scores_of(const int T, const k
 
 static inline __attribute__((always_inline)) void pv_of(const int T, const kvc_kv_tile *t, const float *P, int ls, int rows,
                                                         int n, float *O) {
-#if defined(KVC_KV_INT16)
-    if (T == KVC_KV_Q8_0) {
-        q8_pv_of(t, P, ls, rows, n, O);
-        return;
-    }
-#endif
     float vs[T == KVC_KV_Q8_0 ? NB_MAX * KVC_KV_TILE : 1];
     if (T == KVC_KV_Q8_0) q8_scales(t->v, t->vstride, n, t->d / KVC_Q8_0_BLOCK, vs);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
@@ -359,7 +348,11 @@ void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int 
     switch (t->f->type) {
     case KVC_KV_F16: scores_of(KVC_KV_F16, t, Q, rows, n, S, ls); break;
     case KVC_KV_BF16: scores_of(KVC_KV_BF16, t, Q, rows, n, S, ls); break;
+#if defined(KVC_KV_INT16)
+    default: q8_scores_of(t, Q, rows, n, S, ls); break;
+#else
     default: scores_of(KVC_KV_Q8_0, t, Q, rows, n, S, ls); break;
+#endif
     }
 #else
     (void)t, (void)Q, (void)rows, (void)n, (void)S, (void)ls;
@@ -371,7 +364,11 @@ void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, 
     switch (t->f->type) {
     case KVC_KV_F16: pv_of(KVC_KV_F16, t, P, ls, rows, n, O); break;
     case KVC_KV_BF16: pv_of(KVC_KV_BF16, t, P, ls, rows, n, O); break;
+#if defined(KVC_KV_INT16)
+    default: q8_pv_of(t, P, ls, rows, n, O); break;
+#else
     default: pv_of(KVC_KV_Q8_0, t, P, ls, rows, n, O); break;
+#endif
     }
 #else
     (void)t, (void)P, (void)ls, (void)rows, (void)n, (void)O;
