@@ -916,9 +916,13 @@ def test_attention_window_starts(rng, device, attention_kernel, n, H, d, force_p
                                                   (9, 6, 40, 0)])
 def test_attention_softcap(rng, device, attention_kernel, n, H, d, force_prefill):
     """Soft-capped scores (Gemma 2) on the device against the CPU: the prefill kernels (WMMA and mma at d 64 / 128,
-    the generic one at d 40; cuDNN is skipped for a cap) and split-K decode (n = 1), with a sliding window."""
+    the generic one at d 40; cuDNN is skipped for a cap) and split-K decode (n = 1), with a sliding window that
+    keeps at least 8 keys where the head has them: a window of 1-3 keys can leave the capped output as the plain
+    one (one query row: 7 of 600 seeds under the 5% below, down to 0.5%; with 8 keys the least of 300 seeds a
+    case was 14%)."""
     past = np.array([90, 3], np.int64)  # 2 KV heads
-    start = np.stack([np.maximum.accumulate(rng.integers(0, p + np.arange(n) + 1)) for p in past], 1).astype(np.int64)
+    start = np.stack([np.maximum.accumulate(rng.integers(0, np.maximum(p + np.arange(n) + 1 - 8, 1))) for p in past],
+                     1).astype(np.int64)
     q = bf16(rng.standard_normal((n, H, d)) * 4)  # scaled scores well past the cap
     ks = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]
     vs = [bf16(rng.standard_normal((int(p) + n, d))) for p in past]

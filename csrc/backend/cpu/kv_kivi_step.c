@@ -145,17 +145,16 @@ static AI void key_params(const kvc_kv_tile *t, float *s, float *m) {
 /* ---- integer products (AVX-512 VNNI and VBMI: kv_simd.h) ---- */
 #define KS 16 /* keys a scores step puts in its lanes */
 
-/* share `part` of `parts` of the next tile's bytes (the key rows and value rows after this tile's: a store's
- * next tile), a cache line at a time: each 16-key step of the scores asks for its share, a tile ahead of the
- * loads (the whole tile at once, the prefetches queued for the line fill buffers: kivi4 from memory 12.1 ns a
- * key against 9.8 spread so) */
+/* share `part` of `parts` of the next tile's key bytes (the key rows after this tile's: a store's next tile),
+ * a cache line at a time: each 16-key step of the scores asks for its share, a tile ahead of the loads (the
+ * whole tile at once, the prefetches queued for the line fill buffers: kivi4 from memory 12.1 ns a key
+ * against 9.8 spread so). The next tile's values are P V's to fetch (pv_nr), so the two streams spread over
+ * the whole step (where the scores had asked for both: kivi4 from memory 9.9 -> 9.3 ns a key, kivi2 8.1 -> 8.0, min of 8) */
 static AI void prefetch_next(const kvc_kv_tile *t, int bits, int n, int part, int parts) { /* inlined: see kvc_kv_prefetch */
-    const size_t rb = (size_t)t->d * bits / 8, kb = 4 * (size_t)t->d + (size_t)n * rb, vb = (size_t)n * t->vstride;
-    const uint8_t *k = t->k + 4 * (size_t)t->d + (size_t)(t->kr0 + n) * rb, *v = t->v + vb;
+    const size_t rb = (size_t)t->d * bits / 8, kb = 4 * (size_t)t->d + (size_t)n * rb;
+    const uint8_t *k = t->k + 4 * (size_t)t->d + (size_t)(t->kr0 + n) * rb;
     const size_t k0 = kb * part / parts / 64 * 64, k1 = kb * (part + 1) / parts / 64 * 64;
-    const size_t v0 = vb * part / parts / 64 * 64, v1 = vb * (part + 1) / parts / 64 * 64;
     kvc_kv_prefetch_now(k + k0, (part + 1 == parts ? kb : k1) - k0);
-    kvc_kv_prefetch_now(v + v0, (part + 1 == parts ? vb : v1) - v0);
 }
 
 /* dwords [T h, T h + T) of KS rows of rb bytes at p, T dwords of a row per lane group: z[i] = rows KS / T i.. */
@@ -182,11 +181,13 @@ static AI void slab(const int T, const uint8_t *p, size_t rb, int h, __m512i *z)
 /* S[r ls + j] = step[r] (qp[r] . codes_j) + bias[r] for NR rows and the tile's keys j < n, KS keys a step.
  * A dword of codes holds channels 32 / BITS t + i (code i); (dword >> BITS k) & mask gives in its two words
  * codes k and K + k (K = 16 / BITS), which qp [NR, d / 2] pairs with q s of those channels. */
-static AI void scores_nr(const int BITS, const int NR, const kvc_kv_tile *t, const int32_t *qp, const float *step,
-                         const float *bias, int n, float *S, int ls, int pf) {
+/* T (dwords of a row per lane group) a constant, as the transposition needs to be unrolled: with T taken from
+ * d at run time GCC kept its loops and z in memory (kivi4's scores 4.7 -> 3.8 ns a key in L2, kivi2's 4.0 -> 3.4) */
+static AI void scores_nr_t(const int BITS, const int NR, const int T, const kvc_kv_tile *t, const int32_t *qp,
+                           const float *step, const float *bias, int n, float *S, int ls, int pf) {
     const int d = t->d, K = 16 / BITS;
     const size_t rb = (size_t)d * BITS / 8; /* a key row's codes: a multiple of 16 bytes */
-    const int T = rb % 32 == 0 ? 8 : 4, slabs = (int)(rb / (4 * (size_t)T));
+    const int slabs = (int)(rb / (4 * (size_t)T));
     const uint8_t *codes = t->k + 4 * (size_t)d + (size_t)t->kr0 * rb;
     const __m512i mask = _mm512_set1_epi32(((1 << BITS) - 1) * 0x10001), order = _mm512_loadu_si512(KVC_KV_SLOT_ORDER[T == 8]);
     uint8_t part[KS * 128]; /* a last slab of fewer than KS keys, zero padded (reads stay inside the tile) */
@@ -225,13 +226,21 @@ static AI void scores_nr(const int BITS, const int NR, const kvc_kv_tile *t, con
     }
 }
 
+static AI void scores_nr(const int BITS, const int NR, const kvc_kv_tile *t, const int32_t *qp, const float *step,
+                         const float *bias, int n, float *S, int ls, int pf) {
+    if ((size_t)t->d * BITS / 8 % 32 == 0) /* a row's codes whole 32-byte halves of a lane group's 8 dwords */
+        scores_nr_t(BITS, NR, 8, t, qp, step, bias, n, S, ls, pf);
+    else
+        scores_nr_t(BITS, NR, 4, t, qp, step, bias, n, S, ls, pf);
+}
+
 /* O[NR, d] += the tile's value codes j < n weighted by wp (row r's int16 weights of values j, j + 1 in value
  * group e: dword (r ne + e) KVC_KV_TILE / 2 + j / 2, P s in steps of step[r ne + e]), then bias [NR, ne]
  * (sum_j P m) on the group's channels. 64 channels at a time: 16 bytes of a pair of rows become dwords
  * (byte i of row j, 0, byte i of row j + 1, 0), whose per shifted and masked copies hold channels per i + c
  * of both rows in their two words (the chunk order of to_lanes). */
 static AI void pv_nr(const int BITS, const int NR, const kvc_kv_tile *t, const int32_t *wp, const float *step, int ne,
-                     const float *bias, int n, float *O) {
+                     const float *bias, int n, float *O, int pf) {
     const int d = t->d, per = 8 / BITS, g = kvc_kivi_vgroup(t->f->group, d);
     const size_t gb = 4 + (size_t)g * BITS / 8; /* a value group's bytes: scale, min, codes */
     const __m512i mask = _mm512_set1_epi32(((1 << BITS) - 1) * 0x10001);
@@ -247,6 +256,7 @@ static AI void pv_nr(const int BITS, const int NR, const kvc_kv_tile *t, const i
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
         for (int j = 0; j < n; j += 2) {
             const uint8_t *a = t->v + (size_t)j * t->vstride, *b = j + 1 < n ? a + t->vstride : a; /* past n: weight 0 */
+            if (pf && c0 == 0) kvc_kv_prefetch_now(a + (size_t)n * t->vstride, 2 * t->vstride); /* the pair a tile on */
 #pragma GCC unroll 4
             for (int h = 0; h < 4 / per; h++) {
                 const __m512i x = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a + at + 16 * h))),
@@ -327,7 +337,7 @@ static AI void pv_of(const int BITS, const kvc_kv_tile *t, const float *P, int l
                 bias[r * ne + e] = V_HSUM(b);
                 step[r * ne + e] = kvc_kv_to_int16(ps, n, (int16_t *)(wp + (size_t)(r * ne + e) * KVC_KV_TILE / 2));
             }
-#define PV(NR) pv_nr(BITS, NR, t, wp, step, ne, bias, n, O + (size_t)r0 * d)
+#define PV(NR) pv_nr(BITS, NR, t, wp, step, ne, bias, n, O + (size_t)r0 * d, r0 == 0) /* the first rows prefetch */
         KVC_NR_CASES(PV)
 #undef PV
     }

@@ -13,7 +13,7 @@
  * 18.2 over 512 MB (19.6; benchmarks/kv_step_kernels.py). The gather reads the whole tile's rows at once, so the
  * keys are prefetched a tile ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower
  * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below):
- * 9.3 ns a key in L2, 13.7 from memory. */
+ * 9.3 ns a key in L2, 13.7 from memory; with the values' prefetches moved into P V (q8_pv_nr) 9.7 and 12.5. */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -191,10 +191,8 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
         const uint8_t *row[Q8_KS];
 #pragma GCC unroll 16
         for (int k = 0; k < Q8_KS; k++) row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its lane not stored */
-        if (pf) { /* the lines of these keys' rows in the next tile (see q8_scales) and of their value rows (P V's) */
+        if (pf) /* the lines of these keys' rows in the next tile (see q8_scales); P V fetches the values' */
             kvc_kv_prefetch_now(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
-            kvc_kv_prefetch_now(t->v + (size_t)j * t->vstride, (size_t)nk * t->vstride);
-        }
         vf f[NR_MAX];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) f[r] = V_ZERO();
@@ -228,9 +226,13 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
 }
 
 /* O[NR, d] += sum_j W_rbj codes_jb per value block b, W in int16 pairs (wp[(r nb + b) KVC_KV_TILE / 2 + j / 2]:
- * rows j, j + 1) of steps wstep[r nb + b]; 64 channels (2 blocks) in registers at a time */
+ * rows j, j + 1) of steps wstep[r nb + b]; 64 channels (2 blocks) in registers at a time. With pf, each pair
+ * of rows prefetches the pair a tile on (the next tile's values, as the scores fetch its keys: the two
+ * streams spread over the whole step, where the scores had asked for this tile's values and the next
+ * keys at once, queued on the line fill buffers: 14.4 -> 12.5 ns a key from memory, with kv_simd.h's one
+ * store per 32 int16 values) */
 static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const kvc_kv_tile *t, const int32_t *wp,
-                                                           const float *wstep, int n, float *O) {
+                                                           const float *wstep, int n, float *O, int pf) {
     const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
     /* a pair's unpacked halves hold channels {0..7, 16..23} and {8..15, 24..31} of a block: back in order */
     const __m512i lo16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
@@ -243,6 +245,7 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
         for (int j = 0; j < n; j += 2) {
             const uint8_t *a = t->v + (size_t)j * t->vstride, *c = j + 1 < n ? a + t->vstride : a; /* past n: weight 0 */
+            if (pf && b0 == 0) kvc_kv_prefetch_now(a + (size_t)KVC_KV_TILE * t->vstride, 2 * t->vstride);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const size_t at = (size_t)(b0 + h) * KVC_Q8_0_BYTES + 2;
@@ -300,7 +303,7 @@ static inline __attribute__((always_inline)) void q8_pv_of(const kvc_kv_tile *t,
                 }
                 wstep[r * nb + b] = kvc_kv_to_int16(w, n, (int16_t *)(wp + (size_t)(r * nb + b) * KVC_KV_TILE / 2));
             }
-#define PV(NR) q8_pv_nr(NR, t, wp, wstep, n, O + (size_t)r0 * d)
+#define PV(NR) q8_pv_nr(NR, t, wp, wstep, n, O + (size_t)r0 * d, r0 == 0) /* the first rows prefetch */
         KVC_NR_CASES(PV)
 #undef PV
     }

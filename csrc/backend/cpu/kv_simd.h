@@ -90,10 +90,14 @@ static inline __attribute__((always_inline)) float kvc_kv_to_int16(const float *
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     }
     const float M = _mm512_reduce_max_ps(mx), inv = M > 0 ? 32767.0f / M : 0.0f;
-    for (int i = 0; i < n; i += VL) {
-        const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(V_LOADM(x + i, V_MASK(n - i)), _mm512_set1_ps(inv)));
-        _mm256_storeu_si256((__m256i *)(q + i), _mm512_cvtsepi32_epi16(r));
-    }
+#define KVC_TO_I16(i) _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(V_LOADM(x + (i), V_MASK(n - (i))), _mm512_set1_ps(inv))))
+    int i = 0;
+    /* 32 at a time in one 64-byte store: callers read q back 32 at a time, and a load that spans two stores
+     * waits for both to retire instead of being forwarded (that read was 7.5% of kivi4's scores' samples, 1.6% after) */
+    for (; i + 2 * VL <= n; i += 2 * VL)
+        _mm512_storeu_si512(q + i, _mm512_inserti64x4(_mm512_castsi256_si512(KVC_TO_I16(i)), KVC_TO_I16(i + VL), 1));
+    for (; i < n; i += VL) _mm256_storeu_si256((__m256i *)(q + i), KVC_TO_I16(i));
+#undef KVC_TO_I16
     return nan ? NAN : M / 32767.0f;
 }
 
