@@ -101,10 +101,13 @@ def test_default_model_native_against_fp32_and_llama_cpp(default_model_native, d
     print(f"decode vs fp32: mean |diff| ours {err_ours:.4f} llama.cpp {err_theirs:.4f}; max ours "
           f"{np.abs(ours - ref).max():.3f} llama.cpp {np.abs(theirs - ref).max():.3f}; top-1 ours {top_ours:.3f} "
           f"llama.cpp {top_theirs:.3f}; ours vs llama.cpp mean {np.abs(ours - theirs).mean():.4f}")
-    # measured (logits of std ~3.7): mean |diff| 0.175 ours, 0.180 llama.cpp; max 2.1 / 1.9; top-1 0.90 / 0.89
-    assert err_ours < 1.5 * err_theirs and err_ours < 0.3
-    # the max is a tail statistic of 48 x 49152 logits: over 7 more seeds ours 1.08-4.15, llama.cpp 1.37-5.07
-    assert np.abs(ours - ref).max() < 8.0
+    # measured (logits of std ~3.7): mean |diff| 0.175 ours, 0.180 llama.cpp; max 2.1 / 1.9; top-1 0.90 / 0.89.
+    # Both engines' errors grow together on some random prompts (40 more seeds, 101-140: ours 0.16-1.10, median
+    # 0.21; llama.cpp 0.17-1.39; seed 118 1.10 / 1.39, max 12.9 / 15.2), so the bounds are the peer's: the mean
+    # within 1.5x of llama.cpp's (ratio 0.80-1.29 over those seeds; a fixed 0.3 failed 4 of them), the max (a tail
+    # statistic of 48 x 49152 logits) under 8 or 1.5x llama.cpp's (at most 0.64 of that bound; 8 alone failed 1)
+    assert err_ours < 1.5 * err_theirs
+    assert np.abs(ours - ref).max() < max(8.0, 1.5 * np.abs(theirs - ref).max())
     # top-1 of 48 tokens (one token 0.021): over 41 seeds ours 0.83-0.98 (mean 0.904), llama.cpp's 0.79-0.98
     # (0.900), llama.cpp's ahead by up to 0.105 (2 seeds, 5 tokens; the old 0.1 failed them): 1.5x that
     assert top_ours >= top_theirs - 0.16
