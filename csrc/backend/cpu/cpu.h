@@ -4,6 +4,7 @@
 #define KVC_CPU_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -125,6 +126,16 @@ static inline float kvc_hsum256(__m256 v) {
 }
 #define V_HSUM(v) kvc_hsum256(v)
 #endif
+#endif
+
+/* ---- software prefetch ----
+ * The cache lines of [p, p + n) asked for now, from the line that holds p (so an unaligned range's last
+ * line is asked for too): the decode GEMV's weights (quant.c) and the K/V decode steps' rows (kv_simd.h).
+ * Always inlined: a function of prefetches alone looks free of effects to GCC, which drops calls to it. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+static inline __attribute__((always_inline)) void kvc_prefetch_lines(const void *p, size_t n) {
+    for (uintptr_t x = (uintptr_t)p & ~(uintptr_t)63; x < (uintptr_t)p + n; x += 64) _mm_prefetch((const char *)x, _MM_HINT_T0);
+}
 #endif
 
 /* C[i, j] (+)= sum_p A[i * lda + p] * B[p * ldb + j]   for i < mr <= KVC_MR, j < nr <= KVC_NR, p < kc.

@@ -150,11 +150,11 @@ static AI void key_params(const kvc_kv_tile *t, float *s, float *m) {
  * whole tile at once, the prefetches queued for the line fill buffers: kivi4 from memory 12.1 ns a key
  * against 9.8 spread so). The next tile's values are P V's to fetch (pv_nr), so the two streams spread over
  * the whole step (where the scores had asked for both: kivi4 from memory 9.9 -> 9.3 ns a key, kivi2 8.1 -> 8.0, min of 8) */
-static AI void prefetch_next(const kvc_kv_tile *t, int bits, int n, int part, int parts) { /* inlined: see kvc_kv_prefetch */
+static AI void prefetch_next(const kvc_kv_tile *t, int bits, int n, int part, int parts) { /* inlined: see kvc_prefetch_lines */
     const size_t rb = (size_t)t->d * bits / 8, kb = 4 * (size_t)t->d + (size_t)n * rb;
     const uint8_t *k = t->k + 4 * (size_t)t->d + (size_t)(t->kr0 + n) * rb;
     const size_t k0 = kb * part / parts / 64 * 64, k1 = kb * (part + 1) / parts / 64 * 64;
-    kvc_kv_prefetch_now(k + k0, (part + 1 == parts ? kb : k1) - k0);
+    kvc_prefetch_lines(k + k0, (part + 1 == parts ? kb : k1) - k0);
 }
 
 /* dwords [T h, T h + T) of KS rows of rb bytes at p, T dwords of a row per lane group: z[i] = rows KS / T i.. */
@@ -256,7 +256,7 @@ static AI void pv_nr(const int BITS, const int NR, const kvc_kv_tile *t, const i
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
         for (int j = 0; j < n; j += 2) {
             const uint8_t *a = t->v + (size_t)j * t->vstride, *b = j + 1 < n ? a + t->vstride : a; /* past n: weight 0 */
-            if (pf && c0 == 0) kvc_kv_prefetch_now(a + (size_t)n * t->vstride, 2 * t->vstride); /* the pair a tile on */
+            if (pf && c0 == 0) kvc_prefetch_lines(a + (size_t)n * t->vstride, 2 * t->vstride); /* the pair a tile on */
 #pragma GCC unroll 4
             for (int h = 0; h < 4 / per; h++) {
                 const __m512i x = _mm512_maskz_permutex2var_epi8(0x5555555555555555ull, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a + at + 16 * h))),

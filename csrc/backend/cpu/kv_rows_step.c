@@ -82,10 +82,10 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
         for (int k = 0; k < 4; k++) {
             row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its sum unused */
             if (T == KVC_KV_Q8_0) /* the next tile's row: its scales are read all at once as that tile starts */
-                kvc_kv_prefetch_now(row[k] + (size_t)KVC_KV_TILE * t->kstride, t->kstride);
+                kvc_prefetch_lines(row[k] + (size_t)KVC_KV_TILE * t->kstride, t->kstride);
             else
                 kvc_kv_prefetch(row[k], t->kstride);
-            kvc_kv_prefetch_now(t->v + (size_t)(j + (k < nk ? k : 0)) * t->vstride, t->vstride);
+            kvc_prefetch_lines(t->v + (size_t)(j + (k < nk ? k : 0)) * t->vstride, t->vstride);
 #pragma GCC unroll 4
             for (int r = 0; r < NR; r++) acc[r][k] = V_ZERO();
         }
@@ -192,7 +192,7 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
 #pragma GCC unroll 16
         for (int k = 0; k < Q8_KS; k++) row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its lane not stored */
         if (pf) /* the lines of these keys' rows in the next tile (see q8_scales); P V fetches the values' */
-            kvc_kv_prefetch_now(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
+            kvc_prefetch_lines(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
         vf f[NR_MAX];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) f[r] = V_ZERO();
@@ -245,7 +245,7 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
         for (int j = 0; j < n; j += 2) {
             const uint8_t *a = t->v + (size_t)j * t->vstride, *c = j + 1 < n ? a + t->vstride : a; /* past n: weight 0 */
-            if (pf && b0 == 0) kvc_kv_prefetch_now(a + (size_t)KVC_KV_TILE * t->vstride, 2 * t->vstride);
+            if (pf && b0 == 0) kvc_prefetch_lines(a + (size_t)KVC_KV_TILE * t->vstride, 2 * t->vstride);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const size_t at = (size_t)(b0 + h) * KVC_Q8_0_BYTES + 2;

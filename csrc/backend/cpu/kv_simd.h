@@ -27,15 +27,9 @@
  * store's next tile follows this one */
 #define KVC_KV_PF 1024
 
-/* the rows KVC_KV_PF bytes on, a cache line at a time */
-/* always inlined: a function of prefetches alone looks free of effects to GCC, which drops calls to it */
+/* the rows KVC_KV_PF bytes on (cpu.h's kvc_prefetch_lines asks for the rows themselves) */
 static inline __attribute__((always_inline)) void kvc_kv_prefetch(const uint8_t *row, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + KVC_KV_PF + o, _MM_HINT_T0);
-}
-
-/* the rows themselves (the values a tile's P V will read, fetched during its scores) */
-static inline __attribute__((always_inline)) void kvc_kv_prefetch_now(const uint8_t *row, size_t bytes) {
-    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
+    kvc_prefetch_lines(row + KVC_KV_PF, bytes);
 }
 
 /* the f16 value at p */

@@ -256,17 +256,12 @@ static float qdot_q8_0(const uint8_t *w, kvc_q8row a, int64_t nb) { enum { BB = 
 
 #endif
 
-#if defined(KVC_QSIMD)
-/* The cache lines of [p, p + n): block b of the group two groups on, asked for as block b of this one is
- * read, so the weights' one stream has lines in flight well ahead of the loads, the requests spread over the
- * whole group. The hardware's prefetcher alone kept too few: the decode GEMV of the default model (96 MB a
- * step) ran at ~9.6 GB/s, a decode step at 256 tokens of context in 11.3 ms; with the lines one group on
- * 7.5, two 7.4, four 7.8 (~13 GB/s; best of 5 alternating runs, one thread). Always inlined: see
- * kvc_kv_prefetch. */
-static inline __attribute__((always_inline)) void prefetch_run(const uint8_t *p, size_t n) {
-    for (uintptr_t x = (uintptr_t)p & ~(uintptr_t)63; x < (uintptr_t)p + n; x += 64) _mm_prefetch((const char *)x, _MM_HINT_T0);
-}
-#endif
+/* The decode GEMV's prefetch (qgroup, with cpu.h's kvc_prefetch_lines): block b of the group two groups on,
+ * asked for as block b of this one is read, so the weights' one stream has lines in flight well ahead of the
+ * loads, the requests spread over the whole group. The hardware's prefetcher alone kept too few: the decode
+ * GEMV of the default model (96 MB a step) ran at ~9.6 GB/s, a decode step at 256 tokens of context in
+ * 11.3 ms; with the lines one group on 7.5, two 7.4, four 7.8 (~13 GB/s; best of 5 alternating runs, one
+ * thread). */
 
 #if KVC_QSIMD == 512
 /* 16 packed rows (one group, g) against activation row a: lane r = row r's sum. Per block: the codes
@@ -281,7 +276,7 @@ static inline __attribute__((always_inline)) void qgroup(int32_t t, const uint8_
     __m512 acc = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *run = g + b * KVC_QG * bb, *qs = run + h * KVC_QG;
-        if (pf) prefetch_run(run + 2 * (size_t)nb * KVC_QG * bb, KVC_QG * bb); /* two groups on */
+        if (pf) kvc_prefetch_lines(run + 2 * (size_t)nb * KVC_QG * bb, KVC_QG * bb); /* two groups on */
         const int8_t *aq = a.q + b * 32;
         int32_t a4[8];
         memcpy(a4, aq, 32);
@@ -322,7 +317,7 @@ static inline __attribute__((always_inline)) void qgroup(int32_t t, const uint8_
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *run = g + b * KVC_QG * bb, *qs = run + h * KVC_QG;
-        if (pf) prefetch_run(run + 2 * (size_t)nb * KVC_QG * bb, KVC_QG * bb); /* two groups on */
+        if (pf) kvc_prefetch_lines(run + 2 * (size_t)nb * KVC_QG * bb, KVC_QG * bb); /* two groups on */
         int32_t a4[8];
         memcpy(a4, a.q + b * 32, 32);
         const __m256 da = _mm256_set1_ps(a.d[b]), off = _mm256_set1_ps(-bias * a.s[b]);
