@@ -212,8 +212,8 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
                 const int32_t *w = qp + (b * 8 + u) * 2;
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) {
-                    acc[r][0] = _mm512_dpwssd_epi32(acc[r][0], ev, _mm512_set1_epi32(w[r * d / 2]));
-                    acc[r][1] = _mm512_dpwssd_epi32(acc[r][1], od, _mm512_set1_epi32(w[r * d / 2 + 1]));
+                    acc[r][0] = kvc_dpwssd(acc[r][0], ev, _mm512_set1_epi32(w[r * d / 2]));
+                    acc[r][1] = kvc_dpwssd(acc[r][1], od, _mm512_set1_epi32(w[r * d / 2 + 1]));
                 }
             }
             const vf sb = V_LOAD(ks + b * KVC_KV_TILE + j);
@@ -254,8 +254,8 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) {
                     const __m512i w = _mm512_set1_epi32(wp[(size_t)(r * nb + b0 + h) * KVC_KV_TILE / 2 + j / 2]);
-                    acc[r][2 * h] = _mm512_dpwssd_epi32(acc[r][2 * h], lo, w);
-                    acc[r][2 * h + 1] = _mm512_dpwssd_epi32(acc[r][2 * h + 1], hi, w);
+                    acc[r][2 * h] = kvc_dpwssd(acc[r][2 * h], lo, w);
+                    acc[r][2 * h + 1] = kvc_dpwssd(acc[r][2 * h + 1], hi, w);
                 }
             }
         }

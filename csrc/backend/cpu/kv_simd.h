@@ -72,6 +72,15 @@ static inline void kvc_kv_store4(float *dst, __m128 s, int nk) {
 #define KVC_KV_INT16_KIVI 1
 #endif
 
+/* acc + the sums of pairs of int16 products of a and b (vpdpwssd), the accumulator updated in place: in the
+ * kernels' unrolled loops GCC 12 copies each accumulator of _mm512_dpwssd_epi32 out to a scratch register and
+ * back (24 register moves for the 12 products of a pair of keys in KIVI's P V); the asm's tied operand keeps
+ * it where it lives */
+static inline __attribute__((always_inline)) __m512i kvc_dpwssd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
 /* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
  * VL with zeros); returns the step, NaN where an x is NaN (the products then are, as fp32 ones would be:
  * max would drop it, and its code would be a finite -32768) */
