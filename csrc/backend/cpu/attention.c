@@ -61,19 +61,29 @@
 /* One online-softmax step for `rows` rows on a tile of `tk` keys.                                */
 /* S[r][0:tk] holds the scaled scores (masked ones -inf); on return it holds P = exp(S - m_new).  */
 /* O rows are rescaled by exp(m_old - m_new); l and m are updated.                                */
+/* In phases over the rows (all maxima, then all exponentials, then the corrections of all rows in */
+/* one vector exp on AVX-512): a row's max -> exp -> sum -> correction chain is long in latency    */
+/* and short in work, and done a row at a time (with a scalar expf each) the rows of a decode tile */
+/* ran one after another (~480 cycles for 3 rows x 64 keys).                                      */
 static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *O, int d) {
+    float mx[ROWS_MAX], sum[ROWS_MAX], corr[ROWS_MAX];
+    for (int r = 0; r < rows; r++) {
+        const float *s = S + r * TK;
+        float x = m[r];
+#pragma omp simd reduction(max : x)
+        for (int j = 0; j < tk; j++) x = s[j] > x ? s[j] : x;
+        mx[r] = x;
+    }
     for (int r = 0; r < rows; r++) {
         float *s = S + r * TK;
-        float mx = m[r];
-#pragma omp simd reduction(max : mx)
-        for (int j = 0; j < tk; j++) mx = s[j] > mx ? s[j] : mx;
-        if (mx == -INFINITY) { /* nothing visible yet in this row */
+        const float x = mx[r];
+        sum[r] = 0.f;
+        if (x == -INFINITY) { /* nothing visible yet in this row */
             memset(s, 0, sizeof(float) * tk);
             continue;
         }
-        float sum = 0.f;
 #if defined(__AVX512F__)
-        const __m512 vmx = _mm512_set1_ps(mx);
+        const __m512 vmx = _mm512_set1_ps(x);
         __m512 vsum = _mm512_setzero_ps();
         for (int j = 0; j < tk; j += 16) {
             const __mmask16 mk = (__mmask16)(tk - j >= 16 ? 0xFFFF : (1u << (tk - j)) - 1);
@@ -81,10 +91,11 @@ static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *
             _mm512_mask_storeu_ps(s + j, mk, p);
             vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mk, p));
         }
-        sum = _mm512_reduce_add_ps(vsum);
+        sum[r] = _mm512_reduce_add_ps(vsum);
 #elif defined(__AVX2__) && defined(__FMA__)
-        const __m256 vmx = _mm256_set1_ps(mx);
+        const __m256 vmx = _mm256_set1_ps(x);
         __m256 vsum = _mm256_setzero_ps();
+        float t = 0.f;
         int j = 0;
         for (; j + 8 <= tk; j += 8) {
             const __m256 p = kvc_exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
@@ -92,26 +103,40 @@ static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *
             vsum = _mm256_add_ps(vsum, p);
         }
         for (; j < tk; j++) {
-            s[j] = s[j] - mx < -87.3f ? 0.f : expf(s[j] - mx);
-            sum += s[j];
+            s[j] = s[j] - x < -87.3f ? 0.f : expf(s[j] - x);
+            t += s[j];
         }
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(vsum), _mm256_extractf128_ps(vsum, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        sum += _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        sum[r] = t + _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 #else
-        for (int j = 0; j < tk; j++) s[j] -= mx;
+        float t = 0.f;
+        for (int j = 0; j < tk; j++) s[j] -= x;
         kvc_vexp(s, s, tk);
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < tk; j++) sum += s[j];
+#pragma omp simd reduction(+ : t)
+        for (int j = 0; j < tk; j++) t += s[j];
+        sum[r] = t;
 #endif
-        const float corr = m[r] == -INFINITY ? 0.f : expf(m[r] - mx);
-        if (corr != 1.f) {
+    }
+#if defined(__AVX512F__)
+    for (int r0 = 0; r0 < rows; r0 += 16) { /* exp(m_old - m_new); 0 where m_old is -inf (below exp's range) */
+        const __mmask16 mk = (__mmask16)(rows - r0 >= 16 ? 0xFFFF : (1u << (rows - r0)) - 1);
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(mk, m + r0), _mm512_maskz_loadu_ps(mk, mx + r0));
+        _mm512_mask_storeu_ps(corr + r0, mk, kvc_exp512(x));
+    }
+#else
+    for (int r = 0; r < rows; r++) corr[r] = m[r] == -INFINITY || mx[r] == -INFINITY ? 0.f : expf(m[r] - mx[r]);
+#endif
+    for (int r = 0; r < rows; r++) {
+        if (mx[r] == -INFINITY) continue; /* (its correction is NaN: -inf - -inf) */
+        const float c = corr[r];
+        if (c != 1.f) {
             float *o = O + r * d;
 #pragma omp simd
-            for (int e = 0; e < d; e++) o[e] *= corr;
+            for (int e = 0; e < d; e++) o[e] *= c;
         }
-        l[r] = l[r] * corr + sum;
-        m[r] = mx;
+        l[r] = l[r] * c + sum[r];
+        m[r] = mx[r];
     }
 }
 
