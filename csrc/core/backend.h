@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVC_BACKEND_VERSION 10 /* 10: moe_route, gather_rows, moe_combine (mixture of experts); 9: kv_rows, kv_keep_rows, kv_kept_free, host_memory (rows lent in place); 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
+#define KVC_BACKEND_VERSION 11 /* 11: hint_weights; 10: moe_route, gather_rows, moe_combine (mixture of experts); 9: kv_rows, kv_keep_rows, kv_kept_free, host_memory (rows lent in place); 8: kv_new takes the storage type (kvc_kv_format), kv_commit (quantised caches); 7: attention takes softcap (Gemma 2); 6: traffic_stats, kv_read_heads, kv_write_rows (batched host-device traffic); 5: geglu,
                                  scale (Gemma 3); 4: rope takes mscale (LongRoPE); 3: kv_bytes replaces kv_arena_bytes;
                                  kv_prune_keys (ThinK); wrap, wrap_keeps_layout (host memory) */
 
@@ -324,6 +324,13 @@ typedef struct kvc_backend {
     /* Device-only timing for benchmarks (NULL: none): seconds per call (best of reps after a warm-up) of the
      * GEMM (what 0, dims {m, n, k}) or of the causal prefill attention (what 1, dims {n, H, Hkv, d}). */
     kvc_status (*bench)(int32_t what, const int64_t *dims, int32_t reps, double *seconds);
+
+    /* ---- hints (NULL where the backend has no use for them; no result depends on one) ----
+     * hint_weights: the n weights the engine reads next, after this layer's attention (its o projection and
+     * MLP). A backend whose kernels stream weights from memory may fetch some of them while a kernel that
+     * leaves memory bandwidth spare runs (the CPU's decode attention on a quantised cache); the next hint
+     * replaces it. */
+    void (*hint_weights)(const kvc_view *w, int32_t n);
 
     /* ---- graphs (NULL where the backend has none: the engine then runs eagerly) ----
      * graph_capture records the work run(user) enqueues (it must read every input that changes between

@@ -201,6 +201,10 @@ static kvc_status attention_block(kvc_session *lead, kvc_session *const *ss, int
         KVC_TRY(be->head_rmsnorm(qkv, 0, rows, (int32_t)H, (int32_t)d, W->q_norm, c->rms_eps));
         KVC_TRY(be->head_rmsnorm(qkv, qd, rows, (int32_t)Hkv, (int32_t)d, W->k_norm, c->rms_eps));
     }
+    if (be->hint_weights) { /* what this layer reads after its attention */
+        const kvc_view next[2] = {W->wo, W->gu.whole};
+        be->hint_weights(next, 2);
+    }
     int64_t end = 0; /* the last position + 1 of the call (of the batch's sessions) */
     for (int32_t i = 0; i < B; i++)
         if (ss[i]->pos + n > end) end = ss[i]->pos + n;

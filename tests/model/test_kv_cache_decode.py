@@ -56,3 +56,34 @@ def test_calls_read_the_stored_rows(model_pair, rng, name):
         assert worst < 2e-3
     else:
         assert worst < 3e-5  # fp32 against float64 over the same rows: measured at most 1.2e-5 (the f32 cache: 7.4e-6)
+
+
+@pytest.fixture
+def weight_prefetch():
+    """Sets the CPU backend's "weight_prefetch" (bytes of the next weights a decode tile of a quantised cache
+    asks for, backend/cpu/weight_hint.h), back to its default of 2048 afterwards."""
+    yield lambda n: kvpress_c._core.set_device_option("cpu", "weight_prefetch", n)
+    kvpress_c._core.set_device_option("cpu", "weight_prefetch", 2048)
+
+
+@pytest.mark.parametrize("name", ["f32", "q8_0", "kivi4"])
+def test_weight_prefetch_changes_no_result(model_pair, rng, weight_prefetch, name):
+    """The layer's next weights fetched during its decode attention (none, the default 2048 bytes a tile, and
+    the most, 65536: every byte of the o projection and gate|up) leave every logit as it was, bit for bit."""
+    model = model_pair[0]
+    ids = rng.integers(0, model.config["vocab"], PROMPT + 6).astype(np.int32)
+    runs = []
+    for n in (0, 2048, 65536):
+        weight_prefetch(n)
+        s = model.new_session(0, kv_cache=TYPES[name])
+        s.forward(ids[:PROMPT], logits="last")
+        runs.append(np.stack([s.forward(ids[p:p + 1], logits="last") for p in range(PROMPT, PROMPT + 6)]))
+    assert np.array_equal(runs[0], runs[1]) and np.array_equal(runs[0], runs[2])
+
+
+def test_weight_prefetch_setting_refused(weight_prefetch):
+    for bad in (-1, 65537):
+        with pytest.raises(ValueError, match=r"weight_prefetch.*\[0, 65536\]"):
+            weight_prefetch(bad)
+    with pytest.raises(ValueError, match="has no setting 'prefetch'.*weight_prefetch"):
+        kvpress_c._core.set_device_option("cpu", "prefetch", 1)

@@ -41,6 +41,7 @@
 #include "cpu.h"
 #include "kv_decode.h"
 #include "kv_simd.h"
+#include "weight_hint.h"
 
 #define TK 128       /* keys per decode tile */
 #define DTK 64       /* the same for rows decoded from a store's type: their K and V tiles stay in L1 */
@@ -330,7 +331,7 @@ static void gather_q(const float *q, int64_t ldq, int32_t d, int32_t hq0, int32_
 /* head's column of start, else NULL). Accumulates into O[rows][d], m[rows], l[rows].             */
 static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, const kvc_cpu_kvsrc *kv, int32_t h,
                        const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke,
-                       float cap, float *O, float *m, float *l) {
+                       float cap, float *O, float *m, float *l, kvc_cpu_hint_cursor *next) {
     float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
     const int64_t np = pk ? pk->np : 0;
     const int dtk = kv->decoded ? DTK : TK;
@@ -354,9 +355,10 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
         cap_tile(S, TK, 1, rows, tk, cap);
         mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
         softmax_step(S, rows, tk, m, l, O, d);
-        if (typed > 0)
+        if (typed > 0) {
+            kvc_cpu_hint_fetch(next); /* bound by its arithmetic: memory has room for the next weights */
             kvc_cpu_kv_pv(&tile, S, TK, rows, tk, O);
-        else
+        } else
             update_pv_rows(S, rows, tk, V, ldv, d, O);
         k0 += tk;
     }
@@ -493,7 +495,7 @@ static float *partials(size_t floats) {
 
 static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d,
                             const kvc_cpu_kvsrc *kv, const int64_t *past_len, const int64_t *start, float scale,
-                            float cap, float *out, int64_t ldo) {
+                            float cap, float *out, int64_t ldo, const kvc_cpu_hint *hint) {
     const int32_t g = H / Hkv;
     const int rows = (int)(n * g);
     if (rows > ROWS_MAX || rows * d > QBUF || Hkv > KVC_MAX_KV_HEADS) return 0;
@@ -525,7 +527,9 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
             const pruned_keys *pkh = prune_view(kv, h, Q, rows, d, 0, Qp, &pk);
             memset(O, 0, sizeof(float) * rows * d);
             for (int r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-            attend_dot(Q, rows, g, 0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, cap, O, m, l);
+            kvc_cpu_hint_cursor next; /* this task's share of the next weights */
+            kvc_cpu_hint_part(hint, t, tasks, &next);
+            attend_dot(Q, rows, g, 0, d, kv, h, pkh, past_len[h], start ? start + h : NULL, Hkv, kb, ke, cap, O, m, l, &next);
         }
         /* merge: rescale each chunk to the largest max of its row */
 #pragma omp for schedule(static)
@@ -556,6 +560,7 @@ static int attention_decode(const float *q, int64_t ldq, int64_t n, int32_t H, i
 
 void kvc_cpu_attention(const float *q, int64_t ldq, int64_t n, int32_t H, int32_t Hkv, int32_t d, const kvc_cpu_kvsrc *kv,
                        const int64_t *past_len, const int64_t *start, float scale, float cap, float *out, int64_t ldo) {
-    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, cap, out, ldo)) return;
+    const kvc_cpu_hint next = kvc_cpu_hint_take(); /* the weights after this attention (weight_hint.h) */
+    if (n <= DECODE_N && attention_decode(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, cap, out, ldo, &next)) return;
     attention_prefill(q, ldq, n, H, Hkv, d, kv, past_len, start, scale, cap, out, ldo);
 }

@@ -9,6 +9,7 @@
 #include "cpu.h"
 #include "host.h"
 #include "quant.h"
+#include "weight_hint.h"
 
 kvc_status kvc_host_embed(kvc_view table, kvc_view ids, int64_t n, int64_t D, kvc_view x) {
     if (x.buf->dtype != KVC_F32 || ids.buf->dtype != KVC_I32)
@@ -203,7 +204,8 @@ static const char *cpu_gemm(void) { return kvc_blas_name(); }
 static void cpu_memory(int64_t *out) { kvc_host_stats_read(&g_cpu_stats, out); }
 static void cpu_reset_peak(void) { kvc_host_stats_reset_peak(&g_cpu_stats); }
 static kvc_status cpu_option(const char *name, int value) {
-    return kvc_fail(KVC_ERR_ARG, "the CPU backend has no setting '%s' (%d)", name, value);
+    if (name && strcmp(name, "weight_prefetch") == 0) return kvc_cpu_set_weight_prefetch(value);
+    return kvc_fail(KVC_ERR_ARG, "the CPU backend has no setting '%s' (%d): it has 'weight_prefetch'", name ? name : "(null)", value);
 }
 static kvc_status cpu_alloc(int32_t dtype, int64_t n, int32_t cat, const char *what, kvc_buf **out) {
     return kvc_hbuf_alloc(&g_cpu_stats, dtype, n, cat, what, out);
@@ -263,6 +265,7 @@ static const kvc_backend g_cpu = {
     .kv_append = kvc_hkv_append,
     .head_rmsnorm = kvc_host_head_rmsnorm_v,
     .attention = kvc_host_attention_v,
+    .hint_weights = kvc_cpu_hint_weights,
     .swiglu = kvc_host_swiglu_v,
     .geglu = kvc_host_geglu_v,
     .scale = kvc_host_scale_v,
