@@ -105,6 +105,6 @@ PyMethodDef kvc_py_device_methods[] = {
     {"set_device_option", mod_set_device_option, METH_VARARGS,
      "set_device_option(device, name, value): 'builtin_gemm' 0/1, 'attention_kernel' 0 (WMMA) / 1 (mma.sync) / 2 (cuDNN's "
      "SDPA: NotImplementedError with the reason where cuDNN cannot load); on the CPU 'weight_prefetch' bytes "
-     "(0..65536, default 2048) of the next weights a decode tile of a quantised cache fetches (0: none); "
+     "(0..65536, default 2048) of the next weights a decode tile of a q8_0 or KIVI cache fetches (0: none); "
      "on the emulated device 'fail_after' n fails its (n+1)-th operation once (tests)."},
     {NULL, NULL, 0, NULL}};

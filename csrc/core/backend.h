@@ -328,7 +328,7 @@ typedef struct kvc_backend {
     /* ---- hints (NULL where the backend has no use for them; no result depends on one) ----
      * hint_weights: the n weights the engine reads next, after this layer's attention (its o projection and
      * MLP). A backend whose kernels stream weights from memory may fetch some of them while a kernel that
-     * leaves memory bandwidth spare runs (the CPU's decode attention on a quantised cache); the next hint
+     * leaves memory bandwidth spare runs (the CPU's decode attention on a q8_0 or KIVI cache); the next hint
      * replaces it. */
     void (*hint_weights)(const kvc_view *w, int32_t n);
 

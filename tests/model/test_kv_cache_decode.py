@@ -60,7 +60,7 @@ def test_calls_read_the_stored_rows(model_pair, rng, name):
 
 @pytest.fixture
 def weight_prefetch():
-    """Sets the CPU backend's "weight_prefetch" (bytes of the next weights a decode tile of a quantised cache
+    """Sets the CPU backend's "weight_prefetch" (bytes of the next weights a decode tile of a q8_0 or KIVI cache
     asks for, backend/cpu/weight_hint.h), back to its default of 2048 afterwards."""
     yield lambda n: kvpress_c._core.set_device_option("cpu", "weight_prefetch", n)
     kvpress_c._core.set_device_option("cpu", "weight_prefetch", 2048)

@@ -356,7 +356,7 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
         mask_tile(S, TK, 1, rows, gc, i0, past, lo, Hkv, k0, tk);
         softmax_step(S, rows, tk, m, l, O, d);
         if (typed > 0) {
-            kvc_cpu_hint_fetch(next); /* bound by its arithmetic: memory has room for the next weights */
+            if (kvc_cpu_kv_step_spare(tile.f->type)) kvc_cpu_hint_fetch(next); /* memory has room for the next weights */
             kvc_cpu_kv_pv(&tile, S, TK, rows, tk, O);
         } else
             update_pv_rows(S, rows, tk, V, ldv, d, O);

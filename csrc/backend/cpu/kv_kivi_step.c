@@ -214,7 +214,7 @@ static AI void scores_nr_t(const int BITS, const int NR, const int T, const kvc_
                     const __m512i c = _mm512_and_si512(k ? _mm512_srli_epi32(z[u], BITS * k) : z[u], mask);
                     const int32_t *w = qp + (h * T + u) * K + k;
 #pragma GCC unroll 4
-                    for (int r = 0; r < NR; r++) acc[r][k & 1] = kvc_dpwssd(acc[r][k & 1], c, _mm512_set1_epi32(w[r * d / 2]));
+                    for (int r = 0; r < NR; r++) acc[r][k & 1] = kvc_dpwssd_bcast(acc[r][k & 1], c, w + r * d / 2);
                 }
         }
 #pragma GCC unroll 4

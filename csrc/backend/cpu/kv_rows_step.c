@@ -212,8 +212,8 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
                 const int32_t *w = qp + (b * 8 + u) * 2;
 #pragma GCC unroll 4
                 for (int r = 0; r < NR; r++) {
-                    acc[r][0] = kvc_dpwssd(acc[r][0], ev, _mm512_set1_epi32(w[r * d / 2]));
-                    acc[r][1] = kvc_dpwssd(acc[r][1], od, _mm512_set1_epi32(w[r * d / 2 + 1]));
+                    acc[r][0] = kvc_dpwssd_bcast(acc[r][0], ev, w + r * d / 2);
+                    acc[r][1] = kvc_dpwssd_bcast(acc[r][1], od, w + r * d / 2 + 1);
                 }
             }
             const vf sb = V_LOAD(ks + b * KVC_KV_TILE + j);

@@ -81,6 +81,13 @@ static inline __attribute__((always_inline)) __m512i kvc_dpwssd(__m512i acc, __m
     return acc;
 }
 
+/* the same with b the int32 at w broadcast, read by the instruction itself (vpdpwssd's {1to16} operand: one
+ * micro-fused load, where a broadcast into a register first is a load of its own) */
+static inline __attribute__((always_inline)) __m512i kvc_dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
+    return acc;
+}
+
 /* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
  * VL with zeros); returns the step, NaN where an x is NaN (the products then are, as fp32 ones would be:
  * max would drop it, and its code would be a finite -32768) */

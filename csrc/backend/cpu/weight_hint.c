@@ -3,8 +3,8 @@
  * top of the K/V's ~10) was measured on the default model at 8k tokens, one thread, alternating runs (min,
  * median of 6): kivi4 12.33, 13.2 ms a step without, 11.44, 12.6 ms with the o projection and gate|up so
  * fetched (q8_0: 18.81, 19.5 against 18.04, 18.65); 4096 bytes a tile, or the down projection and the next
- * layer's q|k|v as well, no better; on the f32 cache, whose attention is bound by memory, 9% slower (so only
- * typed tiles fetch). */
+ * layer's q|k|v as well, no better; on the f32 cache, whose attention is bound by memory, 9% slower, on f16
+ * no faster (so only q8_0 and KIVI tiles fetch: kv_decode.h, kvc_cpu_kv_step_spare). */
 #include "weight_hint.h"
 
 #include <stdatomic.h>

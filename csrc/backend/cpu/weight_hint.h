@@ -1,5 +1,5 @@
 /* The weights a decode step reads after a layer's attention, fetched during that attention (weight_hint.c):
- * the CPU backend's hint_weights (core/backend.h). On a quantised cache the decode attention is bound by its
+ * the CPU backend's hint_weights (core/backend.h). On a q8_0 or KIVI cache the decode attention is bound by its
  * arithmetic and reads its K/V at ~10 GB/s, under what one core can stream; the GEMVs after it are bound by
  * memory. Lines of the weights asked for into L2 a few per K/V tile (they then sit in L2 or L3 when the GEMV
  * reads them) move some of the GEMV's memory time under the attention's. Internal to the CPU backend. */
@@ -37,7 +37,7 @@ kvc_cpu_hint kvc_cpu_hint_take(void);
 void kvc_cpu_hint_part(const kvc_cpu_hint *h, int64_t part, int64_t parts, kvc_cpu_hint_cursor *c);
 /* the cursor's next `step` bytes asked for into L2 */
 void kvc_cpu_hint_fetch(kvc_cpu_hint_cursor *c);
-/* The setting "weight_prefetch": bytes a decode tile of a quantised cache asks for (0: none; default 2048).
+/* The setting "weight_prefetch": bytes a decode tile of a q8_0 or KIVI cache asks for (0: none; default 2048).
  * KVC_ERR_ARG outside [0, 65536]. */
 kvc_status kvc_cpu_set_weight_prefetch(int bytes);
 int kvc_cpu_weight_prefetch(void);
