@@ -130,13 +130,15 @@ static inline float kvc_hsum256(__m256 v) {
 
 /* ---- software prefetch ----
  * The cache lines of [p, p + n) asked for now, from the line that holds p (so an unaligned range's last
- * line is asked for too): the decode GEMV's weights (quant.c) and the K/V decode steps' rows (kv_simd.h).
- * Always inlined: a function of prefetches alone looks free of effects to GCC, which drops calls to it. */
-#if defined(__AVX512F__) || defined(__AVX2__)
-static inline __attribute__((always_inline)) void kvc_prefetch_lines(const void *p, size_t n) {
-    for (uintptr_t x = (uintptr_t)p & ~(uintptr_t)63; x < (uintptr_t)p + n; x += 64) _mm_prefetch((const char *)x, _MM_HINT_T0);
-}
-#endif
+ * line is asked for too): into L1 (prefetcht0) for the decode GEMV's weights (quant.c) and the K/V decode
+ * steps' rows (kv_simd.h), into L2 (prefetcht2) for the next weights fetched under an attention
+ * (weight_hint.c). Always inlined: a function of prefetches alone looks free of effects to GCC, which drops
+ * calls to it. */
+#define KVC_PREFETCH_LINES(p, n, locality)                                                              \
+    for (uintptr_t x_ = (uintptr_t)(p) & ~(uintptr_t)63; x_ < (uintptr_t)(p) + (n); x_ += 64)          \
+    __builtin_prefetch((const char *)x_, 0, locality)
+static inline __attribute__((always_inline)) void kvc_prefetch_lines(const void *p, size_t n) { KVC_PREFETCH_LINES(p, n, 3); }
+static inline __attribute__((always_inline)) void kvc_prefetch_lines_l2(const void *p, size_t n) { KVC_PREFETCH_LINES(p, n, 1); }
 
 /* C[i, j] (+)= sum_p A[i * lda + p] * B[p * ldb + j]   for i < mr <= KVC_MR, j < nr <= KVC_NR, p < kc.
  * Overwrites C when accumulate == 0. Reads no B column >= nr (safe at the end of a buffer). */

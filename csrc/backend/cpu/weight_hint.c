@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "../../core/common.h"
+#include "cpu.h"
 #include "host.h"
 
 static _Thread_local kvc_cpu_hint t_hint;
@@ -53,7 +54,7 @@ void kvc_cpu_hint_fetch(kvc_cpu_hint_cursor *c) {
     c->left -= want;
     while (want && c->u < c->h->k) {
         const size_t n = c->h->n[c->u] - c->off < want ? c->h->n[c->u] - c->off : want;
-        for (size_t o = 0; o < n; o += 64) __builtin_prefetch(c->h->p[c->u] + c->off + o, 0, 1); /* into L2 */
+        kvc_prefetch_lines_l2(c->h->p[c->u] + c->off, n);
         want -= n;
         c->off += n;
         if (c->off == c->h->n[c->u]) c->u++, c->off = 0;
