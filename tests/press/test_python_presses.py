@@ -79,13 +79,19 @@ def inner(press):
 @pytest.mark.parametrize("ratio", [0.5, 0.9])
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_python_press_keeps_the_c_press_rows(model, ids, name, ratio, kind):
-    ours = wrap(kind, PRESSES[name], ratio)
-    theirs = wrap(kind, C_PRESSES[name], ratio)
-    got, want = kept(model, ours, ids), kept(model, theirs, ids)
-    recorded = inner(ours).recorded
-    assert recorded, "the Python press was never called"
-    if kind == "decoding_adakv" and name != "tova":  # TOVA's scores are the layer's: Ada-KV keeps its heads even
-        # the last compression scored heads of different lengths (the previous one's Ada-KV split), padded
+    ragged = kind == "decoding_adakv" and name != "tova"  # TOVA's scores are the layer's: Ada-KV keeps its heads even
+    for attempt in range(4):
+        # a prompt whose Ada-KV split leaves every head of every layer the same length exercises no ragged
+        # heads (ExpectedAttention at 0.9: 4 of 640 seeds); then the same prompt rotated, a different one
+        prompt = np.roll(ids, 37 * attempt)
+        ours = wrap(kind, PRESSES[name], ratio)
+        theirs = wrap(kind, C_PRESSES[name], ratio)
+        got, want = kept(model, ours, prompt), kept(model, theirs, prompt)
+        recorded = inner(ours).recorded
+        assert recorded, "the Python press was never called"
+        if not ragged or any(len(set(lens.tolist())) > 1 for lens, _ in recorded.values()):
+            break
+    if ragged:  # the last compression scored heads of different lengths (the previous one's Ada-KV split), padded
         assert any(len(set(lens.tolist())) > 1 for lens, _ in recorded.values())
     for l, (gl, wl) in enumerate(zip(got, want)):
         for h, (g, w) in enumerate(zip(gl, wl)):
