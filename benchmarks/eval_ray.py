@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # two pools on two cores must not spin
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # pools on two cores spin briefly, then sleep (tests/conftest.py)
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 

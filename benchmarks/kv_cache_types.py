@@ -33,8 +33,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# a shared machine: OpenMP threads that spin while waiting starve the other jobs and each other (as the tests set)
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# a shared machine: OpenMP threads that spin long while waiting starve the other jobs, and PASSIVE wakes sleeping
+# threads at every parallel region: a short spin, then sleep (as the tests set: tests/conftest.py)
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 TYPES = ["f32", "f16", "bf16", "q8_0", "kivi4", "kivi2"]
 

@@ -5,9 +5,13 @@ import sys
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# torch and kvpress_c each bring an OpenMP pool; spinning pools on 2 cores starve each other (10 decode
-# steps: 17.7 s spinning vs 0.5 s passive under load). Must be set before either runtime starts.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch and kvpress_c each bring an OpenMP pool; pools that spin without end on 2 cores starve each other
+# (10 decode steps: 17.7 s spinning vs 0.5 s passive, under load), and PASSIVE makes each
+# of a decode step's ~240 parallel regions wake sleeping threads (kivi4 at 8k on 2 threads: 17.8 ms a step).
+# A short spin, then sleep: GOMP_SPINCOUNT=10000 spins ~0.26 ms after a region (GOMP's default, 300000,
+# ~5.8 ms), the step 9.1 ms; the fast tier 202 -> 161 s, the kvpress/MoE parity files 155 -> 124 s. Both
+# pools read it (torch's bundled libgomp too); it must be set before either runtime starts.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import numpy as np
 import pytest

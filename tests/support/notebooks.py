@@ -14,7 +14,6 @@ def run_notebook(name: str, tmp_path, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     nb = nbformat.read(os.path.join(ROOT, "examples", name), as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
