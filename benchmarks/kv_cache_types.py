@@ -17,6 +17,8 @@ Bytes: Session.cache_bytes over tokens and layers (K/V rows, their int64 positio
 in f32), against the rows' formula (core/kv_type.h).
 Prefill: tokens per CPU-second of one prefill of each --prefill length into an empty session of each type
 (the call's own rows are read exact; the types differ in the commit that stores them), types taking turns.
+Machine: benchmarks/memory_share.py's probe before and after (the weights' stream alone and with K/V between the
+layers, GB/s: how much cache and bandwidth the host lends now, which moves the ratios more than the code does).
 Writes JSON (default benchmarks/results/kv_cache_types.json) and prints the tables as markdown.
 """
 from __future__ import annotations
@@ -33,6 +35,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_share  # noqa: E402  (benchmarks/memory_share.py: the machine's state, recorded with the figures)
 # a shared machine: OpenMP threads that spin long while waiting starve the other jobs, and PASSIVE wakes sleeping
 # threads at every parallel region: a short spin, then sleep (as the tests set: tests/conftest.py)
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
@@ -155,6 +159,8 @@ def main(argv=None):
     cfg = model.config
     d = cfg["head_dim"]
     load0 = os.getloadavg()
+    share = memory_share.build()  # the machine's state, before and after (None without a C compiler)
+    share0 = memory_share.probe(exe=share) if share else None
     res = {"model": os.path.basename(path), "layers": cfg["n_layers"], "kv_heads": cfg["n_kv_heads"], "head_dim": d,
            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
            "steps": args.steps, "repeat": args.repeat, "formula_bytes_per_token_layer":
@@ -166,6 +172,7 @@ def main(argv=None):
         print(f"prefill of {n} tokens ...", file=sys.stderr, flush=True)
         res["prefill"][str(n)] = prefill_table(model, n, args.types, args)
     res["load_average"] = [load0, os.getloadavg()]
+    res["memory_share"] = [share0, memory_share.probe(exe=share) if share else None]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
@@ -179,6 +186,10 @@ def print_tables(res):
     print(f"\n{res['model']}: {res['layers']} layers, {res['kv_heads']} KV heads of {res['head_dim']}; "
           f"{res['machine']}, {res['cores']} cores, {res['threads']} thread(s); load average "
           f"{res['load_average'][0][0]:.1f} -> {res['load_average'][1][0]:.1f}\n")
+    if res.get("memory_share") and all(res["memory_share"]):
+        print("Weights' stream, GB/s before -> after (benchmarks/memory_share.py): "
+              + "; ".join(f"{k} {res['memory_share'][0][k]['weights_gbs']:.1f} -> {res['memory_share'][1][k]['weights_gbs']:.1f}"
+                          for k in res["memory_share"][0]) + "\n")
     print("| type | K/V bytes per token per layer (formula) | measured, store (with positions, KIVI's f32 residual) |"
           + "".join(f" at {n} |" for n in ctx[1:]))
     print("|---|---:|---:|" + "---:|" * len(ctx[1:]))
