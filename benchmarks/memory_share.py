@@ -80,7 +80,7 @@ def main(argv=None) -> None:
           f"(load average {res['load_average'][0]:.1f}):\n")
     print("| case | weights GB/s | K/V GB/s | step ms |\n|---|---:|---:|---:|")
     for name, c in res["cases"].items():
-        print(f"| {name} | {c['weights_gbs']:.1f} | {c['kv_gbs'] or float('nan'):.1f} | {c['step_ms']:.2f} |")
+        print(f"| {name} | {c['weights_gbs']:.1f} | {(format(c['kv_gbs'], '.1f') if c['kv_gbs'] else '-')} | {c['step_ms']:.2f} |")
     print(f"wrote {args.out}")
 
 
