@@ -82,35 +82,43 @@ def test_tiny_models_decode_close_to_fp32(tiny_pair, rng):
 
 
 def test_default_model_native_against_fp32_and_llama_cpp(default_model_native, default_model, default_gguf, rng):
+    """Decode with int8 activations (ours and llama.cpp's) against the fp32 model's logits, over 4 random prompts
+    of 48 tokens. One prompt is too few: on some contexts a step is ill-conditioned for int8 activations and
+    either engine's error there is chance (seed 5022: step 2's mean |diff| ours 27.6, llama.cpp 1.8; on the
+    prompt [7406, 23461] ours 4.6 and llama.cpp 6.8; our two GEMV layouts 27.6 and 26.8), and the K/V it writes
+    lifts the prompt's later steps. Over 200 prompts (seeds 5000-5199) the per-prompt ratio of our mean error to
+    llama.cpp's ran 0.31-3.76 (median 0.97), so a bound on one prompt failed ~1.3% of runs."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    n = 48
-    ids = rng.integers(100, default_model.config["vocab"] - 100, n).astype(np.int32)
-    ref = default_model.logits(ids)  # fp32 mode: dequantised weights, fp32 activations
-    # prefill (48 tokens): the blocked GEMM decodes the blocks to the fp32 values
-    assert rel(default_model_native.logits(ids), ref) < 1e-5
-    # decode: int8 activations against the blocks, token by token
-    ours = decode_logits(default_model_native, ids)
+    n, prompts = 48, 4
     llm = llama_cpp.Llama(model_path=default_gguf, n_ctx=128, n_threads=os.cpu_count(), n_batch=1, n_ubatch=1,
                           logits_all=True, verbose=False)
-    for t in ids:
-        llm.eval([int(t)])
-    theirs = np.asarray(llm.scores[:n], np.float64)
-    err_ours, err_theirs = np.abs(ours - ref).mean(), np.abs(theirs - ref).mean()
-    top_ours = (ours.argmax(1) == ref.argmax(1)).mean()
-    top_theirs = (theirs.argmax(1) == ref.argmax(1)).mean()
-    print(f"decode vs fp32: mean |diff| ours {err_ours:.4f} llama.cpp {err_theirs:.4f}; max ours "
-          f"{np.abs(ours - ref).max():.3f} llama.cpp {np.abs(theirs - ref).max():.3f}; top-1 ours {top_ours:.3f} "
-          f"llama.cpp {top_theirs:.3f}; ours vs llama.cpp mean {np.abs(ours - theirs).mean():.4f}")
-    # measured (logits of std ~3.7): mean |diff| 0.175 ours, 0.180 llama.cpp; max 2.1 / 1.9; top-1 0.90 / 0.89.
-    # Both engines' errors grow together on some random prompts (40 more seeds, 101-140: ours 0.16-1.10, median
-    # 0.21; llama.cpp 0.17-1.39; seed 118 1.10 / 1.39, max 12.9 / 15.2), so the bounds are the peer's: the mean
-    # within 1.5x of llama.cpp's (ratio 0.80-1.29 over those seeds; a fixed 0.3 failed 4 of them), the max (a tail
-    # statistic of 48 x 49152 logits) under 8 or 1.5x llama.cpp's (at most 0.64 of that bound; 8 alone failed 1)
-    assert err_ours < 1.5 * err_theirs
-    assert np.abs(ours - ref).max() < max(8.0, 1.5 * np.abs(theirs - ref).max())
-    # top-1 of 48 tokens (one token 0.021): over 41 seeds ours 0.83-0.98 (mean 0.904), llama.cpp's 0.79-0.98
-    # (0.900), llama.cpp's ahead by up to 0.105 (2 seeds, 5 tokens; the old 0.1 failed them): 1.5x that
-    assert top_ours >= top_theirs - 0.16
+    err, wrong, top = {"ours": [], "llama.cpp": []}, {"ours": [], "llama.cpp": []}, {"ours": [], "llama.cpp": []}
+    for _ in range(prompts):
+        ids = rng.integers(100, default_model.config["vocab"] - 100, n).astype(np.int32)
+        ref = default_model.logits(ids)  # fp32 mode: dequantised weights, fp32 activations
+        # prefill (48 tokens): the blocked GEMM decodes the blocks to the fp32 values
+        assert rel(default_model_native.logits(ids), ref) < 1e-5
+        # decode: int8 activations against the blocks, token by token
+        ours = decode_logits(default_model_native, ids)
+        llm.reset()
+        for t in ids:
+            llm.eval([int(t)])
+        theirs = np.asarray(llm.scores[:n], np.float64)
+        for name, x in (("ours", ours), ("llama.cpp", theirs)):
+            step = np.abs(x - ref).mean(1)  # each step's mean |diff| over the vocabulary
+            err[name].append(step)
+            wrong[name].append(step > 1.0)  # a step gone wrong (logits of std ~3.7; typical steps 0.1-0.3)
+            top[name].append(x.argmax(1) == ref.argmax(1))
+    med = {k: float(np.median(np.concatenate(v))) for k, v in err.items()}
+    bad = {k: float(np.concatenate(v).mean()) for k, v in wrong.items()}
+    top1 = {k: float(np.concatenate(v).mean()) for k, v in top.items()}
+    print(f"decode vs fp32 over {prompts} x {n} steps: median step error {med}; steps wrong {bad}; top-1 {top1}")
+    # Bounds from the 200 prompts, pooled 4 at a time (20000 draws): the median step error's ratio to llama.cpp's
+    # at most 1.43 (p99.9 1.31; one prompt alone up to 1.78); the share of steps gone wrong at most 0.036 above
+    # llama.cpp's; llama.cpp's top-1 at most 0.089 above ours. Bounds 1.6, 0.06 and 0.12.
+    assert med["ours"] < 1.6 * med["llama.cpp"]
+    assert bad["ours"] <= bad["llama.cpp"] + 0.06
+    assert top1["ours"] >= top1["llama.cpp"] - 0.12
 
 
 def test_memory_and_bytes(default_model_native, default_model, default_gguf):
