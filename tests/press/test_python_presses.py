@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvpress_c as K
+from press_runs import rotations
 from python_presses import PRESSES
 from random_llama import write_random_llama
 
@@ -80,10 +81,9 @@ def inner(press):
 @pytest.mark.parametrize("name", sorted(PRESSES))
 def test_python_press_keeps_the_c_press_rows(model, ids, name, ratio, kind):
     ragged = kind == "decoding_adakv" and name != "tova"  # TOVA's scores are the layer's: Ada-KV keeps its heads even
-    for attempt in range(4):
-        # a prompt whose Ada-KV split leaves every head of every layer the same length exercises no ragged
-        # heads (ExpectedAttention at 0.9: 4 of 640 seeds); then the same prompt rotated, a different one
-        prompt = np.roll(ids, 37 * attempt)
+    # a prompt whose Ada-KV split leaves every head of every layer the same length exercises no ragged heads
+    # (ExpectedAttention at 0.9: 4 of 640 seeds); then the same prompt rotated, a different one
+    for prompt in rotations(ids):
         ours = wrap(kind, PRESSES[name], ratio)
         theirs = wrap(kind, C_PRESSES[name], ratio)
         got, want = kept(model, ours, prompt), kept(model, theirs, prompt)

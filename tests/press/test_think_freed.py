@@ -20,6 +20,7 @@ import pytest
 
 import kvpress_c
 from capi import DEVICES, check, lib, why_no_cuda
+from press_runs import rotations
 from random_llama import write_random_llama
 
 SHAPE = dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=512)  # head_dim 64
@@ -199,14 +200,14 @@ def test_freed_layout_equals_zeroing_layout(model_path, rng, device, ratio, snap
     changed the later steps by more than 1e-2, all at (0.5, SnapKV 0.5): one kept row swapped (seed 79), one
     channel of one head swapped (102, 103, 146; the steps after then differ by up to 0.081); counting the
     flips that change less, 9 of 251 seeds (2000-2250) flip. Such a prompt is rotated (up to 3 times) so
-    that every step still compares (all 9 chose alike after one rotation); if every rotation flips, the flip must be that small and the steps up to the second prefill's
-    (before its compression acts) are compared. The CPU always chooses alike."""
+    that every step still compares (all 9 chose alike after one rotation); if every rotation flips, the flip
+    must be that small and the steps up to the second prefill's (before its compression acts) are compared.
+    The CPU always chooses alike."""
     model = model_on(model_path, device)
     n_new = 24
     ids0 = rng.integers(3, SHAPE["vocab"], size=150)
     more = rng.integers(3, SHAPE["vocab"], size=40)
-    for attempt in range(4):
-        ids = np.roll(ids0, 37 * attempt)
+    for attempt, ids in enumerate(rotations(ids0)):
         lz, tz, bz, sz = run(model, think(ratio, False, snap), ids, more, n_new=n_new)
         lf, tf, bf, sf = run(model, think(ratio, True, snap), ids, more, n_new=n_new, force=tz)
         np.testing.assert_array_equal(sf.cache_lengths(), sz.cache_lengths())

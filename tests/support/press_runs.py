@@ -3,6 +3,14 @@ the kept positions per (layer, KV head), then greedy decoding on the compressed 
 import numpy as np
 
 
+def rotations(ids, tries=4):
+    """The prompt, then it rotated by 37, 74, ... tokens (tries in all): for a test whose check needs a property
+    of the random prompt that a few seeds lack (ragged Ada-KV heads, no near-tie selection flip), each a
+    different prompt of the same tokens; the test breaks out at the first that has it."""
+    for k in range(tries):
+        yield np.roll(ids, 37 * k)
+
+
 def prefill_and_greedy(model, press, ids, n_new=8):
     """-> (kept[layer][kv_head] sets of positions, greedy ids, logits of the prefill and each step, session)."""
     s = model.new_session()
