@@ -21,11 +21,13 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory_share import c_compiler  # noqa: E402  (the one compiler lookup of the native drivers)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -36,7 +38,7 @@ KERNELS = ["csrc/backend/cpu/kv_decode.c", "csrc/backend/cpu/kv_rows_step.c", "c
 
 
 def build(root: str, out: str) -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = c_compiler()
     if not cc:
         sys.exit("no C compiler (cc or gcc) on PATH")
     flags = ["-D_GNU_SOURCE", "-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c11"]

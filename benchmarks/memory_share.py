@@ -27,9 +27,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WEIGHTS_MB = 96  # SmolLM2-135M Q4_1 layers (66 MB) and its Q8_0 LM head (30 MB): what a decode step reads
 
 
+def c_compiler() -> str | None:
+    """The C compiler the native benchmark drivers are built with (CC, else cc or gcc on PATH), or None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build(out_dir: str | None = None) -> str | None:
     """The compiled driver's path, or None where this machine has no C compiler (the probe is then skipped)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = c_compiler()
     if not cc:
         return None
     exe = os.path.join(out_dir or tempfile.mkdtemp(prefix="kvc_memshare_"), "memory_share")

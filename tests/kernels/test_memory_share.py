@@ -2,7 +2,6 @@
 with this machine's compiler, streams what it is asked and reports it; bad arguments are refused. (Its figures
 are the benchmark's, not asserted here.)"""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import memory_share  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")),
+pytestmark = pytest.mark.skipif(not memory_share.c_compiler(),
                                 reason="no C compiler: the probe is skipped as kv_cache_types.py skips it")
 
 
