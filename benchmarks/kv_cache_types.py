@@ -17,6 +17,9 @@ Bytes: Session.cache_bytes over tokens and layers (K/V rows, their int64 positio
 in f32), against the rows' formula (core/kv_type.h).
 Prefill: tokens per CPU-second of one prefill of each --prefill length into an empty session of each type
 (the call's own rows are read exact; the types differ in the commit that stores them), types taking turns.
+Bytes' floor: after each context's runs, memory_share's synthetic step over each type's bytes a step (the weights
+and the K/V rows a step reads, nothing computed): the ratio to f32's that the bytes alone allow on this machine
+now, and the share of it each type's measured ratio reaches (one thread only: the floor is one thread's stream).
 Machine: benchmarks/memory_share.py's probe before and after (the weights' stream alone and with K/V between the
 layers, GB/s: how much cache and bandwidth the host lends now, which moves the ratios more than the code does).
 Writes JSON (default benchmarks/results/kv_cache_types.json) and prints the tables as markdown.
@@ -121,6 +124,21 @@ def decode_table(model, path, n, types, args):
     return out
 
 
+def bytes_floor(table: dict, n: int, cfg: dict, exe: str) -> None:
+    """Beside each type's measured step: benchmarks/memory_share.py's synthetic step over the same bytes (the
+    model's weights, which a step reads whole, and the K/V rows: the store's bytes less the int64 positions,
+    which the attention does not read), nothing computed: floor_ms, the ratio to f32's those bytes allow now
+    (bytes_ceiling), and the share of it the measured ratio reaches (of_ceiling)."""
+    mb = {t: (r["bytes_per_token_layer"] - 8 * cfg["n_kv_heads"]) * n * cfg["n_layers"] / 2**20
+          for t, r in table.items()}
+    floors = memory_share.floor_ms(exe, mb, weights_mb=cfg["weight_bytes"] / 2**20)
+    for t, r in table.items():
+        r["kv_mb_a_step"], r["floor_ms"] = mb[t], floors[t]
+        if "f32" in table:
+            r["bytes_ceiling"] = floors["f32"] / floors[t]
+            r["of_ceiling"] = r["x_f32"] / r["bytes_ceiling"]
+
+
 def prefill_table(model, n, types, args):
     ids = ids_for(model.config["vocab"], n, seed=2)
     sessions = {t: model.new_session(n, kv_cache=kv_cache(t)) for t in types}
@@ -168,6 +186,8 @@ def main(argv=None):
     for n in args.contexts:
         print(f"decode at {n} tokens of context ...", file=sys.stderr, flush=True)
         res["decode"][str(n)] = decode_table(model, path, n, args.types, args)
+        if share and args.threads == 1:  # the floor is one thread's stream: set beside one thread's steps
+            bytes_floor(res["decode"][str(n)], n, cfg, share)
     for n in args.prefill:
         print(f"prefill of {n} tokens ...", file=sys.stderr, flush=True)
         res["prefill"][str(n)] = prefill_table(model, n, args.types, args)
@@ -199,24 +219,33 @@ def print_tables(res):
               + "".join(f" {c} |" for c in cells[1:]))
     print(f"\nDecode, tokens per CPU-second, median of {res['repeat']} runs of {res['steps']} steps (min; x f32: "
           "median of the per-turn ratios):\n")
+
+    def speed_cell(t, n, part="decode", digits=2):
+        r = res[part][n][t]
+        return f"{r['cpu_median']:.1f} ({r['cpu_min']:.1f}; x{r.get('x_f32', 1):.{digits}f})"
+    by_type(types, ctx, speed_cell)
+    if all("floor_ms" in res["decode"][n][t] for n in ctx for t in types):
+        print("\nThe bytes' floor: benchmarks/memory_share.py's synthetic step over each type's bytes a step (the "
+              "weights and the K/V rows read), nothing computed; measured step ms (median) / floor ms; the ratio to "
+              "f32 those bytes allow, and the share of it reached:\n")
+
+        def floor_cell(t, n):
+            r = res["decode"][n][t]
+            cell = f"{1e3 / r['cpu_median']:.1f} / {r['floor_ms']:.1f} ms"
+            return cell + (f"; x{r['bytes_ceiling']:.2f} allowed, {100 * r['of_ceiling']:.0f}% of it"
+                           if "bytes_ceiling" in r else "")
+        by_type(types, ctx, floor_cell)
+    if res["prefill"]:
+        print("\nPrefill, tokens per CPU-second, median (min; x f32):\n")
+        by_type(types, list(res["prefill"]), lambda t, n: speed_cell(t, n, "prefill", 3))
+
+
+def by_type(types, ctx, cell):
+    """A markdown table: a row per type, a column per context length, cell(type, n) in each."""
     print("| type |" + "".join(f" {n} tokens |" for n in ctx))
     print("|---|" + "---:|" * len(ctx))
     for t in types:
-        cells = []
-        for n in ctx:
-            r = res["decode"][n][t]
-            cells.append(f"{r['cpu_median']:.1f} ({r['cpu_min']:.1f}; x{r.get('x_f32', 1):.2f})")
-        print(f"| {t} |" + "".join(f" {c} |" for c in cells))
-    if res["prefill"]:
-        print("\nPrefill, tokens per CPU-second, median (min; x f32):\n")
-        pl = list(res["prefill"])
-        print("| type |" + "".join(f" {n} tokens |" for n in pl))
-        print("|---|" + "---:|" * len(pl))
-        for t in types:
-            cells = [f"{res['prefill'][n][t]['cpu_median']:.1f} ({res['prefill'][n][t]['cpu_min']:.1f}; "
-                     f"x{res['prefill'][n][t].get('x_f32', 1):.3f})" for n in pl]
-            print(f"| {t} |" + "".join(f" {c} |" for c in cells))
-
+        print(f"| {t} |" + "".join(f" {cell(t, n)} |" for n in ctx))
 
 if __name__ == "__main__":
     main()

@@ -66,6 +66,18 @@ def probe(kv_mbs=(0, 52, 380), rounds: int = 1, exe: str | None = None) -> dict 
     return {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
 
 
+def floor_ms(exe: str, kv_mbs: dict, weights_mb: float = WEIGHTS_MB, rounds: int = 3) -> dict:
+    """{key: the median step ms over rounds of the synthetic step with weights_mb MB of weights and kv_mbs[key] MB
+    of K/V between the layers (MiB, rounded; the driver's 30 layers)}: the time a decode step's bytes alone take,
+    nothing computed, the keys taking turns. benchmarks/kv_cache_types.py sets each storage type's step beside
+    it: the ratio to f32's that the bytes allow on this machine now."""
+    runs: dict = {key: [] for key in kv_mbs}
+    for _ in range(rounds):
+        for key, mb in kv_mbs.items():
+            runs[key].append(run_once(exe, max(1, int(round(weights_mb))), max(1, int(round(mb))))["step_ms"])
+    return {key: statistics.median(r) for key, r in runs.items()}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv", type=int, nargs="+", default=[0, 52, 100, 190, 380], help="MB of K/V a step (0: none)")

@@ -1,6 +1,7 @@
 """benchmarks/memory_share.py, the probe benchmarks/kv_cache_types.py records with its figures: its C driver builds
-with this machine's compiler, streams what it is asked and reports it; bad arguments are refused. (Its figures
-are the benchmark's, not asserted here.)"""
+with this machine's compiler, streams what it is asked and reports it; bad arguments are refused; the bytes' floor
+that kv_cache_types.py sets beside each type, and its tables. (The figures are the benchmark's, not asserted
+here.)"""
 import os
 import subprocess
 import sys
@@ -32,3 +33,46 @@ def test_driver_refuses_missing_arguments(tmp_path):
     exe = memory_share.build(str(tmp_path))
     r = subprocess.run([exe], capture_output=True, text=True)
     assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_bytes_floor_sets_each_type_beside_its_bytes(tmp_path):
+    """kv_cache_types.py's floor: the synthetic step over each type's K/V rows (store bytes less the int64
+    positions), the ratio to f32's those bytes allow, and the share of it the measured ratio reaches."""
+    import kv_cache_types
+    exe = memory_share.build(str(tmp_path))
+    cfg = {"n_kv_heads": 3, "n_layers": 30, "weight_bytes": 8 << 20}
+    n = 4096  # f32: (1560 - 24) B x 4096 x 30 = 180 MiB of K/V; f16 90; kivi4 ~27
+    table = {"f32": {"bytes_per_token_layer": 1560.0, "x_f32": 1.0},
+             "f16": {"bytes_per_token_layer": 792.0, "x_f32": 1.4},
+             "kivi4": {"bytes_per_token_layer": 265.5, "x_f32": 2.1}}
+    kv_cache_types.bytes_floor(table, n, cfg, exe)
+    assert abs(table["f32"]["kv_mb_a_step"] - 180.0) < 1e-9 and abs(table["f16"]["kv_mb_a_step"] - 90.0) < 1e-9
+    for t, r in table.items():
+        assert r["floor_ms"] > 0
+        assert abs(r["bytes_ceiling"] - table["f32"]["floor_ms"] / r["floor_ms"]) < 1e-12
+        assert abs(r["of_ceiling"] - r["x_f32"] / r["bytes_ceiling"]) < 1e-12
+    assert table["f32"]["bytes_ceiling"] == 1.0
+    # the floor holds the K/V's bytes: 180 MiB cannot stream in less than it takes at 1 TB/s (a bound no CPU
+    # here reaches; the figures themselves are the benchmark's, not asserted)
+    assert table["f32"]["floor_ms"] > 180 * 2**20 / 1e12 * 1e3
+
+
+def test_tables_print_results_with_and_without_floors(capsys):
+    """kv_cache_types.print_tables reads the committed results: older files (no floor) print without the floor's
+    table, newer ones with it, a cell per type and context."""
+    import json
+
+    import kv_cache_types
+    results = os.path.join(ROOT, "benchmarks", "results")
+    for name, floors in (("kv_cache_types_8k_l3_105mb.json", False), ("kv_cache_types_l3_480mb.json", True)):
+        with open(os.path.join(results, name)) as f:
+            res = json.load(f)
+        kv_cache_types.print_tables(res)
+        out = capsys.readouterr().out
+        assert ("The bytes' floor" in out) == floors, name
+        for t in res["formula_bytes_per_token_layer"]:
+            row = [line for line in out.splitlines() if line.startswith(f"| {t} |") and "(" in line]
+            assert row, (name, t)
+        if floors:
+            r = res["decode"]["8192"]["f16"]
+            assert f"{1e3 / r['cpu_median']:.1f} / {r['floor_ms']:.1f} ms" in out
