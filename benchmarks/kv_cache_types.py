@@ -247,5 +247,6 @@ def by_type(types, ctx, cell):
     for t in types:
         print(f"| {t} |" + "".join(f" {cell(t, n)} |" for n in ctx))
 
+
 if __name__ == "__main__":
     main()
