@@ -51,19 +51,25 @@ def run_once(exe: str, weights_mb: int, kv_mb: int) -> dict:
     return {"weights_gbs": float(out[0]), "kv_gbs": float(out[1]), "step_ms": float(out[2])}
 
 
+def in_turns(exe: str, cases: dict, rounds: int) -> dict:
+    """{name: the median over rounds of each of run_once's figures} for cases {name: (weights MB, K/V MB)}, the
+    cases taking turns round by round (a shared machine's spells last seconds)."""
+    runs: dict = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, (w, kv) in cases.items():
+            runs[name].append(run_once(exe, w, kv))
+    return {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+
+
 def probe(kv_mbs=(0, 52, 380), rounds: int = 1, exe: str | None = None) -> dict | None:
     """{"weights alone" | "with <n> MB of K/V" | "memory (512 MB)": the median over rounds of each GB/s}; None
     without a C compiler."""
     exe = exe or build()
     if exe is None:
         return None
-    cases = [(f"with {kv} MB of K/V" if kv else "weights alone", WEIGHTS_MB, kv) for kv in kv_mbs]
-    cases.append(("memory (512 MB)", 512, 0))
-    runs: dict = {name: [] for name, _, _ in cases}
-    for _ in range(rounds):  # the cases take turns: a shared machine's spells last seconds
-        for name, w, kv in cases:
-            runs[name].append(run_once(exe, w, kv))
-    return {name: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for name, rs in runs.items()}
+    cases = {f"with {kv} MB of K/V" if kv else "weights alone": (WEIGHTS_MB, kv) for kv in kv_mbs}
+    cases["memory (512 MB)"] = (512, 0)
+    return in_turns(exe, cases, rounds)
 
 
 def floor_ms(exe: str, kv_mbs: dict, weights_mb: float = WEIGHTS_MB, rounds: int = 3) -> dict:
@@ -71,11 +77,9 @@ def floor_ms(exe: str, kv_mbs: dict, weights_mb: float = WEIGHTS_MB, rounds: int
     of K/V between the layers (MiB, rounded; the driver's 30 layers)}: the time a decode step's bytes alone take,
     nothing computed, the keys taking turns. benchmarks/kv_cache_types.py sets each storage type's step beside
     it: the ratio to f32's that the bytes allow on this machine now."""
-    runs: dict = {key: [] for key in kv_mbs}
-    for _ in range(rounds):
-        for key, mb in kv_mbs.items():
-            runs[key].append(run_once(exe, max(1, int(round(weights_mb))), max(1, int(round(mb))))["step_ms"])
-    return {key: statistics.median(r) for key, r in runs.items()}
+    w = max(1, int(round(weights_mb)))
+    med = in_turns(exe, {key: (w, max(1, int(round(mb)))) for key, mb in kv_mbs.items()}, rounds)
+    return {key: m["step_ms"] for key, m in med.items()}
 
 
 def main(argv=None) -> None:
