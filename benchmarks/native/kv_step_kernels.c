@@ -98,10 +98,13 @@ int main(int argc, char **argv) {
     double best = 1e30, sink = 0.;
     for (int r = 0; r < reps; r++) {
         const double t0 = now();
+        kvc_kv_query qc; /* as a decode task keeps them: prepared on its first tile */
+        qc.ready = 0;
         for (int64_t j = 0; j < keys; j += n) {
+            if (j % 6144 == 0) qc.ready = 0; /* a task: at 8k tokens one thread splits 3 heads into 4 of 6144 keys */
             const kvc_kv_tile t = {&f, d, blocks ? K + (size_t)(j / n) * kb : K + (size_t)j * rb, blocks ? 0 : rb, 0,
                                    V + (size_t)j * rb, rb};
-            if (part != 2) kvc_cpu_kv_scores(&t, q, rows, n, s, n);
+            if (part != 2) kvc_cpu_kv_scores(&t, q, rows, n, s, n, &qc);
             if (part != 1) kvc_cpu_kv_pv(&t, p, n, rows, n, o);
             sink += s[1] + o[1];
         }

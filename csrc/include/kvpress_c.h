@@ -731,7 +731,9 @@ KVC_API kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x
  * widened to fp32 in registers; KIVI's dequantisation folded into the products): keys are rows [r0, r0 + n) of
  * one key block (KIVI: fmt->group rows of d channels; key_bytes at keys) or of rows stored alone (f16, bf16,
  * q8_0), values n rows stored alone (value_bytes at values); s [rows, n] = q [rows, d] keys^T and
- * o [rows, d] += p [rows, n] values. n in [1, 64]. KVC_ERR_UNSUPPORTED where this build decodes such tiles to
+ * o [rows, d] += p [rows, n] values. n in [1, 64]. Rows stored alone are scored as two tiles of one decode task
+ * (the first (n + 1) / 2 keys, then the rest), the second reusing the queries the first prepared (q8_0's int16
+ * rounding). KVC_ERR_UNSUPPORTED where this build decodes such tiles to
  * fp32 instead (no AVX-512 or AVX2 + F16C, or d or KIVI's value groups not a multiple of 64 channels (32 with
  * AVX2), or d above 256). *int16 (when not NULL): 1 where the build multiplies int16 weights by the codes
  * (AVX-512 VNNI; KIVI: q s per row, and p s per row and value group; q8_0: q per row, and p s per row and

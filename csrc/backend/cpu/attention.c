@@ -333,6 +333,8 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
                        const pruned_keys *pk, int64_t past, const int64_t *lo, int32_t Hkv, int64_t kb, int64_t ke,
                        float cap, float *O, float *m, float *l, kvc_cpu_hint_cursor *next) {
     float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
+    kvc_kv_query qc; /* Q as the typed tiles' scores take it, prepared on the first (kv_decode.h) */
+    qc.ready = 0;
     const int64_t np = pk ? pk->np : 0;
     const int dtk = kv->decoded ? DTK : TK;
     if (lo && kb < lo[i0 * Hkv]) kb = lo[i0 * Hkv]; /* nothing below the first query's window start */
@@ -346,7 +348,7 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
         int64_t ldk, ldv;
         if (typed > 0) { /* rows in the stored type, read where they lie */
             tk = (int)typed;
-            kvc_cpu_kv_scores(&tile, Q, rows, tk, S, TK);
+            kvc_cpu_kv_scores(&tile, Q, rows, tk, S, TK, &qc);
         } else {
             const float *K = kv->keys(kv->src, h, k0, tk, Kb, &ldk);
             V = kv->values(kv->src, h, k0, tk, Vb, &ldv);

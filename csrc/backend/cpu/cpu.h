@@ -132,8 +132,8 @@ static inline float kvc_hsum256(__m256 v) {
  * The cache lines of [p, p + n) asked for now, from the line that holds p (so an unaligned range's last
  * line is asked for too): into L1 (prefetcht0) for the decode GEMV's weights (quant.c) and the K/V decode
  * steps' rows (kv_simd.h), into L2 (prefetcht2) for the next weights fetched under an attention
- * (weight_hint.c). Always inlined: a function of prefetches alone looks free of effects to GCC, which drops
- * calls to it. */
+ * (weight_hint.c) and q8_0's next tile (kv_rows_step.c). Always inlined: a function of prefetches alone
+ * looks free of effects to GCC, which drops calls to it. */
 #define KVC_PREFETCH_LINES(p, n, locality)                                                              \
     for (uintptr_t x_ = (uintptr_t)(p) & ~(uintptr_t)63; x_ < (uintptr_t)(p) + (n); x_ += 64)          \
     __builtin_prefetch((const char *)x_, 0, locality)

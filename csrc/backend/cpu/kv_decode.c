@@ -303,11 +303,11 @@ int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d) {
     return kvc_kv_type_key_blocks(f->type) ? kvc_cpu_kv_kivi_ok(f, d) : kvc_cpu_kv_rows_ok(f, d);
 }
 
-void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls) {
+void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls, kvc_kv_query *qc) {
     if (kvc_kv_type_key_blocks(t->f->type))
         kvc_cpu_kv_kivi_scores(t, Q, rows, n, S, ls);
     else
-        kvc_cpu_kv_rows_scores(t, Q, rows, n, S, ls);
+        kvc_cpu_kv_rows_scores(t, Q, rows, n, S, ls, qc);
 }
 
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O) {

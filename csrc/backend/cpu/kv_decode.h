@@ -37,14 +37,25 @@ typedef struct kvc_kv_tile {
 } kvc_kv_tile;
 /* 1 when this build reads tiles of type f on heads of d channels in place (else decode them to f32) */
 int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d);
-/* S[r ls + j] = Q[r] . k_j for rows r < rows (Q [rows, d]) and the tile's rows j < n */
-void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
+/* A task's queries as a type's scores take them, prepared on its first tile and reused on the later ones,
+ * where that form does not depend on the tile (q8_0 in int16 products: each row rounded to int16 steps, once a
+ * task instead of once a tile; KIVI's depends on each key block's scales, f16's is Q itself). Set ready to 0
+ * before a task's first tile and whenever Q changes. */
+#define KVC_KV_QROWS 16 /* the most query rows kept prepared (more: prepared per tile) */
+typedef struct kvc_kv_query {
+    int ready;
+    float step[KVC_KV_QROWS];
+    int32_t qp[KVC_KV_QROWS * 128]; /* d / 2 int32 a row, d <= 256 */
+} kvc_kv_query;
+/* S[r ls + j] = Q[r] . k_j for rows r < rows (Q [rows, d]) and the tile's rows j < n; qc: the task's prepared
+ * queries (above), or NULL to prepare them for this tile alone */
+void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls, kvc_kv_query *qc);
 /* O[r] += sum_j P[r ls + j] v_j for r < rows (O [rows, d]) */
 void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
 /* The same three per kind of store, which the ones above dispatch to: rows stored alone (f16, bf16, q8_0:
  * kv_rows_step.c) and KIVI's key blocks (kv_kivi_step.c) */
 int kvc_cpu_kv_rows_ok(const kvc_kv_format *f, int32_t d);
-void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
+void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls, kvc_kv_query *qc);
 void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
 int kvc_cpu_kv_kivi_ok(const kvc_kv_format *f, int32_t d);
 void kvc_cpu_kv_kivi_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);

@@ -13,7 +13,12 @@
  * 18.2 over 512 MB (19.6; benchmarks/kv_step_kernels.py). The gather reads the whole tile's rows at once, so the
  * keys are prefetched a tile ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower
  * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below):
- * 9.3 ns a key in L2, 13.7 from memory; with the values' prefetches moved into P V (q8_pv_nr) 9.7 and 12.5. */
+ * 9.3 ns a key in L2, 13.7 from memory; with the values' prefetches moved into P V (q8_pv_nr) 9.7 and 12.5.
+ * Those next tile's keys and values are fetched into L2 (prefetcht2), not L1: a tile's 136 lines asked into L1
+ * at once held the fill buffers, and the prefetches themselves stalled (a quarter of P V's time on a Zen 4 core);
+ * from L2 the gather and the loads wait little. Zen 4, 32 MB L3: 13.5 -> 10.8 ns a key from memory, the same in
+ * L2 (9.7); its decode step at 8k tokens 50.8 -> 58-64 tok/s. f16's and KIVI's measured no faster so (f16 from
+ * memory 16.4 -> 20.5, kivi4 7.7 -> 7.9: their prefetches stay in L1). */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -191,8 +196,8 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
         const uint8_t *row[Q8_KS];
 #pragma GCC unroll 16
         for (int k = 0; k < Q8_KS; k++) row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its lane not stored */
-        if (pf) /* the lines of these keys' rows in the next tile (see q8_scales); P V fetches the values' */
-            kvc_prefetch_lines(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
+        if (pf) /* the lines of these keys' rows in the next tile, into L2 (above); P V fetches the values' */
+            kvc_prefetch_lines_l2(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
         vf f[NR_MAX];
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) f[r] = V_ZERO();
@@ -227,7 +232,7 @@ static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, con
 
 /* O[NR, d] += sum_j W_rbj codes_jb per value block b, W in int16 pairs (wp[(r nb + b) KVC_KV_TILE / 2 + j / 2]:
  * rows j, j + 1) of steps wstep[r nb + b]; 64 channels (2 blocks) in registers at a time. With pf, each pair
- * of rows prefetches the pair a tile on (the next tile's values, as the scores fetch its keys: the two
+ * of rows prefetches the pair a tile on into L2 (the next tile's values, as the scores fetch its keys: the two
  * streams spread over the whole step, where the scores had asked for this tile's values and the next
  * keys at once, queued on the line fill buffers: 14.4 -> 12.5 ns a key from memory, with kv_simd.h's one
  * store per 32 int16 values) */
@@ -245,7 +250,7 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
             for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
         for (int j = 0; j < n; j += 2) {
             const uint8_t *a = t->v + (size_t)j * t->vstride, *c = j + 1 < n ? a + t->vstride : a; /* past n: weight 0 */
-            if (pf && b0 == 0) kvc_prefetch_lines(a + (size_t)KVC_KV_TILE * t->vstride, 2 * t->vstride);
+            if (pf && b0 == 0) kvc_prefetch_lines_l2(a + (size_t)KVC_KV_TILE * t->vstride, 2 * t->vstride);
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
                 const size_t at = (size_t)(b0 + h) * KVC_Q8_0_BYTES + 2;
@@ -272,19 +277,25 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
     }
 }
 
+/* the queries in int16 steps are the task's (qc) when it keeps them: rounded on its first tile (3 rows' rounding
+ * a tile was 6% of the kernel's instructions at d 64) */
 static inline __attribute__((always_inline)) void q8_scores_of(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S,
-                                                               int ls) {
-    const int d = t->d;
-    float ks[NB_MAX * KVC_KV_TILE], step[NR_MAX];
-    int32_t qp[NR_MAX * 128];
+                                                               int ls, kvc_kv_query *qc) {
+    const int d = t->d, keep = qc && rows <= KVC_KV_QROWS;
+    float ks[NB_MAX * KVC_KV_TILE], own_step[NR_MAX];
+    int32_t own_qp[NR_MAX * 128];
     q8_scales(t->k, t->kstride, n, d / KVC_Q8_0_BLOCK, ks);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
-        for (int r = 0; r < nr; r++) step[r] = q8_query(Q + (size_t)(r0 + r) * d, d, qp + r * d / 2);
+        float *step = keep ? qc->step + r0 : own_step;
+        int32_t *qp = keep ? qc->qp + (size_t)r0 * d / 2 : own_qp;
+        if (!keep || !qc->ready)
+            for (int r = 0; r < nr; r++) step[r] = q8_query(Q + (size_t)(r0 + r) * d, d, qp + r * d / 2);
 #define SCORES(NR) q8_scores_nr(NR, t, qp, step, ks, n, S + (size_t)r0 * ls, ls, r0 == 0) /* the first rows prefetch */
         KVC_NR_CASES(SCORES)
 #undef SCORES
     }
+    if (keep) qc->ready = 1;
 }
 
 static inline __attribute__((always_inline)) void q8_pv_of(const kvc_kv_tile *t, const float *P, int ls, int rows, int n,
@@ -346,13 +357,14 @@ int kvc_cpu_kv_rows_ok(const kvc_kv_format *f, int32_t d) {
 #endif
 }
 
-void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls) {
+void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls, kvc_kv_query *qc) {
+    (void)qc; /* q8_0 in int16 products keeps its queries there; the float products read Q itself */
 #if defined(KVC_KV_SIMD)
     switch (t->f->type) {
     case KVC_KV_F16: scores_of(KVC_KV_F16, t, Q, rows, n, S, ls); break;
     case KVC_KV_BF16: scores_of(KVC_KV_BF16, t, Q, rows, n, S, ls); break;
 #if defined(KVC_KV_INT16)
-    default: q8_scores_of(t, Q, rows, n, S, ls); break;
+    default: q8_scores_of(t, Q, rows, n, S, ls, qc); break;
 #else
     default: scores_of(KVC_KV_Q8_0, t, Q, rows, n, S, ls); break;
 #endif
