@@ -100,14 +100,14 @@ int main(int argc, char **argv) {
         const double t0 = now();
 #if defined(KVC_KV_QROWS) /* kernels that keep a task's prepared queries (kv_decode.h); older ones (--against) do not */
         kvc_kv_query qc; /* as a decode task keeps them: prepared on its first tile */
-        qc.ready = 0;
+        kvc_kv_query_reset(&qc);
 #define SCORES(t) kvc_cpu_kv_scores(t, q, rows, n, s, n, &qc)
 #else
 #define SCORES(t) kvc_cpu_kv_scores(t, q, rows, n, s, n)
 #endif
         for (int64_t j = 0; j < keys; j += n) {
 #if defined(KVC_KV_QROWS)
-            if (j % 6144 == 0) qc.ready = 0; /* a task: at 8k tokens one thread splits 3 heads into 4 of 6144 keys */
+            if (j % 6144 == 0) kvc_kv_query_reset(&qc); /* a task: at 8k tokens one thread splits 3 heads into 4 of 6144 keys */
 #endif
             const kvc_kv_tile t = {&f, d, blocks ? K + (size_t)(j / n) * kb : K + (size_t)j * rb, blocks ? 0 : rb, 0,
                                    V + (size_t)j * rb, rb};

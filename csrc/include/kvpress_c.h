@@ -731,14 +731,14 @@ KVC_API kvc_status kvc_kernel_kv_encode(const kvc_kv_format *fmt, const float *x
  * widened to fp32 in registers; KIVI's dequantisation folded into the products): keys are rows [r0, r0 + n) of
  * one key block (KIVI: fmt->group rows of d channels; key_bytes at keys) or of rows stored alone (f16, bf16,
  * q8_0), values n rows stored alone (value_bytes at values); s [rows, n] = q [rows, d] keys^T and
- * o [rows, d] += p [rows, n] values. n in [1, 64]. Rows stored alone are scored as two tiles of one decode task
- * (the first (n + 1) / 2 keys, then the rest), the second reusing the queries the first prepared (q8_0's int16
- * rounding). KVC_ERR_UNSUPPORTED where this build decodes such tiles to
- * fp32 instead (no AVX-512 or AVX2 + F16C, or d or KIVI's value groups not a multiple of 64 channels (32 with
- * AVX2), or d above 256). *int16 (when not NULL): 1 where the build multiplies int16 weights by the codes
- * (AVX-512 VNNI; KIVI: q s per row, and p s per row and value group; q8_0: q per row, and p s per row and
- * 32-channel block; each rounded to int16 steps of its max |.| / 32767), 0 where it multiplies floats (f16,
- * bf16, and every type on other builds). */
+ * o [rows, d] += p [rows, n] values. n in [1, 64]. The whole tile is scored as a decode task's first tile; for
+ * rows stored alone and n >= 2 the last n - n / 2 keys' scores then come from scoring them again as a later tile
+ * of that task, reusing the queries the first prepared (q8_0's int16 rounding). KVC_ERR_UNSUPPORTED where this
+ * build decodes such tiles to fp32 instead (no AVX-512 or AVX2 + F16C, or d or KIVI's value groups not a multiple of
+ * 64 channels (32 with AVX2), or d above 256). *int16 (when not NULL): 1 where the build multiplies int16 weights by
+ * the codes (AVX-512 VNNI; KIVI: q s per row, and p s per row and value group; q8_0: q per row, and p s per row and
+ * 32-channel block; each rounded to int16 steps of its max |.| / 32767), 0 where it multiplies floats (f16, bf16,
+ * and every type on other builds). */
 KVC_API kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t key_bytes, int64_t r0,
                                       const void *values, size_t value_bytes, int32_t n, int32_t d, int32_t rows,
                                       const float *q, float *s, const float *p, float *o, int32_t *int16);

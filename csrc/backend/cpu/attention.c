@@ -334,7 +334,7 @@ static void attend_dot(const float *Q, int rows, int gc, int64_t i0, int d, cons
                        float cap, float *O, float *m, float *l, kvc_cpu_hint_cursor *next) {
     float S[ROWS_MAX * TK], Kb[TK * d], Vb[TK * d];
     kvc_kv_query qc; /* Q as the typed tiles' scores take it, prepared on the first (kv_decode.h) */
-    qc.ready = 0;
+    kvc_kv_query_reset(&qc);
     const int64_t np = pk ? pk->np : 0;
     const int dtk = kv->decoded ? DTK : TK;
     if (lo && kb < lo[i0 * Hkv]) kb = lo[i0 * Hkv]; /* nothing below the first query's window start */

@@ -196,12 +196,13 @@ kvc_status kvc_kernel_kv_tile(const kvc_kv_format *fmt, const void *keys, size_t
     if (int16) *int16 = kvc_cpu_kv_step_int16(fmt->type);
     const kvc_kv_tile t = {fmt, d, blocks ? keys : (const uint8_t *)keys + (size_t)r0 * rb, blocks ? 0 : rb,
                            blocks ? (int32_t)r0 : 0, values, rb};
-    /* rows stored alone: scored as two tiles of one task, the second reusing the queries the first prepared */
+    /* the whole tile, preparing the queries as a task's first tile does; rows stored alone: the second half
+     * scored again as a later tile of the task, reusing them */
     kvc_kv_query qc;
-    qc.ready = 0;
-    const int32_t h = blocks ? n : (n + 1) / 2;
-    kvc_cpu_kv_scores(&t, q, rows, h, s, n, &qc);
-    if (h < n) {
+    kvc_kv_query_reset(&qc);
+    kvc_cpu_kv_scores(&t, q, rows, n, s, n, &qc);
+    const int32_t h = n / 2;
+    if (!blocks && h > 0) {
         const kvc_kv_tile rest = {fmt, d, t.k + (size_t)h * rb, rb, 0, t.v + (size_t)h * rb, rb};
         kvc_cpu_kv_scores(&rest, q, rows, n - h, s + h, n, &qc);
     }

@@ -39,14 +39,23 @@ typedef struct kvc_kv_tile {
 int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d);
 /* A task's queries as a type's scores take them, prepared on its first tile and reused on the later ones,
  * where that form does not depend on the tile (q8_0 in int16 products: each row rounded to int16 steps, once a
- * task instead of once a tile; KIVI's depends on each key block's scales, f16's is Q itself). Set ready to 0
- * before a task's first tile and whenever Q changes. */
+ * task instead of once a tile; KIVI's depends on each key block's scales, f16's is Q itself). Reset it
+ * (kvc_kv_query_reset) before a task's first tile and whenever the values at Q change; a call with another Q,
+ * rows or d prepares them again. */
 #define KVC_KV_QROWS 16 /* the most query rows kept prepared (more: prepared per tile) */
 typedef struct kvc_kv_query {
     int ready;
+    const float *q; /* what was prepared: Q, rows, d */
+    int rows, d;
     float step[KVC_KV_QROWS];
     int32_t qp[KVC_KV_QROWS * 128]; /* d / 2 int32 a row, d <= 256 */
 } kvc_kv_query;
+/* a task's queries not prepared yet (the 8 KB of qp left as they are) */
+static inline void kvc_kv_query_reset(kvc_kv_query *qc) {
+    qc->ready = 0;
+    qc->q = NULL;
+    qc->rows = qc->d = 0;
+}
 /* S[r ls + j] = Q[r] . k_j for rows r < rows (Q [rows, d]) and the tile's rows j < n; qc: the task's prepared
  * queries (above), or NULL to prepare them for this tile alone */
 void kvc_cpu_kv_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls, kvc_kv_query *qc);

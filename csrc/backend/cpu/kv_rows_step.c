@@ -14,11 +14,11 @@
  * keys are prefetched a tile ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower
  * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below):
  * 9.3 ns a key in L2, 13.7 from memory; with the values' prefetches moved into P V (q8_pv_nr) 9.7 and 12.5.
- * Those next tile's keys and values are fetched into L2 (prefetcht2), not L1: a tile's 136 lines asked into L1
- * at once held the fill buffers, and the prefetches themselves stalled (a quarter of P V's time on a Zen 4 core);
- * from L2 the gather and the loads wait little. Zen 4, 32 MB L3: 13.5 -> 10.8 ns a key from memory, the same in
- * L2 (9.7); its decode step at 8k tokens 50.8 -> 58-64 tok/s. f16's and KIVI's measured no faster so (f16 from
- * memory 16.4 -> 20.5, kivi4 7.7 -> 7.9: their prefetches stay in L1). */
+ * On that int16 path the next tile's keys and values are fetched into L2 (prefetcht2), not L1: a tile's 136 lines
+ * asked into L1 at once held the fill buffers, and the prefetches themselves stalled (a quarter of P V's time on a
+ * Zen 4 core); from L2 the gather and the loads wait little. Zen 4, 32 MB L3 (minimum of 3-5 processes): 13.5 ->
+ * 10.8 ns a key from memory, the same in L2 (9.5); its decode step at 8k tokens 50.8 -> 58-65 tok/s. f16's and
+ * KIVI's measured no faster so (f16 from memory 16.4 -> 20.5, kivi4 7.7 -> 7.9: their prefetches stay in L1). */
 #include "kv_decode.h"
 
 #include "../../core/kv_type.h"
@@ -92,7 +92,8 @@ static inline __attribute__((always_inline)) void scores_nr(const int T, const i
         /* the 4 keys' rows ahead (q8_0: in the next tile, whose scales are read all at once as it starts) and
          * their values, one range each: a range a row (2 lines of f16) cost f16's scores on a Zen 4 core 9.1
          * against 6.6 ns a key in L2, the prefetch loops' own instructions */
-        kvc_prefetch_lines(row[0] + (T == KVC_KV_Q8_0 ? (size_t)KVC_KV_TILE * t->kstride : (size_t)KVC_KV_PF), (size_t)nk * t->kstride);
+        const size_t ahead = T == KVC_KV_Q8_0 ? (size_t)KVC_KV_TILE * t->kstride : (size_t)KVC_KV_PF;
+        kvc_prefetch_lines(row[0] + ahead, (size_t)nk * t->kstride);
         kvc_prefetch_lines(t->v + (size_t)j * t->vstride, (size_t)nk * t->vstride);
         for (int e = 0; e < d; e += VL)
 #pragma GCC unroll 4
@@ -284,6 +285,7 @@ static inline __attribute__((always_inline)) void q8_scores_of(const kvc_kv_tile
     const int d = t->d, keep = qc && rows <= KVC_KV_QROWS;
     float ks[NB_MAX * KVC_KV_TILE], own_step[NR_MAX];
     int32_t own_qp[NR_MAX * 128];
+    if (keep && (qc->q != Q || qc->rows != rows || qc->d != d)) qc->ready = 0, qc->q = Q, qc->rows = rows, qc->d = d;
     q8_scales(t->k, t->kstride, n, d / KVC_Q8_0_BLOCK, ks);
     for (int r0 = 0; r0 < rows; r0 += NR_MAX) {
         const int nr = rows - r0 < NR_MAX ? rows - r0 : NR_MAX;
