@@ -56,7 +56,7 @@
 #define DMAX 256     /* head_dim limit (checked by kvc_kernel_attention) */
 #define DECODE_N 4   /* up to this many queries: the split-keys decode path */
 #define CHUNK_MIN 256 /* fewest keys per decode chunk */
-#define PF_KEYS 32    /* decode: keys loaded this far ahead of the scores */
+#define PF_KEYS 64    /* decode: keys loaded this far ahead of the scores */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* One online-softmax step for `rows` rows on a tile of `tk` keys.                                */
@@ -142,49 +142,62 @@ static void softmax_step(float *S, int rows, int tk, float *m, float *l, float *
 }
 
 /* O[rows][d] += P[rows][tk] V[tk][d] for few rows (decode): each V row loaded once for all rows, O in
- * registers, NR (1..4, a constant: the accumulators stay in registers) rows x 64 columns at a time
- * (the microkernel would broadcast P and reload V per 16 columns). */
-#if defined(__AVX512F__)
-static inline __attribute__((always_inline)) void pv_tile(const float *P, const int NR, int tk, const float *V,
-                                                          int64_t ldv, int d, int e0, float *O) {
-    __mmask16 mk[4];
-    __m512 o[4][4];
-    for (int c = 0; c < 4; c++) {
-        const int left = d - e0 - 16 * c;
-        mk[c] = (__mmask16)(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
-    }
+ * registers, NR (1..4, a constant: the accumulators stay in registers) rows x 4 vectors of columns at a time
+ * (the microkernel would broadcast P and reload V per vector of columns). Written once for AVX-512 and AVX2
+ * (cpu.h's vf); on AVX2 the microkernel's panels had cost the f32 cache's decode step at 8k tokens 45% of its
+ * time (Zen 2), this 20%. MASKED: the 4 vectors reach past d (masked loads, slow on AVX2, only then). */
+#if defined(KVC_KV_SIMD)
+static inline __attribute__((always_inline)) void pv_tile(const int MASKED, const float *P, const int NR, int tk,
+                                                          const float *V, int64_t ldv, int d, int e0, float *O) {
+    vmask mk[4];
+    vf o[4][4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) mk[c] = V_MASK(d - e0 - VL * c);
+#define PV_LOAD(p, c) (MASKED ? V_LOADM(p, mk[c]) : V_LOAD(p))
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) o[r][c] = _mm512_maskz_loadu_ps(mk[c], O + r * d + e0 + 16 * c);
+        for (int c = 0; c < 4; c++) o[r][c] = PV_LOAD(O + r * d + e0 + VL * c, c);
     for (int j = 0; j < tk; j++) {
         const float *v = V + (int64_t)j * ldv + e0;
-        __m512 x[4];
+        vf x[4];
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) x[c] = _mm512_maskz_loadu_ps(mk[c], v + 16 * c);
+        for (int c = 0; c < 4; c++) x[c] = PV_LOAD(v + VL * c, c);
 #pragma GCC unroll 4
         for (int r = 0; r < NR; r++) {
-            const __m512 p = _mm512_set1_ps(P[r * TK + j]);
+            const vf p = V_BCAST(P + r * TK + j);
 #pragma GCC unroll 4
-            for (int c = 0; c < 4; c++) o[r][c] = _mm512_fmadd_ps(p, x[c], o[r][c]);
+            for (int c = 0; c < 4; c++) o[r][c] = V_FMA(p, x[c], o[r][c]);
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) _mm512_mask_storeu_ps(O + r * d + e0 + 16 * c, mk[c], o[r][c]);
+        for (int c = 0; c < 4; c++) {
+            if (MASKED) V_STOREM(O + r * d + e0 + VL * c, mk[c], o[r][c]);
+            else V_STORE(O + r * d + e0 + VL * c, o[r][c]);
+        }
+#undef PV_LOAD
 }
 #endif
 
 static void update_pv_rows(const float *P, int rows, int tk, const float *V, int64_t ldv, int d, float *O) {
-#if defined(__AVX512F__)
+#if defined(KVC_KV_SIMD)
     for (int r0 = 0; r0 < rows; r0 += 4)
-        for (int e0 = 0; e0 < d; e0 += 64) switch (rows - r0 < 4 ? rows - r0 : 4) {
-            case 1: pv_tile(P + r0 * TK, 1, tk, V, ldv, d, e0, O + r0 * d); break;
-            case 2: pv_tile(P + r0 * TK, 2, tk, V, ldv, d, e0, O + r0 * d); break;
-            case 3: pv_tile(P + r0 * TK, 3, tk, V, ldv, d, e0, O + r0 * d); break;
-            default: pv_tile(P + r0 * TK, 4, tk, V, ldv, d, e0, O + r0 * d); break;
+        for (int e0 = 0; e0 < d; e0 += 4 * VL) {
+            const int nr = rows - r0 < 4 ? rows - r0 : 4;
+            const float *p = P + r0 * TK;
+            float *o = O + r0 * d;
+            if (d - e0 >= 4 * VL) {
+#define PV(NR) pv_tile(0, p, NR, tk, V, ldv, d, e0, o)
+                KVC_NR_CASES(PV)
+#undef PV
+            } else {
+#define PV(NR) pv_tile(1, p, NR, tk, V, ldv, d, e0, o)
+                KVC_NR_CASES(PV)
+#undef PV
             }
+        }
 #else /* the microkernel, O in registers over the keys */
     for (int r0 = 0; r0 < rows; r0 += KVC_MR) {
         const int mr = rows - r0 < KVC_MR ? rows - r0 : KVC_MR;
@@ -197,51 +210,45 @@ static void update_pv_rows(const float *P, int rows, int tk, const float *V, int
 }
 
 /* S[r][j] = Q[r] . K[j] for r < rows, j < tk, as dot products over d (for few rows, where
- * transposing the K tile would cost as much as the products). AVX-512: 4 keys at a time, whose 4
- * accumulators are reduced together (one horizontal reduction per 4 scores); a tile's last 1-3 keys too
- * (the first of them standing in for the missing ones, whose sums are dropped), so every score has the
- * order of the typed stores' decode step (kv_rows_step.c) whatever the tiling. */
+ * transposing the K tile would cost as much as the products). 4 keys at a time, whose 4 accumulators are
+ * reduced together (kvc_kv_sum4: one horizontal reduction per 4 scores); a tile's last 1-3 keys too (the first
+ * of them standing in for the missing ones, whose sums are dropped), so every score has the order of the typed
+ * stores' decode step (kv_rows_step.c) whatever the tiling. Written once for AVX-512 and AVX2: on AVX2 the
+ * plain loop a score had cost the f32 cache's decode step at 8k tokens 39% of its time (Zen 2). */
 static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t ldk, int tk, const float *V, int64_t ldv,
                        int stream, float *S) {
     int j = 0;
-#if defined(__AVX512F__)
-    const int dfull = d / 16 * 16;
-    const __mmask16 tail = (__mmask16)((1u << (d - dfull)) - 1);
+#if defined(KVC_KV_SIMD)
+    const int dfull = d / VL * VL;
+    const vmask tail = V_MASK(d - dfull);
     for (; j < tk; j += 4) {
         const int nk = tk - j < 4 ? tk - j : 4;
         const float *k0 = K + j * ldk, *k1 = nk > 1 ? k0 + ldk : k0, *k2 = nk > 2 ? k0 + 2 * ldk : k0;
         const float *k3 = nk > 3 ? k0 + 3 * ldk : k0;
         /* K and V in the store (stream): the cache streams from memory: fetch keys PF_KEYS ahead and this
          * tile's values for the update (decoded tiles are in cache: their decoders fetch the stored rows) */
-        for (int k = 0; stream && k < 4; k++)
-            for (int e = 0; e < d; e += 16) {
-                _mm_prefetch((const char *)(K + (j + PF_KEYS + k) * ldk + e), _MM_HINT_T0);
-                _mm_prefetch((const char *)(V + (j + k) * ldv + e), _MM_HINT_T0);
-            }
+        for (int k = 0; stream && k < 4; k++) {
+            kvc_prefetch_lines(K + (j + PF_KEYS + k) * ldk, sizeof(float) * (size_t)d);
+            kvc_prefetch_lines(V + (j + k) * ldv, sizeof(float) * (size_t)d);
+        }
         for (int r = 0; r < rows; r++) {
             const float *q = Q + r * d;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int e = 0; e < dfull; e += 16) {
-                const __m512 x = _mm512_loadu_ps(q + e);
-                a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k0 + e), a0);
-                a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k1 + e), a1);
-                a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k2 + e), a2);
-                a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(k3 + e), a3);
+            vf a0 = V_ZERO(), a1 = a0, a2 = a0, a3 = a0;
+            for (int e = 0; e < dfull; e += VL) {
+                const vf x = V_LOAD(q + e);
+                a0 = V_FMA(x, V_LOAD(k0 + e), a0);
+                a1 = V_FMA(x, V_LOAD(k1 + e), a1);
+                a2 = V_FMA(x, V_LOAD(k2 + e), a2);
+                a3 = V_FMA(x, V_LOAD(k3 + e), a3);
             }
-            if (tail) {
-                const __m512 x = _mm512_maskz_loadu_ps(tail, q + dfull);
-                a0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k0 + dfull), a0);
-                a1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k1 + dfull), a1);
-                a2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k2 + dfull), a2);
-                a3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, k3 + dfull), a3);
+            if (d > dfull) {
+                const vf x = V_LOADM(q + dfull, tail);
+                a0 = V_FMA(x, V_LOADM(k0 + dfull, tail), a0);
+                a1 = V_FMA(x, V_LOADM(k1 + dfull, tail), a1);
+                a2 = V_FMA(x, V_LOADM(k2 + dfull, tail), a2);
+                a3 = V_FMA(x, V_LOADM(k3 + dfull, tail), a3);
             }
-            /* each 128-bit lane -> (sum a0, sum a1, sum a2, sum a3) over the lane, then add the lanes */
-            const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-            const __m512 y = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-            const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
-            const __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
-            const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
-            kvc_kv_store4(S + r * TK + j, s4, nk);
+            kvc_kv_store4(S + r * TK + j, kvc_kv_sum4(a0, a1, a2, a3), nk);
         }
     }
 #endif
