@@ -332,7 +332,7 @@ def rows_tile(rng, t, d, rows):
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 12])
 def test_rows_tile_products(rng, t, d, rows):
     """The decode step on rows stored alone (kv_rows_step.c: each vector widened in registers and used at once;
-    q8_0 on AVX-512 VNNI in int16 products) against float64 products of the decoded rows. Bound: 1e-6 of the
+    q8_0 in int16 products on AVX-512 VNNI and AVX2) against float64 products of the decoded rows. Bound: 1e-6 of the
     sum of |terms| each output adds (fp32 accumulation over at most 256 channels or 64 rows); measured over 6
     runs at most 9.1e-8 (scores) and 4.5e-7 (P V, o0 included); an AVX2 build (KVC_KERNELS_LIB) 2.8e-8 and
     1.9e-7. Where q8_0 multiplies int16 weights, plus their rounding: 0.505 step per unit of each term's code
@@ -362,14 +362,14 @@ def test_rows_tile_products(rng, t, d, rows):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_q8_0_tile_int16_products(rng, d, rows):
-    """q8_0's int16 products (builds with AVX-512 VNNI) against a float64 reference of their spec: per query
+    """q8_0's int16 products (builds with AVX-512 VNNI, and AVX2 builds) against a float64 reference of their spec: per query
     row, q rounded to int16 steps of max |q| / 32767, the integer dot with each 32-code block exact, times the
     block's scale, summed, times the step; per query row and value block, W = p s (fp32) likewise rounded,
     O += step (W . codes). Bound: 2^-22 of the sum of |terms| (step |int| |code| |s|, and |o0| for P V): only
     fp32 rounding is left (the int32 sums converted, a multiply and adds), so a weight one step off shows."""
     r = rows_tile(rng, Q8_0, d, rows)
     if r is None or not r["int16"]:
-        pytest.skip("this build has no int16 products (no AVX-512 VNNI): test_rows_tile_products covers its own")
+        pytest.skip("this build has no int16 products for q8_0 (neither AVX-512 VNNI nor AVX2): test_rows_tile_products covers its own")
     ks, kc = r["kparts"]  # [n, nb], [n, nb, 32]
     vs, vc = r["vparts"]
     qi, qstep = int16_steps(r["q"])  # [rows, d], [rows, 1]

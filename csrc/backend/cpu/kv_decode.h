@@ -70,8 +70,8 @@ int kvc_cpu_kv_kivi_ok(const kvc_kv_format *f, int32_t d);
 void kvc_cpu_kv_kivi_scores(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S, int ls);
 void kvc_cpu_kv_kivi_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n, float *O);
 /* 1 when this build's step on a tile of type `type` read in place multiplies int16 weights by the codes
- * (AVX-512 VNNI: KIVI and q8_0, the query side and P's side rounded to int16 per query row and tile), 0 when
- * it multiplies floats */
+ * (AVX-512 VNNI: KIVI and q8_0; AVX2: q8_0; the query side and P's side rounded to int16 per query row and
+ * tile), 0 when it multiplies floats */
 int kvc_cpu_kv_step_int16(int32_t type);
 
 /* 1 when the decode step on tiles of type `type` read in place is bound by its arithmetic rather than its bytes,

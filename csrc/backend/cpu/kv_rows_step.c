@@ -12,7 +12,8 @@
  * vector had converted its block's, and P V's scaling moves into P (W below): 13.6 ns a key in L2 (17.3 before),
  * 18.2 over 512 MB (19.6; benchmarks/kv_step_kernels.py). The gather reads the whole tile's rows at once, so the
  * keys are prefetched a tile ahead (1 KB ahead, the gather waited on memory: 27% of the scores' time, slower
- * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below):
+ * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below;
+ * AVX2 builds too, in vpmaddwd: the one after it):
  * 9.3 ns a key in L2, 13.7 from memory; with the values' prefetches moved into P V (q8_pv_nr) 9.7 and 12.5.
  * On that int16 path the next tile's keys and values are fetched into L2 (prefetcht2), not L1: a tile's 136 lines
  * asked into L1 at once held the fill buffers, and the prefetches themselves stalled (a quarter of P V's time on a
@@ -278,6 +279,113 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
     }
 }
 
+#elif defined(KVC_KV_INT16_AVX2)
+/* ---- q8_0 in int16 products on AVX2 (vpmaddwd) ----
+ * The products of the AVX-512 VNNI section's spec (above; the tests hold both to it): per query row, q in int16
+ * steps; per key and 32-code block the integer dot of those and the codes, times the block's scale, summed over
+ * blocks in fp32, times the step; per query row and value block, W = P s in int16 steps. One vpmaddwd multiplies
+ * 16 int16 pairs where an FMA multiplies 8 floats, and on a Zen 2 core it issues as often (12 independent ones
+ * 3.6 ns, 12 FMAs 4.2): the float path's widening of each code to f32 and its scaling go with them.
+ * Scores: a key's block as two vectors of 16 codes widened to int16, met by the row's q in natural order; 4
+ * keys' lanes summed by horizontal adds in int32 (the block's dot exact: 32 products of <= 32767 x 128 < 2^31),
+ * then converted and multiplied by the 4 keys' scales at once (a conversion and an FMA per key and block a row,
+ * as the lanes were first: 9.2 -> 9.0 ns a key in L2). All: 23.7 -> 18.8 ns a key in L2, 24.5 -> 19.7 from
+ * memory (Zen 2, benchmarks/kv_step_kernels.py); the step at 8k tokens 32.8 -> 38 tok/s. P V: a pair of value
+ * rows interleaved byte by byte and widened (each dword: one channel of both rows), met by the pair's W
+ * broadcast; int32 over the tile (64 products of <= 32767 x 128 < 2^31). Its values prefetched a tile ahead in
+ * P V (into L2 or L1, as the VNNI path's) measured no faster than this tile's in the scores (19.1 against 18.8). */
+
+/* q in int16 steps into qp [d / 2] (as int16, in channel order); returns the step */
+static inline __attribute__((always_inline)) float q8_query(const float *q, int d, int32_t *qp) {
+    return kvc_kv_to_int16(q, d, (int16_t *)qp);
+}
+
+static inline __attribute__((always_inline)) void q8_scores_nr(const int NR, const kvc_kv_tile *t, const int32_t *qp,
+                                                               const float *step, const float *ks, int n, float *S, int ls,
+                                                               int pf) {
+    const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
+    const int16_t *qi = (const int16_t *)qp;
+    for (int j = 0; j < n; j += 4) {
+        const int nk = n - j < 4 ? n - j : 4;
+        const uint8_t *row[4];
+        __m128 acc[NR_MAX]; /* 4 keys' scores a row */
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) row[k] = t->k + (size_t)(j + (k < nk ? k : 0)) * t->kstride; /* past n: a row again, its score unused */
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) acc[r] = _mm_setzero_ps();
+        if (pf) { /* as the float path's: the keys a tile on, this tile's values */
+            kvc_prefetch_lines(row[0] + (size_t)KVC_KV_TILE * t->kstride, (size_t)nk * t->kstride);
+            kvc_prefetch_lines(t->v + (size_t)j * t->vstride, (size_t)nk * t->vstride);
+        }
+        for (int b = 0; b < nb; b++) {
+            __m256i p[NR_MAX][4]; /* the integer dots' lanes, a row and key */
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const uint8_t *c = row[k] + (size_t)b * KVC_Q8_0_BYTES + 2;
+                const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+                const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    const int16_t *w = qi + (size_t)r * d + b * KVC_Q8_0_BLOCK;
+                    p[r][k] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)w)),
+                                               _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(w + 16))));
+                }
+            }
+            /* each row's 4 dots summed in int32 (exact), then converted and scaled once for the 4 keys */
+            const __m128 sc = _mm_loadu_ps(ks + b * KVC_KV_TILE + j); /* the table is padded past n */
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) {
+                const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[r][0], p[r][1]), _mm256_hadd_epi32(p[r][2], p[r][3]));
+                const __m128i d4 = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(d4), sc, acc[r]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) kvc_kv_store4(S + r * ls + j, _mm_mul_ps(acc[r], _mm_set1_ps(step[r])), nk);
+    }
+}
+
+/* O[NR, d] += wstep[r nb + b] sum_j W_rbj codes_jb per value block b (W as int16 at
+ * wp[(r nb + b) KVC_KV_TILE / 2 + j / 2], pairs of rows j, j + 1), one block of 32 channels in registers at a time */
+static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const kvc_kv_tile *t, const int32_t *wp,
+                                                           const float *wstep, int n, float *O, int pf) {
+    (void)pf; /* the scores fetched this tile's values */
+    const int d = t->d, nb = d / KVC_Q8_0_BLOCK;
+    for (int b = 0; b < nb; b++) {
+        __m256i acc[NR_MAX][4];
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_si256();
+        for (int j = 0; j < n; j += 2) {
+            const uint8_t *a = t->v + (size_t)j * t->vstride + (size_t)b * KVC_Q8_0_BYTES + 2;
+            const uint8_t *e = j + 1 < n ? a + t->vstride : a; /* past n: the row again, its weight 0 */
+            __m256i w[NR_MAX];
+#pragma GCC unroll 4
+            for (int r = 0; r < NR; r++) w[r] = _mm256_set1_epi32(wp[(size_t)(r * nb + b) * KVC_KV_TILE / 2 + j / 2]);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) { /* channels 16 h .. 16 h + 15: two vectors of 8 channels x 2 rows */
+                const __m128i x = _mm_loadu_si128((const __m128i *)(a + 16 * h)), y = _mm_loadu_si128((const __m128i *)(e + 16 * h));
+                const __m256i u0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y)), u1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x, y));
+#pragma GCC unroll 4
+                for (int r = 0; r < NR; r++) {
+                    acc[r][2 * h] = _mm256_add_epi32(acc[r][2 * h], _mm256_madd_epi16(u0, w[r]));
+                    acc[r][2 * h + 1] = _mm256_add_epi32(acc[r][2 * h + 1], _mm256_madd_epi16(u1, w[r]));
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < NR; r++) {
+            const vf sc = _mm256_set1_ps(wstep[r * nb + b]);
+            float *o = O + r * d + b * KVC_Q8_0_BLOCK;
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) V_STORE(o + c * VL, V_ADD(V_LOAD(o + c * VL), V_MUL(_mm256_cvtepi32_ps(acc[r][c]), sc)));
+        }
+    }
+}
+#endif
+
+#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
 /* the queries in int16 steps are the task's (qc) when it keeps them: rounded on its first tile (3 rows' rounding
  * a tile was 6% of the kernel's instructions at d 64) */
 static inline __attribute__((always_inline)) void q8_scores_of(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S,
@@ -365,7 +473,7 @@ void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int 
     switch (t->f->type) {
     case KVC_KV_F16: scores_of(KVC_KV_F16, t, Q, rows, n, S, ls); break;
     case KVC_KV_BF16: scores_of(KVC_KV_BF16, t, Q, rows, n, S, ls); break;
-#if defined(KVC_KV_INT16)
+#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
     default: q8_scores_of(t, Q, rows, n, S, ls, qc); break;
 #else
     default: scores_of(KVC_KV_Q8_0, t, Q, rows, n, S, ls); break;
@@ -381,7 +489,7 @@ void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, 
     switch (t->f->type) {
     case KVC_KV_F16: pv_of(KVC_KV_F16, t, P, ls, rows, n, O); break;
     case KVC_KV_BF16: pv_of(KVC_KV_BF16, t, P, ls, rows, n, O); break;
-#if defined(KVC_KV_INT16)
+#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
     default: q8_pv_of(t, P, ls, rows, n, O); break;
 #else
     default: pv_of(KVC_KV_Q8_0, t, P, ls, rows, n, O); break;

@@ -64,8 +64,59 @@ static inline void kvc_kv_store4(float *dst, __m128 s, int nk) {
     for (int k = 0; k < nk; k++) dst[k] = s4[k];
 }
 
+/* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
+ * VL with zeros); returns the step, NaN where an x is NaN (the products then are, as fp32 ones would be:
+ * max would drop it, and its code would be a finite -32768). The same codes on AVX-512 and AVX2: x times
+ * 32767 / max |x| in fp32, rounded to nearest (ties to even). */
+static inline __attribute__((always_inline)) float kvc_kv_to_int16(const float *x, int n, int16_t *q) {
+#if KVC_KV_SIMD == 512
+    vf mx = V_ZERO();
+    __mmask16 nan = 0;
+    for (int i = 0; i < n; i += VL) {
+        const vf v = V_LOADM(x + i, V_MASK(n - i));
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    const float M = _mm512_reduce_max_ps(mx), inv = M > 0 ? 32767.0f / M : 0.0f;
+#define KVC_TO_I16(i) _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(V_LOADM(x + (i), V_MASK(n - (i))), _mm512_set1_ps(inv))))
+    int i = 0;
+    /* 32 at a time in one 64-byte store: callers read q back 32 at a time, and a load that spans two stores
+     * waits for both to retire instead of being forwarded (that read was 7.5% of kivi4's scores' samples, 1.6% after) */
+    for (; i + 2 * VL <= n; i += 2 * VL)
+        _mm512_storeu_si512(q + i, _mm512_inserti64x4(_mm512_castsi256_si512(KVC_TO_I16(i)), KVC_TO_I16(i + VL), 1));
+    for (; i < n; i += VL) _mm256_storeu_si256((__m256i *)(q + i), KVC_TO_I16(i));
+#undef KVC_TO_I16
+    return nan ? NAN : M / 32767.0f;
+#else
+    const vf abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    vf mx = V_ZERO(), nan = V_ZERO();
+    for (int i = 0; i < n; i += VL) {
+        const vf v = V_LOADM(x + i, V_MASK(n - i));
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v, abs));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float M = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))), inv = M > 0 ? 32767.0f / M : 0.0f;
+#define KVC_TO_I32(i) _mm256_cvtps_epi32(_mm256_mul_ps(V_LOADM(x + (i), V_MASK(n - (i))), _mm256_set1_ps(inv)))
+    int i = 0;
+    /* 16 at a time in one 32-byte store, as the kernels read them back (above) */
+    for (; i + 2 * VL <= n; i += 2 * VL)
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(KVC_TO_I32(i), KVC_TO_I32(i + VL)), 0xD8));
+    for (; i < n; i += VL) {
+        const __m256i c = KVC_TO_I32(i);
+        _mm_storeu_si128((__m128i *)(q + i), _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1)));
+    }
+#undef KVC_TO_I32
+    return _mm256_movemask_ps(nan) ? NAN : M / 32767.0f;
+#endif
+}
+
 /* Builds whose decode steps multiply int16 weights by the codes: AVX-512 VNNI for q8_0's (kv_rows_step.c),
  * and VBMI besides for KIVI's byte permutes (kv_kivi_step.c) */
+#if KVC_KV_SIMD == 256
+#define KVC_KV_INT16_AVX2 1 /* q8_0's in vpmaddwd (kv_rows_step.c) */
+#endif
 #if KVC_KV_SIMD == 512 && defined(__AVX512VNNI__)
 #define KVC_KV_INT16 1
 #if defined(__AVX512VBMI__)
@@ -86,29 +137,6 @@ static inline __attribute__((always_inline)) __m512i kvc_dpwssd(__m512i acc, __m
 static inline __attribute__((always_inline)) __m512i kvc_dpwssd_bcast(__m512i acc, __m512i a, const int32_t *w) {
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*w));
     return acc;
-}
-
-/* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
- * VL with zeros); returns the step, NaN where an x is NaN (the products then are, as fp32 ones would be:
- * max would drop it, and its code would be a finite -32768) */
-static inline __attribute__((always_inline)) float kvc_kv_to_int16(const float *x, int n, int16_t *q) {
-    vf mx = V_ZERO();
-    __mmask16 nan = 0;
-    for (int i = 0; i < n; i += VL) {
-        const vf v = V_LOADM(x + i, V_MASK(n - i));
-        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    }
-    const float M = _mm512_reduce_max_ps(mx), inv = M > 0 ? 32767.0f / M : 0.0f;
-#define KVC_TO_I16(i) _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(V_LOADM(x + (i), V_MASK(n - (i))), _mm512_set1_ps(inv))))
-    int i = 0;
-    /* 32 at a time in one 64-byte store: callers read q back 32 at a time, and a load that spans two stores
-     * waits for both to retire instead of being forwarded (that read was 7.5% of kivi4's scores' samples, 1.6% after) */
-    for (; i + 2 * VL <= n; i += 2 * VL)
-        _mm512_storeu_si512(q + i, _mm512_inserti64x4(_mm512_castsi256_si512(KVC_TO_I16(i)), KVC_TO_I16(i + VL), 1));
-    for (; i < n; i += VL) _mm256_storeu_si256((__m256i *)(q + i), KVC_TO_I16(i));
-#undef KVC_TO_I16
-    return nan ? NAN : M / 32767.0f;
 }
 
 /* Transposition of a slab of 16 key rows' dwords, T = 8 or 4 dwords of each: z[i] holds slots 16 / T i..
