@@ -127,6 +127,10 @@ def test_saved_on_the_cpu_goes_on_on_the_emulated_device(folder, tmp_path, rng, 
     def kept(x):
         return [x.cache_positions(layer, h).tolist() for layer in range(L) for h in range(Hkv)]
 
+    def values_apart(x, y):  # per head: its stored values' largest difference, of its largest |value|
+        return np.array([float(np.abs(x.cache_rows(layer, h)[1] - y.cache_rows(layer, h)[1]).max()
+                               / np.abs(y.cache_rows(layer, h)[1]).max()) for layer in range(L) for h in range(Hkv)])
+
     worst, compared = 0.0, 0
     for _ in range(INTERVAL + 1):  # through the next compression
         t = np.array([int(np.argmax(logits))], np.int32)
@@ -139,6 +143,15 @@ def test_saved_on_the_cpu_goes_on_on_the_emulated_device(folder, tmp_path, rng, 
             # in 30 for CAM over Knorm moved the logits by 0.38 and 0.49 so); the logits compare up to here
             assert s.decoding_compressions > before, "the kept rows differ without a compression"
             print(f"{name}: the emulated device kept other rows at the compression after {compared} steps (a near-tie)")
+            break
+        apart = values_apart(d, s) > 0.05 if s.decoding_compressions > before else np.zeros(1, bool)
+        if apart.any():
+            # the same rows kept but other values merged into them in a head (CAM's merge draws against a
+            # bf16-rounded score: a near-tie as above; seed 3077056944 moved a value of one head by 0.20 of its
+            # largest and the logits by 0.12 so): the logits compare up to here. A near-tie moves one head's merge,
+            # not most heads'. The stored values otherwise differ by their bf16 rounding, 0.006-0.011 over 4 seeds
+            assert apart.sum() <= 2, f"{apart.sum()} of {apart.size} heads merged other values: more than a near-tie"
+            print(f"{name}: the emulated device merged other values at the compression after {compared} steps (a near-tie)")
             break
         compared += 1
         worst = max(worst, float(np.abs(ld - logits).max() / np.abs(logits).max()))

@@ -282,7 +282,7 @@ def kv_store(k, v, kv_type, group=0, residual=0, step=None, device="cpu"):
 
 def step_int16(kv_type):
     """1 where this build's decode step on tiles of kv_type (a KVFormat type code: q8_0 3, kivi4 4, kivi2 5)
-    multiplies int16 weights (AVX-512 VNNI), 0 where floats, None where it decodes such tiles to fp32 instead
+    multiplies int16 weights (AVX-512 VNNI: q8_0 and KIVI; AVX2: q8_0), 0 where floats, None where it decodes such tiles to fp32 instead
     (asked on a one-row tile of head_dim 64)."""
     import numpy as np
     fmt = KVFormat(kv_type, 64 if kv_type in (4, 5) else 0, 128 if kv_type in (4, 5) else 0)

@@ -56,7 +56,7 @@
 #define DMAX 256     /* head_dim limit (checked by kvc_kernel_attention) */
 #define DECODE_N 4   /* up to this many queries: the split-keys decode path */
 #define CHUNK_MIN 256 /* fewest keys per decode chunk */
-#define PF_KEYS 64    /* decode: keys loaded this far ahead of the scores */
+#define PF_KEYS 32    /* decode: keys loaded this far ahead of the scores */
 
 /* ---------------------------------------------------------------------------------------------- */
 /* One online-softmax step for `rows` rows on a tile of `tk` keys.                                */

@@ -5,8 +5,8 @@
  * widen exactly, q8_0's d q is exact in f32) and the f32 attention's (attention.c: scores_dot's products and
  * 4-key reductions, pv_tile's updates, in the same order), so on AVX-512 the scores and outputs equal the
  * decoded path's bit for bit, but for q8_0: its P V rounds P s once per row and block and multiplies the bare
- * codes (one rounding where the decoded path rounds P (s q)), and with VNNI both its products are int16 ones
- * (below); the tests hold each to its own bound.
+ * codes (one rounding where the decoded path rounds P (s q)), and with VNNI or on AVX2 both its products are
+ * int16 ones (below); the tests hold each to its own bound.
  * q8_0 is bound by its arithmetic, not its bytes (a 64-key tile of 3 query rows: 17 ns a key in L2 against
  * f16's 11): its f16 scales are widened once per tile (q8_scales: 16 rows' scales in one gather) where each
  * vector had converted its block's, and P V's scaling moves into P (W below): 13.6 ns a key in L2 (17.3 before),
@@ -15,7 +15,7 @@
  * than before). Builds with AVX-512 VNNI multiply q8_0's codes in int16 products instead (the section below;
  * AVX2 builds too, in vpmaddwd: the one after it):
  * 9.3 ns a key in L2, 13.7 from memory; with the values' prefetches moved into P V (q8_pv_nr) 9.7 and 12.5.
- * On that int16 path the next tile's keys and values are fetched into L2 (prefetcht2), not L1: a tile's 136 lines
+ * On the VNNI path the next tile's keys and values are fetched into L2 (prefetcht2), not L1: a tile's 136 lines
  * asked into L1 at once held the fill buffers, and the prefetches themselves stalled (a quarter of P V's time on a
  * Zen 4 core); from L2 the gather and the loads wait little. Zen 4, 32 MB L3 (minimum of 3-5 processes): 13.5 ->
  * 10.8 ns a key from memory, the same in L2 (9.5); its decode step at 8k tokens 50.8 -> 58-65 tok/s. f16's and
@@ -283,14 +283,14 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
 /* ---- q8_0 in int16 products on AVX2 (vpmaddwd) ----
  * The products of the AVX-512 VNNI section's spec (above; the tests hold both to it): per query row, q in int16
  * steps; per key and 32-code block the integer dot of those and the codes, times the block's scale, summed over
- * blocks in fp32, times the step; per query row and value block, W = P s in int16 steps. One vpmaddwd multiplies
- * 16 int16 pairs where an FMA multiplies 8 floats, and on a Zen 2 core it issues as often (12 independent ones
+ * blocks in fp32, times the step; per query row and value block, W = P s in int16 steps. One vpmaddwd makes
+ * 16 int16 products (8 pairs summed) where an FMA makes 8 float ones, and on a Zen 2 core it issues as often (12 independent ones
  * 3.6 ns, 12 FMAs 4.2): the float path's widening of each code to f32 and its scaling go with them.
  * Scores: a key's block as two vectors of 16 codes widened to int16, met by the row's q in natural order; 4
  * keys' lanes summed by horizontal adds in int32 (the block's dot exact: 32 products of <= 32767 x 128 < 2^31),
  * then converted and multiplied by the 4 keys' scales at once (a conversion and an FMA per key and block a row,
  * as the lanes were first: 9.2 -> 9.0 ns a key in L2). All: 23.7 -> 18.8 ns a key in L2, 24.5 -> 19.7 from
- * memory (Zen 2, benchmarks/kv_step_kernels.py); the step at 8k tokens 32.8 -> 38 tok/s. P V: a pair of value
+ * memory (Zen 2, benchmarks/kv_step_kernels.py); the step at 8k tokens 32.8 -> 37.2 tok/s. P V: a pair of value
  * rows interleaved byte by byte and widened (each dword: one channel of both rows), met by the pair's W
  * broadcast; int32 over the tile (64 products of <= 32767 x 128 < 2^31). Its values prefetched a tile ahead in
  * P V (into L2 or L1, as the VNNI path's) measured no faster than this tile's in the scores (19.1 against 18.8). */

@@ -66,8 +66,9 @@ static inline void kvc_kv_store4(float *dst, __m128 s, int nk) {
 
 /* x rounded to int16 steps of max |x| / 32767 (the step): n values of x at a time VL, into q (n padded to
  * VL with zeros); returns the step, NaN where an x is NaN (the products then are, as fp32 ones would be:
- * max would drop it, and its code would be a finite -32768). The same codes on AVX-512 and AVX2: x times
- * 32767 / max |x| in fp32, rounded to nearest (ties to even). */
+ * max would drop it, and its code would be a finite -32768). The same codes on AVX-512 and AVX2 for finite x
+ * (with a NaN only the step, NaN on both, is the same): x times 32767 / max |x| in fp32, rounded to nearest
+ * (ties to even). */
 static inline __attribute__((always_inline)) float kvc_kv_to_int16(const float *x, int n, int16_t *q) {
 #if KVC_KV_SIMD == 512
     vf mx = V_ZERO();
