@@ -319,7 +319,7 @@ void kvc_cpu_kv_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, int n
 
 int kvc_cpu_kv_step_int16(int32_t type) {
     int yes = 0;
-#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
+#if defined(KVC_KV_Q8_INT16)
     yes |= type == KVC_KV_Q8_0;
 #endif
 #if defined(KVC_KV_INT16_KIVI)

@@ -284,8 +284,8 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
  * The products of the AVX-512 VNNI section's spec (above; the tests hold both to it): per query row, q in int16
  * steps; per key and 32-code block the integer dot of those and the codes, times the block's scale, summed over
  * blocks in fp32, times the step; per query row and value block, W = P s in int16 steps. One vpmaddwd makes
- * 16 int16 products (8 pairs summed) where an FMA makes 8 float ones, and on a Zen 2 core it issues as often (12 independent ones
- * 3.6 ns, 12 FMAs 4.2): the float path's widening of each code to f32 and its scaling go with them.
+ * 16 int16 products (8 pairs summed) where an FMA makes 8 float ones, and on a Zen 2 core it issues as often
+ * (12 independent ones 3.6 ns, 12 FMAs 4.2): the float path's widening of each code to f32 and its scaling go.
  * Scores: a key's block as two vectors of 16 codes widened to int16, met by the row's q in natural order; 4
  * keys' lanes summed by horizontal adds in int32 (the block's dot exact: 32 products of <= 32767 x 128 < 2^31),
  * then converted and multiplied by the 4 keys' scales at once (a conversion and an FMA per key and block a row,
@@ -385,7 +385,7 @@ static inline __attribute__((always_inline)) void q8_pv_nr(const int NR, const k
 }
 #endif
 
-#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
+#if defined(KVC_KV_Q8_INT16)
 /* the queries in int16 steps are the task's (qc) when it keeps them: rounded on its first tile (3 rows' rounding
  * a tile was 6% of the kernel's instructions at d 64) */
 static inline __attribute__((always_inline)) void q8_scores_of(const kvc_kv_tile *t, const float *Q, int rows, int n, float *S,
@@ -473,7 +473,7 @@ void kvc_cpu_kv_rows_scores(const kvc_kv_tile *t, const float *Q, int rows, int 
     switch (t->f->type) {
     case KVC_KV_F16: scores_of(KVC_KV_F16, t, Q, rows, n, S, ls); break;
     case KVC_KV_BF16: scores_of(KVC_KV_BF16, t, Q, rows, n, S, ls); break;
-#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
+#if defined(KVC_KV_Q8_INT16)
     default: q8_scores_of(t, Q, rows, n, S, ls, qc); break;
 #else
     default: scores_of(KVC_KV_Q8_0, t, Q, rows, n, S, ls); break;
@@ -489,7 +489,7 @@ void kvc_cpu_kv_rows_pv(const kvc_kv_tile *t, const float *P, int ls, int rows, 
     switch (t->f->type) {
     case KVC_KV_F16: pv_of(KVC_KV_F16, t, P, ls, rows, n, O); break;
     case KVC_KV_BF16: pv_of(KVC_KV_BF16, t, P, ls, rows, n, O); break;
-#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
+#if defined(KVC_KV_Q8_INT16)
     default: q8_pv_of(t, P, ls, rows, n, O); break;
 #else
     default: pv_of(KVC_KV_Q8_0, t, P, ls, rows, n, O); break;

@@ -166,6 +166,10 @@ static inline __attribute__((always_inline)) void kvc_kv_transpose(const int T, 
     }
 }
 #endif /* KVC_KV_INT16 */
+/* q8_0's decode step multiplies int16 codes (either path above; kv_rows_step.c) */
+#if defined(KVC_KV_INT16) || defined(KVC_KV_INT16_AVX2)
+#define KVC_KV_Q8_INT16 1
+#endif
 #endif
 
 /* A kernel that keeps NR query rows in registers, called with nr (1..4) as a constant */
