@@ -226,12 +226,15 @@ def print_tables(res):
     by_type(types, ctx, speed_cell)
     if all("floor_ms" in res["decode"][n][t] for n in ctx for t in types):
         print("\nThe bytes' floor: benchmarks/memory_share.py's synthetic step over each type's bytes a step (the "
-              "weights and the K/V rows read), nothing computed; measured step ms (median) / floor ms; the ratio to "
-              "f32 those bytes allow, and the share of it reached:\n")
+              "weights and the K/V rows read), nothing computed; measured step ms (median) / floor ms (the floor's "
+              "share of the step: f32's own is how near its baseline runs to its bytes, so a slow f32 step, which "
+              "would lift every ratio, shows here); the ratio to f32 those bytes allow, and the share of it "
+              "reached:\n")
 
         def floor_cell(t, n):
             r = res["decode"][n][t]
-            cell = f"{1e3 / r['cpu_median']:.1f} / {r['floor_ms']:.1f} ms"
+            step_ms = 1e3 / r["cpu_median"]
+            cell = f"{step_ms:.1f} / {r['floor_ms']:.1f} ms ({100 * r['floor_ms'] / step_ms:.0f}%)"
             return cell + (f"; x{r['bytes_ceiling']:.2f} allowed, {100 * r['of_ceiling']:.0f}% of it"
                            if "bytes_ceiling" in r else "")
         by_type(types, ctx, floor_cell)
