@@ -1,14 +1,19 @@
-"""The CPU decode step's typed-tile kernels alone (issue 27): nanoseconds per key of the scores and the P V update on
-64-key tiles of one head (3 query rows, d = 64: SmolLM2's shape), for each storage type, over a working set that
-stays in L2 (4096 keys: the kernels' arithmetic) and one of 512 MB of stored K/V, past the last-level cache (a long
-context streamed from memory).
-The gap between the two says whether a type's step is bound by its arithmetic or by its bytes.
+"""The CPU decode step's kernels alone (issue 27): nanoseconds per key of the scores and the P V update on 64-key
+tiles of one head (3 query rows, d = 64: SmolLM2's shape) for each storage type, and of the whole decode attention
+(`attention`: kvc_cpu_attention, its tasks, online softmax and merge, one thread) for each type, f32's included
+(the baseline of every ratio), over a working set that stays in cache (4096 keys: the kernels' arithmetic; "L2",
+though f32's 2 MB of K/V there is L2's size or more) and one of 512 MB of stored K/V, past the last-level cache (a
+long context streamed from memory). The gap between the two says whether a type's step is bound by its arithmetic
+or by its bytes. What the kernels alone do not show, the step can: the f32 step at 8k tokens ran 15% slow from
+stop 43 to stop 45 on an AVX-512 host, while the f32 attention here measured both forms the same (docs/METHODS.md,
+"Later (stop 45)"); kv_cache_types.py's floor share of f32's own step is the check on the baseline.
 
-    python benchmarks/kv_step_kernels.py [--types f16 bf16 q8_0 kivi4 kivi2] [--rounds 7] [--against DIR]
-                                         [--out FILE]
+    python benchmarks/kv_step_kernels.py [--types f32 f16 bf16 q8_0 kivi4 kivi2] [--parts both scores pv attention]
+                                         [--rounds 7] [--against DIR] [--out FILE]
 
 benchmarks/native/kv_step_kernels.c is compiled here with the build's flags (setup.py: -O3 -ffp-contract=fast
--fno-math-errno, -march=native unless KVC_NATIVE=0) against csrc/backend/cpu's kernels; --against DIR compiles
+-fno-math-errno, -march=native unless KVC_NATIVE=0) against csrc/backend/cpu's kernels (and attention.c with what
+it calls); --against DIR compiles
 the same driver against another checkout's kernels (a `git worktree` of an older commit) and runs both in turn,
 so a change to a kernel is measured against its predecessor in one run (ratios: theirs / ours, > 1 faster here).
 Each configuration runs --rounds times as a separate process, the builds and types taking turns (a shared machine
@@ -31,17 +36,19 @@ from memory_share import c_compiler  # noqa: E402  (the one compiler lookup of t
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TYPES = {"bf16": 1, "f16": 2, "q8_0": 3, "kivi4": 4, "kivi2": 5}
+TYPES = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "kivi4": 4, "kivi2": 5}
 SETS = {"L2": (4096, 200), "memory": (0, 2)}  # keys (0: 512 MB of K/V), passes a process times (its best is kept)
-PARTS = {"both": 0, "scores": 1, "pv": 2}
-KERNELS = ["csrc/backend/cpu/kv_decode.c", "csrc/backend/cpu/kv_rows_step.c", "csrc/backend/cpu/kv_kivi_step.c"]
+PARTS = {"both": 0, "scores": 1, "pv": 2, "attention": 3}  # f32 has the attention alone (no typed tiles)
+KERNELS = ["csrc/backend/cpu/kv_decode.c", "csrc/backend/cpu/kv_rows_step.c", "csrc/backend/cpu/kv_kivi_step.c",
+           "csrc/backend/cpu/attention.c", "csrc/backend/cpu/weight_hint.c", "csrc/backend/cpu/ukernel.c",
+           "csrc/core/error.c"]
 
 
 def build(root: str, out: str) -> str:
     cc = c_compiler()
     if not cc:
         sys.exit("no C compiler (cc or gcc) on PATH")
-    flags = ["-D_GNU_SOURCE", "-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c11"]
+    flags = ["-D_GNU_SOURCE", "-O3", "-ffp-contract=fast", "-fno-math-errno", "-std=c11", "-fopenmp", "-fPIC"]
     if os.environ.get("KVC_NATIVE", "1") != "0":
         flags.append("-march=native")
     # this driver, against root's kernels and headers
@@ -62,8 +69,8 @@ def run_once(exe: str, t: str, keys: int, passes: int, part: str) -> float | Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", nargs="+", default=["f16", "bf16", "q8_0", "kivi4", "kivi2"], choices=list(TYPES))
-    ap.add_argument("--parts", nargs="+", default=["both", "scores", "pv"], choices=list(PARTS))
+    ap.add_argument("--types", nargs="+", default=list(TYPES), choices=list(TYPES))
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", default=None, help="another checkout whose kernels to time beside these")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kv_step_kernels.json"))
@@ -73,7 +80,7 @@ def main() -> None:
     builds = {"here": build(ROOT, os.path.join(tmp, "here"))}
     if args.against:
         builds["against"] = build(os.path.abspath(args.against), os.path.join(tmp, "against"))
-    configs = [(t, s, p) for t in args.types for s in SETS for p in args.parts]
+    configs = [(t, s, p) for t in args.types for s in SETS for p in args.parts if t != "f32" or p == "attention"]
     times: dict = {b: {c: [] for c in configs} for b in builds}
     for rnd in range(args.rounds):
         print(f"round {rnd + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
@@ -103,6 +110,9 @@ def main() -> None:
             cells = []
             for s in SETS:
                 for p in args.parts:
+                    if f"{t}/{s}/{p}" not in res[b]:  # f32's typed-tile parts: it has none
+                        cells.append("-")
+                        continue
                     r = res[b][f"{t}/{s}/{p}"]
                     cell = "decoded" if r is None else f"{r['min']:.2f} ({r['median']:.2f})"
                     if b == "here" and "against" in res and r and res["against"][f"{t}/{s}/{p}"]:

@@ -1,9 +1,12 @@
-/* Nanoseconds per key of the CPU decode step's typed-tile kernels (backend/cpu/kv_decode.h: kvc_cpu_kv_scores and
- * kvc_cpu_kv_pv on 64-key tiles of one head, 3 query rows as SmolLM2's GQA gives, d = 64), over a working set of
- * `keys` rows: small enough to stay in L2 (the kernel's arithmetic alone), or KEYS = 0: 512 MB of stored K/V,
- * past the last-level cache (the step as a long context streams it). benchmarks/kv_step_kernels.py compiles this with the build's flags and
- * runs it; the best of `reps` passes is printed, one line per run:
- *     <type> <keys> <part: both|scores|pv> <ns per key> <GB/s of stored K/V bytes> */
+/* Nanoseconds per key of the CPU decode step's kernels over a working set of `keys` rows: small enough to stay
+ * in cache (the kernels' arithmetic alone), or KEYS = 0: 512 MB of stored K/V, past the last-level cache (the step
+ * as a long context streams it). Parts: the typed-tile kernels alone (backend/cpu/kv_decode.h: kvc_cpu_kv_scores and
+ * kvc_cpu_kv_pv on 64-key tiles of one head, 3 query rows as SmolLM2's GQA gives, d = 64), both or either, and
+ * `attention`: the whole decode attention (backend/cpu/cpu.h: kvc_cpu_attention, one query of 3 heads on one KV
+ * head, its tasks, online softmax and merge, one thread) over the rows in their type, f32's included: the f32
+ * cache's attention, the baseline of every ratio, beside the types'. benchmarks/kv_step_kernels.py compiles this
+ * with the build's flags and runs it; the best of `reps` passes is printed, one line per run:
+ *     <type> <keys> <part: both|scores|pv|attention> <ns per key> <GB/s of stored K/V bytes> */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,8 +14,64 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#include "backend/cpu/kv_decode.h" /* -I csrc of the tree whose kernels are timed */
+#include "backend/cpu/cpu.h" /* -I csrc of the tree whose kernels are timed */
+#include "backend/cpu/kv_decode.h"
 #include "core/kv_type.h"
+
+/* What the engine's files linked here (attention.c, weight_hint.c) ask of the rest of the backend: one thread,
+ * as the step benchmarks run; no weights are named here, so the hint's byte count is never asked for */
+int kvc_cpu_threads(void) { return 1; }
+size_t kvc_hbuf_bytes(int32_t dtype, int64_t n) {
+    (void)dtype;
+    return (size_t)n * sizeof(float);
+}
+
+/* The K/V rows as the attention reads them (kvc_cpu_kvsrc): f32 rows in place, the typed ones as tiles in their
+ * type, the way the host store lends them (kv_store.c: kvc_hkv_tile) */
+typedef struct {
+    const kvc_kv_format *f;
+    int d;
+    const uint8_t *K, *V;
+    size_t kb, rb; /* a key block's bytes (KIVI) or a tile's, a value row's */
+} rows_src;
+
+static const float *f32_keys(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    const rows_src *r = src;
+    (void)h, (void)n, (void)buf;
+    *ld = r->d;
+    return (const float *)r->K + (size_t)r0 * r->d;
+}
+static const float *f32_values(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    const rows_src *r = src;
+    (void)h, (void)n, (void)buf;
+    *ld = r->d;
+    return (const float *)r->V + (size_t)r0 * r->d;
+}
+static int64_t no_narrow(const void *src, int32_t h) {
+    (void)src, (void)h;
+    return 0;
+}
+static int64_t typed_tile(const void *src, int32_t h, int64_t r0, int64_t n, kvc_kv_tile *t) {
+    const rows_src *r = src;
+    (void)h;
+    int64_t m = n < KVC_KV_TILE ? n : KVC_KV_TILE;
+    t->f = r->f;
+    t->d = r->d;
+    if (kvc_kv_type_key_blocks(r->f->type)) { /* inside one key block */
+        const int64_t G = r->f->group, in = r0 % G;
+        m = m < G - in ? m : G - in;
+        t->k = r->K + (size_t)(r0 / G) * r->kb;
+        t->kstride = 0;
+        t->kr0 = (int32_t)in;
+    } else {
+        t->k = r->K + (size_t)r0 * r->rb;
+        t->kstride = r->rb;
+        t->kr0 = 0;
+    }
+    t->v = r->V + (size_t)r0 * r->rb;
+    t->vstride = r->rb;
+    return m;
+}
 
 static double now(void) {
     struct timespec t;
@@ -46,24 +105,27 @@ static uint8_t *alloc_huge(size_t n) {
 }
 
 static const char *const NAMES[] = {"f32", "bf16", "f16", "q8_0", "kivi4", "kivi2"};
+enum { BOTH, SCORES, PV, ATTENTION };
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s TYPE(1 bf16, 2 f16, 3 q8_0, 4 kivi4, 5 kivi2) KEYS(0: 512 MB) REPS PART(0 both, 1 scores, 2 pv)\n", argv[0]);
+        fprintf(stderr, "usage: %s TYPE(0 f32, 1 bf16, 2 f16, 3 q8_0, 4 kivi4, 5 kivi2) KEYS(0: 512 MB) REPS "
+                        "PART(0 both, 1 scores, 2 pv, 3 attention; f32: attention alone)\n", argv[0]);
         return 2;
     }
     const int type = atoi(argv[1]), reps = atoi(argv[3]), part = atoi(argv[4]);
     const int d = 64, rows = 3, n = KVC_KV_TILE;
     kvc_kv_format f = {.type = type, .group = 64, .residual = 128};
-    const int64_t want = atol(argv[2]) > 0 || type < KVC_KV_BF16 || type > KVC_KV_KIVI2
+    const int64_t want = atol(argv[2]) > 0 || type < KVC_KV_F32 || type > KVC_KV_KIVI2
                              ? atol(argv[2])
                              : (int64_t)((512ull << 20) / (kvc_kv_key_bytes(&f, d, KVC_KV_TILE) / KVC_KV_TILE + kvc_kv_row_bytes(&f, d)));
     const int64_t keys = want / KVC_KV_TILE * KVC_KV_TILE;
-    if (keys < n || reps < 1 || type < KVC_KV_BF16 || type > KVC_KV_KIVI2) {
+    if (keys < n || reps < 1 || type < KVC_KV_F32 || type > KVC_KV_KIVI2 || part < BOTH || part > ATTENTION ||
+        (type == KVC_KV_F32 && part != ATTENTION)) {
         fprintf(stderr, "bad arguments\n");
         return 2;
     }
-    if (!kvc_cpu_kv_tile_ok(&f, d)) {
+    if (type != KVC_KV_F32 && !kvc_cpu_kv_tile_ok(&f, d)) {
         printf("%s %lld - this build decodes such tiles to f32\n", NAMES[type], (long long)keys);
         return 0;
     }
@@ -84,6 +146,16 @@ int main(int argc, char **argv) {
         for (int64_t j = 0; j < keys; j++)
             for (int b = 0; b < d / KVC_Q8_0_BLOCK; b++)
                 put_half(K + (size_t)j * rb + (size_t)b * KVC_Q8_0_BYTES), put_half(V + (size_t)j * rb + (size_t)b * KVC_Q8_0_BYTES);
+    } else if (type == KVC_KV_F32) { /* the random words as values in [-1, 1) */
+        for (int i = 0; i < 2; i++) {
+            uint8_t *p = i ? V : K;
+            for (size_t e = 0; e < (i ? vbytes : kbytes) / 4; e++) {
+                int32_t u;
+                memcpy(&u, p + 4 * e, 4);
+                const float x = (float)(u >> 8) / 8388608.f;
+                memcpy(p + 4 * e, &x, 4);
+            }
+        }
     } else { /* f16 / bf16: the high byte of each value set to a normal magnitude in [2^-8, 1) (no subnormal f32,
               * whose products cost microcode assists) */
         for (size_t i = 1; i < kbytes || i < vbytes; i += 2) {
@@ -96,7 +168,18 @@ int main(int argc, char **argv) {
     float q[3 * 64], s[3 * 64], p[3 * 64], o[3 * 64];
     for (int i = 0; i < 3 * 64; i++) q[i] = 0.01f * (float)(i % 7), p[i] = 1.f / 64, o[i] = 0.f;
     double best = 1e30, sink = 0.;
-    for (int r = 0; r < reps; r++) {
+    const rows_src src = {&f, d, K, V, kb, rb};
+    const kvc_cpu_kvsrc kv = {.src = &src, .keys = f32_keys, .values = f32_values, .narrow = no_narrow, .dk = d,
+                              .tile = type == KVC_KV_F32 ? NULL : typed_tile, .decoded = type != KVC_KV_F32};
+    const int64_t past = keys - 1; /* the query sees every key (kvc_cpu_attention: keys < past + 1) */
+    for (int r = 0; r < reps && part == ATTENTION; r++) {
+        const double t0 = now();
+        kvc_cpu_attention(q, rows * d, 1, rows, 1, d, &kv, &past, NULL, 0.125f, 0.f, o, rows * d);
+        const double ns = (now() - t0) / (double)keys * 1e9;
+        best = ns < best ? ns : best;
+        sink += o[1];
+    }
+    for (int r = 0; r < reps && part != ATTENTION; r++) {
         const double t0 = now();
 #if defined(KVC_KV_QROWS) /* kernels that keep a task's prepared queries (kv_decode.h); older ones (--against) do not */
         kvc_kv_query qc; /* as a decode task keeps them: prepared on its first tile */
@@ -118,7 +201,7 @@ int main(int argc, char **argv) {
         const double ns = (now() - t0) / (double)keys * 1e9;
         best = ns < best ? ns : best;
     }
-    const char *parts[] = {"both", "scores", "pv"};
+    const char *parts[] = {"both", "scores", "pv", "attention"};
     printf("%s %lld %s %.2f %.2f\n", NAMES[type], (long long)keys, parts[part], best,
            ((double)(kbytes + vbytes) / (double)keys) / best);
     fprintf(stderr, "(checksum %g)\n", sink);

@@ -228,10 +228,11 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t 
         /* K and V in the store (stream): the cache streams from memory: fetch keys PF_KEYS ahead and this
          * tile's values for the update (decoded tiles are in cache: their decoders fetch the stored rows), a
          * line of each in turn from the row's start (rows of d floats end to end). Through cpu.h's
-         * kvc_prefetch_lines, a key row's lines and then its value row's, the f32 cache's step at 8k tokens
-         * took 34-35 ms against this loop's 30-31 (a Xeon with 480 MiB of L3; one thread); a helper looping
-         * over the same lines in the same order 32-34: the samples sit on the prefetches either way (the
-         * fill buffers), and the loop's exact form moves how much of the stream they keep in flight. */
+         * kvc_prefetch_lines (a key row's lines and then its value row's: the same lines), the f32 cache's
+         * step at 8k tokens took 34-35 ms against this loop's 30-31, and through a helper stepping over the
+         * same lines in this order 32-34 (a Xeon with 480 MiB of L3, one thread; the attention alone in
+         * benchmarks/kv_step_kernels.py measures them all the same: the cause is not known, METHODS "Later
+         * (stop 45)"). Change this loop only against the step (kv_cache_types.py). */
         for (int k = 0; stream && k < 4; k++)
             for (int e = 0; e < d; e += 16) {
                 __builtin_prefetch(K + (j + PF_KEYS + k) * ldk + e, 0, 3);
