@@ -1,24 +1,23 @@
 """The CPU decode step's kernels alone (issue 27): nanoseconds per key of the scores and the P V update on 64-key
 tiles of one head (3 query rows, d = 64: SmolLM2's shape) for each storage type, and of the whole decode attention
-(`attention`: kvc_cpu_attention, its tasks, online softmax and merge, one thread) for each type, f32's included
-(the baseline of every ratio), over a working set that stays in cache (4096 keys: the kernels' arithmetic; "L2",
-though f32's 2 MB of K/V there is L2's size or more) and one of 512 MB of stored K/V, past the last-level cache (a
-long context streamed from memory). The gap between the two says whether a type's step is bound by its arithmetic
-or by its bytes. What the kernels alone do not show, the step can: the f32 step at 8k tokens ran 15% slow from
-stop 43 to stop 45 on an AVX-512 host, while the f32 attention here measured both forms the same (docs/METHODS.md,
-"Later (stop 45)"); kv_cache_types.py's floor share of f32's own step is the check on the baseline.
+(`attention`: kvc_cpu_attention over 3 KV heads of 3 query rows, its tasks, online softmax and merge, one thread)
+for each type, f32's included (the baseline of every ratio), over a working set that stays in cache (4032 keys: the
+kernels' arithmetic; "L2", though f32's 2 MB of K/V there is L2's size or more) and one of 512 MB of stored K/V,
+past the last-level cache (a long context streamed from memory). The gap between the two says whether a type's step
+is bound by its arithmetic or by its bytes. The kernels alone do not show everything the step does (docs/METHODS.md,
+"Later (stop 45)"): kv_cache_types.py's floor share of f32's own step is the check on the baseline.
 
     python benchmarks/kv_step_kernels.py [--types f32 f16 bf16 q8_0 kivi4 kivi2] [--parts both scores pv attention]
                                          [--rounds 7] [--against DIR] [--out FILE]
 
 benchmarks/native/kv_step_kernels.c is compiled here with the build's flags (setup.py: -O3 -ffp-contract=fast
--fno-math-errno, -march=native unless KVC_NATIVE=0) against csrc/backend/cpu's kernels (and attention.c with what
-it calls); --against DIR compiles
-the same driver against another checkout's kernels (a `git worktree` of an older commit) and runs both in turn,
-so a change to a kernel is measured against its predecessor in one run (ratios: theirs / ours, > 1 faster here).
-Each configuration runs --rounds times as a separate process, the builds and types taking turns (a shared machine
-has slow spells lasting seconds); the table gives the minimum and the median over rounds of each process's best
-pass. No Python or model is involved: this is the kernel, not the step (benchmarks/kv_cache_types.py times that).
+-fno-math-errno -fopenmp -fPIC, -march=native unless KVC_NATIVE=0) against csrc/backend/cpu's kernels and
+attention.c with what it calls; --against DIR compiles the same driver against another checkout's (a `git
+worktree` of an older commit: from 48528bf on, which has weight_hint.c and the tiles' source) and runs both in
+turn, so a change to a kernel is measured against its predecessor in one run (ratios: theirs / ours, > 1 faster
+here). Each configuration runs --rounds times as a separate process, the builds and types taking turns (a shared
+machine has slow spells lasting seconds); the table gives the minimum and the median over rounds of each process's
+best pass. No Python or model is involved: this is the kernel, not the step (benchmarks/kv_cache_types.py times that).
 """
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ from memory_share import c_compiler  # noqa: E402  (the one compiler lookup of t
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TYPES = {"f32": 0, "bf16": 1, "f16": 2, "q8_0": 3, "kivi4": 4, "kivi2": 5}
-SETS = {"L2": (4096, 200), "memory": (0, 2)}  # keys (0: 512 MB of K/V), passes a process times (its best is kept)
+# keys (cut to whole tiles in each of 3 heads; 0: 512 MB of K/V), passes a process times (its best is kept)
+SETS = {"L2": (4096, 200), "memory": (0, 2)}
 PARTS = {"both": 0, "scores": 1, "pv": 2, "attention": 3}  # f32 has the attention alone (no typed tiles)
 KERNELS = ["csrc/backend/cpu/kv_decode.c", "csrc/backend/cpu/kv_rows_step.c", "csrc/backend/cpu/kv_kivi_step.c",
            "csrc/backend/cpu/attention.c", "csrc/backend/cpu/weight_hint.c", "csrc/backend/cpu/ukernel.c",
@@ -95,7 +95,7 @@ def main() -> None:
     res = {b: {f"{t}/{s}/{p}": summary(times[b][(t, s, p)]) for (t, s, p) in configs} for b in builds}
     info = {"machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "rounds": args.rounds, "sets": {k: {"keys": v[0], "passes": v[1]} for k, v in SETS.items()},
-            "shape": {"d": 64, "query_rows": 3, "tile": 64}, "against": args.against}
+            "shape": {"d": 64, "query_rows": 3, "tile": 64, "attention_kv_heads": 3}, "against": args.against}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"info": info, "ns_per_key": res}, f, indent=1)

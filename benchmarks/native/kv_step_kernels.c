@@ -1,11 +1,12 @@
 /* Nanoseconds per key of the CPU decode step's kernels over a working set of `keys` rows: small enough to stay
  * in cache (the kernels' arithmetic alone), or KEYS = 0: 512 MB of stored K/V, past the last-level cache (the step
- * as a long context streams it). Parts: the typed-tile kernels alone (backend/cpu/kv_decode.h: kvc_cpu_kv_scores and
- * kvc_cpu_kv_pv on 64-key tiles of one head, 3 query rows as SmolLM2's GQA gives, d = 64), both or either, and
- * `attention`: the whole decode attention (backend/cpu/cpu.h: kvc_cpu_attention, one query of 3 heads on one KV
- * head, its tasks, online softmax and merge, one thread) over the rows in their type, f32's included: the f32
- * cache's attention, the baseline of every ratio, beside the types'. benchmarks/kv_step_kernels.py compiles this
- * with the build's flags and runs it; the best of `reps` passes is printed, one line per run:
+ * as a long context streams it). Parts: the typed-tile kernels alone (backend/cpu/kv_decode.h: kvc_cpu_kv_scores
+ * and kvc_cpu_kv_pv on 64-key tiles of one head, 3 query rows as SmolLM2's GQA gives, d = 64), both or either, and
+ * `attention`: the whole decode attention (backend/cpu/cpu.h: kvc_cpu_attention, one query of 9 heads on 3 KV heads
+ * as SmolLM2's layers have, its tasks, online softmax and merge, one thread) over the rows in their type, f32's
+ * included: the f32 cache's attention, the baseline of every ratio, beside the types'.
+ * benchmarks/kv_step_kernels.py compiles this with the build's flags and runs it; the best of `reps` passes is
+ * printed, one line per run:
  *     <type> <keys> <part: both|scores|pv|attention> <ns per key> <GB/s of stored K/V bytes> */
 #include <stdint.h>
 #include <stdio.h>
@@ -18,57 +19,62 @@
 #include "backend/cpu/kv_decode.h"
 #include "core/kv_type.h"
 
-/* What the engine's files linked here (attention.c, weight_hint.c) ask of the rest of the backend: one thread,
- * as the step benchmarks run; no weights are named here, so the hint's byte count is never asked for */
+/* What the engine's files linked here (attention.c, weight_hint.c) ask of the rest of the backend: one thread, as
+ * the step benchmarks run; kvc_hbuf_bytes is reached only through kvc_cpu_hint_weights (naming the next weights),
+ * which nothing here calls */
 int kvc_cpu_threads(void) { return 1; }
 size_t kvc_hbuf_bytes(int32_t dtype, int64_t n) {
-    (void)dtype;
-    return (size_t)n * sizeof(float);
+    (void)dtype, (void)n;
+    fprintf(stderr, "kv_step_kernels: kvc_hbuf_bytes called (no weights are named here)\n");
+    abort();
 }
 
-/* The K/V rows as the attention reads them (kvc_cpu_kvsrc): f32 rows in place, the typed ones as tiles in their
- * type, the way the host store lends them (kv_store.c: kvc_hkv_tile) */
+/* The K/V rows as the attention reads them (kvc_cpu_kvsrc) for HKV heads of `per` rows each, head after head as a
+ * layer's heads are in the store: f32 rows in place, the typed ones as tiles in their type, the way the host store
+ * lends them (kv_store.c: kvc_hkv_tile) */
+#define HKV 3 /* SmolLM2's KV heads a layer (3 query rows each) */
 typedef struct {
     const kvc_kv_format *f;
     int d;
+    int64_t per; /* rows a head: a multiple of the tile and of KIVI's key block */
     const uint8_t *K, *V;
     size_t kb, rb; /* a key block's bytes (KIVI) or a tile's, a value row's */
 } rows_src;
 
-static const float *f32_keys(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
-    const rows_src *r = src;
-    (void)h, (void)n, (void)buf;
+static const float *f32_rows(const rows_src *r, const uint8_t *base, int32_t h, int64_t r0, int64_t *ld) {
+    if (r->f->type != KVC_KV_F32) { /* the decode path reads typed rows as tiles; only a fallback would come here */
+        fprintf(stderr, "kv_step_kernels: the attention asked for typed rows decoded (it left the decode path)\n");
+        abort();
+    }
     *ld = r->d;
-    return (const float *)r->K + (size_t)r0 * r->d;
+    return (const float *)base + (size_t)(h * r->per + r0) * r->d;
 }
-static const float *f32_values(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
-    const rows_src *r = src;
-    (void)h, (void)n, (void)buf;
-    *ld = r->d;
-    return (const float *)r->V + (size_t)r0 * r->d;
+static const float *keys_of(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    (void)n, (void)buf;
+    return f32_rows(src, ((const rows_src *)src)->K, h, r0, ld);
 }
-static int64_t no_narrow(const void *src, int32_t h) {
-    (void)src, (void)h;
-    return 0;
+static const float *values_of(const void *src, int32_t h, int64_t r0, int64_t n, float *buf, int64_t *ld) {
+    (void)n, (void)buf;
+    return f32_rows(src, ((const rows_src *)src)->V, h, r0, ld);
 }
 static int64_t typed_tile(const void *src, int32_t h, int64_t r0, int64_t n, kvc_kv_tile *t) {
     const rows_src *r = src;
-    (void)h;
+    const int64_t row = h * r->per + r0;
     int64_t m = n < KVC_KV_TILE ? n : KVC_KV_TILE;
     t->f = r->f;
     t->d = r->d;
     if (kvc_kv_type_key_blocks(r->f->type)) { /* inside one key block */
-        const int64_t G = r->f->group, in = r0 % G;
+        const int64_t G = r->f->group, in = row % G;
         m = m < G - in ? m : G - in;
-        t->k = r->K + (size_t)(r0 / G) * r->kb;
+        t->k = r->K + (size_t)(row / G) * r->kb;
         t->kstride = 0;
         t->kr0 = (int32_t)in;
     } else {
-        t->k = r->K + (size_t)r0 * r->rb;
+        t->k = r->K + (size_t)row * r->rb;
         t->kstride = r->rb;
         t->kr0 = 0;
     }
-    t->v = r->V + (size_t)r0 * r->rb;
+    t->v = r->V + (size_t)row * r->rb;
     t->vstride = r->rb;
     return m;
 }
@@ -119,7 +125,7 @@ int main(int argc, char **argv) {
     const int64_t want = atol(argv[2]) > 0 || type < KVC_KV_F32 || type > KVC_KV_KIVI2
                              ? atol(argv[2])
                              : (int64_t)((512ull << 20) / (kvc_kv_key_bytes(&f, d, KVC_KV_TILE) / KVC_KV_TILE + kvc_kv_row_bytes(&f, d)));
-    const int64_t keys = want / KVC_KV_TILE * KVC_KV_TILE;
+    const int64_t keys = want / (HKV * KVC_KV_TILE) * (HKV * KVC_KV_TILE); /* whole tiles in each head */
     if (keys < n || reps < 1 || type < KVC_KV_F32 || type > KVC_KV_KIVI2 || part < BOTH || part > ATTENTION ||
         (type == KVC_KV_F32 && part != ATTENTION)) {
         fprintf(stderr, "bad arguments\n");
@@ -165,16 +171,19 @@ int main(int argc, char **argv) {
             if (i < vbytes) V[i] = hi;
         }
     }
-    float q[3 * 64], s[3 * 64], p[3 * 64], o[3 * 64];
-    for (int i = 0; i < 3 * 64; i++) q[i] = 0.01f * (float)(i % 7), p[i] = 1.f / 64, o[i] = 0.f;
+    float q[HKV * 3 * 64], s[3 * 64], p[3 * 64], o[HKV * 3 * 64]; /* the attention: one query of HKV x 3 heads */
+    for (int i = 0; i < HKV * 3 * 64; i++) q[i] = 0.01f * (float)(i % 7), o[i] = 0.f;
+    for (int i = 0; i < 3 * 64; i++) p[i] = 1.f / 64;
     double best = 1e30, sink = 0.;
-    const rows_src src = {&f, d, K, V, kb, rb};
-    const kvc_cpu_kvsrc kv = {.src = &src, .keys = f32_keys, .values = f32_values, .narrow = no_narrow, .dk = d,
+    const rows_src src = {&f, d, keys / HKV, K, V, kb, rb};
+    /* as the host store's (cpu_backend.c): typed rows come as tiles, f32 ones in place; no pruned rows */
+    const kvc_cpu_kvsrc kv = {.src = &src, .keys = keys_of, .values = values_of, .narrow = NULL, .dk = 0,
                               .tile = type == KVC_KV_F32 ? NULL : typed_tile, .decoded = type != KVC_KV_F32};
-    const int64_t past = keys - 1; /* the query sees every key (kvc_cpu_attention: keys < past + 1) */
+    int64_t past[HKV]; /* each query sees its head's every key (kvc_cpu_attention: keys < past + 1) */
+    for (int h = 0; h < HKV; h++) past[h] = keys / HKV - 1;
     for (int r = 0; r < reps && part == ATTENTION; r++) {
         const double t0 = now();
-        kvc_cpu_attention(q, rows * d, 1, rows, 1, d, &kv, &past, NULL, 0.125f, 0.f, o, rows * d);
+        kvc_cpu_attention(q, HKV * rows * d, 1, HKV * rows, HKV, d, &kv, past, NULL, 0.125f, 0.f, o, HKV * rows * d);
         const double ns = (now() - t0) / (double)keys * 1e9;
         best = ns < best ? ns : best;
         sink += o[1];

@@ -227,12 +227,10 @@ static void scores_dot(const float *Q, int rows, int d, const float *K, int64_t 
         const float *k3 = nk > 3 ? k0 + 3 * ldk : k0;
         /* K and V in the store (stream): the cache streams from memory: fetch keys PF_KEYS ahead and this
          * tile's values for the update (decoded tiles are in cache: their decoders fetch the stored rows), a
-         * line of each in turn from the row's start (rows of d floats end to end). Through cpu.h's
-         * kvc_prefetch_lines (a key row's lines and then its value row's: the same lines), the f32 cache's
-         * step at 8k tokens took 34-35 ms against this loop's 30-31, and through a helper stepping over the
-         * same lines in this order 32-34 (a Xeon with 480 MiB of L3, one thread; the attention alone in
-         * benchmarks/kv_step_kernels.py measures them all the same: the cause is not known, METHODS "Later
-         * (stop 45)"). Change this loop only against the step (kv_cache_types.py). */
+         * line of each in turn from the row's start (rows end to end, so a row's last line is the next one's
+         * first). Other forms of the same prefetches made the f32 step at 8k tokens ~15% slower on an AVX-512
+         * host, for no known reason, while the attention alone measured them the same (METHODS "Later (stop
+         * 45)"): change this loop only against the step (benchmarks/kv_cache_types.py). */
         for (int k = 0; stream && k < 4; k++)
             for (int e = 0; e < d; e += 16) {
                 __builtin_prefetch(K + (j + PF_KEYS + k) * ldk + e, 0, 3);
