@@ -39,20 +39,25 @@ def test_merging_press_matches_cpu(model_path, device, rng, ratio):
         full = m.new_session()
         full.forward(ids, logits="last")
         sessions[name] = (s, full)
-    js, err = [], 0.0
+    js, swapped, err = [], [], 0.0
     for layer in range(cpu.config["n_layers"]):
         for h in range(cpu.config["n_kv_heads"]):
             kc, kd = (sessions[x][0].cache_positions(layer, h) for x in ("cpu", "dev"))
             js.append(jaccard(kc, kd))
+            swapped.append((len(set(kc.tolist()) ^ set(kd.tolist())) // 2, len(kc)))
             s, full = sessions["dev"]
             k, v = full.cache_rows(layer, h)
             want = merge_similar(k, v, kd)
             got = s.cache_rows(layer, h)[1]
             err = max(err, np.abs(got - want).max() / np.abs(want).max())
-    # bf16 scores swap near-ties at the cut (measured mean >= 0.95 over seeds); the device's merge of its own
-    # rows is exact up to the bf16 store of the result (measured <= 3.9e-3 = one bf16 step)
-    print(f"MergingPress on {device} at {ratio}: mean Jaccard {np.mean(js):.3f}, merge vs reference {err:.2e}")
-    assert np.mean(js) > 0.9, js
+    # bf16 scores swap near-ties at the cut. Over 300 seeds: at most 3 rows a head of the 50 kept (ratio 0.5; mean
+    # Jaccard >= 0.942) and at most 1 of the 9 kept (0.9, where one swap alone is a head's Jaccard 0.8: two such
+    # heads of the 4 gave a mean of 0.900 in 4 seeds, e.g. 79429366). The device's merge of its own rows is exact up
+    # to the bf16 store of the result (measured <= 3.9e-3 = one bf16 step)
+    print(f"MergingPress on {device} at {ratio}: mean Jaccard {np.mean(js):.3f}, rows swapped a head {swapped}, "
+          f"merge vs reference {err:.2e}")
+    assert all(n <= 1 + k // 12 for n, k in swapped), swapped
+    assert np.mean(js) >= 0.85, js
     assert err <= 1.01 * BF16, err
 
 
