@@ -30,15 +30,14 @@ size_t kvc_hbuf_bytes(int32_t dtype, int64_t n) {
 }
 
 /* The K/V rows as the attention reads them (kvc_cpu_kvsrc) for HKV heads of `per` rows each, head after head as a
- * layer's heads are in the store: f32 rows in place, the typed ones as tiles in their type, the way the host store
- * lends them (kv_store.c: kvc_hkv_tile) */
+ * layer's heads are in the store: f32 rows in place, the typed ones as tiles in their type by the host store's
+ * rule (kv_decode.h: kvc_kv_tile_at) */
 #define HKV 3 /* SmolLM2's KV heads a layer (3 query rows each) */
 typedef struct {
     const kvc_kv_format *f;
     int d;
     int64_t per; /* rows a head: a multiple of the tile and of KIVI's key block */
     const uint8_t *K, *V;
-    size_t kb, rb; /* a key block's bytes (KIVI) or a tile's, a value row's */
 } rows_src;
 
 static const float *f32_rows(const rows_src *r, const uint8_t *base, int32_t h, int64_t r0, int64_t *ld) {
@@ -60,23 +59,7 @@ static const float *values_of(const void *src, int32_t h, int64_t r0, int64_t n,
 static int64_t typed_tile(const void *src, int32_t h, int64_t r0, int64_t n, kvc_kv_tile *t) {
     const rows_src *r = src;
     const int64_t row = h * r->per + r0;
-    int64_t m = n < KVC_KV_TILE ? n : KVC_KV_TILE;
-    t->f = r->f;
-    t->d = r->d;
-    if (kvc_kv_type_key_blocks(r->f->type)) { /* inside one key block */
-        const int64_t G = r->f->group, in = row % G;
-        m = m < G - in ? m : G - in;
-        t->k = r->K + (size_t)(row / G) * r->kb;
-        t->kstride = 0;
-        t->kr0 = (int32_t)in;
-    } else {
-        t->k = r->K + (size_t)row * r->rb;
-        t->kstride = r->rb;
-        t->kr0 = 0;
-    }
-    t->v = r->V + (size_t)row * r->rb;
-    t->vstride = r->rb;
-    return m;
+    return kvc_kv_tile_at(r->f, r->d, r->K, row, r->V, row, n, t);
 }
 
 static double now(void) {
@@ -175,7 +158,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < HKV * 3 * 64; i++) q[i] = 0.01f * (float)(i % 7), o[i] = 0.f;
     for (int i = 0; i < 3 * 64; i++) p[i] = 1.f / 64;
     double best = 1e30, sink = 0.;
-    const rows_src src = {&f, d, keys / HKV, K, V, kb, rb};
+    const rows_src src = {&f, d, keys / HKV, K, V};
     /* as the host store's (cpu_backend.c): typed rows come as tiles, f32 ones in place; no pruned rows */
     const kvc_cpu_kvsrc kv = {.src = &src, .keys = keys_of, .values = values_of, .narrow = NULL, .dk = 0,
                               .tile = type == KVC_KV_F32 ? NULL : typed_tile, .decoded = type != KVC_KV_F32};

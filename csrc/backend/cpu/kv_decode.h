@@ -35,6 +35,31 @@ typedef struct kvc_kv_tile {
     const uint8_t *v; /* the first value row */
     size_t vstride;
 } kvc_kv_tile;
+/* The tile at row `row` of a head, at most n rows: at most KVC_KV_TILE, and KIVI's inside one key block (of the
+ * blocks from k); rows stored alone have their key row at k's row `krow` (the row less the head's pruned rows,
+ * which are stored apart) and their value row at v's row `row`. Returns the tile's rows. The one rule of the host
+ * store's tiles (kv_store.c) and the kernels benchmark's (benchmarks/native/kv_step_kernels.c). */
+static inline int64_t kvc_kv_tile_at(const kvc_kv_format *f, int32_t d, const uint8_t *k, int64_t krow, const uint8_t *v,
+                                     int64_t row, int64_t n, kvc_kv_tile *t) {
+    const size_t rb = kvc_kv_row_bytes(f, d);
+    int64_t m = n < KVC_KV_TILE ? n : KVC_KV_TILE;
+    t->f = f;
+    t->d = d;
+    if (kvc_kv_type_key_blocks(f->type)) {
+        const int64_t G = f->group, in = row % G;
+        m = m < G - in ? m : G - in;
+        t->k = k + (size_t)(row / G) * kvc_kivi_block_bytes(f, d);
+        t->kstride = 0;
+        t->kr0 = (int32_t)in;
+    } else {
+        t->k = k + (size_t)krow * rb;
+        t->kstride = rb;
+        t->kr0 = 0;
+    }
+    t->v = v + (size_t)row * rb;
+    t->vstride = rb;
+    return m;
+}
 /* 1 when this build reads tiles of type f on heads of d channels in place (else decode them to f32) */
 int kvc_cpu_kv_tile_ok(const kvc_kv_format *f, int32_t d);
 /* A task's queries as a type's scores take them, prepared on its first tile and reused on the later ones,

@@ -789,28 +789,10 @@ const float *kvc_hkv_values_f32(const kvc_kv *kv, int32_t h, int64_t r0, int64_t
 int64_t kvc_hkv_narrow_rows(const kvc_kv *kv, int32_t h) { return key_blocks(kv) ? 0 : kv->np[h]; }
 
 int64_t kvc_hkv_tile(const kvc_kv *kv, int32_t h, int64_t r0, int64_t n, kvc_kv_tile *t) {
-    const kvc_kv_format *f = &kv->fmt;
-    const int32_t d = kv->d;
-    if (!kvc_cpu_kv_tile_ok(f, d) || r0 < kv->np[h] || r0 >= kv->nq[h]) return 0;
-    int64_t m = kv->nq[h] - r0 < n ? kv->nq[h] - r0 : n;
-    m = m < KVC_KV_TILE ? m : KVC_KV_TILE;
-    const size_t rb = kvc_kv_row_bytes(f, d);
-    t->f = f;
-    t->d = d;
-    if (key_blocks(kv)) { /* inside one key block */
-        const int64_t G = f->group, in = r0 % G;
-        m = m < G - in ? m : G - in;
-        t->k = (const uint8_t *)kv->k[h] + (size_t)(r0 / G) * kvc_kivi_block_bytes(f, d);
-        t->kstride = 0;
-        t->kr0 = (int32_t)in;
-    } else {
-        t->k = (const uint8_t *)kv->k[h] + (size_t)kvc_kv_full_row(r0, kv->np[h]) * rb;
-        t->kstride = rb;
-        t->kr0 = 0;
-    }
-    t->v = (const uint8_t *)kv->v[h] + (size_t)r0 * rb;
-    t->vstride = rb;
-    return m;
+    if (!kvc_cpu_kv_tile_ok(&kv->fmt, kv->d) || r0 < kv->np[h] || r0 >= kv->nq[h]) return 0;
+    const int64_t m = kv->nq[h] - r0 < n ? kv->nq[h] - r0 : n; /* rows stored in the type */
+    return kvc_kv_tile_at(&kv->fmt, kv->d, (const uint8_t *)kv->k[h], kvc_kv_full_row(r0, kv->np[h]),
+                          (const uint8_t *)kv->v[h], r0, m, t);
 }
 
 kvc_status kvc_kv_f32_get(const kvc_kv *kv, int want_v, int split, kvc_kv_f32 *out) {
