@@ -1,6 +1,6 @@
 """The K/V cache's storage types side by side (issue 27): bytes per token, decode and prefill speed.
 
-    python benchmarks/kv_cache_types.py [--contexts 2048 8192 32768] [--steps 8] [--repeat 5] [--threads 1]
+    python benchmarks/kv_cache_types.py [--contexts 2048 8192 32768] [--steps 8] [--settle 2] [--repeat 5] [--threads 1]
                                         [--prefill 2048 8192] [--types f32 f16 bf16 q8_0 kivi4 kivi2]
                                         [--cache-dir DIR] [--out FILE]
 
@@ -10,7 +10,9 @@ runs) is loaded into a session of each type (Session.load(path, kv_format=...) s
 commit does), then runs of --steps single-token steps, the types taking turns run by run and the cache cut
 back to its n rows after each run: tokens per CPU-second (process time, as benchmarks/decode_cpu_time.py:
 less sensitive to other jobs on a shared machine) and per wall-second; min and median over --repeat runs,
-and each type's speed over f32's in the same turn (median of those ratios). 32768 tokens exceed
+and each type's speed over f32's in the same turn (median of those ratios). Each step is timed alone: the
+settled figures leave out a run's first --settle steps, which find the caches as the previous type's run left
+them (a user of one type never sees that), and each run's step times are kept in the JSON. 32768 tokens exceed
 SmolLM2's trained context (8192): the engine does not refuse positions past it (they are untrained), and a
 step's work does not depend on the values, so the same model is measured there.
 Bytes: Session.cache_bytes over tokens and layers (K/V rows, their int64 positions, and KIVI's rows waiting
@@ -99,7 +101,7 @@ def decode_table(model, path, n, types, args):
         s.load(saved, kv_format=kv_format(kv_cache(t)))  # the f32 rows stored in type t; a load reserves no room
         assert s.kv_format() == kv_format(kv_cache(t)), (t, s.kv_format())
         out[t] = {"cache_bytes": s.cache_bytes, "bytes_per_token_layer": s.cache_bytes / n / layers,
-                  "cpu_tok_s": [], "wall_tok_s": []}
+                  "cpu_tok_s": [], "wall_tok_s": [], "settled_tok_s": [], "step_ms": []}
         s.forward(steps[:1], logits="last")  # warm: the first step after a load grows the arena
         s.truncate(s.cache_lengths() - 1, n)
         sessions[t] = s
@@ -107,19 +109,26 @@ def decode_table(model, path, n, types, args):
         for t in types:
             s = sessions[t]
             lens = s.cache_lengths().copy()
-            c0, w0 = time.process_time(), time.perf_counter()
+            cpu = []  # each step's CPU seconds: the turn's first steps find the caches as the previous type left them
+            w0 = time.perf_counter()
             for i in range(args.steps):
+                c0 = time.process_time()
                 s.forward(steps[1 + i:2 + i], logits="last")
-            c, w = time.process_time() - c0, time.perf_counter() - w0
-            out[t]["cpu_tok_s"].append(args.steps / c)
+                cpu.append(time.process_time() - c0)
+            w = time.perf_counter() - w0
+            out[t]["cpu_tok_s"].append(args.steps / sum(cpu))
             out[t]["wall_tok_s"].append(args.steps / w)
+            out[t]["settled_tok_s"].append((args.steps - args.settle) / sum(cpu[args.settle:]))
+            out[t]["step_ms"].append([round(1e3 * c, 3) for c in cpu])
             s.truncate(lens, n)
     for t in types:
         r = out[t]
         r["cpu_min"], r["cpu_median"] = min(r["cpu_tok_s"]), float(np.median(r["cpu_tok_s"]))
         r["wall_median"] = float(np.median(r["wall_tok_s"]))
+        r["settled_median"] = float(np.median(r["settled_tok_s"]))
         if "f32" in out:  # each run against f32's run of the same turn
             r["x_f32"] = float(np.median(np.array(r["cpu_tok_s"]) / np.array(out["f32"]["cpu_tok_s"])))
+            r["x_f32_settled"] = float(np.median(np.array(r["settled_tok_s"]) / np.array(out["f32"]["settled_tok_s"])))
     del sessions
     return out
 
@@ -163,6 +172,7 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2-135M Q4_1)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per run")
+    ap.add_argument("--settle", type=int, default=2, help="steps at the start of each run left out of the settled figures")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prefill", type=int, nargs="*", default=[2048], help="prefill lengths (none: skip)")
@@ -170,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "kvc_bench_caches"))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kv_cache_types.json"))
     args = ap.parse_args(argv)
+    if not 0 <= args.settle < args.steps:
+        ap.error(f"--settle must leave steps to time: 0 <= settle < steps (got settle {args.settle}, steps {args.steps})")
     import kvpress_c
     path = args.model or kvpress_c.default_model_path()
     model = kvpress_c.load_model(path)
@@ -181,7 +193,7 @@ def main(argv=None):
     share0 = memory_share.probe(exe=share) if share else None
     res = {"model": os.path.basename(path), "layers": cfg["n_layers"], "kv_heads": cfg["n_kv_heads"], "head_dim": d,
            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
-           "steps": args.steps, "repeat": args.repeat, "formula_bytes_per_token_layer":
+           "steps": args.steps, "settle": args.settle, "repeat": args.repeat, "formula_bytes_per_token_layer":
            {t: cfg["n_kv_heads"] * row_bytes(t, d) for t in args.types}, "decode": {}, "prefill": {}}
     for n in args.contexts:
         print(f"decode at {n} tokens of context ...", file=sys.stderr, flush=True)
@@ -224,6 +236,17 @@ def print_tables(res):
         r = res[part][n][t]
         return f"{r['cpu_median']:.1f} ({r['cpu_min']:.1f}; x{r.get('x_f32', 1):.{digits}f})"
     by_type(types, ctx, speed_cell)
+    if all("settled_median" in res["decode"][n][t] for n in ctx for t in types):
+        k = res.get("settle", 2)
+        print(f"\nThe same runs without each run's first {k} step{'s' if k != 1 else ''} (settled: a turn's first steps "
+              "find the caches as the previous type's run left them), median (x f32: median of the per-turn ratios; "
+              "first step of a run, median ms):\n")
+
+        def settled_cell(t, n):
+            r = res["decode"][n][t]
+            first = float(np.median([run[0] for run in r["step_ms"]]))
+            return f"{r['settled_median']:.1f} (x{r.get('x_f32_settled', 1):.2f}; first step {first:.1f} ms)"
+        by_type(types, ctx, settled_cell)
     if all("floor_ms" in res["decode"][n][t] for n in ctx for t in types):
         print("\nThe bytes' floor: benchmarks/memory_share.py's synthetic step over each type's bytes a step (the "
               "weights and the K/V rows read), nothing computed; measured step ms (median) / floor ms (the floor's "
