@@ -2,8 +2,9 @@
 # One GPU session that counts: two device calls inside the 15 minutes of device time a lent session has now (the
 # device README: starts, idle waits and transfers count; no machine starts with under 4 minutes left; 10 min a
 # call), each ending inside its own budget whatever happens (every step runs under `timeout`, capped by what is
-# left of the call's budget): together at most 690 s (11.5 min) of commands, plus ~1.5 min for the machine's start
-# and the transfers: ~13.5 of the 15 minutes. Call give_back right after (b): a warm machine's idle 30 s count too.
+# left of the call's budget and by what the steps after it reserve): together at most 690 s (11.5 min) of
+# commands, plus ~1.5 min for the machine's start and ~0.5 for the transfers: ~13.5 of the 15 minutes. Call
+# give_back right after (b), unless the third call below follows at once: a warm machine's idle 30 s count too.
 #
 # Before the session, HERE (this machine, in the checkout the device tool sends: the session's own one):
 #   bash benchmarks/gpu_session.sh fetch-wheels   # kvpress 0.5.5 + transformers 5.2 (+ what they import that
@@ -20,16 +21,18 @@
 #   (a) run command: bash benchmarks/gpu_session.sh test
 #       carry: C   timeout_s: 330   runs at most 300 s
 #       build (parallel nvcc where the objects are not carried, log), every device test -k cuda (tests/device/*,
-#       tests/press/test_think_freed.py; junit xml + log), the CUDA kernel tests under compute-sanitizer memcheck
-#       and racecheck (a small subset, tight timeouts), the cuda-vs-cpu logits tolerance
+#       tests/press/test_think_freed.py; junit xml + log; at most 190 s, less what the build takes past ~5 s), the
+#       CUDA kernel tests under compute-sanitizer memcheck and racecheck (a small subset, 30 s each), the
+#       cuda-vs-cpu logits tolerance (10 seeds, 30 s)
 #   (b) run command: bash benchmarks/gpu_session.sh bench
-#       carry: C   timeout_s: 420   runs at most 390 s (its first step writes the 16 GB 8B-shaped model)
+#       carry: C   timeout_s: 420   runs at most 390 s (its first step writes the 16 GB 8B-shaped model: ~1 min)
 #       TTFT 8k/32k (full + seed presses), decode, against kvpress/HF in the same run; peak memory, attention
 #       TFLOP/s per kernel, ratios to the FLOP and bandwidth floors; JSON naming the device, and the tables;
 #       then the 8B-shaped tests (HF logits parity, TAKE at 128k) on the model the benchmarks wrote
 # Where status says more than 5 minutes are left after (b) (its steps ended early), a third call on the warm
-# machine: bash benchmarks/gpu_session.sh bench128k with KVC_SESSION_BUDGET set to what is left less 60 s
-# (TTFT at 128k: full, SnapKV and TAKE first, then the other presses); else it is the next lent session's.
+# machine within 30 s: KVC_SESSION_BUDGET=B bash benchmarks/gpu_session.sh bench128k, B what is left less 90 s,
+# timeout_s B + 30 (TTFT at 128k: full, SnapKV and TAKE first, gpu_prefill_128k.json; then the other presses,
+# gpu_prefill_128k_rest.json, which holds the first step's rows too); else it is the next lent session's.
 # C, the carry list: [".whl", "build/temp.linux-x86_64-cpython-312"] after `prebuild`, else [".whl"]. Never
 # name build/temp...-312 without having it here: a carried path missing here is removed there, the warm
 # machine's objects with it. (docs/results/gpu/README.md says the same, and what to commit afterwards.)
@@ -251,13 +254,14 @@ test)
     wheels
     k=$(per_test_timeout 60)
     # every device test on cuda (-x off): a failure does not stop the others
-    step device-tests "$(upto 200 75)" device_tests.log "$PY" -m pytest -q -rfEs -p no:cacheprovider ${k:+"$k"} \
+    step device-tests "$(upto 190 90)" device_tests.log "$PY" -m pytest -q -rfEs -p no:cacheprovider ${k:+"$k"} \
         --junitxml="$OUT/device_tests.xml" -k "cuda and not llama8b" "${DEVICE_TESTS[@]}"
     grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)' "$OUT/device_tests.log" | tail -1 | sed 's/^/device tests: /' | tee -a "$SUMMARY"
     san=$(sanitizer)
     if [ -n "$san" ]; then
         for tool in memcheck racecheck; do
-            step "$tool" "$(upto 30 25)" "$tool.log" "$san" --tool "$tool" --target-processes all --print-limit 20 --error-exitcode 9 \
+            [ "$tool" = memcheck ] && r=60 || r=30  # what the steps after it take
+            step "$tool" "$(upto 30 "$r")" "$tool.log" "$san" --tool "$tool" --target-processes all --print-limit 20 --error-exitcode 9 \
                 "$PY" -m pytest -q -p no:cacheprovider -k "$SANITIZE_K" tests/device/test_device.py
             grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -1 | sed "s/^/$tool: /" | tee -a "$SUMMARY"
         done
@@ -265,7 +269,7 @@ test)
         note "compute-sanitizer not found: memcheck and racecheck not run"
         FAILED=1
     fi
-    step tolerance 25 device_tests.log "$PY" benchmarks/device_tolerance.py --device cuda --seeds 5 \
+    step tolerance 30 device_tests.log "$PY" benchmarks/device_tolerance.py --device cuda --seeds 10 \
         --out "$OUT/device_tolerance_cuda.json"
     finish
     ;;
@@ -284,15 +288,15 @@ bench)
     wheels
     # the 16 GB model first (its own line in the summary: reused on a warm machine), then 8k and 32k with every
     # seed press (and the per-kernel TFLOP/s), both systems; then decode; then the 8B tests on the same model
-    step model-8b "$(upto 90 280)" bench.log "$PY" -c 'import sys; sys.path.insert(0, "tests/support")
+    step model-8b "$(upto 90 275)" bench.log "$PY" -c 'import sys; sys.path.insert(0, "tests/support")
 from random_llama import llama31_8b_dir, write_llama31_bf16; print("8B-shaped model:", write_llama31_bf16(llama31_8b_dir()))'
-    step prefill-8k-32k "$(upto 170 110)" bench.log "$PY" benchmarks/gpu_prefill.py --lengths 8192 32768 --repeats 2
+    step prefill-8k-32k "$(upto 135 140)" bench.log "$PY" benchmarks/gpu_prefill.py --lengths 8192 32768 --repeats 2
     cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill.json" 2>/dev/null
     cp benchmarks/results/gpu_prefill.md "$OUT/tables.md" 2>/dev/null
-    step decode "$(upto 50 100)" bench.log "$PY" benchmarks/gpu_decode.py --contexts 8192 32768 --steps 32
+    step decode "$(upto 45 95)" bench.log "$PY" benchmarks/gpu_decode.py --contexts 8192 32768 --steps 32
     cp benchmarks/results/gpu_decode.json "$OUT/gpu_decode.json" 2>/dev/null
     { echo; cat benchmarks/results/gpu_decode.md; } >>"$OUT/tables.md" 2>/dev/null
-    tests_8b "$(upto 120 0)"
+    tests_8b 95
     finish
     ;;
 bench-opt)
@@ -324,10 +328,10 @@ bench128k)
     build
     wheels
     # the issue's 128k targets first (the full cache, SnapKV, TAKE), then the other presses with what is left
-    step prefill-128k "$(upto 300 0)" bench.log "$PY" benchmarks/gpu_prefill.py --lengths 131072 --presses full snapkv take
+    step prefill-128k 300 bench.log "$PY" benchmarks/gpu_prefill.py --lengths 131072 --presses full snapkv take
     cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_128k.json" 2>/dev/null
     cp benchmarks/results/gpu_prefill.md "$OUT/tables.md" 2>/dev/null
-    step prefill-128k-rest "$(upto 300 0)" bench.log "$PY" benchmarks/gpu_prefill.py --lengths 131072 --presses adakv chunkkv edie_tada
+    step prefill-128k-rest 300 bench.log "$PY" benchmarks/gpu_prefill.py --lengths 131072 --presses adakv chunkkv edie_tada
     cp benchmarks/results/gpu_prefill.json "$OUT/gpu_prefill_128k_rest.json" 2>/dev/null
     { echo; cat benchmarks/results/gpu_prefill.md; } >>"$OUT/tables.md" 2>/dev/null
     finish

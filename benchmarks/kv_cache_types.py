@@ -237,7 +237,7 @@ def print_tables(res):
         return f"{r['cpu_median']:.1f} ({r['cpu_min']:.1f}; x{r.get('x_f32', 1):.{digits}f})"
     by_type(types, ctx, speed_cell)
     if all("settled_median" in res["decode"][n][t] for n in ctx for t in types):
-        k = res.get("settle", 2)
+        k = res["settle"]
         print(f"\nThe same runs without each run's first {k} step{'s' if k != 1 else ''} (settled: a turn's first steps "
               "find the caches as the previous type's run left them), median (x f32: median of the per-turn ratios; "
               "first step of a run, median ms):\n")
