@@ -76,7 +76,8 @@ def test_a_saved_type_comes_back(model, rng, tmp_path, kv_cache):
 # saved, against the saved session's (max |a - b| / max |b|), as a multiple of the saved session's own difference
 # from an fp32 cache fed the same tokens, 20 random prompts on the CPU and the emulated device: kivi4 (32, 64) max
 # 1.68 (mean 0.5), kivi2 (16, 40) max 1.19 (mean 0.8): a random model's logits move as much for 32 rows more in
-# the type as for the cache's type itself. Bound: 3.
+# the type as for the cache's type itself. Bound: 3. Over 1,500 prompts a type and device since: kivi4 at most 1.79
+# (99th percentile 0.94), kivi2 1.62 (1.33).
 LOAD_RATIO_BOUND = 3.0
 
 
